@@ -1,0 +1,46 @@
+"""One settings object for the backend, read from STEPWISE_* environment variables.
+
+Nothing else in kernel_backend reads the environment: pass a Settings where it is needed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"STEPWISE_{name}", default)
+
+
+@dataclass
+class Settings:
+    # Where converted models, checkpoints, the database and runtime files live.
+    home: Path = field(default_factory=lambda: Path(_env("HOME", str(Path.home() / ".cache" / "stepwise"))))
+    # The base models this backend loads, by name or local HF directory (comma separated).
+    base_models: list[str] = field(
+        default_factory=lambda: [m for m in _env("BASE_MODELS", "").split(",") if m.strip()]
+    )
+    device: str = field(default_factory=lambda: _env("DEVICE", "cpu"))
+    dtype: str = field(default_factory=lambda: _env("DTYPE", "float32"))
+    # SQLAlchemy URL; default is SQLite under home.
+    database_url: str = field(default_factory=lambda: _env("DATABASE_URL", ""))
+    # Largest number of tokens one forward_backward request may carry (bad input beyond that).
+    max_batch_tokens: int = field(default_factory=lambda: int(_env("MAX_BATCH_TOKENS", "65536")))
+    # Tokens per micro-batch: bigger requests are split and gradients accumulated (exact: losses are sums).
+    micro_batch_tokens: int = field(default_factory=lambda: int(_env("MICRO_BATCH_TOKENS", "4096")))
+    max_sample_tokens: int = field(default_factory=lambda: int(_env("MAX_SAMPLE_TOKENS", "4096")))
+
+    def __post_init__(self) -> None:
+        self.home = Path(self.home).expanduser()
+        if not self.database_url:
+            self.database_url = f"sqlite:///{self.home / 'stepwise.db'}"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.home / "models"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.home / "checkpoints"

@@ -1,0 +1,555 @@
+"""The compute owner: one frozen base model on one device, many LoRA adapters over it.
+
+Every training and sampling primitive is a method here: forward, forward_backward (gradients
+accumulate until optim_step), optim_step (AdamW per adapter), sample, compute_logprobs,
+save/load of state (weights + optimizer) and of sampler weights.
+
+The engine is not thread-safe: one thread owns it (the scheduler, or a test). Every method
+validates its input completely before it touches any state, so bad input raises UserError and
+leaves weights, gradients and optimizer state as they were.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from kernel_backend import lora, losses, models, sampler
+from kernel_backend.config import Settings
+from kernel_backend.types import (
+    AdamParams,
+    Datum,
+    ForwardResult,
+    LoraConfig,
+    SampleResult,
+    SamplingParams,
+    UserError,
+)
+
+# loss_fn_inputs names the engine understands (Tinker's); others are rejected by name.
+KNOWN_INPUTS = ("target_tokens", "weights", "advantages", "logprobs")
+
+
+@dataclass
+class Pass:
+    """One forward or forward_backward request on one adapter."""
+
+    adapter_id: str
+    data: list[Datum]
+    loss_fn: str = "cross_entropy"
+    loss_fn_config: dict[str, float] | None = None
+    forward_only: bool = False
+
+
+@dataclass
+class _Slot:
+    """An adapter and, when it trains, its optimizer."""
+
+    adapter: lora.Adapter
+    optimizer: torch.optim.AdamW | None = None
+    steps: int = 0  # optim_steps applied
+
+
+@dataclass
+class _Row:
+    """One datum of one pass, validated and turned into tensors."""
+
+    pass_index: int
+    tokens: list[int]
+    targets: torch.Tensor  # (N,) or (N, K) int64
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, base_model: str = models.DEFAULT_MODEL, settings: Settings | None = None) -> None:
+        self.settings = settings or Settings()
+        dtype = getattr(torch, self.settings.dtype)
+        self.base = models.load(base_model, self.settings.models_dir, self.settings.device, dtype)
+        self.model = self.base.model
+        self.tokenizer = self.base.tokenizer
+        self.vocab_size = self.base.vocab_size
+        self.max_context = int(getattr(self.model.config, "max_position_embeddings", 2048))
+        lora.attach(self.model)
+        self.slots: dict[str, _Slot] = {}
+
+    # ---- adapters ---------------------------------------------------------------------------
+
+    def create_adapter(self, adapter_id: str, config: LoraConfig | None = None) -> None:
+        if adapter_id in self.slots:
+            raise UserError(f"adapter {adapter_id!r} already exists")
+        adapter = lora.new_adapter(self.model, config or LoraConfig())
+        self._add(adapter_id, adapter, trainable=True)
+
+    def delete_adapter(self, adapter_id: str) -> None:
+        self.slots.pop(adapter_id, None)
+
+    def has_adapter(self, adapter_id: str) -> bool:
+        return adapter_id in self.slots
+
+    def adapter_config(self, adapter_id: str) -> LoraConfig:
+        return self._slot(adapter_id).adapter.config
+
+    def _add(self, adapter_id: str, adapter: lora.Adapter, trainable: bool) -> None:
+        optimizer = torch.optim.AdamW(adapter.parameters(), foreach=True) if trainable else None
+        self.slots[adapter_id] = _Slot(adapter, optimizer)
+
+    def _slot(self, adapter_id: str) -> _Slot:
+        try:
+            return self.slots[adapter_id]
+        except KeyError:
+            raise UserError(f"unknown adapter {adapter_id!r}") from None
+
+    # ---- forward / backward -----------------------------------------------------------------
+
+    def forward(self, adapter_id: str, data: list[Datum], loss_fn: str = "cross_entropy", loss_fn_config=None) -> ForwardResult:
+        return self._one(Pass(adapter_id, data, loss_fn, loss_fn_config, forward_only=True))
+
+    def forward_backward(self, adapter_id: str, data: list[Datum], loss_fn: str = "cross_entropy", loss_fn_config=None) -> ForwardResult:
+        return self._one(Pass(adapter_id, data, loss_fn, loss_fn_config))
+
+    def _one(self, p: Pass) -> ForwardResult:
+        result = self.run_passes([p])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def run_passes(self, passes: list[Pass]) -> list[ForwardResult | Exception]:
+        """Run several adapters' forward(_backward) requests as one batch.
+
+        Rows of different adapters share each micro-batch (per-row LoRA routing). Each pass gets
+        its own result or its own error: one bad request does not fail the others. At most one
+        backward pass per adapter per call, so a failure can restore that adapter's gradients.
+        """
+        results: list[ForwardResult | Exception | None] = [None] * len(passes)
+        rows: list[_Row] = []
+        configs: list[dict[str, float]] = []
+        trained = [p.adapter_id for p in passes if not p.forward_only]
+        if len(set(trained)) != len(trained):
+            raise ValueError("run_passes takes at most one backward pass per adapter")
+        for i, p in enumerate(passes):
+            try:
+                configs.append(losses.check_config(p.loss_fn, p.loss_fn_config))
+                rows.extend(self._check_pass(i, p))
+            except UserError as e:
+                configs.append({})
+                results[i] = e
+        live = [i for i, r in enumerate(results) if r is None]
+        if not live:
+            return results
+
+        slots = {i: self._slot(passes[i].adapter_id) for i in live}
+        saved_grads = {i: _grads(slots[i].adapter) for i in live if not passes[i].forward_only}
+        logprobs_of: dict[int, list[torch.Tensor]] = {i: [] for i in live}
+        metrics_of: dict[int, list[tuple[dict[str, float], int]]] = {i: [] for i in live}
+        for batch in self._micro_batches([r for r in rows if results[r.pass_index] is None]):
+            active = [r for r in batch if results[r.pass_index] is None]
+            if not active:
+                continue
+            any_backward = any(not passes[r.pass_index].forward_only for r in active)
+            with torch.set_grad_enabled(any_backward):
+                row_logprobs = self._target_logprobs(active, [slots[r.pass_index].adapter for r in active])
+            total = None
+            for i in dict.fromkeys(r.pass_index for r in active):
+                mine = [(r, lp) for r, lp in zip(active, row_logprobs) if r.pass_index == i]
+                lp = torch.cat([x for _, x in mine])
+                inputs = {k: torch.cat([r.inputs[k] for r, _ in mine]) for k in mine[0][0].inputs}
+                try:
+                    loss, metrics = losses.compute_loss(passes[i].loss_fn, lp, inputs, configs[i])
+                    if not math.isfinite(metrics["loss:sum"]):
+                        raise UserError(
+                            f"the {passes[i].loss_fn} loss is not finite ({metrics['loss:sum']}); check that "
+                            "loss_fn_inputs 'logprobs' are the sampler's logprobs and advantages are moderate"
+                        )
+                except UserError as e:
+                    results[i] = e
+                    continue
+                logprobs_of[i].extend(x.detach() for _, x in mine)
+                metrics_of[i].append((metrics, lp.numel()))
+                if not passes[i].forward_only:
+                    total = loss if total is None else total + loss
+            if total is not None:
+                total.backward()
+
+        for i in live:
+            if isinstance(results[i], Exception):
+                if i in saved_grads:
+                    _restore_grads(slots[i].adapter, saved_grads[i])
+                continue
+            results[i] = ForwardResult(
+                loss_fn_outputs=[{"logprobs": lp.float().cpu().numpy()} for lp in logprobs_of[i]],
+                metrics=_merge_metrics(metrics_of[i]),
+            )
+        return results
+
+    def _check_pass(self, index: int, p: Pass) -> list[_Row]:
+        """Validate one request completely; return its rows as tensors. Raises UserError."""
+        self._slot(p.adapter_id)
+        if not p.data:
+            raise UserError("empty batch: forward_backward needs at least one Datum")
+        if not p.forward_only and self.slots[p.adapter_id].optimizer is None:
+            raise UserError(f"{p.adapter_id!r} is a sampler snapshot and cannot be trained")
+        needed = losses.required_inputs(p.loss_fn)
+        optional = losses.optional_inputs(p.loss_fn)
+        total_tokens = sum(len(d.tokens) for d in p.data)
+        if total_tokens > self.settings.max_batch_tokens:
+            raise UserError(
+                f"batch has {total_tokens} tokens, over the limit of {self.settings.max_batch_tokens}; "
+                "split it into several forward_backward calls before optim_step"
+            )
+        rows = []
+        for n, datum in enumerate(p.data):
+            where = f"data[{n}]"
+            tokens = _check_tokens(datum.tokens, self.vocab_size, f"{where}.model_input")
+            if len(tokens) > self.max_context:
+                raise UserError(f"{where} has {len(tokens)} tokens, over the model's context of {self.max_context}")
+            unknown = set(datum.loss_fn_inputs) - set(KNOWN_INPUTS)
+            if unknown:
+                raise UserError(
+                    f"{where}.loss_fn_inputs has unknown key(s) {sorted(unknown)}; known: {', '.join(KNOWN_INPUTS)}"
+                )
+            if "target_tokens" not in datum.loss_fn_inputs:
+                raise UserError(f"{where}.loss_fn_inputs needs 'target_tokens' (the token each position predicts)")
+            targets = np.asarray(datum.loss_fn_inputs["target_tokens"])
+            if targets.ndim not in (1, 2) or targets.shape[0] != len(tokens):
+                raise UserError(
+                    f"{where}.loss_fn_inputs['target_tokens'] has shape {targets.shape} but model_input has "
+                    f"{len(tokens)} tokens; give one target per input position: shape ({len(tokens)},) or ({len(tokens)}, K)"
+                )
+            if not np.issubdtype(targets.dtype, np.integer):
+                if not np.all(np.isfinite(targets)) or not np.all(targets == np.round(targets)):
+                    raise UserError(f"{where}.loss_fn_inputs['target_tokens'] must be integer token ids")
+            targets = targets.astype(np.int64)
+            _check_range(targets, self.vocab_size, f"{where}.loss_fn_inputs['target_tokens']")
+            inputs = {}
+            for name in needed:
+                if name not in datum.loss_fn_inputs:
+                    raise UserError(
+                        f"{where}.loss_fn_inputs is missing {name!r}, which loss_fn {p.loss_fn!r} needs "
+                        f"(it needs: target_tokens, {', '.join(needed)})"
+                    )
+            for name in (*needed, *optional):
+                if name not in datum.loss_fn_inputs:
+                    continue
+                value = np.asarray(datum.loss_fn_inputs[name], dtype=np.float32)
+                if value.shape != targets.shape:
+                    raise UserError(
+                        f"{where}.loss_fn_inputs[{name!r}] has shape {value.shape}, expected {targets.shape} "
+                        "(the shape of target_tokens)"
+                    )
+                if not np.all(np.isfinite(value)):
+                    raise UserError(f"{where}.loss_fn_inputs[{name!r}] contains NaN or inf; pass finite numbers")
+                inputs[name] = torch.from_numpy(value)
+            for name, fill in optional.items():  # keep the same keys on every row for concatenation
+                inputs.setdefault(name, torch.full(targets.shape, fill, dtype=torch.float32))
+            rows.append(_Row(index, tokens, torch.from_numpy(targets), inputs))
+        return rows
+
+    def _micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
+        """Group rows so that rows x longest length stays within micro_batch_tokens."""
+        batches, current, longest = [], [], 0
+        for row in rows:
+            new_longest = max(longest, len(row.tokens))
+            if current and new_longest * (len(current) + 1) > self.settings.micro_batch_tokens:
+                batches.append(current)
+                current, new_longest = [], len(row.tokens)
+            current.append(row)
+            longest = new_longest
+        if current:
+            batches.append(current)
+        return batches
+
+    def _target_logprobs(self, rows: list[_Row], adapters: list[lora.Adapter]) -> list[torch.Tensor]:
+        """Run the model on right-padded rows; return each row's logprobs of its target tokens."""
+        device = self.model.device
+        length = max(len(r.tokens) for r in rows)
+        ids = torch.zeros(len(rows), length, dtype=torch.long)
+        mask = torch.zeros(len(rows), length, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r.tokens)] = torch.tensor(r.tokens)
+            mask[i, : len(r.tokens)] = 1
+        with lora.route(self.model, adapters):
+            logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+        out = []
+        for i, r in enumerate(rows):
+            row_logits = logits[i, : len(r.tokens)]
+            targets = r.targets.to(device)
+            picked = row_logits.gather(-1, targets if targets.dim() == 2 else targets[:, None])
+            lp = picked - row_logits.logsumexp(-1, keepdim=True)
+            out.append(lp if targets.dim() == 2 else lp.squeeze(-1))
+        return out
+
+    # ---- optimizer --------------------------------------------------------------------------
+
+    def optim_step(self, adapter_id: str, params: AdamParams | None = None) -> dict[str, float]:
+        """One AdamW step on the gradients accumulated since the last step, then zero them."""
+        params = params or AdamParams()
+        slot = self._slot(adapter_id)
+        if slot.optimizer is None:
+            raise UserError(f"{adapter_id!r} is a sampler snapshot and cannot be trained")
+        _check_adam(params)
+        trainable = slot.adapter.parameters()
+        grads = [p.grad for p in trainable if p.grad is not None]
+        grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+        if params.grad_clip_norm > 0 and grads:
+            torch.nn.utils.clip_grad_norm_(trainable, params.grad_clip_norm, foreach=True)
+        for group in slot.optimizer.param_groups:
+            group.update(
+                lr=params.learning_rate,
+                betas=(params.beta1, params.beta2),
+                eps=params.eps,
+                weight_decay=params.weight_decay,
+            )
+        slot.optimizer.step()
+        slot.optimizer.zero_grad(set_to_none=True)
+        slot.steps += 1
+        return {"grad_norm:mean": grad_norm, "learning_rate:mean": params.learning_rate}
+
+    # ---- sampling ---------------------------------------------------------------------------
+
+    def sample(
+        self,
+        adapter_id: str | None,
+        prompt: list[int],
+        num_samples: int = 1,
+        params: SamplingParams | None = None,
+        prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+    ) -> SampleResult:
+        """Sample continuations of `prompt` from the base model (adapter_id None) or an adapter."""
+        params = params or SamplingParams()
+        adapter = self._slot(adapter_id).adapter if adapter_id is not None else None
+        prompt = _check_tokens(prompt, self.vocab_size, "prompt")
+        stop_ids, stop_strings = self._check_sampling(prompt, num_samples, params, topk_prompt_logprobs)
+        want_prompt = prompt_logprobs or topk_prompt_logprobs > 0
+        prompt_logits: list[torch.Tensor] = []
+        with lora.route(self.model, [adapter] * num_samples):
+            sequences = sampler.generate(
+                self.model,
+                prompt,
+                num_samples,
+                params,
+                stop_ids,
+                stop_strings,
+                decode=lambda t: self.tokenizer.decode(t),
+                prompt_logits_out=prompt_logits if want_prompt else None,
+            )
+        result = SampleResult(sequences=sequences)
+        if want_prompt:
+            logprobs = prompt_logits[0].log_softmax(-1)  # row j predicts token j + 1
+            if prompt_logprobs:
+                picked = logprobs[:-1].gather(-1, torch.tensor(prompt[1:])[:, None]).squeeze(-1)
+                result.prompt_logprobs = [None] + picked.tolist()
+            if topk_prompt_logprobs > 0:
+                top = torch.topk(logprobs[:-1], topk_prompt_logprobs, dim=-1)
+                result.topk_prompt_logprobs = [None] + [
+                    list(zip(ids, lps)) for ids, lps in zip(top.indices.tolist(), top.values.tolist())
+                ]
+        return result
+
+    def compute_logprobs(self, adapter_id: str | None, tokens: list[int]) -> list[float | None]:
+        """Logprob of each token given the ones before it (None for the first)."""
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        return self.sample(adapter_id, tokens, 1, params, prompt_logprobs=True).prompt_logprobs
+
+    def _check_sampling(self, prompt, num_samples, params: SamplingParams, topk: int):
+        if not prompt:
+            raise UserError("prompt is empty: give at least one token")
+        if not isinstance(num_samples, int) or not 1 <= num_samples <= 128:
+            raise UserError(f"num_samples must be an integer from 1 to 128, got {num_samples}")
+        if params.max_tokens is None:
+            params.max_tokens = min(self.settings.max_sample_tokens, self.max_context - len(prompt))
+        if not 1 <= params.max_tokens <= self.settings.max_sample_tokens:
+            raise UserError(f"max_tokens must be from 1 to {self.settings.max_sample_tokens}, got {params.max_tokens}")
+        if len(prompt) + params.max_tokens > self.max_context:
+            raise UserError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context of "
+                f"{self.max_context}; shorten the prompt or lower max_tokens"
+            )
+        if not math.isfinite(params.temperature) or params.temperature < 0:
+            raise UserError(f"temperature must be >= 0, got {params.temperature}")
+        if not (0 < params.top_p <= 1):
+            raise UserError(f"top_p must be in (0, 1], got {params.top_p}")
+        if params.top_k == 0 or params.top_k < -1:
+            raise UserError(f"top_k must be -1 (off) or a positive integer, got {params.top_k}")
+        if not 0 <= topk <= 20:
+            raise UserError(f"topk_prompt_logprobs must be from 0 to 20, got {topk}")
+        eos = self._eos_ids()
+        stop = params.stop
+        if stop is None:
+            return eos, []
+        if isinstance(stop, str):
+            stop = [stop]
+        if all(isinstance(s, str) for s in stop):
+            if any(s == "" for s in stop):
+                raise UserError("stop strings must not be empty")
+            return (eos if stop else set()), list(stop)
+        if all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
+            _check_range(np.asarray(stop), self.vocab_size, "stop token ids")
+            return eos | set(stop), []
+        raise UserError("stop must be a list of strings or a list of token ids, not a mix")
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        eos = self.model.generation_config.eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # ---- checkpoints ------------------------------------------------------------------------
+
+    def save_state(self, adapter_id: str, directory: Path) -> None:
+        """Weights (PEFT format) plus AdamW state, written atomically into `directory`."""
+        slot = self._slot(adapter_id)
+        with _atomic_dir(directory) as tmp:
+            lora.save_peft(slot.adapter, tmp, self.base.name)
+            state = {}
+            if slot.optimizer is not None:
+                for name, p in slot.adapter.named_parameters():
+                    s = slot.optimizer.state.get(p)
+                    if s:
+                        state[f"{name}.exp_avg"] = s["exp_avg"].float().cpu().contiguous()
+                        state[f"{name}.exp_avg_sq"] = s["exp_avg_sq"].float().cpu().contiguous()
+                        state[f"{name}.step"] = torch.as_tensor(s["step"], dtype=torch.float32).reshape(1)
+            save_file(state, tmp / "optimizer.safetensors")
+            (tmp / "stepwise_state.json").write_text(json.dumps({"steps": slot.steps, "lora": asdict(slot.adapter.config)}))
+
+    def load_state(self, adapter_id: str, directory: Path, with_optimizer: bool = True) -> None:
+        """Create (or replace) `adapter_id` from a save_state directory."""
+        directory = Path(directory)
+        if not (directory / "adapter_model.safetensors").exists():
+            raise UserError(f"no saved weights at {directory}")
+        adapter = lora.load_peft(self.model, directory, trainable=True)
+        optimizer = torch.optim.AdamW(adapter.parameters(), foreach=True)
+        steps = 0
+        if with_optimizer and (directory / "optimizer.safetensors").exists():
+            state = load_file(directory / "optimizer.safetensors")
+            for name, p in adapter.named_parameters():
+                if f"{name}.exp_avg" in state:
+                    optimizer.state[p] = {
+                        "step": state[f"{name}.step"].reshape(()).clone(),
+                        "exp_avg": state[f"{name}.exp_avg"].to(p.device, p.dtype),
+                        "exp_avg_sq": state[f"{name}.exp_avg_sq"].to(p.device, p.dtype),
+                    }
+            meta = directory / "stepwise_state.json"
+            if meta.exists():
+                steps = json.loads(meta.read_text())["steps"]
+        self.slots[adapter_id] = _Slot(adapter, optimizer, steps)
+
+    def save_weights_for_sampler(self, adapter_id: str, directory: Path) -> None:
+        """The adapter's weights alone, in PEFT format (what vLLM and peft load)."""
+        slot = self._slot(adapter_id)
+        with _atomic_dir(directory) as tmp:
+            lora.save_peft(slot.adapter, tmp, self.base.name)
+
+    def load_sampler(self, sampler_id: str, directory: Path) -> None:
+        """A frozen adapter for sampling, from save_weights_for_sampler or save_state output."""
+        self.slots[sampler_id] = _Slot(lora.load_peft(self.model, Path(directory), trainable=False))
+
+    def snapshot_sampler(self, adapter_id: str, sampler_id: str) -> None:
+        """A frozen in-memory copy of an adapter's current weights, for sampling while it trains."""
+        self.slots[sampler_id] = _Slot(self._slot(adapter_id).adapter.copy())
+
+    def weights_digest(self, adapter_id: str) -> str:
+        """A hash of the adapter's weights and optimizer state (tests use it to prove nothing changed)."""
+        import hashlib
+
+        slot = self._slot(adapter_id)
+        h = hashlib.sha256()
+        for name, p in slot.adapter.named_parameters():
+            h.update(name.encode())
+            h.update(p.detach().cpu().numpy().tobytes())
+            if p.grad is not None:
+                h.update(p.grad.cpu().numpy().tobytes())
+            if slot.optimizer is not None:
+                for key, value in sorted(slot.optimizer.state.get(p, {}).items()):
+                    h.update(key.encode())
+                    h.update(torch.as_tensor(value).cpu().numpy().tobytes())
+        return h.hexdigest()
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def _check_tokens(tokens, vocab_size: int, where: str) -> list[int]:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1 or arr.size == 0:
+        raise UserError(f"{where} must be a non-empty list of token ids, got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise UserError(f"{where} must hold integer token ids, got {arr.dtype}")
+    _check_range(arr, vocab_size, where)
+    return arr.astype(np.int64).tolist()
+
+
+def _check_range(arr: np.ndarray, vocab_size: int, where: str) -> None:
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+        bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
+        raise UserError(f"{where} has token id {bad}, outside the vocabulary [0, {vocab_size}); use this model's tokenizer")
+
+
+def _check_adam(p: AdamParams) -> None:
+    for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
+        value = getattr(p, name)
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise UserError(f"adam_params.{name} must be a finite number, got {value!r}")
+    if p.learning_rate < 0 or p.eps <= 0 or p.weight_decay < 0 or p.grad_clip_norm < 0:
+        raise UserError("adam_params: learning_rate, weight_decay and grad_clip_norm must be >= 0, eps > 0")
+    if not (0 <= p.beta1 < 1 and 0 <= p.beta2 < 1):
+        raise UserError(f"adam_params: beta1 and beta2 must be in [0, 1), got {p.beta1}, {p.beta2}")
+
+
+def _grads(adapter: lora.Adapter) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in adapter.parameters()]
+
+
+def _restore_grads(adapter: lora.Adapter, grads: list[torch.Tensor | None]) -> None:
+    for p, g in zip(adapter.parameters(), grads):
+        p.grad = g
+
+
+def _merge_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """Combine per-micro-batch metrics: sums add, means weight by token count, min/max reduce."""
+    if len(parts) == 1:
+        return parts[0][0]
+    merged: dict[str, float] = {}
+    total = sum(n for _, n in parts) or 1
+    for key in parts[0][0]:
+        values = [(m[key], n) for m, n in parts]
+        reduction = key.rsplit(":", 1)[-1]
+        if reduction == "sum":
+            merged[key] = sum(v for v, _ in values)
+        elif reduction == "min":
+            merged[key] = min(v for v, _ in values)
+        elif reduction == "max":
+            merged[key] = max(v for v, _ in values)
+        else:
+            merged[key] = sum(v * n for v, n in values) / total
+    return merged
+
+
+class _atomic_dir:
+    """Write a directory under a temporary name, then rename it into place."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = Path(target)
+
+    def __enter__(self) -> Path:
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.", dir=self.target.parent))
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        if self.target.exists():
+            shutil.rmtree(self.target)
+        self.tmp.rename(self.target)

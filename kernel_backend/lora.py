@@ -1,0 +1,223 @@
+"""Multi-adapter LoRA: many sessions' adapters over one frozen base model.
+
+`attach(model)` replaces every linear layer LoRA can target with a `MultiLoraLinear` that
+wraps the frozen original. Adapters (`Adapter`) hold their own A/B matrices per target; a
+forward pass runs under `route(model, adapters_per_row)`, so the rows of one batch may
+belong to different adapters: each layer adds `scale * B(A x)` to the rows of each adapter
+(a grouped LoRA matmul, one small matmul pair per adapter present). Rows whose adapter is
+None see the base model alone.
+
+Adapters save to and load from PEFT's format (`adapter_config.json` and
+`adapter_model.safetensors`), so `peft.PeftModel.from_pretrained` reads what we write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from kernel_backend.types import LoraConfig, UserError
+
+# Tinker's target groups, by the module names Llama-style models use.
+ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_TARGETS = ("lm_head",)
+ALL_TARGETS = ATTN_TARGETS + MLP_TARGETS + UNEMBED_TARGETS
+
+
+def targets_of(config: LoraConfig) -> tuple[str, ...]:
+    return (
+        (ATTN_TARGETS if config.train_attn else ())
+        + (MLP_TARGETS if config.train_mlp else ())
+        + (UNEMBED_TARGETS if config.train_unembed else ())
+    )
+
+
+class Routing:
+    """Which adapter each batch row uses, grouped: [(adapter, row index tensor or None=all rows)]."""
+
+    def __init__(self) -> None:
+        self.groups: list[tuple[Adapter, torch.Tensor | None]] = []
+
+
+class MultiLoraLinear(nn.Module):
+    """A frozen nn.Linear plus the LoRA deltas of whichever adapters the current routing names."""
+
+    def __init__(self, base: nn.Linear, name: str, routing: Routing) -> None:
+        super().__init__()
+        self.base = base
+        self.name = name  # full module name, the key into each adapter's weights
+        self.routing = routing
+
+    @property
+    def weight(self) -> torch.Tensor:  # generation utilities look at lm_head.weight
+        return self.base.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        for adapter, rows in self.routing.groups:
+            ab = adapter.weights.get(self.name)
+            if ab is None:
+                continue
+            a, b = ab
+            if rows is None:
+                out = out + (x @ a.t()) @ b.t() * adapter.scale
+            else:
+                delta = (x[rows] @ a.t()) @ b.t() * adapter.scale
+                out = out.index_add(0, rows, delta)
+        return out
+
+
+class Adapter:
+    """One LoRA adapter: A (rank x in) and B (out x rank) per targeted module, PEFT's layout."""
+
+    def __init__(self, config: LoraConfig, weights: dict[str, tuple[nn.Parameter, nn.Parameter]]) -> None:
+        self.config = config
+        self.weights = weights
+        self.scale = config.alpha / config.rank
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for ab in self.weights.values() for p in ab]
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(f"{name}.lora_{ab}", p) for name, pair in self.weights.items() for ab, p in zip("AB", pair)]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach() for name, p in self.named_parameters()}
+
+    def copy(self, trainable: bool = False) -> Adapter:
+        """A detached copy (a sampler snapshot): later training of self does not touch it."""
+        weights = {
+            n: (nn.Parameter(a.detach().clone(), trainable), nn.Parameter(b.detach().clone(), trainable))
+            for n, (a, b) in self.weights.items()
+        }
+        return Adapter(self.config, weights)
+
+
+def attach(model: nn.Module) -> Routing:
+    """Wrap every targetable linear layer of `model` once. Returns the routing the layers share."""
+    routing = Routing()
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if child_name in ALL_TARGETS and isinstance(child, nn.Linear):
+                full = f"{name}.{child_name}" if name else child_name
+                setattr(module, child_name, MultiLoraLinear(child, full, routing))
+    model._stepwise_routing = routing
+    return routing
+
+
+def lora_layers(model: nn.Module) -> dict[str, MultiLoraLinear]:
+    return {m.name: m for m in model.modules() if isinstance(m, MultiLoraLinear)}
+
+
+def new_adapter(model: nn.Module, config: LoraConfig) -> Adapter:
+    """A fresh adapter, initialised like PEFT: A ~ kaiming-uniform(a=sqrt(5)), B = 0 (so it starts as a no-op)."""
+    if config.rank < 1:
+        raise UserError(f"LoRA rank must be a positive integer, got {config.rank}")
+    targets = targets_of(config)
+    if not targets:
+        raise UserError("the adapter trains nothing: set at least one of train_attn, train_mlp, train_unembed")
+    generator = torch.Generator().manual_seed(config.seed if config.seed is not None else torch.seed() % 2**63)
+    weights = {}
+    for name, layer in lora_layers(model).items():
+        if name.rsplit(".", 1)[-1] not in targets:
+            continue
+        base = layer.base.weight
+        a = torch.empty(config.rank, base.shape[1], dtype=torch.float32)
+        bound = 1 / math.sqrt(base.shape[1])  # what kaiming_uniform_(a=sqrt(5)) gives
+        a.uniform_(-bound, bound, generator=generator)
+        b = torch.zeros(base.shape[0], config.rank, dtype=torch.float32)
+        weights[name] = (
+            nn.Parameter(a.to(base.device, base.dtype)),
+            nn.Parameter(b.to(base.device, base.dtype)),
+        )
+    return Adapter(config, weights)
+
+
+@contextlib.contextmanager
+def route(model: nn.Module, adapters: list[Adapter | None]):
+    """Run the model with row i of the batch under adapters[i] (None: base model only)."""
+    routing: Routing = model._stepwise_routing
+    distinct = list({id(a): a for a in adapters if a is not None}.values())
+    if len(distinct) == 1 and all(a is distinct[0] for a in adapters):
+        groups = [(distinct[0], None)]  # the common case: the whole batch is one adapter
+    else:
+        groups = []
+        for adapter in distinct:
+            rows = [i for i, a in enumerate(adapters) if a is adapter]
+            groups.append((adapter, torch.tensor(rows, device=model.device)))
+    previous, routing.groups = routing.groups, groups
+    try:
+        yield
+    finally:
+        routing.groups = previous
+
+
+# ---- PEFT format ---------------------------------------------------------------------------
+
+PEFT_PREFIX = "base_model.model."
+
+
+def save_peft(adapter: Adapter, directory: Path, base_model_name: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name,
+        "r": adapter.config.rank,
+        "lora_alpha": adapter.config.alpha,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": sorted({n.rsplit(".", 1)[-1] for n in adapter.weights}),
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        # Our own record of Tinker's LoRA settings (PEFT ignores unknown keys).
+        "stepwise": asdict(adapter.config),
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    tensors = {}
+    for name, (a, b) in adapter.weights.items():
+        tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a.detach().float().cpu().contiguous()
+        tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b.detach().float().cpu().contiguous()
+    save_file(tensors, directory / "adapter_model.safetensors", metadata={"format": "pt"})
+
+
+def read_peft_config(directory: Path) -> LoraConfig:
+    raw = json.loads((directory / "adapter_config.json").read_text())
+    if "stepwise" in raw:
+        return LoraConfig(**raw["stepwise"])
+    targets = set(raw["target_modules"])
+    return LoraConfig(
+        rank=raw["r"],
+        alpha=raw["lora_alpha"],
+        train_attn=bool(targets & set(ATTN_TARGETS)),
+        train_mlp=bool(targets & set(MLP_TARGETS)),
+        train_unembed=bool(targets & set(UNEMBED_TARGETS)),
+    )
+
+
+def load_peft(model: nn.Module, directory: Path, trainable: bool = True) -> Adapter:
+    config = read_peft_config(directory)
+    tensors = load_file(directory / "adapter_model.safetensors")
+    layers = lora_layers(model)
+    weights = {}
+    for name, layer in layers.items():
+        key = f"{PEFT_PREFIX}{name}.lora_A.weight"
+        if key not in tensors:
+            continue
+        dtype, device = layer.base.weight.dtype, layer.base.weight.device
+        a = tensors[key].to(device, dtype)
+        b = tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"].to(device, dtype)
+        weights[name] = (nn.Parameter(a, trainable), nn.Parameter(b, trainable))
+    if not weights:
+        raise UserError(f"{directory} holds no LoRA weights for this base model's layers")
+    return Adapter(config, weights)

@@ -1,0 +1,229 @@
+"""The five built-in loss functions, with Tinker's semantics.
+
+This module owns the loss definitions the engine applies to the model's log-probabilities of
+the target tokens: cross_entropy, importance_sampling, ppo, cispo and dro. It also owns their
+inputs (which `loss_fn_inputs` each needs), their `loss_fn_config` keys and defaults, and the
+metrics they report.
+
+Every loss is a SUM over tokens, never a mean: Tinker does no length normalisation, so a
+client that wants a mean puts it into `weights` or `advantages` (see
+docs: tinker /losses; reference/peers.md section 7). The engine concatenates all datums of a
+batch along dim 0 before calling `compute_loss`, so one call covers the whole batch.
+
+Notation: lp = learner logprob (requires grad), q = sampler logprob (`inputs["logprobs"]`),
+A = advantage, r = exp(lp - q) the per-token importance ratio.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Callable
+
+import torch
+
+from kernel_backend.types import UserError
+
+# A loss takes (logprobs, inputs, config) and returns (summed loss, extra metrics).
+LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], dict[str, float]], tuple[torch.Tensor, dict[str, float]]]
+
+
+def _mean(x: torch.Tensor) -> float:
+    # A metric must stay a finite number even for an empty batch.
+    return float(x.detach().double().mean()) if x.numel() else 0.0
+
+
+def _ratio(logprobs: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.exp(logprobs - inputs["logprobs"])
+
+
+def _kl_sample_train(logprobs: torch.Tensor, inputs: dict[str, torch.Tensor]) -> float:
+    # mean(q - lp) over the sampled tokens is the simple (k1) estimator of KL(sampler || learner):
+    # it grows when the learner drifts from the policy that generated the data.
+    return _mean(inputs["logprobs"] - logprobs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The losses
+
+
+def cross_entropy(logprobs, inputs, config):
+    """L = -sum(w * lp). Shapes (T,) or (T, K); weights default to 1 (filled by compute_loss)."""
+    loss = -(logprobs * inputs["weights"]).sum()
+    return loss, {}
+
+
+def importance_sampling(logprobs, inputs, config):
+    """L = -sum(r * A): REINFORCE corrected for sampler/learner mismatch, ratio unbounded."""
+    ratio = _ratio(logprobs, inputs)
+    loss = -(ratio * inputs["advantages"]).sum()
+    return loss, {"kl_sample_train:mean": _kl_sample_train(logprobs, inputs)}
+
+
+def ppo(logprobs, inputs, config):
+    """L = -sum(min(r * A, clip(r, lo, hi) * A)), per token.
+
+    The min takes the pessimistic branch: a token whose ratio has already moved past the clip
+    in the direction its advantage pushes gets the constant clipped value, hence zero gradient.
+    """
+    lo, hi = config["clip_low_threshold"], config["clip_high_threshold"]
+    adv = inputs["advantages"]
+    ratio = _ratio(logprobs, inputs)
+    unclipped = ratio * adv
+    clipped = ratio.clamp(lo, hi) * adv
+    loss = -torch.minimum(unclipped, clipped).sum()
+    # Count the tokens where the clip actually won the min, i.e. whose gradient it removed;
+    # a ratio outside [lo, hi] on the side the advantage does not push is not clipped in PPO.
+    was_clipped = clipped < unclipped
+    return loss, {
+        "clip_fraction:mean": _mean(was_clipped.float()),
+        "kl_sample_train:mean": _kl_sample_train(logprobs, inputs),
+    }
+
+
+def cispo(logprobs, inputs, config):
+    """L = -sum(sg[clip(r, lo, hi)] * A * lp).
+
+    The clipped ratio is a detached weight on a REINFORCE term, so clipping bounds a token's
+    step size but never zeroes its gradient (MiniMax-M1). Tinker's default is one-sided: 0 / 4.
+    """
+    lo, hi = config["clip_low_threshold"], config["clip_high_threshold"]
+    ratio = _ratio(logprobs, inputs).detach()
+    weight = ratio.clamp(lo, hi)
+    loss = -(weight * inputs["advantages"] * logprobs).sum()
+    was_clipped = (ratio < lo) | (ratio > hi)
+    return loss, {
+        "clip_fraction:mean": _mean(was_clipped.float()),
+        "kl_sample_train:mean": _kl_sample_train(logprobs, inputs),
+    }
+
+
+def dro(logprobs, inputs, config):
+    """L = -sum(lp * A - (beta / 2) * (lp - q)^2): Direct Reward Optimization (Richemond et al. 2024).
+
+    The quadratic term keeps the learner near the sampler instead of clipping a ratio.
+    """
+    beta = config["beta"]
+    diff = logprobs - inputs["logprobs"]
+    loss = -(logprobs * inputs["advantages"] - 0.5 * beta * diff.square()).sum()
+    return loss, {"kl_sample_train:mean": _kl_sample_train(logprobs, inputs)}
+
+
+LOSS_FNS: dict[str, LossFn] = {
+    "cross_entropy": cross_entropy,
+    "importance_sampling": importance_sampling,
+    "ppo": ppo,
+    "cispo": cispo,
+    "dro": dro,
+}
+
+_RL_INPUTS = ("logprobs", "advantages")
+
+# Inputs each loss needs besides target_tokens.
+_REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": (),
+    "importance_sampling": _RL_INPUTS,
+    "ppo": _RL_INPUTS,
+    "cispo": _RL_INPUTS,
+    "dro": _RL_INPUTS,
+}
+
+# Inputs a caller may leave out, and the value that stands in for them.
+_OPTIONAL_INPUTS: dict[str, dict[str, float]] = {
+    "cross_entropy": {"weights": 1.0},
+    "importance_sampling": {},
+    "ppo": {},
+    "cispo": {},
+    "dro": {},
+}
+
+# loss_fn_config keys and their defaults. ppo and cispo defaults are Tinker's documented ones.
+# Tinker does not publish a default beta for dro; 0.05 is our choice (TuFT uses 0.01), so
+# clients that care should pass beta explicitly.
+_DEFAULT_CONFIGS: dict[str, dict[str, float]] = {
+    "cross_entropy": {},
+    "importance_sampling": {},
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+    "dro": {"beta": 0.05},
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# What the engine calls
+
+
+def _check_name(loss_fn: str) -> None:
+    if loss_fn not in LOSS_FNS:
+        supported = ", ".join(sorted(LOSS_FNS))
+        raise UserError(f"unknown loss_fn {loss_fn!r}; supported: {supported}")
+
+
+def required_inputs(loss_fn: str) -> tuple[str, ...]:
+    """The loss_fn_inputs that must be present besides target_tokens."""
+    _check_name(loss_fn)
+    return _REQUIRED_INPUTS[loss_fn]
+
+
+def optional_inputs(loss_fn: str) -> dict[str, float]:
+    """The loss_fn_inputs that may be omitted, each with the value that fills it."""
+    _check_name(loss_fn)
+    return dict(_OPTIONAL_INPUTS[loss_fn])
+
+
+def check_config(loss_fn: str, config: dict | None) -> dict[str, float]:
+    """Merge the caller's loss_fn_config over the defaults, rejecting anything we would ignore."""
+    _check_name(loss_fn)
+    defaults = _DEFAULT_CONFIGS[loss_fn]
+    merged = dict(defaults)
+    allowed = ", ".join(sorted(defaults)) or "none"
+    for key, value in (config or {}).items():
+        if key not in defaults:
+            # Silently ignoring a misspelt key would train with the default instead.
+            raise UserError(f"unknown loss_fn_config key {key!r} for {loss_fn}; allowed keys: {allowed}")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise UserError(f"loss_fn_config[{key!r}] must be a number, got {type(value).__name__}")
+        if not math.isfinite(value):
+            raise UserError(f"loss_fn_config[{key!r}] must be finite, got {value}")
+        merged[key] = float(value)
+    if "clip_low_threshold" in merged and merged["clip_low_threshold"] > merged["clip_high_threshold"]:
+        raise UserError(
+            f"loss_fn_config clip_low_threshold ({merged['clip_low_threshold']}) must not exceed "
+            f"clip_high_threshold ({merged['clip_high_threshold']})"
+        )
+    return merged
+
+
+def compute_loss(
+    loss_fn: str,
+    logprobs: torch.Tensor,
+    inputs: dict[str, torch.Tensor],
+    config: dict[str, float] | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Apply `loss_fn` to a batch's target-token logprobs.
+
+    logprobs: shape (T,) or (T, K), the datums of a batch concatenated along dim 0.
+    inputs: the loss_fn_inputs other than target_tokens, concatenated the same way.
+    config: the caller's loss_fn_config (None or {} for the defaults).
+    Returns the scalar loss (a sum over all tokens) and metrics keyed "name:reduction",
+    always including "loss:sum".
+    """
+    config = check_config(loss_fn, config)
+    full = {}
+    for name in required_inputs(loss_fn):
+        if name not in inputs:
+            raise UserError(f"loss_fn {loss_fn} needs loss_fn_inputs[{name!r}]")
+        full[name] = inputs[name]
+    for name, fill in optional_inputs(loss_fn).items():
+        full[name] = inputs[name] if name in inputs else torch.full_like(logprobs, fill)
+    for name, value in full.items():
+        if value.shape != logprobs.shape:
+            raise UserError(
+                f"loss_fn_inputs[{name!r}] has shape {tuple(value.shape)}, "
+                f"expected {tuple(logprobs.shape)} (the shape of target_tokens)"
+            )
+        # Inputs arrive as float32 (or int); compute in the logprobs' dtype and device.
+        full[name] = value.to(dtype=logprobs.dtype, device=logprobs.device)
+
+    loss, metrics = LOSS_FNS[loss_fn](logprobs, full, config)
+    return loss, {"loss:sum": float(loss.detach()), **metrics}

@@ -1,0 +1,293 @@
+"""The five loss functions against hand-written per-token float64 references.
+
+Each reference computes the value and the gradient w.r.t. the learner logprobs token by token
+with plain Python floats, independently of torch autograd.
+"""
+
+import math
+
+import pytest
+import torch
+
+from kernel_backend.losses import (
+    LOSS_FNS,
+    check_config,
+    compute_loss,
+    optional_inputs,
+    required_inputs,
+)
+from kernel_backend.types import UserError
+
+TOL = 1e-10
+SUPPORTED = "cispo, cross_entropy, dro, importance_sampling, ppo"
+
+
+def make_batch(seed, shape=(64,)):
+    """Learner logprobs lp, sampler logprobs q with ratios around [0.6, 1.65], advantages of both signs."""
+    g = torch.Generator().manual_seed(seed)
+    lp = -3.0 * torch.rand(shape, generator=g, dtype=torch.float64)
+    q = lp - (torch.rand(shape, generator=g, dtype=torch.float64) - 0.5)
+    adv = torch.randn(shape, generator=g, dtype=torch.float64)
+    weights = torch.rand(shape, generator=g, dtype=torch.float64)
+    return lp, {"logprobs": q, "advantages": adv, "weights": weights}
+
+
+def run(loss_fn, lp, inputs, config=None):
+    """Call compute_loss on a fresh leaf and return (loss value, grad as list, metrics)."""
+    lp = lp.clone().requires_grad_(True)
+    loss, metrics = compute_loss(loss_fn, lp, inputs, config)
+    assert loss.dim() == 0
+    loss.backward()
+    return loss.item(), lp.grad.flatten().tolist(), metrics
+
+
+def flat(*tensors):
+    return [t.flatten().tolist() for t in tensors]
+
+
+def clip(x, lo, hi):
+    return min(max(x, lo), hi)
+
+
+# ---------------------------------------------------------------------------------------------
+# References: (value, per-token gradient of the loss w.r.t. lp)
+
+
+def ref_cross_entropy(lp, w):
+    value = -sum(l * wt for l, wt in zip(lp, w))
+    grad = [-wt for wt in w]
+    return value, grad
+
+
+def ref_importance_sampling(lp, q, adv):
+    value, grad = 0.0, []
+    for l, qt, a in zip(lp, q, adv):
+        r = math.exp(l - qt)
+        value -= r * a
+        grad.append(-r * a)  # d/dlp of -exp(lp - q) * A
+    return value, grad
+
+
+def ref_ppo(lp, q, adv, lo, hi):
+    value, grad = 0.0, []
+    for l, qt, a in zip(lp, q, adv):
+        r = math.exp(l - qt)
+        unclipped, clipped = r * a, clip(r, lo, hi) * a
+        if clipped < unclipped:
+            # The clipped branch wins only when r is outside [lo, hi]: a constant, no gradient.
+            value -= clipped
+            grad.append(0.0)
+        else:
+            value -= unclipped
+            grad.append(-r * a)
+    return value, grad
+
+
+def ref_cispo(lp, q, adv, lo, hi):
+    value, grad = 0.0, []
+    for l, qt, a in zip(lp, q, adv):
+        w = clip(math.exp(l - qt), lo, hi)  # a constant weight (stop-gradient)
+        value -= w * a * l
+        grad.append(-w * a)
+    return value, grad
+
+
+def ref_dro(lp, q, adv, beta):
+    value, grad = 0.0, []
+    for l, qt, a in zip(lp, q, adv):
+        value -= l * a - 0.5 * beta * (l - qt) ** 2
+        grad.append(-(a - beta * (l - qt)))
+    return value, grad
+
+
+def assert_close(got_value, got_grad, ref):
+    ref_value, ref_grad = ref
+    assert got_value == pytest.approx(ref_value, abs=TOL, rel=TOL)
+    assert len(got_grad) == len(ref_grad)
+    for g, r in zip(got_grad, ref_grad):
+        assert g == pytest.approx(r, abs=TOL, rel=TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Values and gradients
+
+
+def test_cross_entropy_1d():
+    lp, inputs = make_batch(0)
+    value, grad, _ = run("cross_entropy", lp, {"weights": inputs["weights"]})
+    assert_close(value, grad, ref_cross_entropy(*flat(lp, inputs["weights"])))
+
+
+def test_cross_entropy_2d():
+    lp, inputs = make_batch(1, shape=(16, 3))
+    value, grad, _ = run("cross_entropy", lp, {"weights": inputs["weights"]})
+    assert_close(value, grad, ref_cross_entropy(*flat(lp, inputs["weights"])))
+
+
+def test_cross_entropy_weights_default_to_one():
+    lp, _ = make_batch(2, shape=(8, 2))
+    assert optional_inputs("cross_entropy") == {"weights": 1.0}
+    value, grad, _ = run("cross_entropy", lp, {})
+    assert_close(value, grad, ref_cross_entropy(lp.flatten().tolist(), [1.0] * lp.numel()))
+
+
+def test_importance_sampling():
+    lp, inputs = make_batch(3)
+    value, grad, _ = run("importance_sampling", lp, inputs)
+    assert_close(value, grad, ref_importance_sampling(*flat(lp, inputs["logprobs"], inputs["advantages"])))
+
+
+def test_ppo_random():
+    lp, inputs = make_batch(4)
+    r = torch.exp(lp - inputs["logprobs"])
+    # The batch must exercise both sides of the clip range.
+    assert (r < 0.8).any() and (r > 1.2).any() and ((r > 0.8) & (r < 1.2)).any()
+    value, grad, _ = run("ppo", lp, inputs)
+    assert_close(value, grad, ref_ppo(*flat(lp, inputs["logprobs"], inputs["advantages"]), 0.8, 1.2))
+
+
+def test_ppo_clip_cases():
+    # Four tokens of each kind, hand-picked so every branch of the min is exercised.
+    #   r=1.5, A=+1: clipped (1.2 < 1.5) -> value 1.2, grad 0
+    #   r=0.5, A=-1: clipped (-0.8 < -0.5) -> value -0.8, grad 0
+    #   r=1.5, A=-1: unclipped (-1.5 < -1.2) -> grad -r*A = 1.5
+    #   r=0.5, A=+1: unclipped (0.5 < 0.8) -> grad -0.5
+    #   r=1.0, A=+2: inside -> grad -2
+    ratios = torch.tensor([1.5, 0.5, 1.5, 0.5, 1.0], dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0, -1.0, 1.0, 2.0], dtype=torch.float64)
+    q = torch.tensor([-1.0, -2.0, -0.5, -3.0, -1.5], dtype=torch.float64)
+    lp = q + torch.log(ratios)
+    value, grad, metrics = run("ppo", lp, {"logprobs": q, "advantages": adv})
+    expected_value = -(1.2 * 1.0 + 0.8 * -1.0 + 1.5 * -1.0 + 0.5 * 1.0 + 1.0 * 2.0)
+    assert value == pytest.approx(expected_value, abs=TOL)
+    assert grad == pytest.approx([0.0, 0.0, 1.5, -0.5, -2.0], abs=TOL)
+    assert_close(value, grad, ref_ppo(*flat(lp, q, adv), 0.8, 1.2))
+    # Only the two tokens whose gradient the clip removed count as clipped.
+    assert metrics["clip_fraction:mean"] == pytest.approx(2 / 5)
+
+
+def test_ppo_config_override():
+    lp, inputs = make_batch(5)
+    cfg = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}
+    value, grad, _ = run("ppo", lp, inputs, cfg)
+    assert_close(value, grad, ref_ppo(*flat(lp, inputs["logprobs"], inputs["advantages"]), 0.9, 1.05))
+    default_value, _, _ = run("ppo", lp, inputs)
+    assert value != pytest.approx(default_value, abs=1e-6)
+
+
+def test_cispo_random():
+    lp, inputs = make_batch(6)
+    value, grad, _ = run("cispo", lp, inputs)
+    assert_close(value, grad, ref_cispo(*flat(lp, inputs["logprobs"], inputs["advantages"]), 0.0, 4.0))
+
+
+def test_cispo_gradient_is_detached_clipped_ratio():
+    # With a tight clip range some ratios are clipped, yet no token's gradient is zero:
+    # the gradient is exactly -clip(r) * A, with no d(r)/d(lp) term.
+    lp, inputs = make_batch(7)
+    cfg = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+    value, grad, metrics = run("cispo", lp, inputs, cfg)
+    r = torch.exp(lp - inputs["logprobs"])
+    expected_grad = (-r.clamp(0.9, 1.1) * inputs["advantages"]).tolist()
+    assert grad == pytest.approx(expected_grad, abs=TOL)
+    assert all(g != 0.0 for g in grad)
+    assert_close(value, grad, ref_cispo(*flat(lp, inputs["logprobs"], inputs["advantages"]), 0.9, 1.1))
+    clipped = ((r < 0.9) | (r > 1.1)).double().mean().item()
+    assert 0 < clipped < 1
+    assert metrics["clip_fraction:mean"] == pytest.approx(clipped)
+
+
+def test_dro_default_and_override():
+    lp, inputs = make_batch(8)
+    args = flat(lp, inputs["logprobs"], inputs["advantages"])
+    value, grad, _ = run("dro", lp, inputs)
+    assert_close(value, grad, ref_dro(*args, 0.05))
+    value, grad, _ = run("dro", lp, inputs, {"beta": 0.7})
+    assert_close(value, grad, ref_dro(*args, 0.7))
+
+
+def test_float32_inputs_are_cast():
+    # Inputs usually arrive as float32; the loss follows the logprobs' dtype.
+    lp, inputs = make_batch(9)
+    inputs32 = {k: v.float() for k, v in inputs.items()}
+    loss, _ = compute_loss("ppo", lp.clone().requires_grad_(True), inputs32, None)
+    assert loss.dtype == torch.float64
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+
+
+@pytest.mark.parametrize("loss_fn", sorted(LOSS_FNS))
+def test_metrics(loss_fn):
+    lp, inputs = make_batch(10)
+    loss, metrics = compute_loss(loss_fn, lp.clone().requires_grad_(True), inputs, {})
+    assert metrics["loss:sum"] == pytest.approx(loss.item(), abs=TOL)
+    for key, value in metrics.items():
+        assert key.count(":") == 1, key
+        assert key.split(":")[1] in {"mean", "sum", "min", "max"}, key
+        assert isinstance(value, float) and math.isfinite(value)
+    if loss_fn != "cross_entropy":
+        kl = (inputs["logprobs"] - lp).mean().item()
+        assert metrics["kl_sample_train:mean"] == pytest.approx(kl, abs=TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Names, inputs and config
+
+
+def test_required_inputs():
+    assert required_inputs("cross_entropy") == ()
+    for name in ("importance_sampling", "ppo", "cispo", "dro"):
+        assert set(required_inputs(name)) == {"logprobs", "advantages"}
+        assert optional_inputs(name) == {}
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: required_inputs("foo"),
+        lambda: optional_inputs("foo"),
+        lambda: check_config("foo", None),
+        lambda: compute_loss("foo", torch.zeros(2, requires_grad=True), {}, None),
+    ],
+)
+def test_unknown_loss(call):
+    with pytest.raises(UserError) as e:
+        call()
+    assert "'foo'" in str(e.value) and SUPPORTED in str(e.value)
+
+
+def test_check_config_defaults():
+    assert check_config("ppo", None) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    assert check_config("cispo", {}) == {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
+    assert check_config("dro", None) == {"beta": 0.05}
+    assert check_config("cross_entropy", None) == {}
+    assert check_config("ppo", {"clip_high_threshold": 2}) == {"clip_low_threshold": 0.8, "clip_high_threshold": 2.0}
+
+
+def test_check_config_unknown_key():
+    with pytest.raises(UserError) as e:
+        check_config("ppo", {"clip_eps": 0.2})
+    assert "clip_eps" in str(e.value) and "clip_high_threshold, clip_low_threshold" in str(e.value)
+    with pytest.raises(UserError):
+        check_config("cross_entropy", {"beta": 0.1})
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), "0.5", None, True])
+def test_check_config_bad_values(value):
+    with pytest.raises(UserError):
+        check_config("dro", {"beta": value})
+
+
+def test_check_config_low_above_high():
+    with pytest.raises(UserError):
+        check_config("ppo", {"clip_low_threshold": 1.5})
+
+
+def test_missing_and_misshaped_inputs():
+    lp = torch.zeros(4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(UserError, match="advantages"):
+        compute_loss("ppo", lp, {"logprobs": torch.zeros(4)}, None)
+    with pytest.raises(UserError, match="shape"):
+        compute_loss("cross_entropy", lp, {"weights": torch.ones(5)}, None)
