@@ -1,0 +1,48 @@
+"""The FastAPI application: routers, error mapping, and the service's lifetime."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from kernel_backend.api import tinker as tinker_routes
+from kernel_backend.config import Settings
+from kernel_backend.service import NotFound, Service
+from kernel_backend.types import UserError
+
+
+def create_app(settings: Settings | None = None, preload: list[str] | None = None) -> FastAPI:
+    service = Service(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.start(preload)
+        yield
+        service.stop()
+
+    app = FastAPI(title="Stepwise training-session service", lifespan=lifespan)
+    app.state.service = service
+    app.include_router(tinker_routes.router)
+
+    @app.exception_handler(UserError)
+    async def user_error(request: Request, exc: UserError):
+        return JSONResponse({"detail": str(exc), "category": "user"}, status_code=400)
+
+    @app.exception_handler(NotFound)
+    async def not_found(request: Request, exc: NotFound):
+        return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        # 422 with the fields that are wrong; the SDK raises UnprocessableEntityError with this text.
+        errors = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        return JSONResponse({"detail": "invalid request: " + "; ".join(errors)}, status_code=422)
+
+    return app
+
+
+logging.getLogger("stepwise").setLevel(logging.INFO)

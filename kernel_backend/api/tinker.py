@@ -1,0 +1,217 @@
+"""The tinker SDK's wire protocol (tinker 0.38.0), as thin FastAPI routes over `Service`.
+
+Request bodies are parsed with the SDK's own pydantic request types, so what the official
+client sends is what we accept; forward_backward arrives as protobuf (see `wire`). Queued
+work answers an UntypedAPIFuture `{request_id, model_id?, sample_sequence_ids?}` that the
+client polls with /retrieve_future.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request, Response
+from tinker import types as T
+
+from kernel_backend.api import wire
+from kernel_backend.api.auth import tenant_of
+from kernel_backend.service import Service
+from kernel_backend.store import FutureRow
+from kernel_backend.types import AdamParams, UserError
+
+router = APIRouter(prefix="/api/v1")
+
+
+def service(request: Request) -> Service:
+    return request.app.state.service
+
+
+def _future(row: FutureRow) -> dict:
+    reply = {"request_id": row.request_id, "model_id": row.model_id}
+    reply.update(row.extra or {})
+    return reply
+
+
+# ---- client bootstrap, sessions, telemetry -------------------------------------------------------
+
+
+@router.get("/healthz")
+def healthz():
+    return {"status": "ok"}
+
+
+@router.post("/client/config")
+def client_config(tenant: str = Depends(tenant_of)):
+    # Plain JSON bodies and unchunked forward_backward are what this server handles best.
+    return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False}
+
+
+@router.post("/telemetry")
+def telemetry(tenant: str = Depends(tenant_of)):
+    return {"status": "accepted"}
+
+
+@router.post("/create_session")
+def create_session(body: T.CreateSessionRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    return svc.create_session(tenant, body.tags, body.user_metadata, body.sdk_version, body.display_name)
+
+
+@router.post("/session_heartbeat")
+def session_heartbeat(body: T.SessionHeartbeatRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    return svc.heartbeat(tenant, body.session_id)
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(session_id: str, request: Request, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    reason = (await request.json() if await request.body() else {}).get("reason")
+    return svc.finish_session(tenant, session_id, reason)
+
+
+@router.get("/sessions/{session_id}")
+def get_session(session_id: str, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    return svc.get_session(tenant, session_id)
+
+
+@router.get("/sessions")
+def list_sessions(limit: int = 20, offset: int = 0, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    return svc.list_sessions(tenant, limit, offset)
+
+
+@router.get("/get_server_capabilities")
+def capabilities(tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    return svc.capabilities()
+
+
+# ---- training -------------------------------------------------------------------------------------
+
+
+@router.post("/create_model")
+def create_model(body: T.CreateModelRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    lora = body.lora_config.model_dump() if body.lora_config else None
+    row = svc.create_model(tenant, body.session_id, body.model_seq_id, body.base_model, lora,
+                           body.optimizer_config.type, body.user_metadata)
+    return _future(row)
+
+
+@router.post("/get_info")
+def get_info(body: T.GetInfoRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    return svc.get_info(tenant, body.model_id)
+
+
+@router.post("/forward_backward")
+@router.post("/forward")
+async def forward_backward(request: Request, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    body = await request.body()
+    if request.headers.get("content-type", "").startswith("application/json"):
+        call = wire.forward_backward_from_json(await request.json(), forward_only=request.url.path.endswith("/forward"))
+    else:
+        call = wire.decode_forward_backward(body, request.headers.get("content-encoding"))
+    row = svc.forward_backward(tenant, call.model_id, call.seq_id, call.data, call.loss_fn, call.loss_fn_config,
+                               call.forward_only, wire.encode_forward_backward_output)
+    return _future(row)
+
+
+@router.post("/optim_step")
+def optim_step(body: T.OptimStepRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    if not isinstance(body.optim_params, T.AdamParams):
+        raise UserError(f"optimizer {getattr(body.optim_params, 'type', '?')!r} is not supported; this backend supports: adamw")
+    p = body.optim_params
+    params = AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
+    return _future(svc.optim_step(tenant, body.model_id, body.seq_id, params))
+
+
+@router.post("/save_weights")
+def save_weights(body: T.SaveWeightsRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    row = svc.save_weights(tenant, body.model_id, body.seq_id, body.path, "training", body.overwrite,
+                           body.ttl_seconds, body.user_metadata)
+    return _future(row)
+
+
+@router.post("/save_weights_for_sampler")
+def save_weights_for_sampler(body: T.SaveWeightsForSamplerRequest, tenant: str = Depends(tenant_of),
+                             svc: Service = Depends(service)):
+    if body.path is None:
+        if body.sampling_session_seq_id is None:
+            raise UserError("save_weights_for_sampler needs a path, or a sampling_session_seq_id for an ephemeral sampler")
+        return _future(svc.snapshot_for_sampler(tenant, body.model_id, body.seq_id, body.sampling_session_seq_id))
+    row = svc.save_weights(tenant, body.model_id, body.seq_id, body.path, "sampler", True, body.ttl_seconds,
+                           body.user_metadata)
+    return _future(row)
+
+
+@router.post("/load_weights")
+def load_weights(body: T.LoadWeightsRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    row = svc.load_weights(tenant, body.path, body.optimizer, body.model_id, body.seq_id, body.session_id,
+                           body.model_seq_id, body.user_metadata)
+    return _future(row)
+
+
+# ---- sampling ----------------------------------------------------------------------------------------
+
+
+@router.post("/create_sampling_session")
+def create_sampling_session(body: T.CreateSamplingSessionRequest, tenant: str = Depends(tenant_of),
+                            svc: Service = Depends(service)):
+    return svc.create_sampling_session(tenant, body.session_id, body.sampling_session_seq_id, body.base_model,
+                                       body.model_path)
+
+
+@router.get("/samplers/{sampler_id}")
+def get_sampler(sampler_id: str, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    return svc.get_sampler(tenant, sampler_id)
+
+
+@router.post("/asample")
+def asample(body: T.SampleRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    if body.sampling_session_id is None or body.seq_id is None:
+        raise UserError("asample needs sampling_session_id and seq_id; create a sampling client first")
+    prompt = wire.model_input_tokens(body.prompt.model_dump(mode="json"))
+    params = wire.sampling_params_from_json(body.sampling_params.model_dump(mode="json"))
+    row = svc.sample(tenant, body.sampling_session_id, body.seq_id, prompt, body.num_samples, params,
+                     bool(body.prompt_logprobs), body.topk_prompt_logprobs, wire.encode_sample_response)
+    return _future(row)
+
+
+# ---- futures -----------------------------------------------------------------------------------------
+
+
+@router.post("/retrieve_future")
+async def retrieve_future(body: T.FutureRetrieveRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    row = await svc.retrieve(tenant, body.request_id)
+    if row is None:
+        return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
+    return Response(content=row.result, media_type=row.content_type)
+
+
+# ---- REST: runs, checkpoints ---------------------------------------------------------------------------
+
+
+@router.get("/training_runs")
+def training_runs(limit: int = 20, offset: int = 0, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    return svc.training_runs(tenant, limit, offset)
+
+
+@router.get("/training_runs/{model_id}")
+def training_run(model_id: str, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    return svc.training_run(tenant, model_id)
+
+
+@router.get("/training_runs/{model_id}/checkpoints")
+def run_checkpoints(model_id: str, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    return svc.checkpoints(tenant, model_id)
+
+
+@router.delete("/training_runs/{model_id}/checkpoints/{segment}/{name}")
+def delete_checkpoint(model_id: str, segment: str, name: str, tenant: str = Depends(tenant_of),
+                      svc: Service = Depends(service)):
+    return svc.delete_checkpoint(tenant, model_id, segment, name)
+
+
+@router.get("/checkpoints")
+def all_checkpoints(limit: int = 100, offset: int = 0, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    return svc.checkpoints(tenant, None, limit, offset)
+
+
+@router.post("/weights_info")
+def weights_info(body: dict, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    if not isinstance(body.get("tinker_path"), str):
+        raise UserError("weights_info needs {'tinker_path': 'tinker://...'}")
+    return svc.weights_info(tenant, body["tinker_path"])

@@ -1,0 +1,390 @@
+"""Conversions between the tinker 0.38 wire formats and the engine's plain types.
+
+This module owns every byte-level detail of the protocol's data: the protobuf
+`ForwardBackwardRequest` body (optionally zstd-compressed), the JSON forms of Datum,
+TensorData, ModelInput and SamplingParams, and the protobuf `ForwardBackwardOutput`
+and `SampleResponse` results. The schema is the SDK's own (`tinker.proto.tinker_public_pb2`);
+nothing here is copied from it. Bad input raises `UserError` with a message that says
+what to send instead; a bad engine result (a bug on our side) raises `ValueError`.
+
+Encodings (all little-endian): token ids in chunks are int32; dense tensors are raw bytes
+of their dtype; sparse CSR tensors carry values in their dtype and crow/col indices as
+int64. Sparse tensors are densified with 0 in the unlisted cells, which is how the SDK
+builds them (it auto-sparsifies 2-D torch `target_tokens` / `weights` with pad 0).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zstandard
+from google.protobuf.message import DecodeError
+from tinker.proto import tinker_public_pb2 as pb
+
+from kernel_backend.types import Datum, ForwardResult, SampleResult, SamplingParams, UserError
+
+MAX_DECOMPRESSED_BYTES = 1 << 30  # a zstd body may not expand past this
+MAX_SPARSE_CELLS = 1 << 28  # a CSR tensor's dense size is bounded, since its shape costs nothing to send
+TOPK_EMPTY_LOGPROB = -99999.0  # tinker.types.topk_logprobs.MASK_LOGPROB
+
+_SUPPORTED_CHUNK = "send text tokens as 'encoded_text' chunks (ModelInput.from_ints)"
+_STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
+# proto DType -> (little-endian wire dtype, dtype the engine gets). Only float32 and
+# int64 are public; int32 and bfloat16 are widened the way the SDK's decoder does.
+_PROTO_DTYPES = {
+    pb.DTYPE_FLOAT32: (np.dtype("<f4"), np.float32),
+    pb.DTYPE_INT64: (np.dtype("<i8"), np.int64),
+    pb.DTYPE_INT32: (np.dtype("<i4"), np.int64),
+    pb.DTYPE_BFLOAT16: (np.dtype("<u2"), np.float32),
+}
+_JSON_DTYPES = {"float32": np.float32, "int64": np.int64}
+
+
+@dataclass
+class ForwardBackwardCall:
+    """A decoded /api/v1/forward_backward body (also used by forward(): forward_only=True)."""
+
+    model_id: str
+    seq_id: int
+    loss_fn: str
+    loss_fn_config: dict[str, float | str] = field(default_factory=dict)
+    forward_only: bool = False
+    data: list[Datum] = field(default_factory=list)
+
+
+# ---- requests: protobuf --------------------------------------------------------------------
+
+
+def decode_forward_backward(body: bytes, content_encoding: str | None = None) -> ForwardBackwardCall:
+    """Parse a protobuf ForwardBackwardRequest, zstd-decompressing first if the header says so."""
+    encoding = (content_encoding or "").strip().lower()
+    if encoding == "zstd":
+        body = _zstd_decompress(body)
+    elif encoding not in ("", "identity"):
+        raise UserError(f"unsupported Content-Encoding {content_encoding!r}; send zstd or no encoding")
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except (DecodeError, RuntimeWarning) as e:
+        raise UserError(
+            f"forward_backward body is not a valid protobuf ForwardBackwardRequest ({e}); "
+            "send Content-Type application/x-protobuf as the tinker SDK does"
+        ) from None
+    if msg.loss_fn_config_v2:
+        config: dict[str, float | str] = {}
+        for key, value in msg.loss_fn_config_v2.items():
+            kind = value.WhichOneof("value")
+            if kind is None:
+                raise UserError(f"loss_fn_config[{key!r}] has no value; give a number or a string")
+            config[key] = value.number if kind == "number" else value.text
+    else:
+        config = {key: float(value) for key, value in msg.loss_fn_config.items()}
+    if not msg.model_id:
+        raise UserError("forward_backward body has no model_id; send the id create_model returned")
+    return ForwardBackwardCall(
+        model_id=msg.model_id,
+        seq_id=msg.seq_id,
+        loss_fn=msg.loss_fn,
+        loss_fn_config=config,
+        forward_only=msg.forward_only,
+        data=[_datum_from_proto(d, f"data[{i}]") for i, d in enumerate(msg.data)],
+    )
+
+
+def _zstd_decompress(body: bytes) -> bytes:
+    out, total = [], 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(body) as reader:
+            while chunk := reader.read(1 << 20):
+                total += len(chunk)
+                if total > MAX_DECOMPRESSED_BYTES:
+                    raise UserError(f"zstd body expands past {MAX_DECOMPRESSED_BYTES} bytes; send smaller chunks")
+                out.append(chunk)
+    except zstandard.ZstdError as e:
+        raise UserError(f"body has Content-Encoding: zstd but is not valid zstd data ({e})") from None
+    return b"".join(out)
+
+
+def _datum_from_proto(msg: pb.Datum, where: str) -> Datum:
+    tokens: list[int] = []
+    for j, chunk in enumerate(msg.model_input):
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            _reject_chunk(kind, f"{where}.model_input.chunks[{j}]")
+        raw = chunk.encoded_text.tokens
+        if len(raw) % 4:
+            raise UserError(f"{where}.model_input.chunks[{j}] tokens are {len(raw)} bytes, not whole int32s")
+        tokens.extend(np.frombuffer(raw, dtype="<i4").tolist())
+    inputs = {name: _tensor_from_proto(t, f"{where}.loss_fn_inputs[{name!r}]") for name, t in msg.loss_fn_inputs.items()}
+    return Datum(tokens=tokens, loss_fn_inputs=inputs)
+
+
+def _tensor_from_proto(msg: pb.Tensor, where: str) -> np.ndarray:
+    if msg.dtype not in _PROTO_DTYPES:
+        raise UserError(f"{where} has unsupported dtype {msg.dtype}; use float32 or int64")
+    wire, target = _PROTO_DTYPES[msg.dtype]
+
+    def read(raw: bytes, dtype: np.dtype, what: str) -> np.ndarray:
+        if len(raw) % dtype.itemsize:
+            raise UserError(f"{where} {what} is {len(raw)} bytes, not a whole number of {dtype.itemsize}-byte items")
+        arr = np.frombuffer(raw, dtype=dtype)
+        if msg.dtype == pb.DTYPE_BFLOAT16 and what == "data":
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)  # bf16 is a float32's high half
+        return arr
+
+    shape = list(msg.shape)
+    if msg.WhichOneof("encoding") == "sparse_csr":
+        csr = msg.sparse_csr
+        return _densify(
+            read(csr.values, wire, "data").astype(target),
+            shape,
+            read(csr.crow_indices, np.dtype("<i8"), "crow_indices"),
+            read(csr.col_indices, np.dtype("<i8"), "col_indices"),
+            where,
+        )
+    return _shaped(read(msg.dense, wire, "data").astype(target), shape or None, where)
+
+
+def _reject_chunk(kind: str | None, where: str) -> None:
+    if kind is None:
+        raise UserError(f"{where} is empty; {_SUPPORTED_CHUNK}")
+    name = {"image": "image", "image_asset_pointer": "image", "dmel": "audio (dmel)"}.get(kind, repr(kind))
+    raise UserError(f"{where}: {name} chunks are not supported by this backend; {_SUPPORTED_CHUNK}")
+
+
+# ---- tensors (shared by proto and JSON) ----------------------------------------------------
+
+
+def _shaped(flat: np.ndarray, shape: list[int] | None, where: str) -> np.ndarray:
+    if shape is None:
+        return flat  # tinker's convention: no shape means 1-D
+    if any(d < 0 for d in shape) or math.prod(shape) != flat.size:
+        raise UserError(f"{where} has {flat.size} values but shape {shape}")
+    return flat.reshape(shape)
+
+
+def _densify(values: np.ndarray, shape: list[int], crow: np.ndarray, col: np.ndarray, where: str) -> np.ndarray:
+    """A CSR tensor as a dense array, 0 in the unlisted cells."""
+    if len(shape) != 2 or min(shape) < 0:
+        raise UserError(f"{where} is sparse CSR, so it needs a 2-D shape; got {shape}")
+    rows, cols = shape
+    if rows * cols > MAX_SPARSE_CELLS:
+        raise UserError(f"{where} has sparse shape {shape}, over {MAX_SPARSE_CELLS} cells")
+    nnz = len(values)
+    if (
+        len(crow) != rows + 1
+        or crow[0] != 0
+        or crow[-1] != nnz
+        or np.any(np.diff(crow) < 0)
+        or len(col) != nnz
+        or (nnz and (col.min() < 0 or col.max() >= cols))
+    ):
+        raise UserError(
+            f"{where} has inconsistent sparse CSR indices for shape {shape}: need {rows + 1} non-decreasing "
+            f"crow_indices from 0 to {nnz} and {nnz} col_indices below {cols}"
+        )
+    out = np.zeros((rows, cols), dtype=values.dtype)
+    out[np.repeat(np.arange(rows), np.diff(crow)), col] = values
+    return out
+
+
+def _tensor_from_json(obj: Any, where: str) -> np.ndarray:
+    if not isinstance(obj, dict) or "data" not in obj or "dtype" not in obj:
+        raise UserError(f"{where} must be a TensorData object {{data, dtype, shape?}}")
+    dtype = _JSON_DTYPES.get(obj["dtype"])
+    if dtype is None:
+        raise UserError(f"{where}.dtype is {obj['dtype']!r}; use 'float32' or 'int64'")
+    try:
+        values = np.asarray(obj["data"], dtype=dtype)
+        shape = None if obj.get("shape") is None else [int(d) for d in obj["shape"]]
+        crow, col = obj.get("sparse_crow_indices"), obj.get("sparse_col_indices")
+        if crow is not None or col is not None:
+            if crow is None or col is None:
+                raise UserError(f"{where} needs both sparse_crow_indices and sparse_col_indices")
+            crow_a, col_a = np.asarray(crow, dtype=np.int64), np.asarray(col, dtype=np.int64)
+            if values.ndim != 1 or crow_a.ndim != 1 or col_a.ndim != 1:
+                raise UserError(f"{where} sparse data and indices must be flat lists")
+            return _densify(values, shape or [], crow_a, col_a, where)
+    except UserError:
+        raise
+    except (TypeError, ValueError, OverflowError) as e:
+        raise UserError(f"{where} is not a flat list of {obj['dtype']} numbers ({e})") from None
+    return _shaped(values.reshape(-1), shape, where)
+
+
+# ---- requests: JSON ------------------------------------------------------------------------
+
+
+def model_input_tokens(obj: Any, where: str = "model_input") -> list[int]:
+    """Token ids of a JSON ModelInput `{chunks: [{type: "encoded_text", tokens: [...]}, ...]}`."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("chunks"), list):
+        raise UserError(f"{where} must be a ModelInput object {{chunks: [...]}}")
+    tokens: list[int] = []
+    for j, chunk in enumerate(obj["chunks"]):
+        here = f"{where}.chunks[{j}]"
+        if not isinstance(chunk, dict):
+            raise UserError(f"{here} must be an object; {_SUPPORTED_CHUNK}")
+        kind = chunk.get("type", "encoded_text" if "tokens" in chunk else None)
+        if kind != "encoded_text":
+            _reject_chunk(kind, here)
+        ids = chunk.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise UserError(f"{here}.tokens must be a list of integer token ids")
+        tokens.extend(ids)
+    return tokens
+
+
+def datum_from_json(obj: Any, where: str = "datum") -> Datum:
+    """A JSON tinker Datum `{model_input, loss_fn_inputs: {name: TensorData}}` as an engine Datum."""
+    if not isinstance(obj, dict):
+        raise UserError(f"{where} must be a Datum object {{model_input, loss_fn_inputs}}")
+    inputs = obj.get("loss_fn_inputs") or {}
+    if not isinstance(inputs, dict):
+        raise UserError(f"{where}.loss_fn_inputs must map names to TensorData objects")
+    return Datum(
+        tokens=model_input_tokens(obj.get("model_input"), f"{where}.model_input"),
+        loss_fn_inputs={k: _tensor_from_json(v, f"{where}.loss_fn_inputs[{k!r}]") for k, v in inputs.items()},
+    )
+
+
+def forward_backward_from_json(obj: Any, forward_only: bool = False) -> ForwardBackwardCall:
+    """A JSON forward_backward (or legacy /forward) body: {model_id, seq_id, forward_backward_input |
+    forward_input: {data, loss_fn, loss_fn_config?}}. The 0.38 SDK itself only sends protobuf."""
+    if not isinstance(obj, dict) or not obj.get("model_id"):
+        raise UserError("forward_backward body must be an object with a model_id")
+    key = "forward_input" if "forward_input" in obj else "forward_backward_input"
+    fb = obj.get(key)
+    if not isinstance(fb, dict) or not isinstance(fb.get("data"), list):
+        raise UserError(f"forward_backward body needs {key}: {{data: [Datum...], loss_fn, loss_fn_config?}}")
+    seq_id = obj.get("seq_id") or 0
+    if not isinstance(seq_id, int) or isinstance(seq_id, bool):
+        raise UserError(f"seq_id must be an integer, got {seq_id!r}")
+    config = fb.get("loss_fn_config") or {}
+    if not isinstance(config, dict) or not all(
+        isinstance(v, (int, float, str)) and not isinstance(v, bool) for v in config.values()
+    ):
+        raise UserError("loss_fn_config must map names to numbers or strings")
+    return ForwardBackwardCall(
+        model_id=str(obj["model_id"]),
+        seq_id=seq_id,
+        loss_fn=str(fb.get("loss_fn", "cross_entropy")),
+        loss_fn_config={k: v if isinstance(v, str) else float(v) for k, v in config.items()},
+        forward_only=bool(obj.get("forward_only", forward_only or key == "forward_input")),
+        data=[datum_from_json(d, f"data[{i}]") for i, d in enumerate(fb["data"])],
+    )
+
+
+def sampling_params_from_json(obj: Any) -> SamplingParams:
+    """asample's `sampling_params`. Absent max_tokens stays None (the engine picks a default)."""
+    if obj is None:
+        obj = {}
+    if not isinstance(obj, dict):
+        raise UserError("sampling_params must be an object {max_tokens?, seed?, stop?, temperature, top_k, top_p}")
+
+    def number(key: str, default: Any, kind: type) -> Any:
+        value = obj.get(key)
+        if value is None:
+            return default
+        ok = isinstance(value, int) if kind is int else isinstance(value, (int, float))
+        if not ok or isinstance(value, bool):
+            raise UserError(f"sampling_params.{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+        return kind(value)
+
+    stop = obj.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    elif stop is not None:
+        is_id = lambda s: isinstance(s, int) and not isinstance(s, bool)  # noqa: E731
+        if not isinstance(stop, list) or not (all(isinstance(s, str) for s in stop) or all(map(is_id, stop))):
+            raise UserError("sampling_params.stop must be a string, a list of strings or a list of token ids")
+    return SamplingParams(
+        max_tokens=number("max_tokens", None, int),
+        temperature=number("temperature", 1.0, float),
+        top_k=number("top_k", -1, int),
+        top_p=number("top_p", 1.0, float),
+        seed=number("seed", None, int),
+        stop=stop,
+    )
+
+
+# ---- results: protobuf ---------------------------------------------------------------------
+
+
+def encode_forward_backward_output(result: ForwardResult) -> bytes:
+    """A ForwardResult as the protobuf ForwardBackwardOutput the SDK decodes.
+
+    Each loss_fn_outputs field becomes a BatchedTensor: the datums' arrays concatenated,
+    int64 byte offsets (num_datums + 1, from 0) and the dims after the first. Datums whose
+    trailing shapes differ (ragged K) go into separate ArrayRecords, which the SDK joins.
+    """
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    for key, value in result.metrics.items():
+        msg.metrics[key] = float(value)
+    groups: list[tuple[list, list[dict[str, np.ndarray]]]] = []  # (signature, datums)
+    for out in result.loss_fn_outputs:
+        out = {k: np.atleast_1d(np.asarray(v)) for k, v in out.items()}
+        sig = sorted((k, _proto_dtype(v, k), v.shape[1:]) for k, v in out.items())
+        if groups and sig == groups[-1][0]:
+            groups[-1][1].append(out)
+            continue
+        if groups and sorted(out) != [s[0] for s in groups[-1][0]]:
+            raise ValueError("every datum's loss_fn_outputs must have the same field names")
+        groups.append((sig, [out]))
+    for sig, datums in groups:
+        record = msg.loss_fn_outputs.add(num_datums=len(datums))
+        for name, proto_dtype, trailing in sig:
+            wire = _PROTO_DTYPES[proto_dtype][0]
+            parts = [np.ascontiguousarray(out[name], dtype=wire).tobytes() for out in datums]
+            offsets = np.cumsum([0] + [len(p) for p in parts]).astype("<i8")
+            record.fields[name].CopyFrom(
+                pb.BatchedTensor(
+                    data=b"".join(parts), offsets=offsets.tobytes(), dtype=proto_dtype, trailing_shape=trailing
+                )
+            )
+    return msg.SerializeToString()
+
+
+def _proto_dtype(arr: np.ndarray, name: str) -> int:
+    if arr.dtype.kind == "f":
+        return pb.DTYPE_FLOAT32
+    if arr.dtype.kind in "iub":
+        return pb.DTYPE_INT64
+    raise ValueError(f"loss_fn_outputs[{name!r}] has dtype {arr.dtype}; only numbers go on the wire")
+
+
+def encode_sample_response(result: SampleResult) -> bytes:
+    """A SampleResult as the protobuf SampleResponse the SDK decodes.
+
+    Sampled logprobs are always sent. Prompt logprobs are float32 with NaN where None
+    (position 0). Top-k prompt logprobs are an N x K row-major matrix, K the longest row;
+    empty cells are token 0 / logprob -99999.0, which the SDK reads back as None.
+    """
+    msg = pb.SampleResponse()
+    for i, seq in enumerate(result.sequences):
+        if seq.stop_reason not in _STOP_REASONS:
+            raise ValueError(f"sequences[{i}].stop_reason is {seq.stop_reason!r}; expected 'stop' or 'length'")
+        if len(seq.logprobs) != len(seq.tokens):
+            raise ValueError(f"sequences[{i}] has {len(seq.tokens)} tokens but {len(seq.logprobs)} logprobs")
+        msg.sequences.add(
+            stop_reason=_STOP_REASONS[seq.stop_reason],
+            tokens=np.asarray(seq.tokens, dtype="<i4").tobytes(),
+            logprobs=np.asarray(seq.logprobs, dtype="<f4").tobytes(),
+        )
+    if result.prompt_logprobs is not None:
+        lps = [math.nan if lp is None else lp for lp in result.prompt_logprobs]
+        msg.prompt_logprobs = np.asarray(lps, dtype="<f4").tobytes()
+    if result.topk_prompt_logprobs is not None:
+        rows = result.topk_prompt_logprobs
+        n, k = len(rows), max((len(r) for r in rows if r), default=0)
+        ids = np.zeros((n, k), dtype="<i4")
+        lps = np.full((n, k), TOPK_EMPTY_LOGPROB, dtype="<f4")
+        for i, row in enumerate(rows):
+            for j, (token, lp) in enumerate(row or ()):
+                ids[i, j], lps[i, j] = token, lp
+        msg.topk_prompt_logprobs.CopyFrom(
+            pb.TopkLogprobs(length=n, k=k, token_ids=ids.tobytes(), logprobs=lps.tobytes())
+        )
+    return msg.SerializeToString()

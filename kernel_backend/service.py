@@ -1,0 +1,495 @@
+"""The training-session service: what each API call does, independent of HTTP.
+
+It owns the store (durable rows), the scheduler (the thread that runs the engines) and the
+futures' waiters. Routers in `kernel_backend.api` parse requests into the SDK's own pydantic
+types, call one method here, and turn the answer into a response. Direct answers are plain
+dicts; queued work returns a `FutureRow` whose result the client polls with retrieve_future.
+
+Errors: `UserError` for bad input (the router answers 400), `NotFound` for ids the caller
+cannot see (404, also for another tenant's ids, so their existence is not revealed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import logging
+import threading
+import uuid
+from pathlib import Path
+
+
+from kernel_backend import models
+from kernel_backend.config import Settings
+from kernel_backend.engine import Engine, Pass
+from kernel_backend.scheduler import Job, Scheduler, error_payload
+from kernel_backend.store import (
+    CheckpointRow,
+    FutureRow,
+    ModelRow,
+    SamplerRow,
+    SessionRow,
+    Store,
+    now,
+    parse_tinker_path,
+    tinker_path,
+)
+from kernel_backend.types import AdamParams, Datum, LoraConfig, SamplingParams, UserError
+
+log = logging.getLogger("stepwise.service")
+
+JSON_TYPE = "application/json"
+PROTO_TYPE = "application/x-protobuf"
+# How many in-memory sampler snapshots (save_weights_and_get_sampling_client) a run keeps.
+SNAPSHOTS_PER_RUN = 4
+# A long poll answers try_again after this long, well inside the SDK's 45 s timeout.
+POLL_HOLD_S = 20.0
+
+
+class NotFound(LookupError):
+    pass
+
+
+def _json(obj: dict) -> tuple[bytes, str]:
+    return json.dumps(obj).encode(), JSON_TYPE
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Service:
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or Settings()
+        self.store = Store(self.settings.database_url, self.settings.checkpoints_dir)
+        self.scheduler = Scheduler(
+            load_engine=lambda name: Engine(name, self.settings),
+            on_done=self._on_done,
+            max_batch_tokens=self.settings.max_batch_tokens,
+        )
+        self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        self._waiters_lock = threading.Lock()
+        self._snapshots: dict[str, list[str]] = {}  # run id -> its in-memory sampler ids, oldest first
+        self._fail_interrupted_futures()
+
+    def start(self, preload: list[str] | None = None) -> None:
+        """Load base models (before serving, so the first request is not slow) and start the thread."""
+        for name in preload if preload is not None else [models.DEFAULT_MODEL, *self.settings.base_models]:
+            self.scheduler.engine(self._model_name(name))
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+    def _fail_interrupted_futures(self) -> None:
+        """Futures left pending by a previous process will never finish: fail them, retriably."""
+        for row in self.store.list(FutureRow, FutureRow.status == "pending"):
+            payload = error_payload("the server restarted while this request was in flight; submit it again", "server")
+            self.store.finish_future(row.request_id, "failed", payload, JSON_TYPE)
+
+    # ---- futures -------------------------------------------------------------------------------
+
+    def _submit(self, tenant: str, request_type: str, dedupe_key: str, job: Job, ordered: bool, extra=None) -> FutureRow:
+        row = FutureRow(
+            request_id=job.request_id,
+            dedupe_key=dedupe_key,
+            tenant=tenant,
+            request_type=request_type,
+            model_id=job.lane,
+            extra=extra or {},
+        )
+        row, created = self.store.insert_future(row)
+        if created:
+            self.scheduler.submit(job, ordered=ordered)
+        return row
+
+    def _on_done(self, request_id: str, status: str, payload: bytes, content_type: str) -> None:
+        self.store.finish_future(request_id, status, payload, content_type)
+        with self._waiters_lock:
+            waiters = self._waiters.pop(request_id, [])
+        for loop, event in waiters:
+            loop.call_soon_threadsafe(event.set)
+
+    async def retrieve(self, tenant: str, request_id: str) -> FutureRow | None:
+        """The finished future, or None if it is still running after a long poll (try again)."""
+        row = self.store.get(FutureRow, request_id, tenant)
+        if row is None:
+            raise NotFound(f"unknown request_id {request_id!r}")
+        if row.status != "pending":
+            return row
+        event = asyncio.Event()
+        with self._waiters_lock:
+            self._waiters.setdefault(request_id, []).append((asyncio.get_running_loop(), event))
+        row = self.store.get(FutureRow, request_id)  # it may have finished before we registered
+        if row.status == "pending":
+            try:
+                await asyncio.wait_for(event.wait(), POLL_HOLD_S)
+            except asyncio.TimeoutError:
+                return None
+            row = self.store.get(FutureRow, request_id)
+        return row
+
+    # ---- sessions --------------------------------------------------------------------------------
+
+    def create_session(self, tenant: str, tags, user_metadata, sdk_version, display_name=None) -> dict:
+        session_id = _new_id()[:20]
+        self.store.add(
+            SessionRow(
+                id=session_id,
+                tenant=tenant,
+                tags=list(tags or []),
+                user_metadata=dict(user_metadata or {}),
+                display_name=display_name,
+                sdk_version=sdk_version,
+            )
+        )
+        return {"session_id": session_id, "type": "create_session"}
+
+    def _session(self, tenant: str, session_id: str) -> SessionRow:
+        row = self.store.get(SessionRow, session_id, tenant)
+        if row is None:
+            raise NotFound(f"unknown session {session_id!r}; create one with ServiceClient()")
+        return row
+
+    def heartbeat(self, tenant: str, session_id: str) -> dict:
+        self._session(tenant, session_id)
+        self.store.update(SessionRow, session_id, last_heartbeat=now())
+        return {"type": "session_heartbeat"}
+
+    def finish_session(self, tenant: str, session_id: str, reason: str | None) -> dict:
+        self._session(tenant, session_id)
+        self.store.update(SessionRow, session_id, status="finished")
+        return {}
+
+    def get_session(self, tenant: str, session_id: str) -> dict:
+        row = self._session(tenant, session_id)
+        runs = self.store.list(ModelRow, ModelRow.session_id == session_id, order=ModelRow.created_at)
+        samplers = self.store.list(SamplerRow, SamplerRow.session_id == session_id, order=SamplerRow.created_at)
+        return {
+            "training_run_ids": [r.id for r in runs],
+            "sampler_ids": [s.id for s in samplers],
+            "user_metadata": {k: str(v) for k, v in (row.user_metadata or {}).items()},
+            "display_name": row.display_name,
+        }
+
+    def list_sessions(self, tenant: str, limit: int, offset: int) -> dict:
+        rows = self.store.list(SessionRow, SessionRow.tenant == tenant, order=SessionRow.created_at.desc(), limit=limit, offset=offset)
+        return {"sessions": [r.id for r in rows]}
+
+    # ---- training runs -----------------------------------------------------------------------------
+
+    def _model_name(self, name: str) -> str:
+        """Canonical base-model name; UserError naming the available ones if unknown."""
+        return models.resolve(name, self.settings.models_dir)[0]
+
+    def _run(self, tenant: str, model_id: str) -> ModelRow:
+        row = self.store.get(ModelRow, model_id, tenant)
+        if row is None:
+            raise NotFound(f"unknown training run {model_id!r}")
+        return row
+
+    def create_model(self, tenant: str, session_id: str, model_seq_id: int, base_model: str, lora: dict | None,
+                     optimizer_type: str, user_metadata: dict | None) -> FutureRow:
+        self._session(tenant, session_id)
+        if optimizer_type != "adamw":
+            raise UserError(f"optimizer {optimizer_type!r} is not supported; this backend supports: adamw")
+        config = LoraConfig(**{"rank": 32, **{k: v for k, v in (lora or {}).items() if v is not None}})
+        if not 1 <= config.rank <= 512:
+            raise UserError(f"lora rank must be from 1 to 512, got {config.rank}")
+        base = self._model_name(base_model)
+        model_id = f"{session_id}:train:{model_seq_id}"
+        if self.store.get(ModelRow, model_id) is None:
+            self.store.add(ModelRow(id=model_id, session_id=session_id, tenant=tenant, base_model=base,
+                                    lora_config=vars(config), user_metadata=dict(user_metadata or {})))
+
+        def run(engine: Engine):
+            engine.create_adapter(model_id, config)
+            return _json({"model_id": model_id, "type": "create_model"})
+
+        job = Job(_new_id(), model_id, base, seq=None, run=run)
+        return self._submit(tenant, "CreateModel", f"create_model:{session_id}:{model_seq_id}", job, ordered=True)
+
+    def get_info(self, tenant: str, model_id: str) -> dict:
+        run = self._run(tenant, model_id)
+        _, path = models.resolve(run.base_model, self.settings.models_dir)
+        return {
+            "type": "get_info",
+            "model_id": model_id,
+            "model_data": {"arch": "llama", "model_name": run.base_model, "tokenizer_id": str(path)},
+            "is_lora": True,
+            "lora_rank": run.lora_config["rank"],
+            "model_name": run.base_model,
+        }
+
+    def _touch(self, model_id: str) -> None:
+        self.store.update(ModelRow, model_id, last_request_time=now())
+
+    def forward_backward(self, tenant: str, model_id: str, seq_id: int, data: list[Datum], loss_fn: str,
+                         loss_fn_config: dict | None, forward_only: bool, encode) -> FutureRow:
+        run = self._run(tenant, model_id)
+        self._touch(model_id)
+        fb = Pass(model_id, data, loss_fn, loss_fn_config, forward_only)
+        job = Job(_new_id(), model_id, run.base_model, seq=seq_id, fb_pass=fb,
+                  encode=lambda result: (encode(result), PROTO_TYPE), tokens=sum(len(d.tokens) for d in data))
+        kind = "Forward" if forward_only else "ForwardBackward"
+        return self._submit(tenant, kind, f"train:{model_id}:{seq_id}", job, ordered=True)
+
+    def optim_step(self, tenant: str, model_id: str, seq_id: int, params: AdamParams) -> FutureRow:
+        run = self._run(tenant, model_id)
+        self._touch(model_id)
+
+        def step(engine: Engine):
+            return _json({"metrics": engine.optim_step(model_id, params), "type": "optim_step"})
+
+        job = Job(_new_id(), model_id, run.base_model, seq=seq_id, run=step)
+        return self._submit(tenant, "OptimStep", f"train:{model_id}:{seq_id}", job, ordered=True)
+
+    def save_weights(self, tenant: str, model_id: str, seq_id: int, name: str | None, kind: str,
+                     overwrite: bool = True, ttl_seconds: int | None = None, user_metadata: dict | None = None) -> FutureRow:
+        """save_state (kind "training": weights + optimizer) or save_weights_for_sampler (kind "sampler")."""
+        run = self._run(tenant, model_id)
+        name = name or f"{kind}-{seq_id:06d}"
+        if "/" in name or name in (".", "..") or not name.strip():
+            raise UserError(f"checkpoint name {name!r} must be a plain name without '/'")
+        path = tinker_path(model_id, kind, name)
+        directory = self.store.checkpoint_dir(tenant, model_id, kind, name)
+        expires = now() + dt.timedelta(seconds=ttl_seconds) if ttl_seconds else None
+
+        def save(engine: Engine):
+            existing = self.store.checkpoint_by_path(path)
+            if existing is not None and not overwrite:
+                raise UserError(f"checkpoint {path} already exists; pass overwrite=True or pick another name")
+            if kind == "training":
+                engine.save_state(model_id, directory)
+            else:
+                engine.save_weights_for_sampler(model_id, directory)
+            if existing is not None:
+                self.store.delete_checkpoint(existing)
+            self.store.add(CheckpointRow(tinker_path=path, model_id=model_id, tenant=tenant, kind=kind, name=name,
+                                         directory=str(directory), size_bytes=_size(directory), expires_at=expires,
+                                         user_metadata=dict(user_metadata or {})))
+            return _json({"path": path, "type": "save_weights" if kind == "training" else "save_weights_for_sampler"})
+
+        job = Job(_new_id(), model_id, run.base_model, seq=seq_id, run=save)
+        request_type = "SaveWeights" if kind == "training" else "SaveWeightsForSampler"
+        return self._submit(tenant, request_type, f"train:{model_id}:{seq_id}", job, ordered=True)
+
+    def snapshot_for_sampler(self, tenant: str, model_id: str, seq_id: int, sampling_session_seq_id: int) -> FutureRow:
+        """save_weights_and_get_sampling_client: an in-memory copy of the weights, with a sampler id."""
+        run = self._run(tenant, model_id)
+        sampler_id = f"{run.session_id}:sample:{sampling_session_seq_id}"
+
+        def snapshot(engine: Engine):
+            engine.snapshot_sampler(model_id, sampler_id)
+            if self.store.get(SamplerRow, sampler_id) is None:
+                self.store.add(SamplerRow(id=sampler_id, session_id=run.session_id, tenant=tenant,
+                                          base_model=run.base_model, source_model_id=model_id))
+            kept = self._snapshots.setdefault(model_id, [])
+            kept.append(sampler_id)
+            while len(kept) > SNAPSHOTS_PER_RUN:
+                engine.delete_adapter(kept.pop(0))
+            return _json({"path": None, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
+
+        job = Job(_new_id(), model_id, run.base_model, seq=seq_id, run=snapshot)
+        return self._submit(tenant, "SaveWeightsForSampler", f"train:{model_id}:{seq_id}", job, ordered=True)
+
+    def load_weights(self, tenant: str, path: str, with_optimizer: bool, model_id: str | None = None,
+                     seq_id: int | None = None, session_id: str | None = None, model_seq_id: int | None = None,
+                     user_metadata: dict | None = None) -> FutureRow:
+        """Legacy load_state into an existing run, or create a new run from a checkpoint."""
+        checkpoint = self._checkpoint(tenant, path)
+        source = self.store.get(ModelRow, checkpoint.model_id)
+        directory = Path(checkpoint.directory)
+        if model_id is None:  # create-via-load
+            if session_id is None or model_seq_id is None:
+                raise UserError("load_weights needs either model_id, or session_id and model_seq_id")
+            self._session(tenant, session_id)
+            model_id = f"{session_id}:train:{model_seq_id}"
+            if self.store.get(ModelRow, model_id) is None:
+                self.store.add(ModelRow(id=model_id, session_id=session_id, tenant=tenant, base_model=source.base_model,
+                                        lora_config=source.lora_config, user_metadata=dict(user_metadata or source.user_metadata or {})))
+            dedupe, seq = f"create_model:{session_id}:{model_seq_id}", None
+        else:
+            run = self._run(tenant, model_id)
+            if run.base_model != source.base_model:
+                raise UserError(f"checkpoint {path} is for {source.base_model}, but {model_id} trains {run.base_model}")
+            dedupe, seq = f"train:{model_id}:{seq_id}", seq_id
+        target = model_id
+
+        def load(engine: Engine):
+            if checkpoint.kind == "training":
+                engine.load_state(target, directory, with_optimizer=with_optimizer)
+            else:
+                engine.load_state(target, directory, with_optimizer=False)
+            return _json({"path": path, "model_id": target, "type": "load_weights"})
+
+        job = Job(_new_id(), target, source.base_model, seq=seq, run=load)
+        return self._submit(tenant, "LoadWeights", dedupe, job, ordered=True)
+
+    # ---- sampling -------------------------------------------------------------------------------
+
+    def create_sampling_session(self, tenant: str, session_id: str, seq: int, base_model: str | None,
+                                model_path: str | None) -> dict:
+        self._session(tenant, session_id)
+        sampler_id = f"{session_id}:sample:{seq}"
+        if self.store.get(SamplerRow, sampler_id) is None:
+            if model_path:
+                checkpoint = self._checkpoint(tenant, model_path)
+                base = self.store.get(ModelRow, checkpoint.model_id).base_model
+            elif base_model:
+                base = self._model_name(base_model)
+            else:
+                raise UserError("create_sampling_session needs base_model or model_path")
+            self.store.add(SamplerRow(id=sampler_id, session_id=session_id, tenant=tenant, base_model=base,
+                                      model_path=model_path))
+        return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
+
+    def get_sampler(self, tenant: str, sampler_id: str) -> dict:
+        row = self._sampler(tenant, sampler_id)
+        return {"sampler_id": row.id, "base_model": row.base_model, "model_path": row.model_path}
+
+    def _sampler(self, tenant: str, sampler_id: str) -> SamplerRow:
+        row = self.store.get(SamplerRow, sampler_id, tenant)
+        if row is None:
+            raise NotFound(f"unknown sampling session {sampler_id!r}")
+        return row
+
+    def sample(self, tenant: str, sampler_id: str, seq_id: int, prompt: list[int], num_samples: int,
+               params: SamplingParams, prompt_logprobs: bool, topk_prompt_logprobs: int, encode) -> FutureRow:
+        sampler = self._sampler(tenant, sampler_id)
+        request_id = _new_id()
+
+        def sample(engine: Engine):
+            adapter_id = self._ensure_sampler(engine, sampler)
+            result = engine.sample(adapter_id, prompt, num_samples, params, prompt_logprobs, topk_prompt_logprobs)
+            return encode(result), PROTO_TYPE
+
+        job = Job(request_id, sampler_id, sampler.base_model, seq=None, run=sample)
+        ids = [f"{request_id}:{i}" for i in range(num_samples)]
+        return self._submit(tenant, "Sample", f"sample:{sampler_id}:{seq_id}", job, ordered=False,
+                            extra={"sample_sequence_ids": ids})
+
+    def _ensure_sampler(self, engine: Engine, sampler: SamplerRow) -> str | None:
+        """The engine adapter a sampler samples from (None: the base model). Scheduler thread only."""
+        if sampler.source_model_id is None and sampler.model_path is None:
+            return None
+        if engine.has_adapter(sampler.id):
+            return sampler.id
+        if sampler.model_path is None:
+            raise UserError(
+                f"sampler {sampler.id} was an in-memory snapshot that is no longer kept (only the newest "
+                f"{SNAPSHOTS_PER_RUN} per run are); call save_weights_and_get_sampling_client again"
+            )
+        checkpoint = self.store.checkpoint_by_path(sampler.model_path)
+        if checkpoint is None:
+            raise UserError(f"checkpoint {sampler.model_path} was deleted")
+        engine.load_sampler(sampler.id, Path(checkpoint.directory))
+        return sampler.id
+
+    # ---- checkpoints and runs (REST) --------------------------------------------------------------
+
+    def _checkpoint(self, tenant: str, path: str) -> CheckpointRow:
+        parse_tinker_path(path)
+        row = self.store.checkpoint_by_path(path, tenant)
+        if row is None:
+            raise NotFound(f"no checkpoint at {path}")
+        return row
+
+    def training_run(self, tenant: str, model_id: str) -> dict:
+        return self._training_run_json(self._run(tenant, model_id))
+
+    def _training_run_json(self, run: ModelRow) -> dict:
+        checkpoints = self.store.list(CheckpointRow, CheckpointRow.model_id == run.id, order=CheckpointRow.created_at)
+        last = {kind: next((c for c in reversed(checkpoints) if c.kind == kind), None) for kind in ("training", "sampler")}
+        return {
+            "training_run_id": run.id,
+            "base_model": run.base_model,
+            "model_owner": run.tenant,
+            "is_lora": True,
+            "lora_rank": run.lora_config["rank"],
+            "last_request_time": _iso(run.last_request_time),
+            "last_checkpoint": _checkpoint_json(last["training"]) if last["training"] else None,
+            "last_sampler_checkpoint": _checkpoint_json(last["sampler"]) if last["sampler"] else None,
+            "user_metadata": {k: str(v) for k, v in (run.user_metadata or {}).items()},
+        }
+
+    def training_runs(self, tenant: str, limit: int, offset: int) -> dict:
+        where = (ModelRow.tenant == tenant,)
+        rows = self.store.list(ModelRow, *where, order=ModelRow.created_at.desc(), limit=limit, offset=offset)
+        return {
+            "training_runs": [self._training_run_json(r) for r in rows],
+            "cursor": {"offset": offset, "limit": limit, "total_count": self.store.count(ModelRow, *where)},
+        }
+
+    def checkpoints(self, tenant: str, model_id: str | None, limit: int = 100, offset: int = 0) -> dict:
+        where = [CheckpointRow.tenant == tenant]
+        if model_id is not None:
+            self._run(tenant, model_id)
+            where.append(CheckpointRow.model_id == model_id)
+        rows = self.store.list(CheckpointRow, *where, order=CheckpointRow.created_at.desc(), limit=limit, offset=offset)
+        return {
+            "checkpoints": [_checkpoint_json(r) for r in rows],
+            "cursor": {"offset": offset, "limit": limit, "total_count": self.store.count(CheckpointRow, *where)},
+        }
+
+    def delete_checkpoint(self, tenant: str, model_id: str, segment: str, name: str) -> dict:
+        path = f"tinker://{model_id}/{segment}/{name}"
+        row = self._checkpoint(tenant, path)
+        if row.tenant != tenant:
+            raise NotFound(f"no checkpoint at {path}")
+        self.store.delete_checkpoint(row)
+        import shutil
+
+        shutil.rmtree(row.directory, ignore_errors=True)
+        return {}
+
+    def weights_info(self, tenant: str, path: str) -> dict:
+        row = self._checkpoint(tenant, path)
+        run = self.store.get(ModelRow, row.model_id)
+        lora = run.lora_config
+        return {
+            "base_model": run.base_model,
+            "is_lora": True,
+            "lora_rank": lora["rank"],
+            "train_unembed": lora["train_unembed"],
+            "train_mlp": lora["train_mlp"],
+            "train_attn": lora["train_attn"],
+        }
+
+    def capabilities(self) -> dict:
+        names = dict.fromkeys([*models.available_models(), *self.scheduler.engines])
+        supported = []
+        for name in names:
+            engine = self.scheduler.engines.get(name)
+            supported.append({
+                "model_name": name,
+                "max_context_length": engine.max_context if engine else None,
+                "trainable": True,
+                "sampleable": True,
+            })
+        return {"supported_models": supported}
+
+
+def _size(directory: Path) -> int:
+    return sum(p.stat().st_size for p in Path(directory).rglob("*") if p.is_file())
+
+
+def _iso(t: dt.datetime) -> str:
+    if t.tzinfo is None:  # SQLite returns naive datetimes; we store UTC
+        t = t.replace(tzinfo=dt.timezone.utc)
+    return t.isoformat()
+
+
+def _checkpoint_json(row: CheckpointRow) -> dict:
+    segment = "weights" if row.kind == "training" else "sampler_weights"
+    return {
+        "checkpoint_id": f"{segment}/{row.name}",
+        "checkpoint_type": row.kind,
+        "time": _iso(row.created_at),
+        "tinker_path": row.tinker_path,
+        "size_bytes": row.size_bytes,
+        "public": row.public,
+        "user_metadata": {k: str(v) for k, v in (row.user_metadata or {}).items()} or None,
+        "expires_at": _iso(row.expires_at) if row.expires_at else None,
+    }

@@ -1,0 +1,223 @@
+"""The service's durable record: SQLAlchemy tables and the checkpoint folder.
+
+Tables: sessions, training runs (models), samplers, futures and checkpoints. SQLite under
+$STEPWISE_HOME by default; any SQLAlchemy URL (PostgreSQL) through STEPWISE_DATABASE_URL.
+Every row carries its tenant. Futures are keyed by a `dedupe_key` built from the client's
+sequence numbers, so a retried submission finds the original future instead of running twice.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    create_engine,
+    event,
+    select,
+)
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+
+def now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class SessionRow(Base):
+    __tablename__ = "sessions"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    tags: Mapped[list] = mapped_column(JSON, default=list)
+    user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
+    display_name: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    sdk_version: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
+    last_heartbeat: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
+    status: Mapped[str] = mapped_column(String(16), default="active")  # active | finished | expired
+
+
+class ModelRow(Base):
+    """A training run: one LoRA adapter (+ optimizer) over a base model."""
+
+    __tablename__ = "models"
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)  # "{session}:train:{n}"
+    session_id: Mapped[str] = mapped_column(String(64), index=True)
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    base_model: Mapped[str] = mapped_column(String(512))
+    lora_config: Mapped[dict] = mapped_column(JSON)
+    user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
+    last_request_time: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
+
+
+class SamplerRow(Base):
+    __tablename__ = "samplers"
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)  # "{session}:sample:{n}"
+    session_id: Mapped[str] = mapped_column(String(64), index=True)
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    base_model: Mapped[str] = mapped_column(String(512))
+    model_path: Mapped[str | None] = mapped_column(String(1024), nullable=True)  # tinker:// path, if any
+    source_model_id: Mapped[str | None] = mapped_column(String(128), nullable=True)  # ephemeral snapshots
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
+
+
+class FutureRow(Base):
+    __tablename__ = "futures"
+    request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    dedupe_key: Mapped[str] = mapped_column(String(256), unique=True)
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    request_type: Mapped[str] = mapped_column(String(32))
+    model_id: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)
+    status: Mapped[str] = mapped_column(String(16), default="pending")  # pending | done | failed
+    # The reply for a finished future: JSON text or protobuf bytes, with its content type.
+    result: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    content_type: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    extra: Mapped[dict] = mapped_column(JSON, default=dict)  # e.g. sample_sequence_ids
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
+    completed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class CheckpointRow(Base):
+    __tablename__ = "checkpoints"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tinker_path: Mapped[str] = mapped_column(String(1024), unique=True)
+    model_id: Mapped[str] = mapped_column(String(128), index=True)
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    kind: Mapped[str] = mapped_column(String(16))  # training | sampler
+    name: Mapped[str] = mapped_column(String(512))
+    directory: Mapped[str] = mapped_column(Text)
+    size_bytes: Mapped[int] = mapped_column(Integer, default=0)
+    public: Mapped[bool] = mapped_column(Boolean, default=False)
+    user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
+    expires_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+KIND_SEGMENTS = {"training": "weights", "sampler": "sampler_weights"}
+
+
+class Store:
+    """Database access plus the on-disk checkpoint layout. Safe to share between threads."""
+
+    def __init__(self, database_url: str, checkpoints_dir: Path) -> None:
+        if database_url.startswith("sqlite:///"):
+            Path(database_url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        self.engine = create_engine(database_url, pool_pre_ping=True)
+        if self.engine.dialect.name == "sqlite":
+            # WAL lets the API threads read while the scheduler thread writes.
+            @event.listens_for(self.engine, "connect")
+            def _sqlite_pragmas(conn, _record):
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=NORMAL")
+                conn.execute("PRAGMA busy_timeout=10000")
+
+        Base.metadata.create_all(self.engine)
+        self.session = sessionmaker(self.engine, expire_on_commit=False)
+        self.checkpoints_dir = checkpoints_dir
+
+    # ---- generic helpers ----------------------------------------------------------------------
+
+    def add(self, row) -> None:
+        with self.session.begin() as s:
+            s.add(row)
+
+    def get(self, cls, key, tenant: str | None = None):
+        """A row by primary key, or None; with `tenant`, another tenant's row is None too."""
+        with self.session() as s:
+            row = s.get(cls, key)
+        if row is not None and tenant is not None and row.tenant != tenant:
+            return None
+        return row
+
+    def update(self, cls, key, **values) -> None:
+        with self.session.begin() as s:
+            row = s.get(cls, key)
+            if row is not None:
+                for k, v in values.items():
+                    setattr(row, k, v)
+
+    def list(self, cls, *where, order=None, limit: int | None = None, offset: int = 0) -> list:
+        with self.session() as s:
+            q = select(cls).where(*where)
+            if order is not None:
+                q = q.order_by(order)
+            return list(s.scalars(q.offset(offset).limit(limit)))
+
+    def count(self, cls, *where) -> int:
+        from sqlalchemy import func
+
+        with self.session() as s:
+            return s.scalar(select(func.count()).select_from(cls).where(*where))
+
+    # ---- futures --------------------------------------------------------------------------------
+
+    def insert_future(self, row: FutureRow) -> tuple[FutureRow, bool]:
+        """Insert a pending future, or return the existing one with the same dedupe key.
+
+        Returns (row, created). Retries of a submission carry the same sequence numbers, so they
+        land on the original future and the work is never done twice.
+        """
+        existing = self.future_by_key(row.dedupe_key)
+        if existing is not None:
+            return existing, False
+        try:
+            self.add(row)
+            return row, True
+        except IntegrityError:  # a concurrent duplicate won the race
+            return self.future_by_key(row.dedupe_key), False
+
+    def future_by_key(self, dedupe_key: str) -> FutureRow | None:
+        with self.session() as s:
+            return s.scalars(select(FutureRow).where(FutureRow.dedupe_key == dedupe_key)).first()
+
+    def finish_future(self, request_id: str, status: str, result: bytes, content_type: str) -> None:
+        self.update(FutureRow, request_id, status=status, result=result, content_type=content_type, completed_at=now())
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+
+    def checkpoint_dir(self, tenant: str, model_id: str, kind: str, name: str) -> Path:
+        # ':' is legal in model ids but awkward in paths on some filesystems; keep it readable.
+        return self.checkpoints_dir / tenant / model_id.replace(":", "_") / KIND_SEGMENTS[kind] / name
+
+    def checkpoint_by_path(self, tinker_path: str, tenant: str | None = None) -> CheckpointRow | None:
+        with self.session() as s:
+            row = s.scalars(select(CheckpointRow).where(CheckpointRow.tinker_path == tinker_path)).first()
+        if row is not None and tenant is not None and row.tenant != tenant and not row.public:
+            return None
+        return row
+
+    def delete_checkpoint(self, row: CheckpointRow) -> None:
+        with self.session.begin() as s:
+            s.delete(s.get(CheckpointRow, row.id))
+
+
+def tinker_path(model_id: str, kind: str, name: str) -> str:
+    return f"tinker://{model_id}/{KIND_SEGMENTS[kind]}/{name}"
+
+
+def parse_tinker_path(path: str) -> tuple[str, str, str]:
+    """'tinker://{model_id}/{weights|sampler_weights}/{name}' -> (model_id, kind, name)."""
+    from kernel_backend.types import UserError
+
+    if not isinstance(path, str) or not path.startswith("tinker://"):
+        raise UserError(f"checkpoint path must start with 'tinker://', got {path!r}")
+    parts = path.removeprefix("tinker://").split("/")
+    kinds = {v: k for k, v in KIND_SEGMENTS.items()}
+    if len(parts) != 3 or parts[1] not in kinds or not parts[0] or not parts[2]:
+        raise UserError(
+            f"malformed checkpoint path {path!r}; expected tinker://<training run id>/weights/<name> "
+            "or tinker://<training run id>/sampler_weights/<name>"
+        )
+    return parts[0], kinds[parts[1]], parts[2]

@@ -1,0 +1,67 @@
+"""Start a real backend process on a free loopback port, for tests that talk to it over HTTP."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    base_url: str
+    api_key: str
+    home: Path
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def tokenizer_dir(self) -> str:
+        return str(next((self.home / "models").glob("*SmolLM2*")))
+
+    def stop(self, kill: bool = False) -> None:
+        if self.process.poll() is None:
+            (self.process.kill if kill else self.process.terminate)()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_server(home: Path, env: dict[str, str] | None = None, timeout: float = 180) -> Server:
+    port = free_port()
+    log_path = home / f"server-{port}.log"
+    full_env = {**os.environ, "STEPWISE_HOME": str(home), "PYTHONUNBUFFERED": "1", **(env or {})}
+    log = open(log_path, "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kernel_backend", "serve", "--port", str(port)],
+        cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{base_url}/api/v1/healthz", timeout=1).status_code == 200:
+                return Server(base_url, "tml-test-key", home, process, log_path)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    process.kill()
+    raise RuntimeError(f"server did not answer within {timeout}s:\n{log_path.read_text()[-4000:]}")
