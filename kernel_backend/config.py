@@ -30,6 +30,8 @@ class Settings:
     max_batch_tokens: int = field(default_factory=lambda: int(_env("MAX_BATCH_TOKENS", "65536")))
     # Tokens per micro-batch: bigger requests are split and gradients accumulated (exact: losses are sums).
     micro_batch_tokens: int = field(default_factory=lambda: int(_env("MICRO_BATCH_TOKENS", "4096")))
+    # Prices per million tokens (TOML); empty means kernel_backend/prices.toml.
+    prices_path: str = field(default_factory=lambda: _env("PRICES", ""))
     max_sample_tokens: int = field(default_factory=lambda: int(_env("MAX_SAMPLE_TOKENS", "4096")))
 
     def __post_init__(self) -> None:

@@ -135,12 +135,14 @@ class Engine:
         if len(set(trained)) != len(trained):
             raise ValueError("run_passes takes at most one backward pass per adapter")
         for i, p in enumerate(passes):
+            # One entry per pass, whatever fails: configs[i] must stay pass i's config.
             try:
-                configs.append(losses.check_config(p.loss_fn, p.loss_fn_config))
+                config = losses.check_config(p.loss_fn, p.loss_fn_config)
                 rows.extend(self._check_pass(i, p))
             except UserError as e:
-                configs.append({})
+                config = {}
                 results[i] = e
+            configs.append(config)
         live = [i for i, r in enumerate(results) if r is None]
         if not live:
             return results
@@ -178,6 +180,12 @@ class Engine:
             if total is not None:
                 total.backward()
 
+        for i in saved_grads:  # a finite loss can still overflow in backward: never keep inf/NaN gradients
+            if results[i] is None and not _grads_finite(slots[i].adapter):
+                results[i] = UserError(
+                    f"the {passes[i].loss_fn} loss gave non-finite gradients; check that loss_fn_inputs "
+                    "'logprobs' are the sampler's logprobs and advantages are moderate"
+                )
         for i in live:
             if isinstance(results[i], Exception):
                 if i in saved_grads:
@@ -498,12 +506,23 @@ def _check_range(arr: np.ndarray, vocab_size: int, where: str) -> None:
 def _check_adam(p: AdamParams) -> None:
     for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
         value = getattr(p, name)
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise UserError(f"adam_params.{name} must be a finite number, got {value!r}")
-    if p.learning_rate < 0 or p.eps <= 0 or p.weight_decay < 0 or p.grad_clip_norm < 0:
-        raise UserError("adam_params: learning_rate, weight_decay and grad_clip_norm must be >= 0, eps > 0")
-    if not (0 <= p.beta1 < 1 and 0 <= p.beta2 < 1):
-        raise UserError(f"adam_params: beta1 and beta2 must be in [0, 1), got {p.beta1}, {p.beta2}")
+    for name in ("learning_rate", "weight_decay", "grad_clip_norm"):
+        if getattr(p, name) < 0:
+            raise UserError(f"adam_params.{name} must be >= 0, got {getattr(p, name)}")
+    if p.eps <= 0:
+        raise UserError(f"adam_params.eps must be > 0, got {p.eps}")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(p, name) < 1:
+            raise UserError(f"adam_params.{name} must be in [0, 1), got {getattr(p, name)}")
+
+
+def _grads_finite(adapter: lora.Adapter) -> bool:
+    grads = [p.grad for p in adapter.parameters() if p.grad is not None]
+    if not grads:
+        return True
+    return bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
 
 
 def _grads(adapter: lora.Adapter) -> list[torch.Tensor | None]:

@@ -7,8 +7,8 @@ sampler is an unordered lane. Lanes take turns round-robin, so one busy session 
 another. When several lanes have a forward / forward_backward at their head, those passes run
 as one batch with per-row LoRA routing (`Engine.run_passes`).
 
-A job's outcome is handed to `on_done(request_id, status, payload, content_type)`; the service
-stores it and wakes whoever is polling.
+A job's outcome is handed to `on_done(job, status, payload, content_type)`; the service stores
+it with the job's usage (the ledger row) and wakes whoever is polling.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kernel_backend.engine import Engine, Pass
+from kernel_backend.metering import Usage
 from kernel_backend.types import ForwardResult, UserError
 
 log = logging.getLogger("stepwise.scheduler")
@@ -43,7 +44,15 @@ class Job:
     fb_pass: Pass | None = None
     encode: Callable[[ForwardResult], tuple[bytes, str]] | None = None
     tokens: int = 0
+    # Who and what, for the ledger.
+    tenant: str = ""
+    session_id: str | None = None
+    request_type: str = ""
     arrived: float = field(default_factory=time.monotonic)
+    # Filled in while it runs, for the ledger: tokens processed, metrics, seconds of compute.
+    usage: Usage | None = None
+    metrics: dict = field(default_factory=dict)
+    duration_s: float = 0.0
 
 
 @dataclass
@@ -155,6 +164,7 @@ class Scheduler:
         return partners
 
     def _run(self, jobs: list[Job]) -> None:
+        start = time.perf_counter()
         try:
             engine = self.engine(jobs[0].base_model)
         except Exception as e:  # a base model that cannot load fails its jobs, not the thread
@@ -166,14 +176,26 @@ class Scheduler:
                 results = engine.run_passes([j.fb_pass for j in jobs])
             except Exception as e:
                 results = [e] * len(jobs)
+            elapsed = time.perf_counter() - start
             for job, result in zip(jobs, results):
                 if isinstance(result, Exception):
                     self._fail(job, result)
-                else:
-                    self._finish(job, lambda r=result, j=job: j.encode(r))
+                    continue
+                # A batch's time is shared among its passes by their token counts.
+                job.duration_s = elapsed * job.tokens / max(1, sum(j.tokens for j in jobs))
+                job.metrics = result.metrics
+                kind = "prefill_tokens" if job.fb_pass.forward_only else "train_tokens"
+                job.usage = Usage(**{kind: job.tokens})
+                self._finish(job, lambda r=result, j=job: j.encode(r))
             return
         job = jobs[0]
-        self._finish(job, lambda: job.run(engine))
+
+        def produce():
+            reply = job.run(engine)
+            job.duration_s = time.perf_counter() - start
+            return reply
+
+        self._finish(job, produce)
 
     def _finish(self, job: Job, produce: Callable[[], tuple[bytes, str]]) -> None:
         try:
@@ -181,7 +203,7 @@ class Scheduler:
         except Exception as e:
             self._fail(job, e)
             return
-        self._on_done(job.request_id, "done", payload, content_type)
+        self._on_done(job, "done", payload, content_type)
 
     def _fail(self, job: Job, error: Exception) -> None:
         if isinstance(error, UserError):
@@ -189,7 +211,7 @@ class Scheduler:
         else:
             category = "server"
             log.error("request %s failed:\n%s", job.request_id, "".join(traceback.format_exception(error)))
-        self._on_done(job.request_id, "failed", error_payload(str(error), category), "application/json")
+        self._on_done(job, "failed", error_payload(str(error), category), "application/json")
 
 
 def error_payload(message: str, category: str) -> bytes:

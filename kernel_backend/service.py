@@ -22,6 +22,7 @@ from pathlib import Path
 
 from kernel_backend import models
 from kernel_backend.config import Settings
+from kernel_backend.metering import Prices, Usage
 from kernel_backend.engine import Engine, Pass
 from kernel_backend.scheduler import Job, Scheduler, error_payload
 from kernel_backend.store import (
@@ -31,6 +32,7 @@ from kernel_backend.store import (
     SamplerRow,
     SessionRow,
     Store,
+    UsageRow,
     now,
     parse_tinker_path,
     tinker_path,
@@ -63,6 +65,7 @@ class Service:
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings or Settings()
         self.store = Store(self.settings.database_url, self.settings.checkpoints_dir)
+        self.prices = Prices(self.settings.prices_path or None)
         self.scheduler = Scheduler(
             load_engine=lambda name: Engine(name, self.settings),
             on_done=self._on_done,
@@ -90,7 +93,9 @@ class Service:
 
     # ---- futures -------------------------------------------------------------------------------
 
-    def _submit(self, tenant: str, request_type: str, dedupe_key: str, job: Job, ordered: bool, extra=None) -> FutureRow:
+    def _submit(self, tenant: str, request_type: str, dedupe_key: str, job: Job, ordered: bool, extra=None,
+                session_id: str | None = None) -> FutureRow:
+        job.tenant, job.request_type, job.session_id = tenant, request_type, session_id
         row = FutureRow(
             request_id=job.request_id,
             dedupe_key=dedupe_key,
@@ -104,10 +109,25 @@ class Service:
             self.scheduler.submit(job, ordered=ordered)
         return row
 
-    def _on_done(self, request_id: str, status: str, payload: bytes, content_type: str) -> None:
-        self.store.finish_future(request_id, status, payload, content_type)
+    def _on_done(self, job: Job, status: str, payload: bytes, content_type: str) -> None:
+        """Record the outcome and, for a completed request, its ledger row (failures bill nothing)."""
+        ledger = None
+        if status == "done":
+            usage = job.usage or Usage()
+            engine = self.scheduler.engines.get(job.base_model)
+            slot = engine.slots.get(job.lane) if engine else None
+            is_sampler = job.request_type == "Sample"
+            ledger = UsageRow(
+                request_id=job.request_id, tenant=job.tenant, session_id=job.session_id,
+                model_id=None if is_sampler else job.lane, sampler_id=job.lane if is_sampler else None,
+                base_model=job.base_model, request_type=job.request_type,
+                step=slot.steps if slot is not None and not is_sampler else None,
+                prefill_tokens=usage.prefill_tokens, sample_tokens=usage.sample_tokens, train_tokens=usage.train_tokens,
+                cost=self.prices.cost(job.base_model, usage), duration_s=job.duration_s, metrics=job.metrics,
+            )
+        self.store.finish_future(job.request_id, status, payload, content_type, ledger)
         with self._waiters_lock:
-            waiters = self._waiters.pop(request_id, [])
+            waiters = self._waiters.pop(job.request_id, [])
         for loop, event in waiters:
             loop.call_soon_threadsafe(event.set)
 
@@ -208,7 +228,8 @@ class Service:
             return _json({"model_id": model_id, "type": "create_model"})
 
         job = Job(_new_id(), model_id, base, seq=None, run=run)
-        return self._submit(tenant, "CreateModel", f"create_model:{session_id}:{model_seq_id}", job, ordered=True)
+        return self._submit(tenant, "CreateModel", f"create_model:{session_id}:{model_seq_id}", job, ordered=True,
+                            session_id=session_id)
 
     def get_info(self, tenant: str, model_id: str) -> dict:
         run = self._run(tenant, model_id)
@@ -233,17 +254,18 @@ class Service:
         job = Job(_new_id(), model_id, run.base_model, seq=seq_id, fb_pass=fb,
                   encode=lambda result: (encode(result), PROTO_TYPE), tokens=sum(len(d.tokens) for d in data))
         kind = "Forward" if forward_only else "ForwardBackward"
-        return self._submit(tenant, kind, f"train:{model_id}:{seq_id}", job, ordered=True)
+        return self._submit(tenant, kind, f"train:{model_id}:{seq_id}", job, ordered=True, session_id=run.session_id)
 
     def optim_step(self, tenant: str, model_id: str, seq_id: int, params: AdamParams) -> FutureRow:
         run = self._run(tenant, model_id)
         self._touch(model_id)
 
         def step(engine: Engine):
-            return _json({"metrics": engine.optim_step(model_id, params), "type": "optim_step"})
+            job.metrics = engine.optim_step(model_id, params)
+            return _json({"metrics": job.metrics, "type": "optim_step"})
 
         job = Job(_new_id(), model_id, run.base_model, seq=seq_id, run=step)
-        return self._submit(tenant, "OptimStep", f"train:{model_id}:{seq_id}", job, ordered=True)
+        return self._submit(tenant, "OptimStep", f"train:{model_id}:{seq_id}", job, ordered=True, session_id=run.session_id)
 
     def save_weights(self, tenant: str, model_id: str, seq_id: int, name: str | None, kind: str,
                      overwrite: bool = True, ttl_seconds: int | None = None, user_metadata: dict | None = None) -> FutureRow:
@@ -273,7 +295,7 @@ class Service:
 
         job = Job(_new_id(), model_id, run.base_model, seq=seq_id, run=save)
         request_type = "SaveWeights" if kind == "training" else "SaveWeightsForSampler"
-        return self._submit(tenant, request_type, f"train:{model_id}:{seq_id}", job, ordered=True)
+        return self._submit(tenant, request_type, f"train:{model_id}:{seq_id}", job, ordered=True, session_id=run.session_id)
 
     def snapshot_for_sampler(self, tenant: str, model_id: str, seq_id: int, sampling_session_seq_id: int) -> FutureRow:
         """save_weights_and_get_sampling_client: an in-memory copy of the weights, with a sampler id."""
@@ -292,7 +314,8 @@ class Service:
             return _json({"path": None, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
 
         job = Job(_new_id(), model_id, run.base_model, seq=seq_id, run=snapshot)
-        return self._submit(tenant, "SaveWeightsForSampler", f"train:{model_id}:{seq_id}", job, ordered=True)
+        return self._submit(tenant, "SaveWeightsForSampler", f"train:{model_id}:{seq_id}", job, ordered=True,
+                            session_id=run.session_id)
 
     def load_weights(self, tenant: str, path: str, with_optimizer: bool, model_id: str | None = None,
                      seq_id: int | None = None, session_id: str | None = None, model_seq_id: int | None = None,
@@ -325,7 +348,8 @@ class Service:
             return _json({"path": path, "model_id": target, "type": "load_weights"})
 
         job = Job(_new_id(), target, source.base_model, seq=seq, run=load)
-        return self._submit(tenant, "LoadWeights", dedupe, job, ordered=True)
+        session = self.store.get(ModelRow, target).session_id
+        return self._submit(tenant, "LoadWeights", dedupe, job, ordered=True, session_id=session)
 
     # ---- sampling -------------------------------------------------------------------------------
 
@@ -363,12 +387,13 @@ class Service:
         def sample(engine: Engine):
             adapter_id = self._ensure_sampler(engine, sampler)
             result = engine.sample(adapter_id, prompt, num_samples, params, prompt_logprobs, topk_prompt_logprobs)
+            job.usage = Usage(prefill_tokens=len(prompt), sample_tokens=sum(len(s.tokens) for s in result.sequences))
             return encode(result), PROTO_TYPE
 
         job = Job(request_id, sampler_id, sampler.base_model, seq=None, run=sample)
         ids = [f"{request_id}:{i}" for i in range(num_samples)]
         return self._submit(tenant, "Sample", f"sample:{sampler_id}:{seq_id}", job, ordered=False,
-                            extra={"sample_sequence_ids": ids})
+                            extra={"sample_sequence_ids": ids}, session_id=sampler.session_id)
 
     def _ensure_sampler(self, engine: Engine, sampler: SamplerRow) -> str | None:
         """The engine adapter a sampler samples from (None: the base model). Scheduler thread only."""
@@ -492,4 +517,61 @@ def _checkpoint_json(row: CheckpointRow) -> dict:
         "public": row.public,
         "user_metadata": {k: str(v) for k, v in (row.user_metadata or {}).items()} or None,
         "expires_at": _iso(row.expires_at) if row.expires_at else None,
+    }
+
+
+# ---- the ledger ----------------------------------------------------------------------------------
+
+
+def usage_report(service: Service, tenant: str, session_id: str | None = None, training_run_id: str | None = None,
+                 since: dt.datetime | None = None, until: dt.datetime | None = None, after: int = 0,
+                 limit: int = 1000) -> dict:
+    """Totals by kind and cost, plus the per-request series after ledger row `after` (a cursor)."""
+    from sqlalchemy import func, select
+
+    where = [UsageRow.tenant == tenant]
+    if session_id:
+        where.append(UsageRow.session_id == session_id)
+    if training_run_id:
+        where.append(UsageRow.model_id == training_run_id)
+    if since:
+        where.append(UsageRow.created_at >= since)
+    if until:
+        where.append(UsageRow.created_at < until)
+    with service.store.session() as s:
+        per_model = s.execute(
+            select(UsageRow.base_model, func.count(), func.sum(UsageRow.prefill_tokens), func.sum(UsageRow.sample_tokens),
+                   func.sum(UsageRow.train_tokens), func.sum(UsageRow.cost))
+            .where(*where).group_by(UsageRow.base_model)
+        ).all()
+        rows = list(s.scalars(select(UsageRow).where(*where, UsageRow.id > after).order_by(UsageRow.id).limit(limit)))
+    by_kind = {kind: {"tokens": 0, "cost": 0.0} for kind in ("prefill", "sample", "train")}
+    requests, cost = 0, 0.0
+    for base_model, count, prefill, sample, train, model_cost in per_model:
+        price = service.prices.for_model(base_model)
+        requests += count
+        cost += model_cost or 0.0
+        for kind, tokens in (("prefill", prefill), ("sample", sample), ("train", train)):
+            by_kind[kind]["tokens"] += int(tokens or 0)
+            by_kind[kind]["cost"] += int(tokens or 0) * price[kind] / 1e6
+    return {
+        "totals": {
+            "requests": requests,
+            "prefill_tokens": by_kind["prefill"]["tokens"],
+            "sample_tokens": by_kind["sample"]["tokens"],
+            "train_tokens": by_kind["train"]["tokens"],
+            "cost": cost,
+            "by_kind": by_kind,
+        },
+        "series": [
+            {
+                "id": r.id, "time": _iso(r.created_at), "request_type": r.request_type, "session_id": r.session_id,
+                "training_run_id": r.model_id, "sampler_id": r.sampler_id, "base_model": r.base_model, "step": r.step,
+                "prefill_tokens": r.prefill_tokens, "sample_tokens": r.sample_tokens, "train_tokens": r.train_tokens,
+                "cost": r.cost, "duration_s": r.duration_s, "metrics": r.metrics or {},
+            }
+            for r in rows
+        ],
+        "cursor": rows[-1].id if rows else after,
+        "currency": "USD",
     }

@@ -15,6 +15,7 @@ from sqlalchemy import (
     JSON,
     Boolean,
     DateTime,
+    Float,
     Integer,
     LargeBinary,
     String,
@@ -105,6 +106,28 @@ class CheckpointRow(Base):
     expires_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
+class UsageRow(Base):
+    """The ledger: one row per completed request, written with the future's result in one transaction."""
+
+    __tablename__ = "usage"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    request_id: Mapped[str] = mapped_column(String(64), unique=True)  # a retried request is one row
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    session_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    model_id: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)  # training run
+    sampler_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    base_model: Mapped[str] = mapped_column(String(512))
+    request_type: Mapped[str] = mapped_column(String(32))
+    step: Mapped[int | None] = mapped_column(Integer, nullable=True)  # optim steps the run had taken
+    prefill_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    sample_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    train_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cost: Mapped[float] = mapped_column(Float, default=0.0)
+    duration_s: Mapped[float] = mapped_column(Float, default=0.0)
+    metrics: Mapped[dict] = mapped_column(JSON, default=dict)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now, index=True)
+
+
 KIND_SEGMENTS = {"training": "weights", "sampler": "sampler_weights"}
 
 
@@ -182,8 +205,14 @@ class Store:
         with self.session() as s:
             return s.scalars(select(FutureRow).where(FutureRow.dedupe_key == dedupe_key)).first()
 
-    def finish_future(self, request_id: str, status: str, result: bytes, content_type: str) -> None:
-        self.update(FutureRow, request_id, status=status, result=result, content_type=content_type, completed_at=now())
+    def finish_future(self, request_id: str, status: str, result: bytes, content_type: str,
+                      usage: UsageRow | None = None) -> None:
+        """Store a future's outcome and, for a completed request, its ledger row: both or neither."""
+        with self.session.begin() as s:
+            row = s.get(FutureRow, request_id)
+            row.status, row.result, row.content_type, row.completed_at = status, result, content_type, now()
+            if usage is not None:
+                s.add(usage)
 
     # ---- checkpoints ----------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from kernel_backend.api import tinker as tinker_routes
+from kernel_backend.api import usage as usage_routes
 from kernel_backend.config import Settings
 from kernel_backend.service import NotFound, Service
 from kernel_backend.types import UserError
@@ -27,6 +28,7 @@ def create_app(settings: Settings | None = None, preload: list[str] | None = Non
     app = FastAPI(title="Stepwise training-session service", lifespan=lifespan)
     app.state.service = service
     app.include_router(tinker_routes.router)
+    app.include_router(usage_routes.router)
 
     @app.exception_handler(UserError)
     async def user_error(request: Request, exc: UserError):

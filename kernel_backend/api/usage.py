@@ -1,0 +1,62 @@
+"""The usage API: what a tenant's sessions and runs processed and cost, read from the ledger.
+
+    GET  /api/v1/usage?session_id=&training_run_id=&since=&until=&after=&limit=
+    POST /api/v1/usage/estimate   price a batch before sending it
+
+Widgets and the JupyterLab extension poll `series` incrementally: pass the last answer's
+`cursor` as `after` to get only the new rows.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from fastapi import APIRouter, Depends, Query
+from pydantic import BaseModel, Field
+
+from kernel_backend import models
+from kernel_backend.api.auth import tenant_of
+from kernel_backend.api.tinker import service
+from kernel_backend.metering import Usage
+from kernel_backend.service import Service, usage_report
+
+router = APIRouter(prefix="/api/v1/usage")
+
+
+@router.get("")
+def usage(session_id: str | None = None, training_run_id: str | None = None, since: dt.datetime | None = None,
+          until: dt.datetime | None = None, after: int = 0, limit: int = Query(1000, ge=1, le=10000),
+          tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    return usage_report(svc, tenant, session_id, training_run_id, since, until, after, limit)
+
+
+class EstimateRequest(BaseModel):
+    base_model: str = models.DEFAULT_MODEL
+    # Either counts...
+    prefill_tokens: int = Field(0, ge=0)
+    sample_tokens: int = Field(0, ge=0)
+    train_tokens: int = Field(0, ge=0)
+    # ...or the token lists themselves: forward_backward datums, and prompts to sample from.
+    datums: list[list[int]] = []
+    prompts: list[list[int]] = []
+    num_samples: int = Field(1, ge=1)
+    max_tokens: int = Field(0, ge=0)  # the most each sample may generate: the estimate is an upper bound
+
+
+@router.post("/estimate")
+def estimate(body: EstimateRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    usage = Usage(
+        prefill_tokens=body.prefill_tokens + sum(len(p) for p in body.prompts),
+        sample_tokens=body.sample_tokens + len(body.prompts) * body.num_samples * body.max_tokens,
+        train_tokens=body.train_tokens + sum(len(d) for d in body.datums),
+    )
+    price = svc.prices.for_model(body.base_model)
+    return {
+        "base_model": body.base_model,
+        "prefill_tokens": usage.prefill_tokens,
+        "sample_tokens": usage.sample_tokens,
+        "train_tokens": usage.train_tokens,
+        "cost": usage.cost(price),
+        "prices_per_million": price,
+        "currency": "USD",
+    }

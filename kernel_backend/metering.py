@@ -1,0 +1,48 @@
+"""Token metering and prices: what each request processed, and what that costs.
+
+Three meters, as Tinker and SageMaker bill them: prefill (prompt tokens of sampling and
+compute_logprobs, and tokens of forward-only passes), sample (generated tokens) and train
+(tokens of forward_backward datums). Prices are per million tokens per base model, from
+`prices.toml` beside this file or the file STEPWISE_PRICES names.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_PRICES = Path(__file__).with_name("prices.toml")
+KINDS = ("prefill", "sample", "train")
+
+
+@dataclass
+class Usage:
+    prefill_tokens: int = 0
+    sample_tokens: int = 0
+    train_tokens: int = 0
+
+    def cost(self, price: dict[str, float]) -> float:
+        return (
+            self.prefill_tokens * price["prefill"] + self.sample_tokens * price["sample"] + self.train_tokens * price["train"]
+        ) / 1e6
+
+
+class Prices:
+    def __init__(self, path: str | Path | None = None) -> None:
+        path = Path(path) if path else DEFAULT_PRICES
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+        for model, price in table.items():
+            missing = [k for k in KINDS if k not in price]
+            if missing:
+                raise ValueError(f"{path}: prices for {model!r} lack {missing}; give prefill, sample and train per 1M tokens")
+        if "default" not in table:
+            raise ValueError(f"{path}: needs a [default] table of prices")
+        self.table = table
+
+    def for_model(self, base_model: str) -> dict[str, float]:
+        return self.table.get(base_model, self.table["default"])
+
+    def cost(self, base_model: str, usage: Usage) -> float:
+        return usage.cost(self.for_model(base_model))

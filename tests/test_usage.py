@@ -1,0 +1,87 @@
+"""Per-token metering: the ledger counts what the backend processed, once, and prices it."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+from kernel_backend.metering import Prices
+from test_service_http import DATA, Api, datum
+
+BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def usage(server, **params) -> dict:
+    r = httpx.get(server.base_url + "/api/v1/usage", params=params, headers={"X-API-Key": server.api_key})
+    r.raise_for_status()
+    return r.json()
+
+
+def test_ledger_counts_train_and_sample_tokens_and_prices_them(tinker_server):
+    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
+    tc = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    session_id = tc.model_id.split(":")[0]
+    data = [datum(list(range(100, 100 + n))) for n in (9, 17, 33)]
+    for _ in range(3):
+        tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints([1, 9690, 198, 2683])
+    result = sampler.sample(prompt, 3, types.SamplingParams(max_tokens=7, temperature=1.0, seed=0)).result()
+
+    report = usage(tinker_server, session_id=session_id)
+    totals = report["totals"]
+    assert totals["train_tokens"] == 3 * sum(d.model_input.length for d in data)
+    assert totals["sample_tokens"] == sum(len(s.tokens) for s in result.sequences)
+    assert totals["prefill_tokens"] == prompt.length
+    price = Prices().for_model(BASE)
+    expected = (totals["train_tokens"] * price["train"] + totals["sample_tokens"] * price["sample"]
+                + totals["prefill_tokens"] * price["prefill"]) / 1e6
+    assert totals["cost"] == pytest.approx(expected, rel=1e-9) and totals["cost"] > 0
+    assert sum(k["cost"] for k in totals["by_kind"].values()) == pytest.approx(expected, rel=1e-9)
+
+    # The series is per request, in order, with the loss and the step index, and pages with a cursor.
+    series = report["series"]
+    fb = [row for row in series if row["request_type"] == "ForwardBackward"]
+    assert [row["step"] for row in fb] == [0, 1, 2]
+    assert all("loss:sum" in row["metrics"] for row in fb)
+    first = usage(tinker_server, session_id=session_id, limit=2)
+    rest = usage(tinker_server, session_id=session_id, after=first["cursor"])
+    assert [r["id"] for r in first["series"] + rest["series"]] == [r["id"] for r in series]
+    assert rest["cursor"] == series[-1]["id"]
+    # A training-run filter sees that run's requests only.
+    run = usage(tinker_server, training_run_id=tc.model_id)
+    assert run["totals"]["train_tokens"] == totals["train_tokens"] and run["totals"]["sample_tokens"] == 0
+
+
+def test_retried_requests_bill_once_and_failed_requests_bill_nothing(tinker_server):
+    api = Api(tinker_server)
+    session = api.session()
+    model_id = api.model(session, 0, seed=9)
+    body = api.fb_body(model_id, 1, DATA)
+    ids = set()
+    for _ in range(3):  # the same (model_id, seq_id) three times, as retries would send it
+        r = api.http.post("/forward_backward", content=body, headers={"Content-Type": "application/x-protobuf"})
+        ids.add(r.json()["request_id"])
+    assert len(ids) == 1
+    api.wait(ids.pop())
+    failed = api.forward_backward(model_id, 2, [datum([1, 2, 10**6])])  # a token outside the vocabulary
+    assert failed.json()["category"] == "user"
+
+    report = usage(tinker_server, session_id=session)
+    kinds = [row["request_type"] for row in report["series"]]
+    assert kinds == ["CreateModel", "ForwardBackward"]
+    assert report["totals"]["train_tokens"] == DATA[0].model_input.length
+
+
+def test_estimate_prices_a_batch_before_it_is_sent(tinker_server):
+    r = httpx.post(tinker_server.base_url + "/api/v1/usage/estimate", headers={"X-API-Key": tinker_server.api_key},
+                   json={"base_model": BASE, "datums": [[1] * 100, [2] * 50], "prompts": [[1] * 10], "num_samples": 4,
+                         "max_tokens": 20})
+    body = r.json()
+    price = Prices().for_model(BASE)
+    assert (body["train_tokens"], body["prefill_tokens"], body["sample_tokens"]) == (150, 10, 80)
+    assert body["cost"] == pytest.approx((150 * price["train"] + 10 * price["prefill"] + 80 * price["sample"]) / 1e6)
