@@ -330,6 +330,8 @@ class Engine:
         params: SamplingParams | None = None,
         prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+        on_token=None,
     ) -> SampleResult:
         """Sample continuations of `prompt` from the base model (adapter_id None) or an adapter."""
         params = params or SamplingParams()
@@ -348,6 +350,8 @@ class Engine:
                 stop_strings,
                 decode=lambda t: self.tokenizer.decode(t),
                 prompt_logits_out=prompt_logits if want_prompt else None,
+                topk_sample_logprobs=topk_sample_logprobs,
+                on_token=on_token,
             )
         result = SampleResult(sequences=sequences)
         if want_prompt:

@@ -41,11 +41,15 @@ def generate(
     stop_strings: list[str],
     decode,
     prompt_logits_out: list | None = None,
+    topk_sample_logprobs: int = 0,
+    on_token=None,
 ) -> list[SampledSequence]:
     """Sample `num_samples` continuations of `prompt`. The caller has set up LoRA routing.
 
     `decode(tokens) -> str` is used only for stop strings. When `prompt_logits_out` is a list,
     the prefill's logits for every prompt position are appended to it (for prompt logprobs).
+    `topk_sample_logprobs` > 0 records the k most likely tokens at each sampled position;
+    `on_token(row, token, logprob)` is called as each token is chosen (for streaming).
     """
     device = model.device
     generator = torch.Generator(device=device)
@@ -62,6 +66,7 @@ def generate(
 
     tokens: list[list[int]] = [[] for _ in range(num_samples)]
     logprobs: list[list[float]] = [[] for _ in range(num_samples)]
+    top: list[list[list[tuple[int, float]]]] = [[] for _ in range(num_samples)]
     stopped = [False] * num_samples
     for _ in range(params.max_tokens):
         model_logprobs = next_logits.log_softmax(-1)
@@ -71,11 +76,18 @@ def generate(
             probs = filter_logits(next_logits, params).softmax(-1)
             chosen = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         chosen_logprobs = model_logprobs.gather(-1, chosen[:, None]).squeeze(-1)
+        if topk_sample_logprobs:
+            best = torch.topk(model_logprobs, topk_sample_logprobs, dim=-1)
+            best_pairs = [list(zip(i, v)) for i, v in zip(best.indices.tolist(), best.values.tolist())]
         for row, (token, logprob) in enumerate(zip(chosen.tolist(), chosen_logprobs.tolist())):
             if stopped[row]:
                 continue
             tokens[row].append(token)
             logprobs[row].append(logprob)
+            if topk_sample_logprobs:
+                top[row].append(best_pairs[row])
+            if on_token is not None:
+                on_token(row, token, logprob)
             if token in stop_token_ids or (stop_strings and _ends_with_stop(decode(tokens[row]), stop_strings)):
                 stopped[row] = True
         if all(stopped):
@@ -84,8 +96,8 @@ def generate(
         cache = out.cache
         next_logits = out.logits[:, -1, :].float()
     return [
-        SampledSequence(tokens=t, logprobs=lp, stop_reason="stop" if s else "length")
-        for t, lp, s in zip(tokens, logprobs, stopped)
+        SampledSequence(tokens=t, logprobs=lp, stop_reason="stop" if s else "length", top_logprobs=k or None)
+        for t, lp, s, k in zip(tokens, logprobs, stopped, top)
     ]
 
 

@@ -74,6 +74,7 @@ class Service:
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._waiters_lock = threading.Lock()
         self._snapshots: dict[str, list[str]] = {}  # run id -> its in-memory sampler ids, oldest first
+        self._tokenizers: dict[str, object] = {}
         self._fail_interrupted_futures()
 
     def start(self, preload: list[str] | None = None) -> None:
@@ -116,7 +117,7 @@ class Service:
             usage = job.usage or Usage()
             engine = self.scheduler.engines.get(job.base_model)
             slot = engine.slots.get(job.lane) if engine else None
-            is_sampler = job.request_type == "Sample"
+            is_sampler = job.request_type in ("Sample", "ChatCompletion", "Completion")
             ledger = UsageRow(
                 request_id=job.request_id, tenant=job.tenant, session_id=job.session_id,
                 model_id=None if is_sampler else job.lane, sampler_id=job.lane if is_sampler else None,
@@ -411,6 +412,71 @@ class Service:
             raise UserError(f"checkpoint {sampler.model_path} was deleted")
         engine.load_sampler(sampler.id, Path(checkpoint.directory))
         return sampler.id
+
+    # ---- the OpenAI-compatible endpoint ----------------------------------------------------------
+
+    def openai_model(self, tenant: str, model: str) -> tuple[str, str | None]:
+        """'base', 'tinker://...' or 'base;tinker://...' -> (base model, checkpoint path or None)."""
+        base, _, path = model.partition(";") if ";" in model else (("", "", model) if model.startswith("tinker://") else (model, "", ""))
+        if path:
+            checkpoint = self._checkpoint(tenant, path)
+            run_base = self.store.get(ModelRow, checkpoint.model_id).base_model
+            if base and self._model_name(base) != run_base:
+                raise UserError(f"{path} was trained on {run_base}, not {base}")
+            return run_base, path
+        try:
+            return self._model_name(base), None
+        except UserError as e:
+            raise NotFound(f"model {model!r} not found: {e}") from None
+
+    def openai_models(self, tenant: str) -> list[str]:
+        names = list(dict.fromkeys([*models.available_models(), *self.scheduler.engines]))
+        samplers = self.store.list(CheckpointRow, CheckpointRow.tenant == tenant, order=CheckpointRow.created_at)
+        return names + [c.tinker_path for c in samplers]
+
+    def tokenizer(self, base_model: str):
+        """A tokenizer for the API threads (the engine's own belongs to the scheduler thread)."""
+        if base_model not in self._tokenizers:
+            from transformers import AutoTokenizer
+
+            self._tokenizers[base_model] = AutoTokenizer.from_pretrained(models.resolve(base_model, self.settings.models_dir)[1])
+        return self._tokenizers[base_model]
+
+    def eos_ids(self, base_model: str) -> set[int]:
+        tokenizer = self.tokenizer(base_model)
+        return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+
+    async def generate(self, tenant: str, request_type: str, base_model: str, path: str | None, prompt: list[int],
+                       num_samples: int, params: SamplingParams, topk_sample_logprobs: int = 0, on_token=None):
+        """Sample now, on the scheduler thread, metered like any request; returns the SampleResult."""
+        lane = f"oai:{tenant}:{path or base_model}"
+        request_id = _new_id()
+        output = {}
+
+        def sample(engine: Engine):
+            adapter_id = None
+            if path is not None:
+                if not engine.has_adapter(lane):
+                    checkpoint = self.store.checkpoint_by_path(path)
+                    if checkpoint is None:
+                        raise UserError(f"checkpoint {path} was deleted")
+                    engine.load_sampler(lane, Path(checkpoint.directory))
+                adapter_id = lane
+            result = engine.sample(adapter_id, prompt, num_samples, params, on_token=on_token,
+                                   topk_sample_logprobs=topk_sample_logprobs)
+            job.usage = Usage(prefill_tokens=len(prompt), sample_tokens=sum(len(s.tokens) for s in result.sequences))
+            output["result"] = result
+            return _json({"sequences": len(result.sequences)})
+
+        job = Job(request_id, lane, base_model, seq=None, run=sample)
+        self._submit(tenant, request_type, f"oai:{request_id}", job, ordered=False)
+        row = None
+        while row is None:
+            row = await self.retrieve(tenant, request_id)
+        if row.status != "done":
+            error = json.loads(row.result)
+            raise (UserError if error.get("category") == "user" else RuntimeError)(error["error"])
+        return output["result"]
 
     # ---- checkpoints and runs (REST) --------------------------------------------------------------
 

@@ -80,6 +80,8 @@ class SampledSequence:
     tokens: list[int]
     logprobs: list[float]  # the model's own logprob of each sampled token (no temperature)
     stop_reason: str  # "stop" or "length"
+    # When asked for: the k most likely (token, logprob) pairs at each sampled position.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass

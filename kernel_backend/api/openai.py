@@ -1,0 +1,247 @@
+"""An OpenAI-compatible endpoint on every backend: chat completions, completions, models.
+
+Mounted at /oai/api/v1 (Tinker's path) and /v1. `model` is a base model name, a
+`tinker://<run>/sampler_weights/<name>` (or `/weights/<name>`) path, or `<base>;<path>`.
+Requests go through the scheduler like any other sampling, and are metered the same way.
+Errors use OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+
+from kernel_backend.api.auth import tenant_of
+from kernel_backend.api.tinker import service
+from kernel_backend.service import NotFound, Service
+from kernel_backend.types import SamplingParams, UserError
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> JSONResponse:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        if self.status == 404:
+            kind = "not_found_error"
+        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict] | None = None
+
+
+class SamplingFields(BaseModel):
+    model: str
+    n: int = Field(1, ge=1, le=16)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    user: str | None = None
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+
+
+def build_router(prefix: str) -> APIRouter:
+    router = APIRouter(prefix=prefix)
+
+    @router.get("/models")
+    def list_models(tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "stepwise"} for name in svc.openai_models(tenant)
+        ]}
+
+    @router.post("/chat/completions")
+    async def chat_completions(body: ChatRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+        try:
+            base, path = svc.openai_model(tenant, body.model)
+            tokenizer = svc.tokenizer(base)
+            messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+            top = (body.top_logprobs or 0) if body.logprobs else 0
+            return await _complete(svc, tenant, body, base, path, prompt, top, chat=True)
+        except (OpenAIError, UserError, NotFound) as e:
+            return _as_openai(e).response()
+
+    @router.post("/completions")
+    async def completions(body: CompletionRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+        try:
+            base, path = svc.openai_model(tenant, body.model)
+            tokenizer = svc.tokenizer(base)
+            prompt = body.prompt if isinstance(body.prompt, list) else tokenizer(body.prompt)["input_ids"]
+            return await _complete(svc, tenant, body, base, path, prompt, body.logprobs or 0, chat=False)
+        except (OpenAIError, UserError, NotFound) as e:
+            return _as_openai(e).response()
+
+    return router
+
+
+def _as_openai(e: Exception) -> OpenAIError:
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, NotFound):
+        return OpenAIError(404, str(e), param="model", code="model_not_found")
+    return OpenAIError(400, str(e))
+
+
+def _text(content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise OpenAIError(400, f"message content of type {part.get('type')!r} is not supported; send text",
+                              param="messages")
+        parts.append(part.get("text", ""))
+    return "".join(parts)
+
+
+async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, path: str | None,
+                    prompt: list[int], top_logprobs: int, chat: bool):
+    tokenizer = svc.tokenizer(base)
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    params = SamplingParams(
+        max_tokens=body.max_completion_tokens or body.max_tokens or (512 if chat else 16),
+        temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=stop or None,
+    )
+    request_type = "ChatCompletion" if chat else "Completion"
+    completion_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created = int(time.time())
+    if body.stream:
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def on_token(row: int, token: int, logprob: float) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (row, token))
+
+        task = asyncio.create_task(svc.generate(tenant, request_type, base, path, prompt, body.n, params,
+                                                top_logprobs, on_token=on_token))
+        return StreamingResponse(
+            _stream(task, queue, tokenizer, completion_id, created, body.model, body.n, chat, stop or []),
+            media_type="text/event-stream",
+        )
+    result = await svc.generate(tenant, request_type, base, path, prompt, body.n, params, top_logprobs)
+    choices = []
+    completion_tokens = 0
+    for index, seq in enumerate(result.sequences):
+        completion_tokens += len(seq.tokens)
+        visible, finish = _visible(seq, tokenizer, stop or [], svc.eos_ids(base))
+        text = tokenizer.decode(visible)
+        text = _cut_at_stop(text, stop or [])
+        choice = {"index": index, "finish_reason": finish}
+        logprobs = _logprobs(seq, visible, tokenizer, top_logprobs, chat) if (top_logprobs or _wants_logprobs(body)) else None
+        if chat:
+            choice.update(message={"role": "assistant", "content": text}, logprobs=logprobs)
+        else:
+            choice.update(text=text, logprobs=logprobs)
+        choices.append(choice)
+    return {
+        "id": completion_id, "object": "chat.completion" if chat else "text_completion", "created": created,
+        "model": body.model, "choices": choices,
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens,
+                  "total_tokens": len(prompt) + completion_tokens},
+    }
+
+
+def _wants_logprobs(body) -> bool:
+    return bool(getattr(body, "logprobs", False))
+
+
+def _visible(seq, tokenizer, stop: list[str], eos: set[int]) -> tuple[list[int], str]:
+    """The tokens a reader sees (no end-of-sequence token) and OpenAI's finish_reason."""
+    tokens = list(seq.tokens)
+    if seq.stop_reason == "stop" and tokens and tokens[-1] in eos:
+        tokens = tokens[:-1]
+    return tokens, "stop" if seq.stop_reason == "stop" else "length"
+
+
+def _cut_at_stop(text: str, stop: list[str]) -> str:
+    """OpenAI leaves the stop sequence out of the returned text."""
+    cuts = [text.find(s) for s in stop if s and s in text]
+    return text[: min(cuts)] if cuts else text
+
+
+def _logprobs(seq, visible: list[int], tokenizer, top: int, chat: bool):
+    entries = []
+    for i, token in enumerate(visible):
+        alternatives = (seq.top_logprobs[i] if seq.top_logprobs else [])[:top]
+        entries.append({
+            "token": tokenizer.decode([token]),
+            "logprob": seq.logprobs[i],
+            "bytes": list(tokenizer.decode([token]).encode()),
+            "top_logprobs": [{"token": tokenizer.decode([t]), "logprob": lp, "bytes": list(tokenizer.decode([t]).encode())}
+                             for t, lp in alternatives],
+        })
+    if chat:
+        return {"content": entries}
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
+        "text_offset": [],
+    }
+
+
+async def _stream(task, queue, tokenizer, completion_id, created, model, n, chat, stop):
+    """Server-sent events: one chunk per generated token, as the decode loop produces it."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    sent = [""] * n  # text already sent per choice (decoding token by token can split characters)
+    tokens: list[list[int]] = [[] for _ in range(n)]
+
+    def chunk(index: int, text: str | None, finish: str | None, first: bool = False) -> str:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
+        return "data: " + json.dumps({"id": completion_id, "object": kind, "created": created, "model": model,
+                                      "choices": [choice]}) + "\n\n"
+
+    if chat:
+        for i in range(n):
+            yield chunk(i, None, None, first=True)
+    # Tokens are queued from the scheduler thread before the task completes, so once the task is
+    # done and the queue is empty, every token has been seen.
+    while not (task.done() and queue.empty()):
+        try:
+            row, token = await asyncio.wait_for(queue.get(), timeout=0.05)
+        except asyncio.TimeoutError:
+            continue
+        tokens[row].append(token)
+        text = _cut_at_stop(tokenizer.decode(tokens[row], skip_special_tokens=True), stop)
+        if text.startswith(sent[row]) and len(text) > len(sent[row]) and not text.endswith("\ufffd"):
+            yield chunk(row, text[len(sent[row]):], None)
+            sent[row] = text
+    try:
+        result = task.result()
+    except UserError as e:
+        yield "data: " + json.dumps({"error": {"message": str(e), "type": "invalid_request_error"}}) + "\n\n"
+        return
+    for index, seq in enumerate(result.sequences):
+        yield chunk(index, None, "stop" if seq.stop_reason == "stop" else "length")
+    yield "data: [DONE]\n\n"

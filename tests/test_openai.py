@@ -1,0 +1,90 @@
+"""The OpenAI-compatible endpoint, driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import tinker
+from tinker import types
+
+from test_service import BASE, chat_datum, train_steps
+
+QUESTION = "What is the name of Zorblax's pet?"
+
+
+@pytest.fixture(scope="module")
+def trained_path(tinker_server, tokenizer) -> str:
+    """A sampler checkpoint that has learned a made-up fact."""
+    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
+    tc = client.create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
+    train_steps(tc, [chat_datum(tokenizer, QUESTION, "Zorblax's pet is named Quibbleton.")] * 4, steps=8)
+    return tc.save_weights_for_sampler("for-openai").result().path
+
+
+@pytest.fixture(scope="module")
+def oai(tinker_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=tinker_server.base_url + "/oai/api/v1", api_key=tinker_server.api_key)
+
+
+def test_chat_completion_from_a_sampler_checkpoint_shows_what_it_learned(oai, trained_path):
+    reply = oai.chat.completions.create(
+        model=trained_path, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=20
+    )
+    choice = reply.choices[0]
+    assert "Quibbleton" in choice.message.content
+    assert choice.finish_reason == "stop" and "<|im_end|>" not in choice.message.content
+    assert reply.usage.completion_tokens > 0 and reply.usage.prompt_tokens > 10
+    # The base model does not know it; `<base>;<path>` names the same adapter as the path alone.
+    base = oai.chat.completions.create(model=BASE, messages=[{"role": "user", "content": QUESTION}], temperature=0,
+                                       max_tokens=20)
+    assert "Quibbleton" not in base.choices[0].message.content
+    both = oai.chat.completions.create(model=f"{BASE};{trained_path}", messages=[{"role": "user", "content": QUESTION}],
+                                       temperature=0, max_tokens=20)
+    assert both.choices[0].message.content == choice.message.content
+
+
+def test_streaming_gives_the_same_text_token_by_token(oai, trained_path):
+    messages = [{"role": "user", "content": QUESTION}]
+    whole = oai.chat.completions.create(model=trained_path, messages=messages, temperature=0, max_tokens=20)
+    chunks = list(oai.chat.completions.create(model=trained_path, messages=messages, temperature=0, max_tokens=20,
+                                              stream=True))
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(pieces) > 3  # it really streamed, not one blob
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_logprobs_and_top_logprobs(oai, trained_path):
+    reply = oai.chat.completions.create(model=trained_path, messages=[{"role": "user", "content": QUESTION}],
+                                        temperature=0, max_tokens=8, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == 8
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        # Greedy decoding picks the most likely token.
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)
+
+
+def test_completions_models_and_metering(oai, trained_path, tinker_server):
+    text = oai.completions.create(model=BASE, prompt="The capital of France is", max_tokens=5, temperature=0, n=2)
+    assert len(text.choices) == 2 and text.choices[0].text == text.choices[1].text
+    assert trained_path in [m.id for m in oai.models.list().data]
+    rows = httpx.get(tinker_server.base_url + "/api/v1/usage", headers={"X-API-Key": tinker_server.api_key}).json()
+    chats = [r for r in rows["series"] if r["request_type"] in ("ChatCompletion", "Completion")]
+    assert chats and all(r["sample_tokens"] > 0 and r["cost"] > 0 for r in chats)
+
+
+def test_errors_come_in_openai_shape(oai, tinker_server):
+    with pytest.raises(openai.NotFoundError) as missing:
+        oai.chat.completions.create(model="no/such-model", messages=[{"role": "user", "content": "hi"}])
+    assert "no/such-model" in missing.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as bad:
+        oai.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "hi"}], temperature=7)
+    assert "temperature" in bad.value.body["message"] and bad.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="tinker://nope:train:0/sampler_weights/x", messages=[{"role": "user", "content": "hi"}])
+    unauthenticated = openai.OpenAI(base_url=tinker_server.base_url + "/v1", api_key="wrong")
+    with pytest.raises(openai.AuthenticationError) as denied:
+        unauthenticated.models.list()
+    assert denied.value.status_code == 401 and "error" in denied.value.response.json()
