@@ -1,4 +1,9 @@
-"""`python -m kernel_backend serve --host 127.0.0.1 --port 8000` (also `stepwise serve`)."""
+"""The backend's command line (also reachable as `stepwise serve|keys|export`).
+
+    python -m kernel_backend serve --host 127.0.0.1 --port 8000
+    python -m kernel_backend keys create --tenant NAME | list | revoke KEY_OR_PREFIX
+    python -m kernel_backend export tinker://RUN/weights/NAME --to DIR [--merged]
+"""
 
 from __future__ import annotations
 
@@ -13,14 +18,55 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--log-level", default="warning")
+
+    keys_cmd = sub.add_parser("keys", help="manage API keys (stored hashed, one tenant each)")
+    keys_sub = keys_cmd.add_subparsers(dest="action", required=True)
+    create = keys_sub.add_parser("create", help="make a key for a tenant and print it (shown once)")
+    create.add_argument("--tenant", required=True)
+    keys_sub.add_parser("list", help="list keys: prefix, tenant, created, revoked")
+    revoke = keys_sub.add_parser("revoke", help="revoke a key, by the key or its listed prefix")
+    revoke.add_argument("key")
+
+    export = sub.add_parser("export", help="write a checkpoint as a PEFT adapter folder, or a merged model")
+    export.add_argument("path", help="tinker://RUN/weights/NAME, tinker://RUN/sampler_weights/NAME, or a checkpoint folder")
+    export.add_argument("--to", required=True, help="the folder to write")
+    export.add_argument("--merged", action="store_true", help="merge the adapter into the base model's weights")
     args = parser.parse_args(argv)
 
-    import uvicorn
+    from kernel_backend.config import Settings
 
-    from kernel_backend.api.app import create_app
+    settings = Settings()
+    if args.command == "serve":
+        import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    uvicorn.run(create_app(), host=args.host, port=args.port, log_level=args.log_level)
+        from kernel_backend.api.app import create_app
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+        return
+
+    from kernel_backend import keys
+    from kernel_backend.store import Store
+
+    store = Store(settings.database_url, settings.checkpoints_dir)
+    if args.command == "keys":
+        if args.action == "create":
+            print(keys.create(store, args.tenant))
+        elif args.action == "list":
+            for row in keys.list_keys(store):
+                state = f"revoked {row.revoked_at:%Y-%m-%d %H:%M}" if row.revoked_at else "active"
+                print(f"{row.prefix}…  tenant={row.tenant}  created={row.created_at:%Y-%m-%d %H:%M}  {state}")
+        else:
+            count = keys.revoke(store, args.key)
+            if not count:
+                raise SystemExit(f"no active key matches {args.key!r}; `keys list` shows their prefixes")
+            print(f"revoked {count} key(s)")
+        return
+
+    from kernel_backend.export import export_checkpoint
+
+    export_checkpoint(store, settings, args.path, args.to, merged=args.merged)
+    print(f"wrote {'a merged model' if args.merged else 'a PEFT adapter'} to {args.to}")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,14 @@ class Settings:
     micro_batch_tokens: int = field(default_factory=lambda: int(_env("MICRO_BATCH_TOKENS", "4096")))
     # Prices per million tokens (TOML); empty means kernel_backend/prices.toml.
     prices_path: str = field(default_factory=lambda: _env("PRICES", ""))
+    # A key registered for tenant "local" at start-up (the embedded backend's own key).
+    local_key: str = field(default_factory=lambda: _env("LOCAL_KEY", ""))
+    # Sessions whose client stops heart-beating for this long expire and free their adapters.
+    session_timeout_s: float = field(default_factory=lambda: float(_env("SESSION_TIMEOUT_S", "300")))
+    reap_interval_s: float = field(default_factory=lambda: float(_env("REAP_INTERVAL_S", "15")))
+    # Per-tenant limits (0 = none): sessions alive at once, and tokens processed per minute.
+    max_sessions_per_tenant: int = field(default_factory=lambda: int(_env("MAX_SESSIONS_PER_TENANT", "0")))
+    tokens_per_minute: int = field(default_factory=lambda: int(_env("TOKENS_PER_MINUTE", "0")))
     max_sample_tokens: int = field(default_factory=lambda: int(_env("MAX_SAMPLE_TOKENS", "4096")))
 
     def __post_init__(self) -> None:

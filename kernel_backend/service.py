@@ -15,12 +15,14 @@ import asyncio
 import datetime as dt
 import json
 import logging
+import shutil
 import threading
 import uuid
 from pathlib import Path
 
 
-from kernel_backend import models
+from kernel_backend import keys, models
+from kernel_backend.keys import LOCAL_TENANT
 from kernel_backend.config import Settings
 from kernel_backend.metering import Prices, Usage
 from kernel_backend.engine import Engine, Pass
@@ -53,6 +55,18 @@ class NotFound(LookupError):
     pass
 
 
+class Gone(Exception):
+    """The thing existed but is over: a finished or expired session, an interrupted request (410)."""
+
+
+class RateLimited(Exception):
+    """Over a per-tenant limit (429); `retry_after` seconds is when to try again."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 def _json(obj: dict) -> tuple[bytes, str]:
     return json.dumps(obj).encode(), JSON_TYPE
 
@@ -76,21 +90,81 @@ class Service:
         self._snapshots: dict[str, list[str]] = {}  # run id -> its in-memory sampler ids, oldest first
         self._tokenizers: dict[str, object] = {}
         self._fail_interrupted_futures()
+        if self.settings.local_key:
+            keys.create(self.store, LOCAL_TENANT, self.settings.local_key)
+        self._reaper = threading.Thread(target=self._reap_forever, name="stepwise-reaper", daemon=True)
+        self._stopping = threading.Event()
 
     def start(self, preload: list[str] | None = None) -> None:
         """Load base models (before serving, so the first request is not slow) and start the thread."""
         for name in preload if preload is not None else [models.DEFAULT_MODEL, *self.settings.base_models]:
             self.scheduler.engine(self._model_name(name))
         self.scheduler.start()
+        self._reaper.start()
 
     def stop(self) -> None:
+        self._stopping.set()
         self.scheduler.stop()
 
     def _fail_interrupted_futures(self) -> None:
-        """Futures left pending by a previous process will never finish: fail them, retriably."""
+        """Futures left pending by a previous process will never finish: mark them interrupted.
+
+        Polling one answers 410, on which the SDK submits the request again (and the resubmission
+        replaces the interrupted row, see Store.insert_future).
+        """
         for row in self.store.list(FutureRow, FutureRow.status == "pending"):
             payload = error_payload("the server restarted while this request was in flight; submit it again", "server")
-            self.store.finish_future(row.request_id, "failed", payload, JSON_TYPE)
+            self.store.finish_future(row.request_id, "interrupted", payload, JSON_TYPE)
+
+    # ---- housekeeping: expired sessions, expired checkpoints -----------------------------------
+
+    def _reap_forever(self) -> None:
+        while not self._stopping.wait(self.settings.reap_interval_s):
+            try:
+                self.reap()
+            except Exception:
+                log.exception("housekeeping failed; will try again")
+
+    def reap(self) -> None:
+        """Expire sessions that stopped heart-beating (freeing their adapters) and expired checkpoints."""
+        cutoff = now() - dt.timedelta(seconds=self.settings.session_timeout_s)
+        for session in self.store.list(SessionRow, SessionRow.status == "active", SessionRow.last_heartbeat < cutoff):
+            self._end_session(session.id, "expired")
+        for checkpoint in self.store.list(CheckpointRow, CheckpointRow.expires_at.is_not(None), CheckpointRow.expires_at < now()):
+            self.store.delete_checkpoint(checkpoint)
+            shutil.rmtree(checkpoint.directory, ignore_errors=True)
+
+    def _end_session(self, session_id: str, status: str) -> None:
+        """Mark a session over and free its adapters (on the scheduler thread)."""
+        self.store.update(SessionRow, session_id, status=status)
+        lanes = [r.id for r in self.store.list(ModelRow, ModelRow.session_id == session_id)]
+        lanes += [r.id for r in self.store.list(SamplerRow, SamplerRow.session_id == session_id)]
+        for lane in lanes:
+            def free(engine: Engine, lane=lane):
+                for e in self.scheduler.engines.values():
+                    e.delete_adapter(lane)
+                return _json({})
+            self.scheduler.submit(Job(_new_id(), f"free:{lane}", models.DEFAULT_MODEL, seq=None, run=free), ordered=False)
+        log.info("session %s %s; freed %d adapters", session_id, status, len(lanes))
+
+    def _check_limits(self, tenant: str, tokens: int = 0, new_session: bool = False) -> None:
+        """Per-tenant limits: concurrent sessions and tokens per minute (429 with Retry-After)."""
+        from sqlalchemy import func, select
+
+        if new_session and self.settings.max_sessions_per_tenant:
+            alive = self.store.count(SessionRow, SessionRow.tenant == tenant, SessionRow.status == "active")
+            if alive >= self.settings.max_sessions_per_tenant:
+                raise RateLimited(f"tenant {tenant!r} has {alive} active sessions, the limit is "
+                                  f"{self.settings.max_sessions_per_tenant}; close one (ServiceClient.close())", 10)
+        if tokens and self.settings.tokens_per_minute:
+            since = now() - dt.timedelta(seconds=60)
+            with self.store.session() as s:
+                used = s.scalar(select(func.coalesce(func.sum(UsageRow.prefill_tokens + UsageRow.sample_tokens
+                                                              + UsageRow.train_tokens), 0))
+                                .where(UsageRow.tenant == tenant, UsageRow.created_at >= since))
+            if used + tokens > self.settings.tokens_per_minute:
+                raise RateLimited(f"tenant {tenant!r} processed {used} tokens in the last minute; this request's "
+                                  f"{tokens} would pass the limit of {self.settings.tokens_per_minute}", 5)
 
     # ---- futures -------------------------------------------------------------------------------
 
@@ -154,6 +228,7 @@ class Service:
     # ---- sessions --------------------------------------------------------------------------------
 
     def create_session(self, tenant: str, tags, user_metadata, sdk_version, display_name=None) -> dict:
+        self._check_limits(tenant, new_session=True)
         session_id = _new_id()[:20]
         self.store.add(
             SessionRow(
@@ -174,13 +249,14 @@ class Service:
         return row
 
     def heartbeat(self, tenant: str, session_id: str) -> dict:
-        self._session(tenant, session_id)
+        if self._session(tenant, session_id).status != "active":
+            raise Gone(f"session {session_id} has ended")  # 410 stops the SDK's heartbeat loop
         self.store.update(SessionRow, session_id, last_heartbeat=now())
         return {"type": "session_heartbeat"}
 
     def finish_session(self, tenant: str, session_id: str, reason: str | None) -> dict:
-        self._session(tenant, session_id)
-        self.store.update(SessionRow, session_id, status="finished")
+        if self._session(tenant, session_id).status == "active":
+            self._end_session(session_id, "finished")
         return {}
 
     def get_session(self, tenant: str, session_id: str) -> dict:
@@ -208,6 +284,16 @@ class Service:
         row = self.store.get(ModelRow, model_id, tenant)
         if row is None:
             raise NotFound(f"unknown training run {model_id!r}")
+        return row
+
+    def _live_run(self, tenant: str, model_id: str, tokens: int = 0) -> ModelRow:
+        """A run that can still train: its session is active. Also applies the tenant's limits."""
+        row = self._run(tenant, model_id)
+        session = self.store.get(SessionRow, row.session_id)
+        if session.status != "active":
+            raise Gone(f"training run {model_id} belongs to a session that has {session.status}; its adapter was freed. "
+                       "Resume from a checkpoint: create_training_client_from_state_with_optimizer(path)")
+        self._check_limits(tenant, tokens)
         return row
 
     def create_model(self, tenant: str, session_id: str, model_seq_id: int, base_model: str, lora: dict | None,
@@ -249,7 +335,7 @@ class Service:
 
     def forward_backward(self, tenant: str, model_id: str, seq_id: int, data: list[Datum], loss_fn: str,
                          loss_fn_config: dict | None, forward_only: bool, encode) -> FutureRow:
-        run = self._run(tenant, model_id)
+        run = self._live_run(tenant, model_id, tokens=sum(len(d.tokens) for d in data))
         self._touch(model_id)
         fb = Pass(model_id, data, loss_fn, loss_fn_config, forward_only)
         job = Job(_new_id(), model_id, run.base_model, seq=seq_id, fb_pass=fb,
@@ -258,7 +344,7 @@ class Service:
         return self._submit(tenant, kind, f"train:{model_id}:{seq_id}", job, ordered=True, session_id=run.session_id)
 
     def optim_step(self, tenant: str, model_id: str, seq_id: int, params: AdamParams) -> FutureRow:
-        run = self._run(tenant, model_id)
+        run = self._live_run(tenant, model_id)
         self._touch(model_id)
 
         def step(engine: Engine):
@@ -271,7 +357,7 @@ class Service:
     def save_weights(self, tenant: str, model_id: str, seq_id: int, name: str | None, kind: str,
                      overwrite: bool = True, ttl_seconds: int | None = None, user_metadata: dict | None = None) -> FutureRow:
         """save_state (kind "training": weights + optimizer) or save_weights_for_sampler (kind "sampler")."""
-        run = self._run(tenant, model_id)
+        run = self._live_run(tenant, model_id)
         name = name or f"{kind}-{seq_id:06d}"
         if "/" in name or name in (".", "..") or not name.strip():
             raise UserError(f"checkpoint name {name!r} must be a plain name without '/'")
@@ -300,7 +386,7 @@ class Service:
 
     def snapshot_for_sampler(self, tenant: str, model_id: str, seq_id: int, sampling_session_seq_id: int) -> FutureRow:
         """save_weights_and_get_sampling_client: an in-memory copy of the weights, with a sampler id."""
-        run = self._run(tenant, model_id)
+        run = self._live_run(tenant, model_id)
         sampler_id = f"{run.session_id}:sample:{sampling_session_seq_id}"
 
         def snapshot(engine: Engine):
@@ -335,7 +421,7 @@ class Service:
                                         lora_config=source.lora_config, user_metadata=dict(user_metadata or source.user_metadata or {})))
             dedupe, seq = f"create_model:{session_id}:{model_seq_id}", None
         else:
-            run = self._run(tenant, model_id)
+            run = self._live_run(tenant, model_id)
             if run.base_model != source.base_model:
                 raise UserError(f"checkpoint {path} is for {source.base_model}, but {model_id} trains {run.base_model}")
             dedupe, seq = f"train:{model_id}:{seq_id}", seq_id
@@ -383,6 +469,7 @@ class Service:
     def sample(self, tenant: str, sampler_id: str, seq_id: int, prompt: list[int], num_samples: int,
                params: SamplingParams, prompt_logprobs: bool, topk_prompt_logprobs: int, encode) -> FutureRow:
         sampler = self._sampler(tenant, sampler_id)
+        self._check_limits(tenant, len(prompt) + num_samples * (params.max_tokens or 0))
         request_id = _new_id()
 
         def sample(engine: Engine):
@@ -530,10 +617,18 @@ class Service:
         if row.tenant != tenant:
             raise NotFound(f"no checkpoint at {path}")
         self.store.delete_checkpoint(row)
-        import shutil
-
         shutil.rmtree(row.directory, ignore_errors=True)
         return {}
+
+    def set_ttl(self, tenant: str, path: str, ttl_seconds: int | None) -> dict:
+        row = self._checkpoint(tenant, path)
+        if row.tenant != tenant:
+            raise NotFound(f"no checkpoint at {path}")
+        if ttl_seconds is not None and (not isinstance(ttl_seconds, int) or ttl_seconds <= 0):
+            raise UserError("ttl_seconds must be a positive integer, or null for no expiry")
+        expires = now() + dt.timedelta(seconds=ttl_seconds) if ttl_seconds else None
+        self.store.update(CheckpointRow, row.id, expires_at=expires)
+        return _checkpoint_json(self.store.get(CheckpointRow, row.id))
 
     def weights_info(self, tenant: str, path: str) -> dict:
         row = self._checkpoint(tenant, path)

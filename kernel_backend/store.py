@@ -81,7 +81,7 @@ class FutureRow(Base):
     tenant: Mapped[str] = mapped_column(String(128), index=True)
     request_type: Mapped[str] = mapped_column(String(32))
     model_id: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)
-    status: Mapped[str] = mapped_column(String(16), default="pending")  # pending | done | failed
+    status: Mapped[str] = mapped_column(String(16), default="pending")  # pending | done | failed | interrupted
     # The reply for a finished future: JSON text or protobuf bytes, with its content type.
     result: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     content_type: Mapped[str | None] = mapped_column(String(64), nullable=True)
@@ -126,6 +126,16 @@ class UsageRow(Base):
     duration_s: Mapped[float] = mapped_column(Float, default=0.0)
     metrics: Mapped[dict] = mapped_column(JSON, default=dict)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now, index=True)
+
+
+class ApiKeyRow(Base):
+    __tablename__ = "api_keys"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 of the key; the key itself is never stored
+    prefix: Mapped[str] = mapped_column(String(16))  # shown in listings, to tell keys apart
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 KIND_SEGMENTS = {"training": "weights", "sampler": "sampler_weights"}
@@ -193,6 +203,11 @@ class Store:
         land on the original future and the work is never done twice.
         """
         existing = self.future_by_key(row.dedupe_key)
+        if existing is not None and existing.status == "interrupted":
+            # Cut off by a server restart: the client's resubmission runs it afresh.
+            with self.session.begin() as s:
+                s.delete(s.get(FutureRow, existing.request_id))
+            existing = None
         if existing is not None:
             return existing, False
         try:

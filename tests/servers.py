@@ -46,7 +46,9 @@ class Server:
 def start_server(home: Path, env: dict[str, str] | None = None, timeout: float = 180) -> Server:
     port = free_port()
     log_path = home / f"server-{port}.log"
-    full_env = {**os.environ, "STEPWISE_HOME": str(home), "PYTHONUNBUFFERED": "1", **(env or {})}
+    api_key = (env or {}).get("STEPWISE_LOCAL_KEY", "tml-test-key")
+    full_env = {**os.environ, "STEPWISE_HOME": str(home), "PYTHONUNBUFFERED": "1", "STEPWISE_LOCAL_KEY": api_key,
+                **(env or {})}
     log = open(log_path, "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "kernel_backend", "serve", "--port", str(port)],
@@ -59,7 +61,7 @@ def start_server(home: Path, env: dict[str, str] | None = None, timeout: float =
             raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
         try:
             if httpx.get(f"{base_url}/api/v1/healthz", timeout=1).status_code == 200:
-                return Server(base_url, "tml-test-key", home, process, log_path)
+                return Server(base_url, api_key, home, process, log_path)
         except httpx.HTTPError:
             pass
         time.sleep(0.3)

@@ -7,12 +7,12 @@ import sys
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "serve":
-        from kernel_backend.__main__ import main as serve_main
+    if argv and argv[0] in ("serve", "keys", "export"):
+        from kernel_backend.__main__ import main as backend_main
 
-        serve_main(argv)
+        backend_main(argv)
         return
-    print("usage: stepwise serve [--host HOST] [--port PORT]", file=sys.stderr)
+    print("usage: stepwise serve|keys|export ... (see `stepwise serve --help`)", file=sys.stderr)
     raise SystemExit(2)
 
 

@@ -14,7 +14,7 @@ from kernel_backend.api import tinker as tinker_routes
 from kernel_backend.api import openai as openai_routes
 from kernel_backend.api import usage as usage_routes
 from kernel_backend.config import Settings
-from kernel_backend.service import NotFound, Service
+from kernel_backend.service import Gone, NotFound, RateLimited, Service
 from kernel_backend.types import UserError
 
 
@@ -37,6 +37,15 @@ def create_app(settings: Settings | None = None, preload: list[str] | None = Non
     @app.exception_handler(UserError)
     async def user_error(request: Request, exc: UserError):
         return JSONResponse({"detail": str(exc), "category": "user"}, status_code=400)
+
+    @app.exception_handler(Gone)
+    async def gone(request: Request, exc: Gone):
+        return JSONResponse({"detail": str(exc)}, status_code=410)
+
+    @app.exception_handler(RateLimited)
+    async def rate_limited(request: Request, exc: RateLimited):
+        # The SDK honours Retry-After and backs off.
+        return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": str(exc.retry_after)})
 
     @app.exception_handler(NotFound)
     async def not_found(request: Request, exc: NotFound):

@@ -1,14 +1,14 @@
 """Who is calling: the API key (X-API-Key, or Authorization: Bearer) and the tenant it belongs to.
 
-Today every well-formed key (`tml-...`, the prefix the tinker SDK insists on) belongs to the
-single local tenant "local"; per-tenant keys stored hashed are the next step (issue 5).
+Keys live hashed in the database (kernel_backend/keys.py). A missing, malformed, unknown or
+revoked key answers 401 on every route.
 """
 
 from __future__ import annotations
 
 from fastapi import HTTPException, Request
 
-LOCAL_TENANT = "local"
+from kernel_backend import keys
 
 
 def api_key_of(request: Request) -> str | None:
@@ -27,4 +27,7 @@ def tenant_of(request: Request) -> str:
         raise HTTPException(401, "missing API key: send X-API-Key: tml-... (or Authorization: Bearer tml-...)")
     if not key.startswith("tml-"):
         raise HTTPException(401, "malformed API key: keys start with 'tml-'")
-    return LOCAL_TENANT
+    tenant = keys.tenant_for(request.app.state.service.store, key)
+    if tenant is None:
+        raise HTTPException(401, "unknown or revoked API key; create one with `stepwise keys create --tenant NAME`")
+    return tenant

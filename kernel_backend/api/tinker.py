@@ -75,6 +75,12 @@ def list_sessions(limit: int = 20, offset: int = 0, tenant: str = Depends(tenant
     return svc.list_sessions(tenant, limit, offset)
 
 
+@router.get("/admin/stats")
+def admin_stats(tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    """What the backend holds in memory: adapters per base model (for operators and tests)."""
+    return {"adapters": {name: len(engine.slots) for name, engine in svc.scheduler.engines.items()}}
+
+
 @router.get("/get_server_capabilities")
 def capabilities(tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
     return svc.capabilities()
@@ -178,6 +184,8 @@ async def retrieve_future(body: T.FutureRetrieveRequest, tenant: str = Depends(t
     row = await svc.retrieve(tenant, body.request_id)
     if row is None:
         return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
+    if row.status == "interrupted":  # 410: the SDK submits the request again
+        return Response(content=row.result, media_type=row.content_type, status_code=410)
     return Response(content=row.result, media_type=row.content_type)
 
 
@@ -203,6 +211,12 @@ def run_checkpoints(model_id: str, tenant: str = Depends(tenant_of), svc: Servic
 def delete_checkpoint(model_id: str, segment: str, name: str, tenant: str = Depends(tenant_of),
                       svc: Service = Depends(service)):
     return svc.delete_checkpoint(tenant, model_id, segment, name)
+
+
+@router.put("/training_runs/{model_id}/checkpoints/{segment}/{name}/ttl")
+def set_checkpoint_ttl(model_id: str, segment: str, name: str, body: dict, tenant: str = Depends(tenant_of),
+                       svc: Service = Depends(service)):
+    return svc.set_ttl(tenant, f"tinker://{model_id}/{segment}/{name}", body.get("ttl_seconds"))
 
 
 @router.get("/checkpoints")

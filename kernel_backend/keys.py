@@ -1,0 +1,53 @@
+"""API keys: each belongs to a tenant, and only its SHA-256 is stored.
+
+Keys start with `tml-` because the tinker SDK refuses any other prefix. The plaintext is shown
+once, when the key is made (`stepwise keys create --tenant NAME`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+from sqlalchemy import select
+
+from kernel_backend.store import ApiKeyRow, Store, now
+
+# The tenant of the key the embedded backend registers for itself (STEPWISE_LOCAL_KEY).
+LOCAL_TENANT = "local"
+
+
+def key_hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def create(store: Store, tenant: str, key: str | None = None) -> str:
+    """Make (or, given `key`, register) a key for `tenant`; returns the plaintext key."""
+    key = key or "tml-" + secrets.token_urlsafe(32)
+    if not key.startswith("tml-"):
+        raise ValueError("API keys must start with 'tml-' (the tinker SDK refuses others)")
+    if tenant_for(store, key) is None:
+        store.add(ApiKeyRow(key_hash=key_hash(key), tenant=tenant, prefix=key[:12]))
+    return key
+
+
+def tenant_for(store: Store, key: str) -> str | None:
+    """The tenant a live key belongs to, or None for an unknown or revoked key."""
+    with store.session() as s:
+        row = s.scalars(select(ApiKeyRow).where(ApiKeyRow.key_hash == key_hash(key))).first()
+    return row.tenant if row is not None and row.revoked_at is None else None
+
+
+def list_keys(store: Store) -> list[ApiKeyRow]:
+    return store.list(ApiKeyRow, order=ApiKeyRow.created_at)
+
+
+def revoke(store: Store, key_or_prefix: str) -> int:
+    """Revoke the key with this plaintext or display prefix; returns how many were revoked."""
+    revoked = 0
+    with store.session.begin() as s:
+        for row in s.scalars(select(ApiKeyRow).where(ApiKeyRow.revoked_at.is_(None))):
+            if row.key_hash == key_hash(key_or_prefix) or row.prefix == key_or_prefix:
+                row.revoked_at = now()
+                revoked += 1
+    return revoked
