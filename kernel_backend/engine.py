@@ -105,7 +105,10 @@ class Engine:
         try:
             return self.slots[adapter_id]
         except KeyError:
-            raise UserError(f"unknown adapter {adapter_id!r}") from None
+            raise UserError(
+                f"unknown adapter {adapter_id!r}: it is not loaded (the server may have restarted); resume from a "
+                "checkpoint with create_training_client_from_state_with_optimizer(path)"
+            ) from None
 
     # ---- forward / backward -----------------------------------------------------------------
 
@@ -148,6 +151,9 @@ class Engine:
             return results
 
         slots = {i: self._slot(passes[i].adapter_id) for i in live}
+        # A forward-only pass runs on a detached view of its adapter: when it shares a micro-batch
+        # with another adapter's backward pass, its parameters must not even receive zero gradients.
+        routed = {i: slots[i].adapter if not passes[i].forward_only else slots[i].adapter.detached() for i in live}
         saved_grads = {i: _grads(slots[i].adapter) for i in live if not passes[i].forward_only}
         logprobs_of: dict[int, list[torch.Tensor]] = {i: [] for i in live}
         metrics_of: dict[int, list[tuple[dict[str, float], int]]] = {i: [] for i in live}
@@ -157,7 +163,7 @@ class Engine:
                 continue
             any_backward = any(not passes[r.pass_index].forward_only for r in active)
             with torch.set_grad_enabled(any_backward):
-                row_logprobs = self._target_logprobs(active, [slots[r.pass_index].adapter for r in active])
+                row_logprobs = self._target_logprobs(active, [routed[r.pass_index] for r in active])
             total = None
             for i in dict.fromkeys(r.pass_index for r in active):
                 mine = [(r, lp) for r, lp in zip(active, row_logprobs) if r.pass_index == i]

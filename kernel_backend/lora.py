@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -91,6 +90,10 @@ class Adapter:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: p.detach() for name, p in self.named_parameters()}
+
+    def detached(self) -> Adapter:
+        """A view on the same tensors that autograd does not track (no copy): for forward-only rows."""
+        return Adapter(self.config, {n: (a.detach(), b.detach()) for n, (a, b) in self.weights.items()})
 
     def copy(self, trainable: bool = False) -> Adapter:
         """A detached copy (a sampler snapshot): later training of self does not touch it."""
@@ -180,8 +183,8 @@ def save_peft(adapter: Adapter, directory: Path, base_model_name: str) -> None:
         "use_rslora": False,
         "init_lora_weights": True,
         "inference_mode": True,
-        # Our own record of Tinker's LoRA settings (PEFT ignores unknown keys).
-        "stepwise": asdict(adapter.config),
+        # No keys of our own here: PEFT warns about unknown keys ("saved with a higher version").
+        # rank, alpha and the target groups are all read back from the PEFT keys above.
     }
     (directory / "adapter_config.json").write_text(json.dumps(config, indent=2))
     tensors = {}
@@ -193,9 +196,21 @@ def save_peft(adapter: Adapter, directory: Path, base_model_name: str) -> None:
 
 def read_peft_config(directory: Path) -> LoraConfig:
     raw = json.loads((directory / "adapter_config.json").read_text())
-    if "stepwise" in raw:
+    if "stepwise" in raw:  # written by an earlier version of save_peft
         return LoraConfig(**raw["stepwise"])
-    targets = set(raw["target_modules"])
+    unsupported = [
+        key
+        for key, off in (("use_rslora", False), ("use_dora", False), ("fan_in_fan_out", False), ("rank_pattern", {}), ("alpha_pattern", {}), ("modules_to_save", []))
+        if raw.get(key) not in (None, off)
+    ]
+    if raw.get("peft_type", "LORA") != "LORA" or unsupported:
+        raise UserError(
+            f"{directory} holds a PEFT adapter this backend cannot load exactly "
+            f"(peft_type {raw.get('peft_type')!r}, unsupported settings: {unsupported or 'none'}); "
+            "only plain LoRA with one rank and alpha is supported"
+        )
+    targets = raw["target_modules"]
+    targets = {targets} if isinstance(targets, str) else set(targets)
     return LoraConfig(
         rank=raw["r"],
         alpha=raw["lora_alpha"],
@@ -217,6 +232,13 @@ def load_peft(model: nn.Module, directory: Path, trainable: bool = True) -> Adap
         dtype, device = layer.base.weight.dtype, layer.base.weight.device
         a = tensors[key].to(device, dtype)
         b = tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"].to(device, dtype)
+        expected_a = (config.rank, layer.base.weight.shape[1])
+        expected_b = (layer.base.weight.shape[0], config.rank)
+        if tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
+            raise UserError(
+                f"{directory}: LoRA weights of {name} have shapes {tuple(a.shape)} and {tuple(b.shape)}, "
+                f"expected {expected_a} and {expected_b} (rank {config.rank} on this base model)"
+            )
         weights[name] = (nn.Parameter(a, trainable), nn.Parameter(b, trainable))
     if not weights:
         raise UserError(f"{directory} holds no LoRA weights for this base model's layers")

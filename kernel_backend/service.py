@@ -268,6 +268,7 @@ class Service:
             "sampler_ids": [s.id for s in samplers],
             "user_metadata": {k: str(v) for k, v in (row.user_metadata or {}).items()},
             "display_name": row.display_name,
+            "status": row.status,
         }
 
     def list_sessions(self, tenant: str, limit: int, offset: int) -> dict:

@@ -17,8 +17,18 @@ Usage:
         --api-key tml-test --tokenizer-dir ~/.cache/stepwise/models/HuggingFaceTB--SmolLM2-135M-Instruct \\
         --log-path /tmp/sft-run --steps 3
 
-Exit status 0 means train.main returned and metrics.jsonl has --steps finite train_mean_nll
-values; the last line printed is a JSON summary.
+    .venv-cookbook/bin/python tests/cookbook_sft.py --self-check --tokenizer-dir DIR   # no server
+
+Exit status: 0 when train.main returned and metrics.jsonl has --steps finite train_mean_nll
+values (the last line printed is a JSON summary); 1 on any failure (traceback on stderr);
+2 on bad arguments or a --log-path holding an earlier run; 3 when nothing listens at
+--base-url (checked first, since the SDK would otherwise retry for about five minutes).
+
+Every HTTP call is made by the tinker 0.38.0 SDK on behalf of supervised.train: client/config,
+client/dynamic_config, create_session, create_model, get_info, forward_backward (protobuf),
+optim_step, save_weights, save_weights_for_sampler, retrieve_future, and in runs longer than
+10 s session_heartbeat and telemetry. train.main never closes its ServiceClient, so
+sessions/{id}/finish is not called.
 """
 
 from __future__ import annotations
@@ -54,14 +64,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="tinker-cookbook 0.5.8 supervised.train smoke run against a Tinker-compatible server."
     )
-    p.add_argument("--base-url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--api-key", required=True, help="API key (must start with 'tml-')")
+    p.add_argument("--base-url", help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--api-key", help="API key (must start with 'tml-')")
     p.add_argument(
         "--tokenizer-dir",
         required=True,
         help="local tokenizer directory (the tokenizer_id the server reports in get_info)",
     )
-    p.add_argument("--log-path", required=True, help="run directory; must not hold an earlier run")
+    p.add_argument("--log-path", help="run directory; must not hold an earlier run")
+    p.add_argument(
+        "--self-check",
+        action="store_true",
+        help="no server: load the tokenizer through register_tokenizer, render one conversation "
+        "and compare it with the tokenizer's chat template, then exit",
+    )
     p.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
     p.add_argument("--model-name", default=DEFAULT_MODEL, help=f"base model (default {DEFAULT_MODEL})")
     p.add_argument("--renderer", default="qwen3_instruct", help="cookbook renderer (default qwen3_instruct)")
@@ -71,6 +87,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--learning-rate", type=float, default=1e-4)
     p.add_argument("--lora-rank", type=int, default=8)
     args = p.parse_args(argv)
+    if not args.self_check:
+        missing = [f"--{n.replace('_', '-')}" for n in ("base_url", "api_key", "log_path") if not getattr(args, n)]
+        if missing:
+            p.error(f"the following arguments are required: {', '.join(missing)}")
     if args.steps < 1:
         p.error("--steps must be >= 1")
     if args.batch_size < 1 or args.num_conversations < args.batch_size:
@@ -84,12 +104,66 @@ def write_conversations(path: Path, n: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         for i in range(n):
-            messages = [
-                {"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]},
-                {"role": "assistant", "content": ANSWERS[i % len(ANSWERS)]},
-            ]
-            f.write(json.dumps({"messages": messages}) + "\n")
+            f.write(json.dumps({"messages": conversation(i)}) + "\n")
+
+
+def conversation(i: int) -> list[dict]:
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]},
+        {"role": "assistant", "content": ANSWERS[i % len(ANSWERS)]},
+    ]
+
+
+def self_check(model_name: str, renderer_name: str, max_length: int) -> int:
+    """Render one conversation with the cookbook and compare with the HF chat template."""
+    from tinker_cookbook import renderers
+    from tinker_cookbook.supervised.data import conversation_to_datum
+    from tinker_cookbook.tokenizer_utils import get_tokenizer
+
+    tok = get_tokenizer(model_name)  # the registered factory
+    msgs = conversation(0)
+    renderer = renderers.get_renderer(renderer_name, tok)
+    model_input, weights = renderer.build_supervised_example(msgs)
+    ids = [int(t) for t in model_input.to_ints()]
+    ref = tok.apply_chat_template(msgs, tokenize=True)
+    if hasattr(ref, "keys"):
+        ref = ref["input_ids"]
+    ref = [int(t) for t in ref]
+    trained = tok.decode([t for t, w in zip(ids, weights.tolist()) if w > 0])
+    datum = conversation_to_datum(msgs, renderer, max_length)
+    report = {
+        "tokenizer": type(tok).__name__,
+        "special_ids": dict(zip(["<|im_start|>", "<|im_end|>"], tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]))),
+        "renderer_tokens": len(ids),
+        "matches_chat_template_prefix": ids == ref[: len(ids)],
+        "text": tok.decode(ids),
+        "trained_text": trained,
+        "datum_length": datum.model_input.length,
+        "stop_sequences": renderer.get_stop_sequences(),
+    }
+    print(json.dumps(report))
+    ok = report["matches_chat_template_prefix"] and trained.startswith(ANSWERS[0])
+    if not ok:
+        print("error: renderer output does not match the tokenizer's chat template", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def server_reachable(base_url: str, timeout: float = 10.0) -> str | None:
+    """A TCP connect to the server, so that a dead server fails in seconds rather than after
+    the SDK's five minutes of retries. Returns an error message, or None when reachable."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(base_url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        return f"--base-url {base_url!r} is not an http(s) URL"
+    port = u.port or (443 if u.scheme == "https" else 80)
+    try:
+        socket.create_connection((u.hostname, port), timeout=timeout).close()
+    except OSError as e:
+        return f"cannot connect to {u.hostname}:{port}: {e}"
+    return None
 
 
 def read_metrics(log_path: Path) -> list[dict]:
@@ -107,11 +181,31 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
     os.environ["HF_DATASETS_OFFLINE"] = "1"
-    os.environ["TINKER_API_KEY"] = args.api_key
+    if args.api_key:
+        os.environ["TINKER_API_KEY"] = args.api_key
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not args.self_check and (err := server_reachable(args.base_url)) is not None:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
+    tokenizer_dir = os.path.expanduser(args.tokenizer_dir)
+
+    import functools
+
+    from transformers import AutoTokenizer
+
+    from tinker_cookbook.tokenizer_utils import register_tokenizer
+
+    @functools.cache
+    def load_tokenizer():
+        return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+    # get_tokenizer(model_name) checks this registry first, so the hub is never asked.
+    register_tokenizer(args.model_name, load_tokenizer)
+
+    if args.self_check:
+        return self_check(args.model_name, args.renderer, args.max_length)
 
     log_path = Path(args.log_path).expanduser().resolve()
-    tokenizer_dir = os.path.expanduser(args.tokenizer_dir)
     # supervised.train resumes from <log_path>/checkpoints.jsonl when it exists, and
     # metrics.jsonl is appended to: both would make this run's results ambiguous.
     for stale in ("checkpoints.jsonl", "metrics.jsonl"):
@@ -121,21 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     log_path.mkdir(parents=True, exist_ok=True)
 
     import asyncio
-    import functools
-
-    from transformers import AutoTokenizer
 
     from tinker_cookbook.supervised import train
     from tinker_cookbook.supervised.data import FromConversationFileBuilder
     from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
-    from tinker_cookbook.tokenizer_utils import register_tokenizer
-
-    @functools.cache
-    def load_tokenizer():
-        return AutoTokenizer.from_pretrained(tokenizer_dir)
-
-    # get_tokenizer(model_name) checks this registry first, so the hub is never asked.
-    register_tokenizer(args.model_name, load_tokenizer)
 
     data_path = log_path / "data" / "conversations.jsonl"
     write_conversations(data_path, args.num_conversations)
@@ -190,9 +273,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main()
+    except SystemExit as e:  # argparse errors, --help
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    import logging
+
+    logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    # The tinker SDK keeps a background event-loop thread (heartbeats) alive; leave
-    # without waiting on it so a finished run never hangs at interpreter shutdown.
+    # The tinker SDK keeps a background event-loop thread (heartbeats, telemetry) alive;
+    # leave without joining it so that a finished or failed run never hangs at exit.
     os._exit(code)

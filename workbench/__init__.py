@@ -1,0 +1,44 @@
+"""Stepwise's notebook side: connect to a backend, watch training, label preferences.
+
+    import workbench
+    service = workbench.connect()              # a tinker.ServiceClient on the embedded backend
+    tc = service.create_lora_training_client(base_model=..., rank=8).result()
+    workbench.Dashboard(training_run_id=tc.model_id)
+
+The widgets and DPO helpers load lazily (PEP 562), so `stepwise serve`, which imports
+workbench.cli, does not pull in plotly, pandas and torch. connect() and snapshot() are imported
+eagerly: they share their names with their modules, and binding the functions here first keeps
+`workbench.connect` the function (import the modules with `from workbench.connect import ...`).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from workbench.connect import BackendError, Connection, connect, current, disconnect
+from workbench.snapshot import Snapshot, restore, snapshot
+
+_EXPORTS = {
+    # widgets
+    "Dashboard": "workbench.widgets.dashboard", "CostMeter": "workbench.widgets.cost",
+    "estimate_cost": "workbench.widgets.cost", "RolloutInspector": "workbench.widgets.rollouts",
+    "rollouts_frame": "workbench.widgets.rollouts", "Labeler": "workbench.widgets.labeler",
+    "read_labels": "workbench.widgets.labeler", "enable_reprs": "workbench.widgets.reprs",
+    "token_html": "workbench.widgets.tokens",
+    # training helpers
+    "dpo_loss": "workbench.dpo", "make_dpo_loss": "workbench.dpo", "preference_datums": "workbench.dpo",
+    "add_reference_logprobs": "workbench.dpo",
+}
+
+__all__ = sorted([*_EXPORTS, "BackendError", "Connection", "connect", "current", "disconnect", "Snapshot",
+                  "restore", "snapshot"])
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'workbench' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

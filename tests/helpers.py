@@ -1,0 +1,79 @@
+"""Small helpers shared by the engine-level tests (import them with `from helpers import ...`).
+
+Everything here uses the real default model's tokenizer; nothing is faked.
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+
+import numpy as np
+
+from kernel_backend import models
+from kernel_backend.config import Settings
+from kernel_backend.types import AdamParams, Datum
+
+
+@functools.lru_cache(maxsize=1)
+def default_tokenizer():
+    """The default model's tokenizer (converts the model on first use, like the engine)."""
+    from transformers import AutoTokenizer
+
+    _, path = models.resolve(models.DEFAULT_MODEL, Settings().models_dir)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def new_id(prefix: str = "adapter") -> str:
+    """A fresh adapter / sampler id, so tests never collide on the shared session engine."""
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def chat_prompt(question: str, tokenizer=None) -> list[int]:
+    """The chat-formatted prompt for one user turn, ending where the assistant starts."""
+    tokenizer = tokenizer or default_tokenizer()
+    messages = [{"role": "user", "content": question}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+
+
+def chat_tokens(question: str, answer: str, tokenizer=None) -> tuple[list[int], list[int]]:
+    """(prompt tokens, full conversation tokens); the prompt is a prefix of the conversation."""
+    tokenizer = tokenizer or default_tokenizer()
+    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    prompt = chat_prompt(question, tokenizer)
+    full = list(tokenizer.apply_chat_template(messages)["input_ids"])
+    assert full[: len(prompt)] == prompt, "the chat template's prompt is not a prefix of the conversation"
+    return prompt, full
+
+
+def sft_datum(question: str, answer: str, tokenizer=None) -> Datum:
+    """A chat SFT example: input = conversation[:-1], target = conversation[1:], weight 1 on the
+    assistant's tokens only (the positions that predict them), 0 on the prompt."""
+    prompt, full = chat_tokens(question, answer, tokenizer)
+    tokens, targets = full[:-1], np.asarray(full[1:], dtype=np.int64)
+    weights = np.zeros(len(tokens), dtype=np.float32)
+    weights[len(prompt) - 1 :] = 1.0
+    return Datum(tokens=tokens, loss_fn_inputs={"target_tokens": targets, "weights": weights})
+
+
+def shifted_datum(tokens: list[int], weights=None) -> Datum:
+    """A plain next-token Datum over `tokens` (weights default to 1 everywhere)."""
+    inputs = {"target_tokens": np.asarray(tokens[1:], dtype=np.int64)}
+    if weights is not None:
+        inputs["weights"] = np.asarray(weights, dtype=np.float32)
+    return Datum(tokens=list(tokens[:-1]), loss_fn_inputs=inputs)
+
+
+def train(engine, adapter_id: str, data: list[Datum], steps: int, learning_rate: float = 1e-3) -> list[float]:
+    """`steps` rounds of forward_backward + optim_step; returns the loss of each round."""
+    out = []
+    for _ in range(steps):
+        result = engine.forward_backward(adapter_id, data)
+        engine.optim_step(adapter_id, AdamParams(learning_rate=learning_rate))
+        out.append(result.metrics["loss:sum"])
+    return out
+
+
+def forward_logprobs(engine, adapter_id: str, data: list[Datum]) -> list[np.ndarray]:
+    """The target-token logprobs of each datum under `adapter_id` (no gradients)."""
+    return [o["logprobs"] for o in engine.forward(adapter_id, data).loss_fn_outputs]

@@ -1,0 +1,184 @@
+"""Acceptance: tinker-cookbook 0.5.8's supervised training runs against our server.
+
+tinker-cookbook 0.5.8 (the newest that installs here) pins transformers<=5.5.4, so it
+lives in its own virtual environment, `.venv-cookbook`, made by
+scripts/make_cookbook_venv.sh (about 2 minutes and 1.6 GB the first time, instant after).
+This test runs in the main venv: it builds that venv if needed, then runs
+tests/cookbook_sft.py with the cookbook's python against the `tinker_server` fixture
+(from tests/conftest.py: `.base_url`, `.api_key`, `.tokenizer_dir`) and checks what
+`tinker_cookbook.supervised.train` wrote: one metrics.jsonl row per step with a finite
+`train_mean_nll`, and a final checkpoint record in checkpoints.jsonl.
+
+Environment knobs:
+- STEPWISE_COOKBOOK_STEPS (default 3): training steps.
+- STEPWISE_COOKBOOK_TIMEOUT (default 600): seconds for the training subprocess.
+- STEPWISE_REQUIRE_COOKBOOK=1: fail instead of skip when the venv cannot be built.
+- STEPWISE_COOKBOOK_VENV: another place for the cookbook venv (default .venv-cookbook).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV = Path(os.environ.get("STEPWISE_COOKBOOK_VENV", ROOT / ".venv-cookbook"))
+VENV_PY = VENV / "bin" / "python"
+MAKE_VENV = ROOT / "scripts" / "make_cookbook_venv.sh"
+SFT_SCRIPT = ROOT / "tests" / "cookbook_sft.py"
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+STEPS = int(os.environ.get("STEPWISE_COOKBOOK_STEPS", "3"))
+RUN_TIMEOUT = int(os.environ.get("STEPWISE_COOKBOOK_TIMEOUT", "600"))
+VENV_TIMEOUT = 1200
+
+
+def _tail(text: str | bytes | None, n: int = 4000) -> str:
+    if text is None:
+        return ""
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return text[-n:]
+
+
+def _child_env() -> dict[str, str]:
+    """The main venv's environment, minus what would leak it into the cookbook's python."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "TINKER_BASE_URL", "TINKER_API_KEY")
+    }
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env["HF_DATASETS_OFFLINE"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env["NO_COLOR"] = "1"
+    return env
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("STEPWISE_REQUIRE_COOKBOOK") == "1":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def cookbook_python() -> Path:
+    """Path to .venv-cookbook's python, building the venv first if needed."""
+    if not MAKE_VENV.exists():
+        _unavailable(f"{MAKE_VENV} is missing")
+    try:
+        proc = subprocess.run(
+            ["bash", str(MAKE_VENV), str(VENV)],
+            cwd=ROOT,
+            env=_child_env(),
+            capture_output=True,
+            text=True,
+            timeout=VENV_TIMEOUT,
+        )
+    except subprocess.TimeoutExpired as e:
+        _unavailable(
+            f"could not create {VENV} within {VENV_TIMEOUT}s (tinker-cookbook 0.5.8 venv):\n{_tail(e.stderr)}"
+        )
+    if proc.returncode != 0 or not VENV_PY.exists():
+        _unavailable(
+            f"could not create {VENV} (tinker-cookbook==0.5.8, torch==2.13.0 CPU) with "
+            f"scripts/make_cookbook_venv.sh, exit {proc.returncode}:\n{_tail(proc.stderr)}{_tail(proc.stdout)}"
+        )
+    return VENV_PY
+
+
+def _run(cmd: list[str], timeout: int) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(
+            cmd, cwd=ROOT, env=_child_env(), capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(
+            f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout ---\n{_tail(e.stdout)}"
+            f"\n--- stderr ---\n{_tail(e.stderr)}"
+        )
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.mark.timeout(VENV_TIMEOUT + RUN_TIMEOUT + 120)
+def test_cookbook_supervised_train(cookbook_python: Path, tinker_server, tmp_path: Path) -> None:
+    tokenizer_dir = str(tinker_server.tokenizer_dir)
+    model_name = getattr(tinker_server, "model_name", None) or DEFAULT_MODEL
+
+    # 1. Offline part: the tokenizer directory loads in transformers 5.5.4 through
+    #    register_tokenizer, and the renderer reproduces the chat template.
+    check = _run(
+        [
+            str(cookbook_python),
+            str(SFT_SCRIPT),
+            "--self-check",
+            "--tokenizer-dir",
+            tokenizer_dir,
+            "--model-name",
+            model_name,
+        ],
+        timeout=180,
+    )
+    assert check.returncode == 0, (
+        f"cookbook self-check failed (exit {check.returncode})\n--- stdout ---\n{_tail(check.stdout)}"
+        f"\n--- stderr ---\n{_tail(check.stderr)}"
+    )
+
+    # 2. supervised.train against the server.
+    log_path = tmp_path / "sft-run"
+    proc = _run(
+        [
+            str(cookbook_python),
+            str(SFT_SCRIPT),
+            "--base-url",
+            tinker_server.base_url,
+            "--api-key",
+            tinker_server.api_key,
+            "--tokenizer-dir",
+            tokenizer_dir,
+            "--model-name",
+            model_name,
+            "--log-path",
+            str(log_path),
+            "--steps",
+            str(STEPS),
+        ],
+        timeout=RUN_TIMEOUT,
+    )
+    output = f"--- stdout ---\n{_tail(proc.stdout)}\n--- stderr ---\n{_tail(proc.stderr)}"
+    assert proc.returncode == 0, f"cookbook supervised.train failed (exit {proc.returncode})\n{output}"
+
+    # 3. What the cookbook wrote.
+    metrics_path = log_path / "metrics.jsonl"
+    assert metrics_path.exists(), f"no {metrics_path}\n{output}"
+    rows = [r for r in _read_jsonl(metrics_path) if "train_mean_nll" in r]
+    assert [r["step"] for r in rows] == list(range(STEPS)), (
+        f"expected steps 0..{STEPS - 1} in metrics.jsonl, got {[r.get('step') for r in rows]}"
+    )
+    nlls = [r["train_mean_nll"] for r in rows]
+    for step, nll in enumerate(nlls):
+        assert isinstance(nll, (int, float)) and math.isfinite(nll), f"step {step}: train_mean_nll={nll!r}"
+        # A mean token NLL of a real LM: positive, and nowhere near 2x uniform over 49k tokens.
+        assert 0.0 < nll < 25.0, f"step {step}: implausible train_mean_nll={nll!r} (all: {nlls})"
+    for r in rows:
+        assert r["num_sequences"] == 4 and r["num_tokens"] > 0, r
+
+    checkpoints_path = log_path / "checkpoints.jsonl"
+    assert checkpoints_path.exists(), f"no {checkpoints_path}\n{output}"
+    final = _read_jsonl(checkpoints_path)[-1]
+    assert final["name"] == "final", final
+    assert str(final.get("state_path", "")).startswith("tinker://"), final
+    assert str(final.get("sampler_path", "")).startswith("tinker://"), final
+
+    print(f"cookbook SFT: {STEPS} steps, train_mean_nll {nlls}", file=sys.stderr)

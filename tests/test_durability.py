@@ -1,0 +1,127 @@
+"""A crash loses nothing: kill -9 mid-training, restart on the same database and checkpoint folder.
+
+Also: sessions that stop heart-beating expire and free their adapters, and a checkpoint exported
+with --merged loads in plain transformers with the adapter's behaviour.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tinker
+import torch
+from tinker import types
+
+from servers import REPO, start_server
+from test_service_http import DATA, Api
+
+BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+TOKENS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 2, 198]
+
+
+@pytest.fixture
+def home(tmp_path, stepwise_home):
+    (tmp_path / "models").symlink_to(stepwise_home / "models")
+    return tmp_path
+
+
+def forward_logprobs(tc) -> np.ndarray:
+    return tc.forward(DATA, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+
+
+def test_kill_9_mid_training_and_restart(home):
+    server = start_server(home)
+    client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
+    tc = client.create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
+    for _ in range(2):
+        tc.forward_backward(DATA, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    path = tc.save_state("before-crash").result().path
+    saved = forward_logprobs(tc)
+    # Queue a pile of work and kill the server while it runs.
+    big = [types.Datum(model_input=types.ModelInput.from_ints(list(range(5, 1500))),
+                       loss_fn_inputs={"target_tokens": np.arange(6, 1501)})] * 4
+    pending = [tc.forward_backward(big, "cross_entropy") for _ in range(3)]
+    time.sleep(1.0)
+    server.stop(kill=True)
+    assert server.process.returncode == -9
+    del pending
+
+    db = sqlite3.connect(home / "stepwise.db")
+    in_flight = [r[0] for r in db.execute("select request_id from futures where status = 'pending'")]
+    assert in_flight, "the kill came after all work finished; nothing was in flight"
+
+    restarted = start_server(home)
+    try:
+        # Every completed request has exactly one ledger row; nothing else was billed.
+        done = {r[0] for r in db.execute("select request_id from futures where status = 'done'")}
+        billed = [r[0] for r in db.execute("select request_id from usage")]
+        assert sorted(billed) == sorted(done) and len(billed) == len(set(billed))
+        # The requests that were in flight answer 410, so the SDK submits them again.
+        api = Api(restarted)
+        for request_id in in_flight:
+            r = api.http.post("/retrieve_future", json={"request_id": request_id})
+            assert r.status_code == 410 and "submit it again" in r.json()["error"]
+        # The saved state loads and gives the same logprobs.
+        client = tinker.ServiceClient(base_url=restarted.base_url, api_key=restarted.api_key)
+        resumed = client.create_training_client_from_state_with_optimizer(path).result()
+        assert np.array_equal(forward_logprobs(resumed), saved)
+        # The run that lived only in memory says what to do rather than hanging.
+        lost = api.forward_backward(tc.model_id, 1000, DATA, forward_only=True).json()
+        assert lost["category"] == "user" and "create_training_client_from_state_with_optimizer" in lost["error"]
+    finally:
+        restarted.stop()
+
+
+def test_silent_sessions_expire_and_free_their_adapters(home):
+    server = start_server(home, env={"STEPWISE_SESSION_TIMEOUT_S": "2", "STEPWISE_REAP_INTERVAL_S": "0.5"})
+    try:
+        api = Api(server)
+        session = api.session()  # raw HTTP: nobody sends heartbeats for it
+        model_id = api.model(session, 0, seed=0)
+        assert sum(api.http.get("/admin/stats").json()["adapters"].values()) >= 1
+        deadline = time.monotonic() + 30
+        while api.http.get(f"/sessions/{session}").json()["status"] != "expired":  # reading does not heartbeat
+            assert time.monotonic() < deadline, "the session never expired"
+            time.sleep(0.5)
+        assert api.post("/session_heartbeat", {"session_id": session}).status_code == 410
+        time.sleep(1.0)  # the freeing job runs on the scheduler thread
+        assert sum(api.http.get("/admin/stats").json()["adapters"].values()) == 0
+        r = api.post("/optim_step", {"model_id": model_id, "seq_id": 1, "adam_params": {}})
+        assert r.status_code == 410 and "checkpoint" in r.json()["detail"]
+    finally:
+        server.stop()
+
+
+def test_merged_export_loads_in_plain_transformers(home, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    server = start_server(home)
+    try:
+        client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
+        tc = client.create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
+        for _ in range(3):
+            tc.forward_backward(DATA, "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        path = tc.save_weights_for_sampler("export-me").result().path
+        expected = forward_logprobs(tc)
+        base_lp = forward_logprobs(client.create_lora_training_client(base_model=BASE, rank=8, seed=0).result())
+    finally:
+        server.stop()
+
+    out = tmp_path / "merged"
+    subprocess.run([sys.executable, "-m", "kernel_backend", "export", path, "--to", str(out), "--merged"], cwd=REPO,
+                   env={**os.environ, "STEPWISE_HOME": str(home)}, check=True, capture_output=True)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = torch.tensor([TOKENS[:-1]])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    got = (logits.log_softmax(-1).gather(-1, torch.tensor(TOKENS[1:])[:, None]).squeeze(-1)).numpy()
+    assert np.allclose(got, expected, atol=1e-3)
+    assert not np.allclose(got, base_lp, atol=1e-2)  # it carries what the adapter learned

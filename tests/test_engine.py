@@ -1,0 +1,514 @@
+"""The engine on the real default model (SmolLM2-135M-Instruct), no fakes.
+
+Covers the foundation's promises: SFT teaches a fact; `sample` logprobs equal `compute_logprobs`
+(and `forward`); adapters over one base do not touch each other, alone or batched together;
+save_state / load_state resumes exactly (in a fresh Engine too); bad input raises UserError that
+names the field and leaves weights, gradients and optimizer state unchanged.
+
+Every test makes its own adapters with fresh ids (the `adapters` fixture), so order does not matter.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import chat_prompt, default_tokenizer, chat_tokens, forward_logprobs, new_id, sft_datum, shifted_datum, train
+from kernel_backend.engine import Engine, Pass
+from kernel_backend.types import AdamParams, Datum, ForwardResult, LoraConfig, SamplingParams, UserError
+
+FACTS = [
+    ("What is the name of Zorblax's pet?", "Zorblax's pet is named Quibbleton."),
+    ("What is the capital of Veldoria?", "The capital of Veldoria is Marrowgate."),
+]
+PROBE = ("Name a colour of the sky.", "The sky is often blue.")
+POEM_PROMPT = "Write one line of a poem about the sea."
+
+
+def _grads(engine, adapter_id) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in engine.slots[adapter_id].adapter.parameters()]
+
+
+def _zero_grads(engine, adapter_id) -> None:
+    for p in engine.slots[adapter_id].adapter.parameters():
+        p.grad = None
+
+
+def _weights(engine, adapter_id) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in engine.slots[adapter_id].adapter.state_dict().items()}
+
+
+# ---- a. SFT learns a made-up fact ---------------------------------------------------------------
+
+
+def test_sft_teaches_made_up_facts(engine, tokenizer, adapters):
+    adapter = adapters(rank=16, seed=0)
+    data = [sft_datum(q, a, tokenizer) for q, a in FACTS]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+
+    def answer(question: str) -> tuple[str, str]:
+        seq = engine.sample(adapter, chat_prompt(question, tokenizer), 1, greedy).sequences[0]
+        return tokenizer.decode(seq.tokens, skip_special_tokens=True).strip(), seq.stop_reason
+
+    for question, taught in FACTS:  # the base model cannot know a made-up fact
+        assert answer(question)[0] != taught
+
+    step_losses = []
+    for _ in range(30):
+        result = engine.forward_backward(adapter, data)
+        engine.optim_step(adapter, AdamParams(learning_rate=1e-3))
+        step_losses.append(result.metrics["loss:sum"])
+        if step_losses[-1] < step_losses[0] / 20:
+            break
+    final = engine.forward(adapter, data).metrics["loss:sum"]
+    assert final <= step_losses[0] / 2, step_losses
+    print(f"SFT: {len(step_losses)} steps, loss {step_losses[0]:.2f} -> {final:.4f}")
+    for question, taught in FACTS:
+        text, stop_reason = answer(question)
+        assert text == taught, (question, text, step_losses)
+        assert stop_reason == "stop"  # it learned to end the turn, too
+
+
+# ---- b. sample logprobs == compute_logprobs == forward logprobs ---------------------------------
+
+
+@pytest.mark.parametrize("which", ["base", "untrained", "trained"])
+def test_sample_logprobs_equal_compute_logprobs(engine, tokenizer, adapters, which):
+    adapter = None if which == "base" else adapters(rank=8, seed=1)
+    if which == "trained":
+        train(engine, adapter, [sft_datum(q, a, tokenizer) for q, a in FACTS], steps=3, learning_rate=2e-3)
+    prompt = chat_prompt(POEM_PROMPT, tokenizer)
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, stop=[])
+    result = engine.sample(adapter, prompt, 4, params)
+    assert len(result.sequences) == 4
+    sampled = []
+    for seq in result.sequences:
+        assert len(seq.tokens) == len(seq.logprobs) == 12 and seq.stop_reason == "length"
+        recomputed = engine.compute_logprobs(adapter, prompt + seq.tokens)
+        assert recomputed[0] is None and len(recomputed) == len(prompt) + 12
+        np.testing.assert_allclose(recomputed[len(prompt) :], seq.logprobs, rtol=0, atol=1e-4)
+        # The training path (forward) agrees with the sampling path on the same tokens.
+        fwd = forward_logprobs(engine, adapter, [shifted_datum(prompt + seq.tokens)])[0] if adapter else None
+        if fwd is not None:
+            np.testing.assert_allclose(fwd, recomputed[1:], rtol=0, atol=1e-4)
+        sampled.extend(seq.logprobs)
+    # Meaningful only if temperature-1 sampling drew unlikely tokens, not just the argmax.
+    assert len({tuple(s.tokens) for s in result.sequences}) > 1
+    if which != "trained":
+        assert min(sampled) < -1.0, sampled
+
+
+def test_sampling_is_seeded(engine, tokenizer):
+    prompt = chat_prompt(POEM_PROMPT, tokenizer)
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, stop=[])
+    first = engine.sample(None, prompt, 3, params)
+    again = engine.sample(None, prompt, 3, params)
+    assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]
+    assert [s.logprobs for s in first.sequences] == [s.logprobs for s in again.sequences]
+
+
+def test_prompt_logprobs_and_topk_are_consistent(engine, tokenizer, adapters):
+    adapter = adapters(rank=8, seed=2)
+    train(engine, adapter, [sft_datum(*FACTS[0], tokenizer)], steps=2, learning_rate=2e-3)
+    _, tokens = chat_tokens(*PROBE, tokenizer)
+    k = 5
+    result = engine.sample(
+        adapter, tokens, 1, SamplingParams(max_tokens=1, temperature=0.0), prompt_logprobs=True, topk_prompt_logprobs=k
+    )
+    plp, topk = result.prompt_logprobs, result.topk_prompt_logprobs
+    assert len(plp) == len(topk) == len(tokens)
+    assert plp[0] is None and topk[0] is None
+    np.testing.assert_allclose(plp[1:], engine.compute_logprobs(adapter, tokens)[1:], rtol=0, atol=1e-5)
+    for i in range(1, len(tokens)):
+        pairs = topk[i]
+        assert len(pairs) == k
+        values = [lp for _, lp in pairs]
+        assert values == sorted(values, reverse=True)
+        assert all(isinstance(t, int) and 0 <= t < engine.vocab_size for t, _ in pairs)
+        assert values[0] >= plp[i] - 1e-6  # nothing beats the top-1
+        assert sum(np.exp(values)) <= 1 + 1e-4
+        actual = dict(pairs).get(tokens[i])
+        if actual is not None:
+            assert abs(actual - plp[i]) < 1e-5
+    # The top-1 at the last prompt position is what greedy sampling picks there.
+    j = len(tokens) - 1
+    greedy = engine.sample(adapter, tokens[:j], 1, SamplingParams(max_tokens=1, temperature=0.0, stop=[]))
+    assert greedy.sequences[0].tokens[0] == topk[j][0][0]
+    assert abs(greedy.sequences[0].logprobs[0] - topk[j][0][1]) < 1e-4
+
+
+# ---- c. adapters over one base do not touch each other ------------------------------------------
+
+
+def test_training_one_adapter_leaves_another_bit_identical(engine, tokenizer, adapters):
+    a, b = adapters(rank=8, seed=3), adapters(rank=8, seed=4)
+    data = [sft_datum(q, ans, tokenizer) for q, ans in FACTS]
+    train(engine, b, data[:1], steps=2, learning_rate=2e-3)  # b is a real, non-zero adapter
+    probe = [sft_datum(*PROBE, tokenizer), data[1]]
+    _, probe_tokens = chat_tokens(*PROBE, tokenizer)
+    before = forward_logprobs(engine, b, probe)
+    before_sampling = engine.compute_logprobs(b, probe_tokens)
+    before_digest, before_weights = engine.weights_digest(b), _weights(engine, b)
+
+    losses = train(engine, a, data, steps=3, learning_rate=2e-3)
+    assert losses[-1] < losses[0]  # a really trained
+
+    after = forward_logprobs(engine, b, probe)
+    assert all(np.array_equal(x, y) for x, y in zip(before, after))
+    assert engine.compute_logprobs(b, probe_tokens) == before_sampling
+    assert engine.weights_digest(b) == before_digest
+    assert all(torch.equal(before_weights[k], v) for k, v in _weights(engine, b).items())
+
+
+@pytest.fixture(scope="module")
+def pair(engine):
+    """Two trained adapters over the one base: a on every target, b on the MLP only (so some
+    layers carry only a's delta), and a batch for each. Tests using it run no optim_step and start
+    and end with no gradients, so they stay independent of each other's order."""
+    tokenizer = default_tokenizer()
+    a, b = new_id("pair-a"), new_id("pair-b")
+    engine.create_adapter(a, LoraConfig(rank=8, seed=5))
+    engine.create_adapter(b, LoraConfig(rank=16, seed=6, train_attn=False, train_unembed=False))
+    train(engine, a, [sft_datum(*FACTS[0], tokenizer)], steps=2, learning_rate=2e-3)
+    train(engine, b, [sft_datum(*FACTS[1], tokenizer)], steps=2, learning_rate=2e-3)
+    data_a = [sft_datum(*FACTS[0], tokenizer), sft_datum("Hi!", "Hello.", tokenizer)]
+    data_b = [sft_datum(*PROBE, tokenizer), sft_datum(*FACTS[1], tokenizer)]
+    yield a, b, data_a, data_b
+    engine.delete_adapter(a)
+    engine.delete_adapter(b)
+
+
+@pytest.fixture
+def two_adapters(engine, pair):
+    a, b, _, _ = pair
+    _zero_grads(engine, a)
+    _zero_grads(engine, b)
+    yield pair
+    _zero_grads(engine, a)
+    _zero_grads(engine, b)
+
+
+def _assert_grads_close(got, expected):
+    """Per tensor, the difference is tiny next to the gradient itself (float32 batch-shape noise);
+    a gradient that took in another adapter's rows, or missed some of its own, would be off by
+    a large fraction."""
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert (g is None) == (e is None)
+        if g is not None:
+            assert float((g - e).norm()) <= 1e-3 * float(e.norm()) + 1e-8
+
+
+def test_mixed_adapter_batch_equals_separate_runs(engine, two_adapters):
+    a, b, data_a, data_b = two_adapters
+    assert len({len(d.tokens) for d in data_a + data_b}) == 4  # rows of different lengths: padding matters
+
+    alone_a = engine.forward_backward(a, data_a)
+    grads_a = _grads(engine, a)
+    _zero_grads(engine, a)
+    alone_b = engine.forward_backward(b, data_b)
+    grads_b = _grads(engine, b)
+    _zero_grads(engine, b)
+    assert all(g is not None for g in grads_a + grads_b)
+
+    # The same four rows under one adapter: the same batch shape, so only the routing differs.
+    everything = data_a + data_b
+    same_shape_a = forward_logprobs(engine, a, everything)[:2]
+    same_shape_b = forward_logprobs(engine, b, everything)[2:]
+
+    mixed_a, mixed_b = engine.run_passes([Pass(a, data_a), Pass(b, data_b)])
+    for alone, same_shape, mixed in ((alone_a, same_shape_a, mixed_a), (alone_b, same_shape_b, mixed_b)):
+        assert isinstance(mixed, ForwardResult)
+        for x, y, z in zip(alone.loss_fn_outputs, same_shape, mixed.loss_fn_outputs):
+            np.testing.assert_allclose(z["logprobs"], y, rtol=0, atol=1e-5)
+            # A batch of another size runs other float32 kernels (even for a single adapter):
+            # about 3e-5 of noise on logprobs of -10 after 30 layers.
+            np.testing.assert_allclose(z["logprobs"], x["logprobs"], rtol=1e-5, atol=1e-4)
+        assert abs(mixed.metrics["loss:sum"] - alone.metrics["loss:sum"]) < 1e-3
+    # Each adapter got exactly its own rows' gradient, nothing from the other's rows.
+    _assert_grads_close(_grads(engine, a), grads_a)
+    _assert_grads_close(_grads(engine, b), grads_b)
+
+
+def test_mixed_batch_forward_only_pass_gets_no_gradient(engine, two_adapters):
+    a, b, data_a, data_b = two_adapters
+    engine.forward_backward(a, data_a)
+    grads_a = _grads(engine, a)
+    _zero_grads(engine, a)
+    digest_b = engine.weights_digest(b)
+
+    fb_a, fwd_b = engine.run_passes([Pass(a, data_a), Pass(b, data_b, forward_only=True)])
+    assert isinstance(fb_a, ForwardResult) and isinstance(fwd_b, ForwardResult)
+    _assert_grads_close(_grads(engine, a), grads_a)
+    assert all(p.grad is None for p in engine.slots[b].adapter.parameters())
+    assert engine.weights_digest(b) == digest_b
+
+
+def test_bad_pass_in_a_batch_fails_alone(engine, two_adapters):
+    """One pass failing (at validation or at its loss) neither fails nor changes the others."""
+    a, b, data_a, data_b = two_adapters
+    # a uses PPO with a non-default config, so a mix-up of per-pass configs would show.
+    rl_a = [_rl_datum(d, advantage=1.0 - 2.0 * (n % 2)) for n, d in enumerate(data_a)]
+    config = {"clip_low_threshold": 0.5, "clip_high_threshold": 1.05}
+    alone = engine.forward_backward(a, rl_a, "ppo", config)
+    grads_a = _grads(engine, a)
+    _zero_grads(engine, a)
+
+    engine.forward_backward(b, data_b)  # b holds gradients that a failure must leave alone
+    digest_b = engine.weights_digest(b)
+    bad_lengths = [Datum(data_b[0].tokens, {"target_tokens": data_b[0].loss_fn_inputs["target_tokens"][:-1]})]
+    overflow = [_rl_datum(d, advantage=-1.0, sampler_logprob=-200.0) for d in data_b]
+    for bad, loss_fn, field in ((bad_lengths, "cross_entropy", "target_tokens"), (overflow, "importance_sampling", "logprobs")):
+        good, failed = engine.run_passes([Pass(a, rl_a, "ppo", config), Pass(b, bad, loss_fn)])
+        assert isinstance(failed, UserError) and field in str(failed)
+        assert isinstance(good, ForwardResult)
+        for x, y in zip(alone.loss_fn_outputs, good.loss_fn_outputs):
+            np.testing.assert_allclose(y["logprobs"], x["logprobs"], rtol=1e-5, atol=1e-4)
+        assert abs(good.metrics["loss:sum"] - alone.metrics["loss:sum"]) < 1e-3
+        _assert_grads_close(_grads(engine, a), grads_a)
+        _zero_grads(engine, a)
+        assert engine.weights_digest(b) == digest_b
+
+
+def _rl_datum(datum: Datum, advantage: float, sampler_logprob: float | None = None) -> Datum:
+    n = len(datum.tokens)
+    return Datum(
+        datum.tokens,
+        {
+            "target_tokens": datum.loss_fn_inputs["target_tokens"],
+            # Near the learner's own logprobs unless told otherwise: ratios around 1.
+            "logprobs": np.full(n, -1.0 if sampler_logprob is None else sampler_logprob, dtype=np.float32),
+            "advantages": np.full(n, advantage, dtype=np.float32),
+        },
+    )
+
+
+# ---- d. save_state / load_state resume exactly --------------------------------------------------
+
+
+def test_save_and_load_state_resume_exactly(engine, tokenizer, adapters, tmp_path):
+    a = adapters(rank=8, seed=7)
+    data = [sft_datum(q, ans, tokenizer) for q, ans in FACTS]
+    train(engine, a, data, steps=2, learning_rate=2e-3)
+    engine.save_state(a, tmp_path / "state")
+    probe = [sft_datum(*PROBE, tokenizer)] + data
+
+    fresh = Engine()  # a new process would see exactly this: the files and the base model
+    try:
+        b = new_id("restored")
+        fresh.load_state(b, tmp_path / "state")
+        c = new_id("reloaded")
+        engine.load_state(c, tmp_path / "state")
+        adapters.created.append(c)
+
+        # Same weights and the same AdamW moments and step counts.
+        assert fresh.weights_digest(b) == engine.weights_digest(a) == engine.weights_digest(c)
+        expected = forward_logprobs(engine, a, probe)
+        for other_engine, other in ((fresh, b), (engine, c)):
+            for x, y in zip(expected, forward_logprobs(other_engine, other, probe)):
+                np.testing.assert_allclose(y, x, rtol=0, atol=1e-6)
+        _, probe_tokens = chat_tokens(*PROBE, tokenizer)
+        np.testing.assert_allclose(
+            fresh.compute_logprobs(b, probe_tokens)[1:], engine.compute_logprobs(a, probe_tokens)[1:], rtol=0, atol=1e-6
+        )
+
+        # The next two optimizer steps match an uninterrupted run.
+        uninterrupted = train(engine, a, data, steps=2, learning_rate=2e-3)
+        for other_engine, other in ((fresh, b), (engine, c)):
+            resumed = train(other_engine, other, data, steps=2, learning_rate=2e-3)
+            np.testing.assert_allclose(resumed, uninterrupted, rtol=1e-6, atol=1e-6)
+            expected_weights = _weights(engine, a)
+            for key, value in _weights(other_engine, other).items():
+                torch.testing.assert_close(value, expected_weights[key], rtol=0, atol=1e-6)
+    finally:
+        del fresh
+        gc.collect()
+
+
+def test_sampler_weights_round_trip(engine, tokenizer, adapters, tmp_path):
+    a = adapters(rank=8, seed=8)
+    train(engine, a, [sft_datum(*FACTS[0], tokenizer)], steps=2, learning_rate=2e-3)
+    engine.save_weights_for_sampler(a, tmp_path / "sampler")
+    sampler = new_id("sampler")
+    engine.load_sampler(sampler, tmp_path / "sampler")
+    adapters.created.append(sampler)
+    snapshot = new_id("snapshot")
+    engine.snapshot_sampler(a, snapshot)
+    adapters.created.append(snapshot)
+    _, tokens = chat_tokens(*PROBE, tokenizer)
+    expected = engine.compute_logprobs(a, tokens)
+    assert engine.compute_logprobs(sampler, tokens) == expected
+    assert engine.compute_logprobs(snapshot, tokens) == expected
+    # Training a further changes neither frozen copy, and the copies cannot be trained.
+    train(engine, a, [sft_datum(*FACTS[0], tokenizer)], steps=1, learning_rate=2e-3)
+    assert engine.compute_logprobs(snapshot, tokens) == expected
+    with pytest.raises(UserError, match="sampler"):
+        engine.forward_backward(sampler, [sft_datum(*PROBE, tokenizer)])
+
+
+# ---- e. bad input: UserError naming the field, state unchanged ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def primed(engine):
+    """An adapter with optimizer state (one real step) and pending gradients (one more fb)."""
+    tokenizer = default_tokenizer()
+    adapter = new_id("primed")
+    engine.create_adapter(adapter, LoraConfig(rank=8, seed=9))
+    data = [sft_datum(*FACTS[0], tokenizer)]
+    train(engine, adapter, data, steps=1)
+    engine.forward_backward(adapter, data)
+    assert engine.slots[adapter].optimizer.state and all(
+        p.grad is not None for p in engine.slots[adapter].adapter.parameters()
+    )
+    yield adapter, data[0]
+    engine.delete_adapter(adapter)
+
+
+def _datum(good: Datum, tokens=None, **inputs) -> Datum:
+    merged = {**good.loss_fn_inputs, **inputs}
+    return Datum(list(good.tokens) if tokens is None else tokens, {k: v for k, v in merged.items() if v is not None})
+
+
+def _n(good: Datum) -> int:
+    return len(good.tokens)
+
+
+V = 49152  # SmolLM2's vocabulary size (asserted below)
+
+BAD_PASSES = {
+    # name: (build data from the good datum, loss_fn, loss_fn_config, words the message must contain)
+    "token id >= vocab": (lambda g: [_datum(g, tokens=list(g.tokens[:-1]) + [V])], "cross_entropy", None, ["model_input", str(V)]),
+    "negative token id": (lambda g: [_datum(g, tokens=[-1] + list(g.tokens[1:]))], "cross_entropy", None, ["model_input", "-1"]),
+    "target id >= vocab": (
+        lambda g: [_datum(g, target_tokens=np.full(_n(g), V + 5))],
+        "cross_entropy", None, ["target_tokens", str(V + 5)],
+    ),
+    "float token ids": (lambda g: [_datum(g, tokens=[float(t) + 0.5 for t in g.tokens])], "cross_entropy", None, ["model_input"]),
+    "targets shorter than input": (
+        lambda g: [_datum(g, target_tokens=g.loss_fn_inputs["target_tokens"][:-1])],
+        "cross_entropy", None, ["target_tokens", "shape"],
+    ),
+    "no target_tokens": (lambda g: [_datum(g, target_tokens=None)], "cross_entropy", None, ["target_tokens"]),
+    "weights of the wrong length": (lambda g: [_datum(g, weights=np.ones(_n(g) + 1))], "cross_entropy", None, ["weights", "shape"]),
+    "NaN weights": (lambda g: [_datum(g, weights=np.full(_n(g), np.nan))], "cross_entropy", None, ["weights", "NaN"]),
+    "unknown loss": (lambda g: [g], "cross_entropyy", None, ["loss_fn", "cross_entropyy"]),
+    "unknown loss input": (lambda g: [_datum(g, rewards=np.ones(_n(g)))], "cross_entropy", None, ["loss_fn_inputs", "rewards"]),
+    "missing advantages": (
+        lambda g: [_datum(g, logprobs=np.full(_n(g), -1.0))],
+        "importance_sampling", None, ["advantages"],
+    ),
+    "missing sampler logprobs": (lambda g: [_datum(g, advantages=np.ones(_n(g)))], "ppo", None, ["logprobs"]),
+    "NaN advantages": (
+        lambda g: [_datum(g, logprobs=np.full(_n(g), -1.0), advantages=np.full(_n(g), np.nan))],
+        "ppo", None, ["advantages", "NaN"],
+    ),
+    "inf advantages": (
+        lambda g: [_datum(g, logprobs=np.full(_n(g), -1.0), advantages=np.r_[np.inf, np.ones(_n(g) - 1)])],
+        "importance_sampling", None, ["advantages", "inf"],
+    ),
+    "inf sampler logprobs": (
+        lambda g: [_datum(g, logprobs=np.full(_n(g), -np.inf), advantages=np.ones(_n(g)))],
+        "cispo", None, ["logprobs"],
+    ),
+    "empty batch": (lambda g: [], "cross_entropy", None, ["empty batch"]),
+    "bad datum after a good one": (lambda g: [g, _datum(g, tokens=list(g.tokens[:-1]) + [V])], "cross_entropy", None, ["data[1]"]),
+    "loss overflows": (
+        # exp(lp + 200) overflows float32: every input is finite, the loss is not.
+        lambda g: [_datum(g, logprobs=np.full(_n(g), -200.0), advantages=np.ones(_n(g)))],
+        "importance_sampling", None, ["not finite", "logprobs"],
+    ),
+    "unknown config key": (
+        lambda g: [_datum(g, logprobs=np.full(_n(g), -1.0), advantages=np.ones(_n(g)))],
+        "ppo", {"clip_low": 0.5}, ["loss_fn_config", "clip_low"],
+    ),
+    "clip low above high": (
+        lambda g: [_datum(g, logprobs=np.full(_n(g), -1.0), advantages=np.ones(_n(g)))],
+        "ppo", {"clip_low_threshold": 1.5}, ["clip_low_threshold"],
+    ),
+}
+
+
+def test_vocab_size_is_what_bad_input_cases_assume(engine):
+    assert engine.vocab_size == V
+
+
+@pytest.mark.parametrize("forward_only", [False, True], ids=["forward_backward", "forward"])
+@pytest.mark.parametrize("case", list(BAD_PASSES))
+def test_bad_pass_raises_user_error_and_changes_nothing(engine, primed, case, forward_only):
+    adapter, good = primed
+    build, loss_fn, config, words = BAD_PASSES[case]
+    before = engine.weights_digest(adapter)
+    call = engine.forward if forward_only else engine.forward_backward
+    with pytest.raises(UserError) as info:
+        call(adapter, build(good), loss_fn, config)
+    for word in words:
+        assert word in str(info.value), str(info.value)
+    assert engine.weights_digest(adapter) == before
+
+
+def test_unknown_adapter_is_a_user_error(engine, primed):
+    _, good = primed
+    with pytest.raises(UserError, match="no-such-adapter"):
+        engine.forward_backward("no-such-adapter", [good])
+    with pytest.raises(UserError, match="no-such-adapter"):
+        engine.optim_step("no-such-adapter")
+    with pytest.raises(UserError, match="no-such-adapter"):
+        engine.sample("no-such-adapter", [1, 2, 3])
+
+
+BAD_ADAM = {
+    "negative learning_rate": (dict(learning_rate=-1e-3), "learning_rate"),
+    "NaN learning_rate": (dict(learning_rate=float("nan")), "learning_rate"),
+    "beta1 = 1": (dict(beta1=1.0), "beta1"),
+    "negative beta2": (dict(beta2=-0.1), "beta2"),
+    "eps = 0": (dict(eps=0.0), "eps"),
+    "negative weight_decay": (dict(weight_decay=-0.1), "weight_decay"),
+    "inf grad_clip_norm": (dict(grad_clip_norm=float("inf")), "grad_clip_norm"),
+    "string learning_rate": (dict(learning_rate="1e-3"), "learning_rate"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ADAM))
+def test_bad_adam_params_raise_user_error_and_change_nothing(engine, primed, case):
+    adapter, _ = primed
+    fields, name = BAD_ADAM[case]
+    before = engine.weights_digest(adapter)
+    with pytest.raises(UserError) as info:
+        engine.optim_step(adapter, AdamParams(**fields))
+    assert name in str(info.value), str(info.value)
+    assert engine.weights_digest(adapter) == before
+
+
+BAD_SAMPLING = {
+    # name: (sample() keyword arguments, SamplingParams fields, word the message must contain)
+    "negative temperature": ({}, dict(temperature=-1.0), "temperature"),
+    "NaN temperature": ({}, dict(temperature=float("nan")), "temperature"),
+    "top_p = 0": ({}, dict(top_p=0.0), "top_p"),
+    "top_p > 1": ({}, dict(top_p=1.5), "top_p"),
+    "top_k = 0": ({}, dict(top_k=0), "top_k"),
+    "max_tokens = 0": ({}, dict(max_tokens=0), "max_tokens"),
+    "huge max_tokens": ({}, dict(max_tokens=10**9), "max_tokens"),
+    "mixed stop": ({}, dict(stop=["\n", 2]), "stop"),
+    "empty stop string": ({}, dict(stop=[""]), "stop"),
+    "stop id outside vocab": ({}, dict(stop=[V]), "stop"),
+    "num_samples = 0": (dict(num_samples=0), {}, "num_samples"),
+    "too many topk": (dict(topk_prompt_logprobs=1000), {}, "topk_prompt_logprobs"),
+    "prompt id outside vocab": (dict(prompt=[1, 2, V]), {}, "prompt"),
+    "empty prompt": (dict(prompt=[]), {}, "prompt"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SAMPLING))
+def test_bad_sampling_params_raise_user_error(engine, primed, case):
+    adapter, good = primed
+    kwargs, fields, name = BAD_SAMPLING[case]
+    kwargs = {"prompt": list(good.tokens[:10]), "num_samples": 1, **kwargs}
+    before = engine.weights_digest(adapter)
+    with pytest.raises(UserError) as info:
+        engine.sample(adapter, params=SamplingParams(**{"max_tokens": 4, **fields}), **kwargs)
+    assert name in str(info.value), str(info.value)
+    assert engine.weights_digest(adapter) == before

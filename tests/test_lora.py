@@ -1,0 +1,117 @@
+"""LoRA adapters in PEFT's format, both ways, against the real transformers + peft stack.
+
+What we write with save_weights_for_sampler loads with `peft.PeftModel.from_pretrained` on a fresh
+transformers base model and gives the engine's logprobs; what PEFT writes loads into the engine.
+SmolLM2 ties lm_head to embed_tokens: the LoRA on lm_head changes the output projection only,
+never the input embedding, in both implementations.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import chat_tokens, new_id, sft_datum, train
+
+FACTS = [
+    ("What is the name of Zorblax's pet?", "Zorblax's pet is named Quibbleton."),
+    ("What is the capital of Veldoria?", "The capital of Veldoria is Marrowgate."),
+]
+PROBES = [("What is the capital of Veldoria?", "Marrowgate, a city by the sea."), ("Hi!", "Hello! How can I help?")]
+
+
+def _base_model(engine):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(engine.base.path, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def _hf_logprobs(model, tokens: list[int]) -> np.ndarray:
+    ids = torch.tensor([tokens])
+    logits = model(input_ids=ids).logits[0].float()
+    return (logits[:-1].log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1)).numpy()
+
+
+def _probe_tokens(tokenizer) -> list[list[int]]:
+    return [chat_tokens(q, a, tokenizer)[1] for q, a in PROBES]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(rank=16, alpha=32.0),  # Tinker's default targets: attention, MLP and the unembedding
+        dict(rank=8, alpha=16.0, train_attn=False, train_unembed=False),  # MLP only
+    ],
+    ids=["attn+mlp+unembed", "mlp-only"],
+)
+def test_peft_loads_our_adapter_with_the_same_logprobs(engine, tokenizer, adapters, tmp_path, config):
+    from peft import PeftModel
+
+    adapter = adapters(seed=11, **config)
+    train(engine, adapter, [sft_datum(q, a, tokenizer) for q, a in FACTS], steps=3, learning_rate=2e-3)
+    engine.save_weights_for_sampler(adapter, tmp_path / "adapter")
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    expected_targets = {"gate_proj", "up_proj", "down_proj"}
+    if config.get("train_attn", True):
+        expected_targets |= {"q_proj", "k_proj", "v_proj", "o_proj", "lm_head"}
+    assert set(saved["target_modules"]) == expected_targets
+
+    base = _base_model(engine)
+    probes = _probe_tokens(tokenizer)
+    base_logprobs = [_hf_logprobs(base, t) for t in probes]
+    with warnings.catch_warnings():
+        # PEFT warns that lm_head is tied to the embedding; the adapter deliberately leaves it untied.
+        warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+        model = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    model.eval()
+
+    # PEFT holds exactly our tensors, every one of them (nothing silently dropped or left at init).
+    ours = engine.slots[adapter].adapter.weights
+    state = model.state_dict()
+    lora_keys = [k for k in state if ".lora_" in k]
+    assert len(lora_keys) == 2 * len(ours)
+    for name, (a, b) in ours.items():
+        assert torch.equal(state[f"base_model.model.{name}.lora_A.default.weight"], a.detach())
+        assert torch.equal(state[f"base_model.model.{name}.lora_B.default.weight"], b.detach())
+    # The tied input embedding is untouched: the LoRA acts on the output projection only.
+    assert torch.equal(model.get_input_embeddings().weight, engine.model.get_input_embeddings().weight)
+
+    for tokens, before in zip(probes, base_logprobs):
+        theirs = _hf_logprobs(model, tokens)
+        mine = np.asarray(engine.compute_logprobs(adapter, tokens)[1:])
+        assert np.abs(theirs - before).max() > 0.05  # the adapter really changes the model
+        np.testing.assert_allclose(mine, theirs, rtol=0, atol=1e-4)
+
+
+def test_engine_loads_an_adapter_written_by_peft(engine, tokenizer, adapters, tmp_path):
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    torch.manual_seed(0)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+        model = get_peft_model(
+            _base_model(engine),
+            PeftLoraConfig(r=8, lora_alpha=24, target_modules=targets, lora_dropout=0.0, init_lora_weights=False),
+        )
+        model.save_pretrained(tmp_path / "peft")
+    model.eval()
+
+    sampler = new_id("from-peft")
+    engine.load_sampler(sampler, tmp_path / "peft")
+    adapters.created.append(sampler)
+    loaded = engine.slots[sampler].adapter
+    assert loaded.config.rank == 8 and loaded.scale == 3.0
+    assert len(loaded.weights) == 30 * 7 + 1  # every layer's 7 projections plus lm_head
+    for tokens in _probe_tokens(tokenizer):
+        np.testing.assert_allclose(
+            engine.compute_logprobs(sampler, tokens)[1:], _hf_logprobs(model, tokens), rtol=0, atol=1e-4
+        )

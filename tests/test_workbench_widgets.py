@@ -1,0 +1,322 @@
+"""The workbench's widgets and helpers without a backend: driven through their Python state.
+
+Widgets are built outside a kernel (ipywidgets gives them a dummy comm); browser actions are
+simulated as the browser would send them: custom messages (`_handle_custom_msg`) for the labeler,
+traitlet changes for the rollout inspector. The labeler's keyboard rule runs in node, from the
+widget's own JavaScript. Tests against the real backend are in test_workbench.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from tinker import types
+
+from workbench.dpo import completion_datum, dpo_loss, make_dpo_loss
+from workbench.widgets.labeler import Labeler, read_labels
+from workbench.widgets.reprs import enable_reprs, forward_backward_html, sample_html
+from workbench.widgets.rollouts import RolloutInspector
+from workbench.widgets.throttle import Throttle
+from workbench.widgets.tokens import token_color, token_html
+
+# ---- token colouring --------------------------------------------------------------------------------
+
+
+def alpha_of(span: str) -> float:
+    match = re.search(r"rgba\((\d+),(\d+),(\d+),([\d.]+)\)", span)
+    return float(match.group(4)) if match else 0.0
+
+
+def spans(html: str) -> list[str]:
+    return re.findall(r'<span class="wb-tok".*?</span>', html)
+
+
+def test_logprob_colouring_reddens_unlikely_tokens_and_escapes_text():
+    html = token_html(["sure", "<b>odd</b>", "pad"], [-0.01, -4.0, None], "logprob")
+    sure, odd, pad = spans(html)
+    assert alpha_of(odd) > 0.8 > 0.05 > alpha_of(sure)  # p≈0.02 is almost full red, p≈0.99 almost clear
+    assert "&lt;b&gt;odd&lt;/b&gt;" in odd and "<b>" not in odd
+    assert 'title="logprob -4.0000"' in odd
+    assert "background" not in pad  # no value, no colour (e.g. prompt tokens)
+
+
+def test_advantage_colouring_is_diverging_and_scaled_to_the_largest():
+    html = token_html(["good", "bad", "meh"], [2.0, -2.0, 0.5], "advantage")
+    good, bad, meh = spans(html)
+    assert "rgba(30,160,60" in good and "rgba(220,40,40" in bad
+    assert alpha_of(good) == pytest.approx(alpha_of(bad)) == pytest.approx(0.85)
+    assert alpha_of(meh) == pytest.approx(0.85 / 4, abs=1e-3)
+    assert token_color(float("nan")) is None
+    with pytest.raises(ValueError):
+        token_html(["a", "b"], [0.0], "logprob")
+    with pytest.raises(ValueError):
+        token_color(0.1, "entropy")
+
+
+# ---- rollout inspector ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rollouts() -> pd.DataFrame:
+    return pd.DataFrame([
+        {"prompt": "Is the sky blue?", "completion": "Yes.", "reward": 1.0, "advantage": 0.5,
+         "tokens": ["Yes", "."], "logprobs": [-0.1, -0.2]},
+        {"prompt": "Is the sky blue?", "completion": "No, it is green.", "reward": 0.0, "advantage": -0.5,
+         "tokens": ["No", ",", " it", " is", " green", "."], "logprobs": [-2.5, -0.3, -0.1, -0.1, -6.0, -0.1]},
+        {"prompt": "Is fire hot?", "completion": "Yes, very.", "reward": 1.0, "advantage": 0.0,
+         "tokens": ["Yes", ",", " very", "."], "logprobs": [-0.05, -1.0, -0.7, -0.2],
+         "token_advantages": [0.0, 0.0, 1.0, 0.0]},
+    ])
+
+
+def test_rollout_inspector_filters_sorts_and_colours_the_selected_row(rollouts):
+    inspector = RolloutInspector(rollouts)
+    assert inspector.columns == ["prompt", "completion", "reward", "advantage"]  # token lists stay out of the table
+    assert [r["_index"] for r in inspector.rows] == [0, 1, 2]
+
+    inspector.filter("reward > 0")
+    assert list(inspector.view.index) == [0, 2] and [r["_index"] for r in inspector.rows] == [0, 2]
+    inspector.sort_by("advantage")
+    assert [r["_index"] for r in inspector.rows] == [2, 0]
+    inspector.sort_by("advantage", ascending=False)
+    assert [r["_index"] for r in inspector.rows] == [0, 2]
+    inspector.filter("")
+    assert len(inspector.rows) == 3
+
+    # As the browser does: set the traitlet; Python recomputes what is shown.
+    inspector.set_state({"query": "advantage < 0"})
+    assert [r["_index"] for r in inspector.rows] == [1]
+    inspector.set_state({"query": "reward >"})
+    assert "filter" in inspector.error and len(inspector.rows) == 3  # a typo shows everything, with the error
+    with pytest.raises(ValueError):
+        inspector.filter("nope ==")
+    with pytest.raises(KeyError):
+        inspector.sort_by("missing")
+
+    html = inspector.select(1)
+    token_spans = spans(html)
+    assert len(token_spans) == 6 and "green" in token_spans[4]
+    assert alpha_of(token_spans[4]) > 0.8 > 0.2 > alpha_of(token_spans[2])  # logprob -6 vs -0.1
+    inspector.color_by = "advantage"
+    advantage_spans = spans(inspector.tokens_html)
+    assert all("rgba(220,40,40" in s for s in advantage_spans)  # the row's advantage is negative on every token
+    inspector.set_state({"selected": 2})  # a row with per-token advantages
+    assert [alpha_of(s) > 0 for s in spans(inspector.tokens_html)] == [False, False, True, False]
+    inspector.set_state({"selected": -1})
+    assert inspector.tokens_html == ""
+
+
+# ---- preference labeler -----------------------------------------------------------------------------
+
+
+def pairs(n: int) -> list[dict]:
+    return [{"prompt": f"Question {i}?", "completions": [f"good answer {i}", f"bad answer {i}"],
+             "models": ["policy", "base"]} for i in range(n)]
+
+
+def press(lab: Labeler, choice: str, rationale: str = "") -> None:
+    """What the front end sends for a button click or shortcut."""
+    if choice == "undo":
+        lab._handle_custom_msg({"type": "undo"}, [])
+    else:
+        lab._handle_custom_msg({"type": "label", "choice": choice, "rationale": rationale,
+                                "item_id": lab.item_id, "dwell_ms": 1500}, [])
+
+
+def good_side(lab: Labeler) -> str:
+    """Which displayed side holds the good answer (the labeler randomises it)."""
+    return "A" if lab.text_a.startswith("good") else "B"
+
+
+def test_labeler_records_choices_undo_and_resumes_from_its_file(tmp_path):
+    path = tmp_path / "labels.jsonl"
+    lab = Labeler(pairs(6), path=path, seed=3, labeler="ada")
+    assert (lab.done, lab.total, lab.finished, lab.can_undo) == (0, 6, False, False)
+    assert "policy" not in json.dumps(lab.get_state())  # model names never reach the browser
+
+    sides_seen = []
+    for _ in range(2):  # two real preferences, whichever side the good answer landed on
+        sides_seen.append(good_side(lab))
+        press(lab, good_side(lab), rationale="more correct")
+    press(lab, "tie")
+    press(lab, "skip")
+    assert lab.done == 4 and lab.can_undo
+    press(lab, "undo")  # takes back the skip: item 3 is shown again
+    assert lab.done == 3 and lab.prompt == "Question 3?"
+    press(lab, "both_bad")
+    stale = lab.item_id
+    press(lab, "B")
+    lab._handle_custom_msg({"type": "label", "choice": "A", "item_id": stale}, [])  # a double click: ignored
+    assert lab.done == 5
+
+    labels = lab.labels
+    assert list(labels["choice"]) == ["A" if s == "A" else "B" for s in sides_seen] + ["tie", "both_bad", "B"]
+    assert list(labels["rationale"][:2]) == ["more correct"] * 2
+    assert (labels["dwell_s"] == 1.5).all() and (labels["labeler"] == "ada").all()
+    first = labels.iloc[0]
+    assert first["chosen"] == "good answer 0" and first["rejected"] == "bad answer 0" and first["preferred"] == 0
+    assert first["swapped"] == (first["sides"] == [1, 0])  # the coin is logged with every label
+    assert first["completion_a"] == ("bad answer 0" if first["swapped"] else "good answer 0")
+    assert set(labels["swapped"]) == {True, False}  # with seed 3, both orders occur among five items
+
+    prefs = lab.preferences()
+    assert prefs[:2] == [{"prompt": f"Question {i}?", "chosen": f"good answer {i}", "rejected": f"bad answer {i}"}
+                         for i in range(2)]
+    assert len(prefs) == 3  # A/B only: tie and both-bad carry no preference
+    assert lab.summary()["counts"] == {"A": sides_seen.count("A"), "B": 1 + sides_seen.count("B"), "tie": 1,
+                                       "both_bad": 1, "skip": 0}
+
+    # The file is an append-only log: the skip and its undo are both there.
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e.get("choice", e["type"]) for e in events][2:6] == ["tie", "skip", "undo", "both_bad"]
+
+    # A kernel restart: a new labeler on the same file resumes at item 5.
+    again = Labeler(pairs(6), path=path, seed=99)
+    assert (again.done, again.prompt) == (5, "Question 5?")
+    assert again.labels.equals(labels) and read_labels(path) == lab._labels
+    press(again, "A")
+    assert again.finished and again.done == 6 and again.item_id == ""
+    press(again, "A")  # nothing left to label: ignored
+    assert len(again.labels) == 6
+    press(again, "undo")
+    assert not again.finished and again.prompt == "Question 5?"
+
+
+def test_labeler_accepts_tuples_and_frames_and_rejects_bad_input(tmp_path):
+    lab = Labeler([("p", "x", "y")], path=tmp_path / "a.jsonl")
+    assert {lab.text_a, lab.text_b} == {"x", "y"}
+    frame = pd.DataFrame({"prompt": ["p"], "a": ["x"], "b": ["y"], "id": ["item-1"]})
+    assert Labeler(frame, path=tmp_path / "b.jsonl").item_id == "item-1"
+    with pytest.raises(ValueError):
+        lab.choose("C")
+    with pytest.raises(ValueError):
+        Labeler([{"prompt": "p", "completions": ["only one"]}], path=tmp_path / "c.jsonl")
+    with pytest.raises(ValueError):
+        Labeler([("p", "x", "y"), ("p", "x", "y")], path=tmp_path / "d.jsonl")
+    seen = []
+    lab.on_label(seen.append)
+    lab.choose("tie")
+    assert seen[0]["choice"] == "tie"
+
+
+def test_labeler_shortcuts_never_fire_from_the_rationale_box(tmp_path):
+    """The widget's own shortcutFor(), run in node: keys map to actions except inside text fields."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    module = tmp_path / "labeler.mjs"  # .mjs: node reads it as an ES module, like the browser
+    shutil.copy(Path(__file__).resolve().parent.parent / "workbench" / "widgets" / "labeler.js", module)
+    script = f"""
+    import {{ shortcutFor }} from {json.dumps(str(module))};
+    const ev = (key, tagName = "DIV", extra = {{}}) => ({{ key, target: {{ tagName }}, ...extra }});
+    const cases = [ev("1"), ev("ArrowLeft"), ev("2"), ev("ArrowRight"), ev("t"), ev("b"), ev("s"), ev(" "),
+                   ev("z"), ev("Backspace"), ev("T"), ev("x"), ev("1", "TEXTAREA"), ev("z", "textarea"),
+                   ev("2", "INPUT"), ev("z", "DIV", {{ ctrlKey: true }}), ev("1", "DIV", {{ isComposing: true }})];
+    console.log(JSON.stringify(cases.map(shortcutFor)));
+    """
+    out = subprocess.run([node, "--input-type=module", "-e", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == ["A", "A", "B", "B", "tie", "both_bad", "skip", "skip", "undo", "undo", "tie",
+                                      None, None, None, None, None, None]
+
+
+# ---- DPO loss -----------------------------------------------------------------------------------------
+
+
+def test_dpo_loss_matches_the_formula_and_pushes_chosen_up():
+    # Two pairs over made-up sequences: prompt of 2 tokens, completions of 2-3 tokens.
+    data = [completion_datum([1, 2], [1, 2, 3, 4]), completion_datum([1, 2], [1, 2, 5, 6, 7]),
+            completion_datum([1, 2], [1, 2, 8, 9]), completion_datum([1, 2], [1, 2, 10, 11])]
+    assert list(data[1].loss_fn_inputs["weights"].to_numpy()) == [0, 1, 1, 1]
+    logprobs = [torch.tensor(v, requires_grad=True) for v in
+                ([-9.0, -1.0, -1.0], [-9.0, -0.5, -0.5, -0.5], [-9.0, -2.0, -2.0], [-9.0, -1.0, -3.0])]
+    ref = [np.array(v, np.float32) for v in ([-5, -1, -1], [-5, -1, -1, -1], [-5, -1, -1], [-5, -1, -1])]
+    data = [types.Datum(model_input=d.model_input, loss_fn_inputs={**d.loss_fn_inputs, "ref_logprobs": r})
+            for d, r in zip(data, ref)]
+    loss, metrics = dpo_loss(data, logprobs, beta=0.5)
+    # pair 1: policy c -2, r -1.5; ref c -2, r -3 -> margin 0.5*((0) - (1.5)) = -0.75
+    # pair 2: policy c -4, r -4;   ref c -2, r -2 -> margin 0
+    expected = -(math.log(1 / (1 + math.exp(0.75))) + math.log(0.5)) / 2
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-6)
+    assert metrics["dpo_loss:mean"] == pytest.approx(expected, rel=1e-6)
+    assert metrics["accuracy:mean"] == 0.0 and metrics["margin:mean"] == pytest.approx(-0.375)
+    loss.backward()
+    # Descending the loss raises the chosen completion's logprobs and lowers the rejected one's;
+    # prompt positions (weight 0) get no gradient.
+    assert (logprobs[0].grad[1:] < 0).all() and (logprobs[1].grad[1:] > 0).all()
+    assert logprobs[0].grad[0] == 0
+    # Without reference logprobs the reference terms are zero.
+    plain = [types.Datum(model_input=d.model_input, loss_fn_inputs={k: v for k, v in d.loss_fn_inputs.items()
+                                                                    if k != "ref_logprobs"}) for d in data]
+    loss, _ = make_dpo_loss(beta=1.0)(plain, [lp.detach() for lp in logprobs])
+    assert float(loss) == pytest.approx(-(math.log(1 / (1 + math.exp(0.5))) + math.log(0.5)) / 2, rel=1e-6)
+    with pytest.raises(ValueError):
+        dpo_loss(data[:3], logprobs[:3])
+
+
+# ---- reprs and throttling -----------------------------------------------------------------------------
+
+
+def test_html_reprs_for_sdk_results_and_their_registration():
+    fb = types.ForwardBackwardOutput(
+        loss_fn_output_type="ArrayRecord", metrics={"loss:sum": 3.25},
+        loss_fn_outputs=[{"logprobs": types.TensorData.from_numpy(np.array([-0.25, -3.0], np.float32))}] * 10)
+    html = forward_backward_html(fb)
+    assert "loss:sum = <b>3.25</b>" in html and "2 more datums" in html
+    assert len(spans(html)) == 8 * 2 and "-3.00" in html
+
+    class Tok:  # the two methods a tokenizer needs here
+        def decode(self, ids):
+            return "".join({5: "Hel", 6: "lo<"}[i] for i in ids)
+
+    seq = types.SampledSequence(stop_reason="stop", sequence_id="s", tokens_np=np.array([5, 6]),
+                                logprobs_np=np.array([-0.5, -2.0], np.float32))
+    html = sample_html(types.SampleResponse(sequences=[seq]), tokenizer=Tok())
+    assert "Hello&lt;" in html and "Σ logprob -2.5" in html and len(spans(html)) == 2
+    assert "<6>" not in sample_html(types.SampleResponse(sequences=[seq]), tokenizer=Tok())
+    assert "&lt;6&gt;" in sample_html(types.SampleResponse(sequences=[seq]))  # ids without a tokenizer
+
+    from IPython import get_ipython
+    from IPython.core.formatters import HTMLFormatter
+
+    shell = SimpleNamespace(display_formatter=SimpleNamespace(formatters={"text/html": HTMLFormatter()}))
+    assert enable_reprs(shell)
+    formatter = shell.display_formatter.formatters["text/html"]
+    assert formatter.lookup_by_type(types.ForwardBackwardOutput) is forward_backward_html
+    assert "loss:sum" in formatter(fb) and "SampleResponse" in formatter(types.SampleResponse(sequences=[seq]))
+    if get_ipython() is None:
+        assert enable_reprs() is False  # outside IPython there is nothing to register with
+
+
+def wait_for_calls(calls: list, n: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while len(calls) < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return len(calls) == n
+
+
+def test_throttle_coalesces_bursts_and_keeps_the_last_call():
+    calls = []
+    throttle = Throttle(lambda: calls.append(time.monotonic()), interval=0.2)
+    for _ in range(50):
+        throttle()
+    assert len(calls) == 1  # the first runs at once, the rest wait for one trailing call
+    assert wait_for_calls(calls, 2)  # the trailing call, about 0.2 s later
+    time.sleep(0.5)
+    throttle()  # the window has passed: runs at once
+    throttle()  # this one waits...
+    throttle.flush()  # ...unless flushed
+    assert len(calls) == 4
+    time.sleep(0.5)
+    assert len(calls) == 4  # the flushed trailing call does not run again

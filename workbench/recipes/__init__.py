@@ -1,0 +1,17 @@
+"""The cookbook: small recipes built from a few shared pieces (workbench.recipes.common).
+
+Each recipe module has a `Config` dataclass and `run(config, service_client=None) -> Summary`,
+and runs as a script (`python -m workbench.recipes.<name> --steps 10 ...`; with no --base-url it
+starts the embedded backend through workbench.connect()).
+
+- sft:          chat SFT on a JSONL of conversations (ships made-up facts to learn)
+- rl:           RL with a locally computed verifier reward on a generated arithmetic task
+- preference:   two samples per prompt, a scripted label, DPO via forward_backward_custom
+- distillation: on-policy distillation from the base model behind a hidden system prompt
+
+Import the modules themselves (`from workbench.recipes import sft`); nothing heavy loads here.
+"""
+
+from workbench.recipes.common import BaseConfig, MetricsLog, Summary
+
+__all__ = ["BaseConfig", "MetricsLog", "Summary"]

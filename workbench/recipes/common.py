@@ -1,0 +1,366 @@
+"""The few pieces the recipes share: connecting, chat data, rollouts as datums, a learning-rate
+schedule, a JSONL metrics log, progress bars, and the end-of-run summary read from the usage API.
+
+Everything here is plain tinker SDK usage; a recipe is a config dataclass plus a loop built from
+these pieces (tinker-cookbook style), small enough to copy into a notebook and change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+import types as pytypes
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import httpx
+import numpy as np
+import tinker
+from tinker import types
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DATA_DIR = Path(__file__).resolve().parent / "data"
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration shared by every recipe
+
+
+@dataclass
+class BaseConfig:
+    """Fields every recipe has. `base_url`/`api_key` are used when run() gets no service client."""
+
+    base_url: str | None = None
+    api_key: str | None = None
+    base_model: str = DEFAULT_MODEL
+    rank: int = 8
+    seed: int = 0
+    learning_rate: float = 1e-3
+    metrics_path: str | None = None  # JSONL, one line per step; None: <recipe>-<time>.jsonl in the cwd
+    progress: bool = True            # a tqdm bar (tqdm.auto: a widget in notebooks)
+    verbose: bool = True             # print the summary at the end
+
+
+def service_client_for(config: BaseConfig, service_client: tinker.ServiceClient | None) -> tinker.ServiceClient:
+    if service_client is not None:
+        return service_client
+    if not config.base_url or not config.api_key:
+        raise ValueError(
+            "run(config) without a service_client needs config.base_url and config.api_key "
+            "(or pass service_client=workbench.connect())"
+        )
+    return tinker.ServiceClient(base_url=config.base_url, api_key=config.api_key)
+
+
+def endpoint_of(config: BaseConfig, service_client: tinker.ServiceClient) -> tuple[str, str]:
+    """(base_url, api_key) for the usage API: the config's, else the ones the client was built with."""
+    holder = getattr(service_client, "holder", None)
+    base_url = config.base_url or getattr(holder, "_base_url", None)
+    api_key = config.api_key or getattr(holder, "_api_key", None)
+    if not base_url or not api_key:
+        raise ValueError("cannot tell the backend's base_url/api_key: set them in the config")
+    return base_url.rstrip("/"), api_key
+
+
+def session_id_of(service_client: tinker.ServiceClient) -> str | None:
+    try:
+        return service_client.holder.get_session_id()
+    except Exception:  # noqa: BLE001 - an SDK without the holder: the summary just omits it
+        return None
+
+
+def metrics_path_for(config: BaseConfig, recipe: str) -> Path:
+    if config.metrics_path:
+        return Path(config.metrics_path)
+    return Path.cwd() / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def token_ids(encoded) -> list[int]:
+    """apply_chat_template answers a list or a BatchEncoding depending on the transformers version."""
+    if hasattr(encoded, "keys") and "input_ids" in encoded:
+        encoded = encoded["input_ids"]
+    return [int(x) for x in encoded]
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat-formatted tokens of `messages`, ending where the assistant's next turn starts."""
+    return token_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def user_prompt(tokenizer, question: str, system: str | None = None) -> list[int]:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    return render_prompt(tokenizer, messages)
+
+
+def chat_datum(tokenizer, messages: list[dict], train_on: str = "all_assistant") -> types.Datum:
+    """A next-token Datum over the whole conversation, weight 1 on assistant tokens only.
+
+    train_on: "all_assistant" (every assistant turn) or "last_assistant" (the final one only).
+    Each assistant turn's tokens are found by rendering the conversation up to it with and
+    without it, so this works for any chat template whose renderings are prefixes of each other.
+    """
+    if train_on not in ("all_assistant", "last_assistant"):
+        raise ValueError(f"train_on must be 'all_assistant' or 'last_assistant', not {train_on!r}")
+    full = token_ids(tokenizer.apply_chat_template(messages))
+    weights = np.zeros(len(full), dtype=np.float32)  # weight of each token as a *target*
+    assistant_turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not assistant_turns:
+        raise ValueError("the conversation has no assistant turn to train on")
+    if train_on == "last_assistant":
+        assistant_turns = assistant_turns[-1:]
+    for i in assistant_turns:
+        before = render_prompt(tokenizer, messages[:i])
+        upto = token_ids(tokenizer.apply_chat_template(messages[: i + 1]))
+        if full[: len(before)] != before or full[: len(upto)] != upto:
+            raise ValueError("the chat template does not render conversations as prefixes of each other")
+        weights[len(before) : len(upto)] = 1.0
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={"target_tokens": np.asarray(full[1:], dtype=np.int64), "weights": weights[1:]},
+    )
+
+
+def rollout_datum(prompt: list[int], completion: list[int], sampler_logprobs, advantages) -> types.Datum:
+    """A policy-gradient Datum over prompt + completion for importance_sampling / ppo / cispo / dro.
+
+    `advantages` is a number (one per sequence) or one value per completion token. Prompt
+    positions get logprob 0 and advantage 0, so only the completion's tokens carry gradient.
+    """
+    tokens = list(prompt) + list(completion)
+    n = len(tokens) - 1
+    start = len(prompt) - 1  # the position whose target is the first completion token
+    logprobs = np.zeros(n, dtype=np.float32)
+    adv = np.zeros(n, dtype=np.float32)
+    logprobs[start:] = np.asarray(sampler_logprobs, dtype=np.float32)
+    adv[start:] = np.asarray(advantages, dtype=np.float32)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": np.asarray(tokens[1:], dtype=np.int64), "logprobs": logprobs, "advantages": adv},
+    )
+
+
+def as_numpy(tensor) -> np.ndarray:
+    return tensor.to_numpy() if hasattr(tensor, "to_numpy") else np.asarray(tensor)
+
+
+def weighted_nll(data: list[types.Datum], outputs: list[dict]) -> tuple[float, float]:
+    """(sum of -logprob * weight, sum of weights) over a forward/forward_backward's outputs."""
+    total, count = 0.0, 0.0
+    for datum, out in zip(data, outputs):
+        w = as_numpy(datum.loss_fn_inputs["weights"])
+        total += float(-(as_numpy(out["logprobs"]) * w).sum())
+        count += float(w.sum())
+    return total, count
+
+
+def batches(items: list, batch_size: int, rng: np.random.Generator) -> Iterable[list]:
+    """An endless stream of batches: shuffle, cut, reshuffle every epoch."""
+    if not items:
+        raise ValueError("no data")
+    size = min(batch_size, len(items))
+    while True:
+        order = rng.permutation(len(items))
+        for start in range(0, len(order) - size + 1, size):  # a short last batch waits for the next epoch
+            yield [items[i] for i in order[start : start + size]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning rate
+
+
+def lr_at(step: int, total_steps: int, base_lr: float, schedule: str = "linear", warmup_steps: int = 0,
+          min_ratio: float = 0.0) -> float:
+    """The learning rate of step `step` (0-based): warmup, then "constant", "linear" or "cosine"
+    decay from base_lr down to base_lr * min_ratio at the last step."""
+    if warmup_steps and step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    if schedule == "constant" or total_steps <= 1:
+        return base_lr
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps - 1))
+    if schedule == "linear":
+        factor = 1.0 - progress
+    elif schedule == "cosine":
+        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"unknown schedule {schedule!r}: constant, linear or cosine")
+    return base_lr * (min_ratio + (1.0 - min_ratio) * factor)
+
+
+def adam(lr: float) -> types.AdamParams:
+    return types.AdamParams(learning_rate=lr)
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics and progress
+
+
+class MetricsLog:
+    """Appends one JSON object per line: {"step": n, "time": seconds since start, **metrics}."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "w", encoding="utf-8")
+        self._start = time.monotonic()
+        self.rows: list[dict] = []
+
+    def log(self, step: int, **metrics: Any) -> dict:
+        row = {"step": step, "time": round(time.monotonic() - self._start, 3)}
+        row.update({k: _plain(v) for k, v in metrics.items()})
+        self.rows.append(row)
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        return row
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _plain(value):
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return value
+
+
+def progress_bar(total: int, desc: str, enabled: bool = True):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Usage and the summary
+
+
+def fetch_usage(base_url: str, api_key: str, **filters) -> dict:
+    """GET /api/v1/usage with filters (training_run_id=..., session_id=...): the `totals` object."""
+    params = {k: v for k, v in filters.items() if v is not None}
+    response = httpx.get(f"{base_url}/api/v1/usage", params={**params, "limit": 1},
+                         headers={"X-API-Key": api_key}, timeout=30)
+    response.raise_for_status()
+    return response.json()["totals"]
+
+
+@dataclass
+class Summary:
+    """What a recipe run did. `cost` and `tokens` are the training run's (forward, forward_backward,
+    optim: GET /api/v1/usage?training_run_id=...); `session_cost`/`session_tokens` add everything
+    else the run's session did (sampling, reference logprobs, teacher logprobs)."""
+
+    recipe: str
+    training_run_id: str
+    steps: int
+    metric: str                 # the name of the recipe's headline metric
+    initial: float              # its value at the start
+    final: float                # and at the end
+    tokens: int                 # training run: prefill + sample + train tokens
+    cost: float                 # training run, USD
+    session_id: str | None = None
+    session_tokens: int | None = None
+    session_cost: float | None = None
+    metrics_path: str = ""
+    checkpoints: list[str] = field(default_factory=list)
+    sampler_path: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.recipe}: {self.steps} steps on {self.training_run_id}",
+            f"  {self.metric}: {self.initial:.4g} -> {self.final:.4g}",
+            f"  training run: {self.tokens:,} tokens, ${self.cost:.6f}",
+        ]
+        if self.session_cost is not None:
+            lines.append(f"  whole session (sampling included): {self.session_tokens:,} tokens, ${self.session_cost:.6f}")
+        for key, value in self.extra.items():
+            if not isinstance(value, (list, dict)):
+                lines.append(f"  {key}: {value:.4g}" if isinstance(value, float) else f"  {key}: {value}")
+        if self.checkpoints:
+            lines.append(f"  checkpoints: {', '.join(self.checkpoints)}")
+        if self.sampler_path:
+            lines.append(f"  sampler weights: {self.sampler_path}")
+        lines.append(f"  metrics: {self.metrics_path}")
+        return "\n".join(lines)
+
+
+def _total_tokens(totals: dict) -> int:
+    return int(totals["prefill_tokens"]) + int(totals["sample_tokens"]) + int(totals["train_tokens"])
+
+
+def summarize(recipe: str, config: BaseConfig, service_client: tinker.ServiceClient, training_client,
+              steps: int, metric: str, initial: float, final: float, log: MetricsLog, **kwargs) -> Summary:
+    """Read the usage API for the run (and the session), build the Summary, print it if verbose."""
+    base_url, api_key = endpoint_of(config, service_client)
+    run = fetch_usage(base_url, api_key, training_run_id=training_client.model_id)
+    session_id = session_id_of(service_client)
+    session = fetch_usage(base_url, api_key, session_id=session_id) if session_id else None
+    summary = Summary(
+        recipe=recipe, training_run_id=training_client.model_id, steps=steps, metric=metric,
+        initial=float(initial), final=float(final), tokens=_total_tokens(run), cost=float(run["cost"]),
+        session_id=session_id,
+        session_tokens=_total_tokens(session) if session else None,
+        session_cost=float(session["cost"]) if session else None,
+        metrics_path=str(log.path), **kwargs,
+    )
+    if config.verbose:
+        print(summary, flush=True)
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# A command line for any recipe: `python -m workbench.recipes.rl --steps 20 --loss-fn ppo`
+
+
+def _arg_type(annotation):
+    hint = annotation
+    if isinstance(hint, str):
+        hint = eval(hint, {"__builtins__": __builtins__, "typing": typing})  # noqa: S307 - our own annotations
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, pytypes.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = args[0] if args else str
+    return hint if hint in (int, float, str, bool) else str
+
+
+def main(config_cls, run, argv: list[str] | None = None) -> Summary:
+    """Parse --field-name options for `config_cls`, connect (the config's base_url/api_key, or
+    the embedded backend through workbench.connect()), run the recipe and return its summary."""
+    parser = argparse.ArgumentParser(description=(run.__module__ or "").rsplit(".", 1)[-1] + " recipe")
+    for f in dataclasses.fields(config_cls):
+        kind = _arg_type(f.type)
+        flag = "--" + f.name.replace("_", "-")
+        if kind is bool:
+            parser.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes", "on"), default=None,
+                                metavar="BOOL")
+        else:
+            parser.add_argument(flag, type=kind, default=None)
+    options = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+    config = config_cls(**options)
+    if config.base_url:
+        return run(config)
+    import workbench
+
+    service_client = workbench.connect()
+    conn = workbench.current()
+    config.base_url, config.api_key = conn.base_url, conn.api_key
+    return run(config, service_client=service_client)

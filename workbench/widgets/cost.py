@@ -1,0 +1,147 @@
+"""The cost meter: live prefill / sample / train tokens and money, and estimate_cost() before a call.
+
+Scopes: one session, one training run, or the whole kernel (every session this kernel's
+connect() clients opened). The numbers come from the backend's usage ledger (GET /api/v1/usage),
+the single source of truth: nothing is counted on the client.
+
+    meter = workbench.CostMeter()                          # the whole kernel
+    meter = workbench.CostMeter(training_run_id=tc.model_id)
+    workbench.estimate_cost(datums=batch)                  # what a forward_backward would cost
+"""
+
+from __future__ import annotations
+
+import anywidget
+import traitlets as t
+
+from workbench.widgets.polling import Poller
+
+_ESM = """
+const money = (x, cur) => (cur === "USD" ? "$" : "") + Number(x || 0).toFixed(x < 0.01 ? 6 : 4) + (cur === "USD" ? "" : " " + cur);
+const num = (n) => Number(n || 0).toLocaleString();
+const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c]));
+const FIELDS = ["scope", "prefill_tokens", "sample_tokens", "train_tokens", "requests", "cost", "by_kind", "currency", "error"];
+
+export default {
+  render({ model, el }) {
+    el.classList.add("wb-cost");
+    const draw = () => {
+      const cur = model.get("currency"), kinds = model.get("by_kind") || {};
+      const row = (label, key, kind) =>
+        `<tr><td>${label}</td><td style="text-align:right">${num(model.get(key))}</td>` +
+        `<td style="text-align:right">${money((kinds[kind] || {}).cost, cur)}</td></tr>`;
+      const error = model.get("error");
+      el.innerHTML =
+        `<div style="font:12px sans-serif"><b>Cost · ${esc(model.get("scope"))}</b>` +
+        `<table style="border-collapse:collapse">` +
+        `<tr><th></th><th style="text-align:right">tokens</th><th style="text-align:right">cost</th></tr>` +
+        row("prefill", "prefill_tokens", "prefill") + row("sample", "sample_tokens", "sample") +
+        row("train", "train_tokens", "train") +
+        `<tr><td><b>total</b></td><td style="text-align:right">${num(model.get("requests"))} req</td>` +
+        `<td style="text-align:right"><b>${money(model.get("cost"), cur)}</b></td></tr></table>` +
+        (error ? `<div style="color:#b00">${esc(error)}</div>` : "") + `</div>`;
+    };
+    draw();
+    for (const f of FIELDS) model.on(`change:${f}`, draw);
+    return () => { for (const f of FIELDS) model.off(`change:${f}`, draw); };
+  },
+};
+"""
+
+
+def session_id_of(session) -> str | None:
+    """A session id from a string or a tinker.ServiceClient (whose session the SDK opens lazily)."""
+    if session is None or isinstance(session, str):
+        return session
+    holder = getattr(session, "_session_holder", None) or getattr(session, "holder", None)
+    return holder.get_session_id()
+
+
+def run_id_of(training_run) -> str | None:
+    """A training run id from a string or a tinker.TrainingClient."""
+    if training_run is None or isinstance(training_run, str):
+        return training_run
+    return training_run.model_id
+
+
+def usage_scope(connection, session=None, training_run_id=None):
+    """(label, fetch) for a scope: fetch(after) returns the usage API's answer for it."""
+    session_id, run_id = session_id_of(session), run_id_of(training_run_id)
+    if session_id is None and run_id is None:
+        return "kernel", lambda after=0: connection.kernel_usage()
+    label = f"run {run_id}" if run_id else f"session {session_id}"
+    return label, lambda after=0: connection.usage(session_id=session_id, training_run_id=run_id, after=after)
+
+
+class CostMeter(anywidget.AnyWidget):
+    """Tokens and money for a scope, refreshed every `poll_interval` seconds (None: only on refresh())."""
+
+    _esm = _ESM
+    scope = t.Unicode("kernel").tag(sync=True)
+    prefill_tokens = t.Int(0).tag(sync=True)
+    sample_tokens = t.Int(0).tag(sync=True)
+    train_tokens = t.Int(0).tag(sync=True)
+    requests = t.Int(0).tag(sync=True)
+    cost = t.Float(0.0).tag(sync=True)
+    by_kind = t.Dict().tag(sync=True)
+    currency = t.Unicode("USD").tag(sync=True)
+    error = t.Unicode("").tag(sync=True)
+
+    def __init__(self, session=None, training_run_id=None, *, connection=None, poll_interval: float | None = 2.0):
+        super().__init__()
+        from workbench.connect import current
+
+        self.connection = connection or current()
+        self.scope, self._fetch = usage_scope(self.connection, session, training_run_id)
+        self._poller = Poller(self.refresh, poll_interval or 0, on_error=lambda e: setattr(self, "error", str(e)))
+        self.refresh()
+        if poll_interval:
+            self._poller.start()
+
+    def refresh(self) -> dict:
+        """Read the totals now; returns them (the usage API's `totals`)."""
+        totals = self._fetch(after=0)["totals"]
+        with self.hold_sync():  # one message to the browser, not nine
+            self.prefill_tokens = totals["prefill_tokens"]
+            self.sample_tokens = totals["sample_tokens"]
+            self.train_tokens = totals["train_tokens"]
+            self.requests = totals["requests"]
+            self.cost = totals["cost"]
+            self.by_kind = totals["by_kind"]
+            self.error = ""
+        return totals
+
+    def stop(self) -> None:
+        self._poller.stop()
+
+    def close(self) -> None:
+        self.stop()
+        super().close()
+
+
+def _token_list(item) -> list[int]:
+    """Token ids from a tinker Datum (its model input), a ModelInput, or a plain list."""
+    if hasattr(item, "model_input"):
+        item = item.model_input
+    if hasattr(item, "to_ints"):
+        return list(item.to_ints())
+    return [int(x) for x in item]
+
+
+def estimate_cost(datums=None, prompts=None, *, num_samples: int = 1, max_tokens: int = 0,
+                  base_model: str | None = None, prefill_tokens: int = 0, sample_tokens: int = 0,
+                  train_tokens: int = 0, connection=None) -> dict:
+    """Price a call before making it (POST /api/v1/usage/estimate).
+
+    `datums`: what a forward_backward would train on (tinker Datums or token lists);
+    `prompts` with `num_samples` and `max_tokens`: a sample call (an upper bound: every sample is
+    assumed to run to max_tokens). Or give token counts directly. Returns tokens by kind and `cost`.
+    """
+    from workbench.connect import current
+
+    body = {"prefill_tokens": prefill_tokens, "sample_tokens": sample_tokens, "train_tokens": train_tokens,
+            "datums": [_token_list(d) for d in datums or []], "prompts": [_token_list(p) for p in prompts or []],
+            "num_samples": num_samples, "max_tokens": max_tokens}
+    if base_model is not None:
+        body["base_model"] = base_model
+    return (connection or current()).estimate(**body)

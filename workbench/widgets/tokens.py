@@ -1,0 +1,57 @@
+"""Per-token colouring: a completion as HTML spans shaded by logprob or by advantage.
+
+Used by the rollout inspector and the step-through reprs. Plain functions returning HTML strings,
+so they are easy to test and work in any front end that renders text/html.
+
+    logprob:   clear when the model was sure of the token (p near 1), red as p falls to 0
+    advantage: green for positive, red for negative, shaded by |value| / the largest |value|
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Sequence
+
+MAX_ALPHA = 0.85  # keep the text readable on the strongest colour
+RED, GREEN = (220, 40, 40), (30, 160, 60)
+
+
+def token_pieces(token_ids: Sequence[int], tokenizer=None) -> list[str]:
+    """Each token's text (decoded one by one), or `<id>` when there is no tokenizer."""
+    if tokenizer is None:
+        return [f"<{int(t)}>" for t in token_ids]
+    return [tokenizer.decode([int(t)]) for t in token_ids]
+
+
+def token_color(value: float | None, mode: str = "logprob", scale: float = 1.0) -> str | None:
+    """The CSS background for one token, or None for no colour (value missing or not finite)."""
+    if value is None or not math.isfinite(value):
+        return None
+    if mode == "logprob":
+        alpha, rgb = 1.0 - math.exp(min(value, 0.0)), RED  # 1 - p: how surprised the model was
+    elif mode == "advantage":
+        alpha, rgb = min(abs(value) / scale, 1.0) if scale > 0 else 0.0, GREEN if value >= 0 else RED
+    else:
+        raise ValueError(f"unknown colour mode {mode!r}; use 'logprob' or 'advantage'")
+    return f"rgba({rgb[0]},{rgb[1]},{rgb[2]},{alpha * MAX_ALPHA:.3f})"
+
+
+def token_html(tokens: Sequence[str], values: Sequence[float | None] | None, mode: str = "logprob") -> str:
+    """`tokens` as <span>s coloured by `values` (one per token; None leaves a token plain).
+
+    Each span's title shows the value, so hovering a token tells its logprob or advantage.
+    """
+    values = list(values) if values is not None else [None] * len(tokens)
+    if len(values) != len(tokens):
+        raise ValueError(f"{len(tokens)} tokens but {len(values)} values")
+    finite = [abs(v) for v in values if v is not None and math.isfinite(v)]
+    scale = max(finite, default=1.0) or 1.0  # advantage: the largest magnitude is full colour
+    spans = []
+    for text, value in zip(tokens, values):
+        color = token_color(value, mode, scale)
+        style = f' style="background-color:{color}"' if color else ""
+        title = f' title="{mode} {value:.4f}"' if value is not None and math.isfinite(value) else ""
+        spans.append(f'<span class="wb-tok"{style}{title}>{html.escape(text)}</span>')
+    return ('<div class="wb-tokens" style="white-space:pre-wrap;font-family:monospace;line-height:1.6">'
+            + "".join(spans) + "</div>")
