@@ -26,8 +26,14 @@ def create(store: Store, tenant: str, key: str | None = None) -> str:
     key = key or "tml-" + secrets.token_urlsafe(32)
     if not key.startswith("tml-"):
         raise ValueError("API keys must start with 'tml-' (the tinker SDK refuses others)")
-    if tenant_for(store, key) is None:
-        store.add(ApiKeyRow(key_hash=key_hash(key), tenant=tenant, prefix=key[:12]))
+    with store.session.begin() as s:
+        row = s.scalars(select(ApiKeyRow).where(ApiKeyRow.key_hash == key_hash(key))).first()
+        if row is None:
+            s.add(ApiKeyRow(key_hash=key_hash(key), tenant=tenant, prefix=key[:12]))
+        elif row.tenant != tenant:
+            raise ValueError(f"that key already belongs to another tenant ({row.tenant!r})")
+        else:
+            row.revoked_at = None  # registering a known key again (a restarted backend's own key) revives it
     return key
 
 

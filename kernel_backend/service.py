@@ -78,6 +78,7 @@ def _new_id() -> str:
 class Service:
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings or Settings()
+        self._lock_home()
         self.store = Store(self.settings.database_url, self.settings.checkpoints_dir)
         self.prices = Prices(self.settings.prices_path or None)
         self.scheduler = Scheduler(
@@ -95,6 +96,22 @@ class Service:
         self._reaper = threading.Thread(target=self._reap_forever, name="stepwise-reaper", daemon=True)
         self._stopping = threading.Event()
 
+    def _lock_home(self) -> None:
+        """One backend per SQLite home: a second one would mark the first's requests interrupted."""
+        if not self.settings.database_url.startswith("sqlite"):
+            return
+        import fcntl
+
+        self.settings.home.mkdir(parents=True, exist_ok=True)
+        self._home_lock = open(self.settings.home / "backend.lock", "w")
+        try:
+            fcntl.flock(self._home_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(
+                f"another Stepwise backend already uses {self.settings.home}; connect to it (workbench.connect() "
+                "finds it through the files in its runtime/ folder) or set STEPWISE_HOME to another folder"
+            ) from None
+
     def start(self, preload: list[str] | None = None) -> None:
         """Load base models (before serving, so the first request is not slow) and start the thread."""
         for name in preload if preload is not None else [models.DEFAULT_MODEL, *self.settings.base_models]:
@@ -105,6 +122,8 @@ class Service:
     def stop(self) -> None:
         self._stopping.set()
         self.scheduler.stop()
+        if self.settings.local_key:  # the embedded backend's key dies with it
+            keys.revoke(self.store, self.settings.local_key)
 
     def _fail_interrupted_futures(self) -> None:
         """Futures left pending by a previous process will never finish: mark them interrupted.
