@@ -23,10 +23,11 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
 lab: install
-	$(PY) -m workbench.cli demo
+	# JupyterLab on the quickstart; its first cell starts the embedded backend.
+	$(VENV)/bin/jupyter lab notebooks/00_quickstart.ipynb
 
 bench: install
 	$(PY) bench/train_step.py
