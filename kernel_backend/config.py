@@ -40,6 +40,8 @@ class Settings:
     # Per-tenant limits (0 = none): sessions alive at once, and tokens processed per minute.
     max_sessions_per_tenant: int = field(default_factory=lambda: int(_env("MAX_SESSIONS_PER_TENANT", "0")))
     tokens_per_minute: int = field(default_factory=lambda: int(_env("TOKENS_PER_MINUTE", "0")))
+    # When set, checkpoint files are encrypted at rest with this secret (kernel_backend/crypto.py).
+    encryption_key: str = field(default_factory=lambda: _env("ENCRYPTION_KEY", ""))
     max_sample_tokens: int = field(default_factory=lambda: int(_env("MAX_SAMPLE_TOKENS", "4096")))
 
     def __post_init__(self) -> None:

@@ -289,15 +289,23 @@ class Engine:
         for i, r in enumerate(rows):
             ids[i, : len(r.tokens)] = torch.tensor(r.tokens)
             mask[i, : len(r.tokens)] = 1
+        padded = any(len(r.tokens) < length for r in rows)
         with lora.route(self.model, adapters):
-            logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+            # Without padding no mask at all: the attention takes its plain causal path.
+            logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device) if padded else None).logits
+        logits = logits.float()  # a no-op in float32
+        ks = {1 if r.targets.dim() == 1 else r.targets.shape[1] for r in rows}
+        if len(ks) == 1:  # the usual case: one fused op over the whole padded batch
+            k = ks.pop()
+            targets = torch.zeros(len(rows), length, k, dtype=torch.long)
+            for i, r in enumerate(rows):
+                targets[i, : len(r.tokens)] = r.targets.reshape(len(r.tokens), k)
+            lp = target_logprobs(logits, targets.to(device))
+            return [lp[i, : len(r.tokens)].reshape(r.targets.shape) for i, r in enumerate(rows)]
         out = []
         for i, r in enumerate(rows):
-            row_logits = logits[i, : len(r.tokens)]
-            targets = r.targets.to(device)
-            picked = row_logits.gather(-1, targets if targets.dim() == 2 else targets[:, None])
-            lp = picked - row_logits.logsumexp(-1, keepdim=True)
-            out.append(lp if targets.dim() == 2 else lp.squeeze(-1))
+            targets = r.targets.to(device).reshape(len(r.tokens), -1)
+            out.append(target_logprobs(logits[i, : len(r.tokens)], targets).reshape(r.targets.shape))
         return out
 
     # ---- optimizer --------------------------------------------------------------------------
@@ -311,7 +319,7 @@ class Engine:
         _check_adam(params)
         trainable = slot.adapter.parameters()
         grads = [p.grad for p in trainable if p.grad is not None]
-        grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+        grad_norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))) if grads else 0.0
         if params.grad_clip_norm > 0 and grads:
             torch.nn.utils.clip_grad_norm_(trainable, params.grad_clip_norm, foreach=True)
         for group in slot.optimizer.param_groups:
@@ -495,6 +503,36 @@ class Engine:
 
 
 # ---- helpers ---------------------------------------------------------------------------------
+
+
+class _TargetLogprobs(torch.autograd.Function):
+    """log_softmax(logits).gather(-1, targets), with a leaner backward than autograd's.
+
+    Forward runs the fused log_softmax kernel once and keeps its output; backward turns that
+    output into softmax in place: d/dlogits = scatter(g) - softmax * sum(g). No other
+    vocabulary-sized tensor is allocated (cross_entropy's backward allocates two, each
+    batch x length x vocab floats, plus the zero fill of one).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        ctx.save_for_backward(logprobs, targets)
+        return logprobs.gather(-1, targets)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        logprobs, targets = ctx.saved_tensors
+        grad_logits = logprobs.exp_()  # saved for this backward only: reuse its memory
+        grad_logits.mul_(-grad.sum(-1, keepdim=True))
+        grad_logits.scatter_add_(-1, targets, grad)
+        return grad_logits, None
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logits (..., V), targets (..., K) int64 -> the targets' logprobs, shape (..., K)."""
+    return _TargetLogprobs.apply(logits, targets)
 
 
 def _check_tokens(tokens, vocab_size: int, where: str) -> list[int]:

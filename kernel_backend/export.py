@@ -12,7 +12,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from kernel_backend import lora, models
+from kernel_backend import crypto, lora, models
 from kernel_backend.config import Settings
 from kernel_backend.store import Store, parse_tinker_path
 from kernel_backend.types import UserError
@@ -35,7 +35,11 @@ def checkpoint_folder(store: Store, path: str) -> Path:
 
 
 def export_checkpoint(store: Store, settings: Settings, path: str, to: str | Path, merged: bool = False) -> Path:
-    source, target = checkpoint_folder(store, path), Path(to)
+    with crypto.opened(checkpoint_folder(store, path), settings.encryption_key) as source:
+        return _export(source, settings, Path(to), merged)
+
+
+def _export(source: Path, settings: Settings, target: Path, merged: bool) -> Path:
     target.mkdir(parents=True, exist_ok=True)
     if not merged:
         for name in ADAPTER_FILES:

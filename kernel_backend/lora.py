@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn import functional as F
 
 from kernel_backend.types import LoraConfig, UserError
 
@@ -60,17 +61,24 @@ class MultiLoraLinear(nn.Module):
         return self.base.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        groups = [(adapter, rows, adapter.weights[self.name]) for adapter, rows in self.routing.groups if self.name in adapter.weights]
+        if len(groups) == 1 and groups[0][1] is None:
+            # The whole batch under one adapter: out = x W^T, then out += scale * (x A^T) B^T as one
+            # in-place addmm on the 2-D output. The add and the scaling are fused into the matmul:
+            # no output-sized temporaries or copies (lm_head's rows are vocabulary-wide), and
+            # backward scales only the rank-sized products. In place is safe: the frozen linear's
+            # backward needs its input and weight, not its output (and out is not a view).
+            adapter, _, (a, b) = groups[0]
+            x2d = x.reshape(-1, x.shape[-1])
+            out = F.linear(x2d, self.base.weight, self.base.bias)
+            out.addmm_(F.linear(x2d, a), b.t(), alpha=adapter.scale)
+            return out.view(*x.shape[:-1], out.shape[-1])
         out = self.base(x)
-        for adapter, rows in self.routing.groups:
-            ab = adapter.weights.get(self.name)
-            if ab is None:
-                continue
-            a, b = ab
+        for adapter, rows, (a, b) in groups:
             if rows is None:
-                out = out + (x @ a.t()) @ b.t() * adapter.scale
+                out = out + F.linear(F.linear(x, a) * adapter.scale, b)
             else:
-                delta = (x[rows] @ a.t()) @ b.t() * adapter.scale
-                out = out.index_add(0, rows, delta)
+                out = out.index_add(0, rows, F.linear(F.linear(x[rows], a) * adapter.scale, b))
         return out
 
 

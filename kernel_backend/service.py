@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 
 
-from kernel_backend import keys, models
+from kernel_backend import crypto, keys, models
 from kernel_backend.keys import LOCAL_TENANT
 from kernel_backend.config import Settings
 from kernel_backend.metering import Prices, Usage
@@ -393,6 +393,8 @@ class Service:
                 engine.save_state(model_id, directory)
             else:
                 engine.save_weights_for_sampler(model_id, directory)
+            if self.settings.encryption_key:
+                crypto.seal(directory, self.settings.encryption_key)
             if existing is not None:
                 self.store.delete_checkpoint(existing)
             self.store.add(CheckpointRow(tinker_path=path, model_id=model_id, tenant=tenant, kind=kind, name=name,
@@ -448,10 +450,8 @@ class Service:
         target = model_id
 
         def load(engine: Engine):
-            if checkpoint.kind == "training":
-                engine.load_state(target, directory, with_optimizer=with_optimizer)
-            else:
-                engine.load_state(target, directory, with_optimizer=False)
+            with crypto.opened(directory, self.settings.encryption_key) as plain:
+                engine.load_state(target, plain, with_optimizer=with_optimizer and checkpoint.kind == "training")
             return _json({"path": path, "model_id": target, "type": "load_weights"})
 
         job = Job(_new_id(), target, source.base_model, seq=seq, run=load)
@@ -517,7 +517,8 @@ class Service:
         checkpoint = self.store.checkpoint_by_path(sampler.model_path)
         if checkpoint is None:
             raise UserError(f"checkpoint {sampler.model_path} was deleted")
-        engine.load_sampler(sampler.id, Path(checkpoint.directory))
+        with crypto.opened(Path(checkpoint.directory), self.settings.encryption_key) as plain:
+            engine.load_sampler(sampler.id, plain)
         return sampler.id
 
     # ---- the OpenAI-compatible endpoint ----------------------------------------------------------
@@ -567,7 +568,8 @@ class Service:
                     checkpoint = self.store.checkpoint_by_path(path)
                     if checkpoint is None:
                         raise UserError(f"checkpoint {path} was deleted")
-                    engine.load_sampler(lane, Path(checkpoint.directory))
+                    with crypto.opened(Path(checkpoint.directory), self.settings.encryption_key) as plain:
+                        engine.load_sampler(lane, plain)
                 adapter_id = lane
             result = engine.sample(adapter_id, prompt, num_samples, params, on_token=on_token,
                                    topk_sample_logprobs=topk_sample_logprobs)

@@ -125,3 +125,35 @@ def test_merged_export_loads_in_plain_transformers(home, tmp_path):
     got = (logits.log_softmax(-1).gather(-1, torch.tensor(TOKENS[1:])[:, None]).squeeze(-1)).numpy()
     assert np.allclose(got, expected, atol=1e-3)
     assert not np.allclose(got, base_lp, atol=1e-2)  # it carries what the adapter learned
+
+
+def test_encrypted_checkpoints_need_the_key(home):
+    from kernel_backend.crypto import MAGIC
+
+    server = start_server(home, env={"STEPWISE_ENCRYPTION_KEY": "operator-secret"})
+    try:
+        client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
+        tc = client.create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
+        tc.forward_backward(DATA, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        path = tc.save_state("secret").result().path
+        saved = forward_logprobs(tc)
+    finally:
+        server.stop()
+    files = [p for p in (home / "checkpoints").rglob("*") if p.is_file()]
+    assert files and all(p.read_bytes().startswith(MAGIC) for p in files)  # nothing readable at rest
+
+    for env, expected in [({}, "is encrypted"), ({"STEPWISE_ENCRYPTION_KEY": "wrong"}, "cannot be decrypted")]:
+        server = start_server(home, env=env)
+        try:
+            client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
+            with pytest.raises(Exception, match=expected):
+                client.create_training_client_from_state(path).result()
+        finally:
+            server.stop()
+    server = start_server(home, env={"STEPWISE_ENCRYPTION_KEY": "operator-secret"})
+    try:
+        client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
+        assert np.array_equal(forward_logprobs(client.create_training_client_from_state(path).result()), saved)
+    finally:
+        server.stop()
