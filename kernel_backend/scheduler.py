@@ -125,7 +125,10 @@ class Scheduler:
                     picked = self._pick()
                 if self._stopping:
                     return
-            self._run(picked)
+            try:
+                self._run(picked)
+            except Exception:  # never let one job take the thread (and so the whole service) down
+                log.exception("scheduler: unexpected error while finishing %s", [j.request_id for j in picked])
 
     def _pick(self) -> list[Job]:
         """Take the next job (or batch of passes) round-robin. Called with the lock held."""

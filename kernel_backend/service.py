@@ -205,6 +205,8 @@ class Service:
 
     def _on_done(self, job: Job, status: str, payload: bytes, content_type: str) -> None:
         """Record the outcome and, for a completed request, its ledger row (failures bill nothing)."""
+        if not job.request_type:  # the service's own housekeeping (freeing adapters): no future, no bill
+            return
         ledger = None
         if status == "done":
             usage = job.usage or Usage()

@@ -157,3 +157,22 @@ def test_encrypted_checkpoints_need_the_key(home):
         assert np.array_equal(forward_logprobs(client.create_training_client_from_state(path).result()), saved)
     finally:
         server.stop()
+
+
+def test_a_finished_session_frees_its_adapters_and_the_service_goes_on(home):
+    server = start_server(home)
+    try:
+        api = Api(server)
+        session = api.session()
+        api.model(session, 0, seed=0)
+        assert api.post(f"/sessions/{session}/finish", {"reason": {"type": "success"}}).status_code == 200
+        deadline = time.monotonic() + 30
+        while sum(api.http.get("/admin/stats").json()["adapters"].values()) != 0:
+            assert time.monotonic() < deadline, "the finished session's adapter was never freed"
+            time.sleep(0.2)
+        # The scheduler is still serving other sessions.
+        other = api.session()
+        model_id = api.model(other, 0, seed=0)
+        assert np.isfinite(api.loss(model_id, 1, DATA))
+    finally:
+        server.stop()
