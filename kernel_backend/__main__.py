@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+
+# Before torch loads OpenMP: idle threads sleep instead of spinning. On a machine shared with a
+# notebook kernel or tests, spinning threads slow every step 5-10x (docs/performance.md).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def main(argv: list[str] | None = None) -> None:
