@@ -61,7 +61,11 @@ class MultiLoraLinear(nn.Module):
         return self.base.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        groups = [(adapter, rows, adapter.weights[self.name]) for adapter, rows in self.routing.groups if self.name in adapter.weights]
+        groups = [
+            (adapter, rows, adapter.weights[self.name])
+            for adapter, rows in self.routing.groups
+            if self.name in adapter.weights
+        ]
         if len(groups) == 1 and groups[0][1] is None:
             # The whole batch under one adapter: out = x W^T, then out += scale * (x A^T) B^T as one
             # in-place addmm on the 2-D output. The add and the scaling are fused into the matmul:
@@ -206,11 +210,16 @@ def read_peft_config(directory: Path) -> LoraConfig:
     raw = json.loads((directory / "adapter_config.json").read_text())
     if "stepwise" in raw:  # written by an earlier version of save_peft
         return LoraConfig(**raw["stepwise"])
-    unsupported = [
-        key
-        for key, off in (("use_rslora", False), ("use_dora", False), ("fan_in_fan_out", False), ("rank_pattern", {}), ("alpha_pattern", {}), ("modules_to_save", []))
-        if raw.get(key) not in (None, off)
-    ]
+    # Settings that change what the weights mean; loading them as plain LoRA would be wrong.
+    plain = {
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "modules_to_save": [],
+    }
+    unsupported = [key for key, off in plain.items() if raw.get(key) not in (None, off)]
     if raw.get("peft_type", "LORA") != "LORA" or unsupported:
         raise UserError(
             f"{directory} holds a PEFT adapter this backend cannot load exactly "

@@ -13,11 +13,18 @@ Helpers to build data (sft_datum, chat_prompt, ...) live in tests/helpers.py.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-import pytest
+# Before anything imports torch (libgomp reads it once, at load): OpenMP threads that wait by
+# sleeping instead of spinning. On a busy 2-core machine (a backend subprocess, a second test
+# run) spinning threads make each training step 5-10x slower; on a quiet one this costs ~nothing.
+# Subprocesses the tests start (backend servers) inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from helpers import default_tokenizer, new_id
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from helpers import default_tokenizer, new_id  # noqa: E402
 
 SHARED_MODELS = Path.home() / ".cache" / "stepwise" / "models"
 

@@ -1,0 +1,177 @@
+"""One LoRA training step: the Stepwise engine against the same step written by hand with PEFT.
+
+Both sides train the default model (SmolLM2-135M-Instruct, fp32) with a rank-32 LoRA (alpha 32) on
+Tinker's default targets: attention (q, k, v, o), MLP (gate, up, down) and the unembedding
+(lm_head). One step is forward + backward of a summed token cross-entropy over a batch of
+8 x 128 tokens, then one AdamW step (Tinker's defaults: betas 0.9 / 0.95, eps 1e-12).
+
+- ours:     Engine.forward_backward(cross_entropy) + Engine.optim_step
+- baseline: transformers + peft, written the idiomatic way: get_peft_model(LoraConfig(...)),
+            logits = model(input_ids).logits, F.cross_entropy(..., reduction="sum"), backward,
+            torch.optim.AdamW.step, zero_grad.
+
+Both run in the same process on the same data, interleaved step by step so that machine noise
+hits both alike; one warm-up step each is not timed. Absolute speeds are noise on a shared
+2-core machine: the ratio (ours / baseline, higher is better) is the figure to report.
+
+    python bench/train_step.py [--steps 3] [--batch 8] [--seq 128] [--rank 32] [--threads N] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Before torch loads libgomp: waiting OpenMP threads sleep instead of spinning, so that a busy
+# shared machine slows both sides alike instead of wrecking whichever step collides with a burst.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from kernel_backend.engine import Engine  # noqa: E402
+from kernel_backend.types import AdamParams, Datum, LoraConfig  # noqa: E402
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+
+
+def make_batch(vocab: int, batch: int, seq: int, seed: int) -> torch.Tensor:
+    """Token ids (batch, seq + 1); position i predicts i + 1. Random ids cost the same as text."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq + 1), generator=g)
+
+
+class Ours:
+    name = "stepwise engine"
+
+    def __init__(self, engine: Engine, rank: int, ids: torch.Tensor, adam: AdamParams) -> None:
+        self.engine = engine
+        self.adapter = "bench"
+        engine.create_adapter(self.adapter, LoraConfig(rank=rank, alpha=float(rank), seed=0))
+        self.data = [
+            Datum(tokens=row[:-1].tolist(), loss_fn_inputs={"target_tokens": row[1:].numpy().astype(np.int64)})
+            for row in ids
+        ]
+        self.adam = adam
+
+    def step(self) -> float:
+        result = self.engine.forward_backward(self.adapter, self.data, "cross_entropy")
+        self.engine.optim_step(self.adapter, self.adam)
+        return result.metrics["loss:sum"]
+
+
+class PeftBaseline:
+    name = "transformers+peft"
+
+    def __init__(self, model_dir: Path, rank: int, ids: torch.Tensor, adam: AdamParams) -> None:
+        import warnings
+
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        config = PeftLoraConfig(
+            r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=TARGETS, bias="none", task_type="CAUSAL_LM"
+        )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")  # lm_head is tied; fine
+            self.model = get_peft_model(base, config)
+        self.model.train()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+            weight_decay=adam.weight_decay, foreach=True,
+        )
+        self.inputs, self.targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+    def step(self) -> float:
+        logits = self.model(input_ids=self.inputs).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), self.targets.reshape(-1), reduction="sum")
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+
+def profile(runner, label: str, rows: int = 15) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        runner.step()
+    print(f"\n--- profile: {label} ---")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per side (after 1 warm-up step)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, one per core)")
+    parser.add_argument("--profile", action="store_true", help="print the top ops of one step of each side")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    adam = AdamParams(learning_rate=1e-4)
+    engine = Engine()
+    ids = make_batch(engine.vocab_size, args.batch, args.seq, args.seed)
+    tokens = args.batch * args.seq
+    ours = Ours(engine, args.rank, ids, adam)
+    baseline = PeftBaseline(engine.base.path, args.rank, ids, adam)
+    runners = [ours, baseline]
+
+    print(
+        f"model {engine.base.name} fp32 | LoRA rank {args.rank} on {'+'.join(TARGETS)} | "
+        f"batch {args.batch} x {args.seq} = {tokens} tokens/step | torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, {os.cpu_count()} cpus, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}"
+    )
+    # Warm-up (not timed). Every LoRA B starts at zero, so both first losses are the base
+    # model's summed cross-entropy on the same tokens: a check that both compute the same thing.
+    first = {r.name: r.step() for r in tqdm(runners, desc="warm-up", leave=False)}
+    print("warm-up loss (same data, B = 0): " + ", ".join(f"{k} {v:.3f}" for k, v in first.items()))
+    if abs(first[ours.name] - first[baseline.name]) > 1e-3 * abs(first[baseline.name]):
+        sys.exit("the two sides disagree on the loss: the comparison would be meaningless")
+
+    times: dict[str, list[float]] = {r.name: [] for r in runners}
+    load_before = os.getloadavg()[0]
+    for i in tqdm(range(args.steps), desc="timed steps (interleaved)"):
+        for r in runners if i % 2 == 0 else reversed(runners):
+            start = time.perf_counter()
+            r.step()
+            times[r.name].append(time.perf_counter() - start)
+    load_after = os.getloadavg()[0]
+
+    def rate(name: str, pick) -> float:
+        return tokens / pick(times[name])
+
+    print(f"\n{'':<20}{'tokens/s (mean)':>18}{'tokens/s (median)':>20}  step times (s)")
+    for r in runners:
+        print(
+            f"{r.name:<20}{rate(r.name, statistics.mean):>18.1f}{rate(r.name, statistics.median):>20.1f}  "
+            + " ".join(f"{t:.2f}" for t in times[r.name])
+        )
+    mean_ratio = rate(ours.name, statistics.mean) / rate(baseline.name, statistics.mean)
+    median_ratio = rate(ours.name, statistics.median) / rate(baseline.name, statistics.median)
+    print(f"ratio ours / baseline: {mean_ratio:.3f} (mean step), {median_ratio:.3f} (median step)")
+    print(f"load average 1 min: {load_before:.2f} before, {load_after:.2f} after (over {os.cpu_count()} cpus)")
+
+    if args.profile:
+        for r in runners:
+            profile(r, r.name)
+
+
+if __name__ == "__main__":
+    main()
