@@ -11,11 +11,15 @@ tiny request (get_info). Prints both ratios. Targets: step ratio <= 1.05, round 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+# As in the server process: idle OpenMP threads sleep, so both sides suffer a busy machine alike.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 from tqdm import tqdm
