@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     from kernel_backend import keys
     from kernel_backend.store import Store
 
-    store = Store(settings.database_url, settings.checkpoints_dir)
+    store = Store(settings.database_url)
     if args.command == "keys":
         if args.action == "create":
             print(keys.create(store, args.tenant))

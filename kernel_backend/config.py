@@ -42,6 +42,8 @@ class Settings:
     tokens_per_minute: int = field(default_factory=lambda: int(_env("TOKENS_PER_MINUTE", "0")))
     # When set, checkpoint files are encrypted at rest with this secret (kernel_backend/crypto.py).
     encryption_key: str = field(default_factory=lambda: _env("ENCRYPTION_KEY", ""))
+    # Where checkpoints go: unset, the folder <home>/checkpoints; else any fsspec URL (kernel_backend/storage.py).
+    storage_url: str = field(default_factory=lambda: _env("STORAGE_URL", ""))
     max_sample_tokens: int = field(default_factory=lambda: int(_env("MAX_SAMPLE_TOKENS", "4096")))
 
     def __post_init__(self) -> None:

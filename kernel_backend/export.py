@@ -12,30 +12,32 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from kernel_backend import crypto, lora, models
+from kernel_backend import lora, models
 from kernel_backend.config import Settings
+from kernel_backend.storage import CheckpointStorage
 from kernel_backend.store import Store, parse_tinker_path
 from kernel_backend.types import UserError
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
-def checkpoint_folder(store: Store, path: str) -> Path:
+def checkpoint_location(store: Store, path: str) -> str:
     """A tinker:// path (looked up in the store) or a checkpoint folder on disk."""
     if path.startswith("tinker://"):
         parse_tinker_path(path)
         row = store.checkpoint_by_path(path)
         if row is None:
             raise UserError(f"no checkpoint at {path}")
-        return Path(row.directory)
+        return row.directory
     folder = Path(path)
     if not (folder / "adapter_model.safetensors").exists():
         raise UserError(f"{folder} is not a checkpoint folder (no adapter_model.safetensors)")
-    return folder
+    return str(folder)
 
 
 def export_checkpoint(store: Store, settings: Settings, path: str, to: str | Path, merged: bool = False) -> Path:
-    with crypto.opened(checkpoint_folder(store, path), settings.encryption_key) as source:
+    storage = CheckpointStorage(settings.checkpoints_dir, settings.storage_url or None)
+    with storage.open(checkpoint_location(store, path), settings.encryption_key) as source:
         return _export(source, settings, Path(to), merged)
 
 

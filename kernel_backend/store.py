@@ -142,9 +142,9 @@ KIND_SEGMENTS = {"training": "weights", "sampler": "sampler_weights"}
 
 
 class Store:
-    """Database access plus the on-disk checkpoint layout. Safe to share between threads."""
+    """Database access plus the checkpoint store's key layout. Safe to share between threads."""
 
-    def __init__(self, database_url: str, checkpoints_dir: Path) -> None:
+    def __init__(self, database_url: str) -> None:
         if database_url.startswith("sqlite:///"):
             Path(database_url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         self.engine = create_engine(database_url, pool_pre_ping=True)
@@ -158,7 +158,6 @@ class Store:
 
         Base.metadata.create_all(self.engine)
         self.session = sessionmaker(self.engine, expire_on_commit=False)
-        self.checkpoints_dir = checkpoints_dir
 
     # ---- generic helpers ----------------------------------------------------------------------
 
@@ -231,9 +230,10 @@ class Store:
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
-    def checkpoint_dir(self, tenant: str, model_id: str, kind: str, name: str) -> Path:
+    def checkpoint_key(self, tenant: str, model_id: str, kind: str, name: str) -> str:
+        """Where a checkpoint goes in the checkpoint store (kernel_backend.storage), relative to its root."""
         # ':' is legal in model ids but awkward in paths on some filesystems; keep it readable.
-        return self.checkpoints_dir / tenant / model_id.replace(":", "_") / KIND_SEGMENTS[kind] / name
+        return f"{tenant}/{model_id.replace(':', '_')}/{KIND_SEGMENTS[kind]}/{name}"
 
     def checkpoint_by_path(self, tinker_path: str, tenant: str | None = None) -> CheckpointRow | None:
         with self.session() as s:

@@ -127,10 +127,14 @@ def test_merged_export_loads_in_plain_transformers(home, tmp_path):
     assert not np.allclose(got, base_lp, atol=1e-2)  # it carries what the adapter learned
 
 
-def test_encrypted_checkpoints_need_the_key(home):
+def test_encrypted_checkpoints_in_an_fsspec_store_need_the_key(home):
+    """Checkpoints go to STEPWISE_STORAGE_URL (here a file:// URL, which takes the same fsspec code path
+    as s3:// or gs://: upload under a temporary name, move, download to read), sealed before upload."""
     from kernel_backend.crypto import MAGIC
 
-    server = start_server(home, env={"STEPWISE_ENCRYPTION_KEY": "operator-secret"})
+    store_url = f"file://{home / 'remote-store'}"
+    env = {"STEPWISE_STORAGE_URL": store_url, "STEPWISE_ENCRYPTION_KEY": "operator-secret"}
+    server = start_server(home, env=env)
     try:
         client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
         tc = client.create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
@@ -138,20 +142,30 @@ def test_encrypted_checkpoints_need_the_key(home):
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         path = tc.save_state("secret").result().path
         saved = forward_logprobs(tc)
+        sampler_path = tc.save_weights_for_sampler("secret-sampler").result().path
+        sampler = client.create_sampling_client(model_path=sampler_path).result()
+        prompt = types.ModelInput.from_ints(TOKENS)
+        greedy = types.SamplingParams(max_tokens=6, temperature=0.0)
+        expected = tc.save_weights_and_get_sampling_client().result().sample(prompt, 1, greedy).result()
+        assert sampler.sample(prompt, 1, greedy).result().sequences[0].tokens == expected.sequences[0].tokens
     finally:
         server.stop()
-    files = [p for p in (home / "checkpoints").rglob("*") if p.is_file()]
-    assert files and all(p.read_bytes().startswith(MAGIC) for p in files)  # nothing readable at rest
+    assert not [p for p in (home / "checkpoints").rglob("*") if p.is_file()]  # nothing in the local default
+    files = [p for p in (home / "remote-store").rglob("*") if p.is_file()]
+    assert {p.name for p in files} >= {"adapter_model.safetensors", "optimizer.safetensors"}
+    assert all(p.read_bytes().startswith(MAGIC) for p in files)  # nothing readable at rest
+    assert not [p for p in (home / "remote-store").rglob("*.tmp-*")]  # no half-written upload left
 
-    for env, expected in [({}, "is encrypted"), ({"STEPWISE_ENCRYPTION_KEY": "wrong"}, "cannot be decrypted")]:
-        server = start_server(home, env=env)
+    for env_, expected_error in [({"STEPWISE_STORAGE_URL": store_url}, "is encrypted"),
+                                 ({**env, "STEPWISE_ENCRYPTION_KEY": "wrong"}, "cannot be decrypted")]:
+        server = start_server(home, env=env_)
         try:
             client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
-            with pytest.raises(Exception, match=expected):
+            with pytest.raises(Exception, match=expected_error):
                 client.create_training_client_from_state(path).result()
         finally:
             server.stop()
-    server = start_server(home, env={"STEPWISE_ENCRYPTION_KEY": "operator-secret"})
+    server = start_server(home, env=env)
     try:
         client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
         assert np.array_equal(forward_logprobs(client.create_training_client_from_state(path).result()), saved)

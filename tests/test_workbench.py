@@ -105,7 +105,7 @@ def test_connect_binds_to_a_running_backend_and_explains_failures(service, monke
 
     embedded = workbench.current()
     settings = Settings()  # the embedded backend's home: its database holds the keys
-    other_key = keys.create(Store(settings.database_url, settings.checkpoints_dir), "workbench-other")
+    other_key = keys.create(Store(settings.database_url), "workbench-other")
     try:
         bound = workbench.connect(embedded.base_url, api_key=other_key)
         assert bound is not service and not workbench.current().embedded

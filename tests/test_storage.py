@@ -1,0 +1,80 @@
+"""The checkpoint store (kernel_backend/storage.py): a local folder or any fsspec URL, written atomically.
+
+`memory://` is fsspec's in-process filesystem: the same calls as s3:// or gs:// without a network.
+The server-level test (sealed checkpoints in a file:// store, across restarts) is in test_durability.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import fsspec
+import pytest
+
+from kernel_backend import crypto
+from kernel_backend.storage import CheckpointStorage
+
+
+def stores(tmp_path):
+    return [CheckpointStorage(tmp_path / "local"), CheckpointStorage(tmp_path / "unused", f"memory://ckpt-{uuid.uuid4().hex}")]
+
+
+def write(storage: CheckpointStorage, key: str, files: dict[str, bytes]) -> str:
+    with storage.writing(key) as (folder, located):
+        folder.mkdir()
+        for name, data in files.items():
+            (folder / name).write_bytes(data)
+    return located[0]
+
+
+def read(storage: CheckpointStorage, location: str, secret: str | None = None) -> dict[str, bytes]:
+    with storage.open(location, secret) as folder:
+        return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_write_read_overwrite_delete(tmp_path, kind):
+    storage = stores(tmp_path)[kind == "memory"]
+    location = write(storage, "t/run/weights/a", {"adapter_model.safetensors": b"one", "optimizer.safetensors": b"o"})
+    assert location.startswith("memory://") == (kind == "memory")
+    assert read(storage, location) == {"adapter_model.safetensors": b"one", "optimizer.safetensors": b"o"}
+    assert storage.size(location) == 4
+    # Overwriting replaces the whole checkpoint: a file the new one lacks is gone.
+    assert write(storage, "t/run/weights/a", {"adapter_model.safetensors": b"two"}) == location
+    assert read(storage, location) == {"adapter_model.safetensors": b"two"}
+    storage.delete(location)
+    with pytest.raises(Exception):
+        read(storage, location)
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_a_failed_write_leaves_the_old_checkpoint_whole(tmp_path, kind):
+    storage = stores(tmp_path)[kind == "memory"]
+    location = write(storage, "t/run/weights/a", {"adapter_model.safetensors": b"good"})
+    with pytest.raises(RuntimeError):
+        with storage.writing("t/run/weights/a") as (folder, located):
+            folder.mkdir()
+            (folder / "adapter_model.safetensors").write_bytes(b"half")
+            raise RuntimeError("the engine failed mid-save")
+    assert not located
+    assert read(storage, location) == {"adapter_model.safetensors": b"good"}
+    if kind == "memory":
+        fs, root = fsspec.core.url_to_fs(storage.url)
+        assert [p for p in fs.find(root) if ".tmp-" in p] == []
+    else:
+        assert list((tmp_path / "local" / ".staging").iterdir()) == []
+
+
+def test_sealed_checkpoints_open_only_with_the_key(tmp_path):
+    storage = stores(tmp_path)[1]
+    with storage.writing("t/run/weights/s") as (folder, located):
+        folder.mkdir()
+        (folder / "adapter_model.safetensors").write_bytes(b"secret weights")
+        crypto.seal(folder, "k1")
+    fs, path = fsspec.core.url_to_fs(located[0])
+    assert all(fs.cat_file(p).startswith(crypto.MAGIC) for p in fs.ls(path, detail=False))
+    assert read(storage, located[0], "k1") == {"adapter_model.safetensors": b"secret weights"}
+    with pytest.raises(Exception, match="is encrypted"):
+        read(storage, located[0])
+    with pytest.raises(Exception, match="cannot be decrypted"):
+        read(storage, located[0], "k2")
