@@ -15,7 +15,6 @@ import asyncio
 import datetime as dt
 import json
 import logging
-import shutil
 import threading
 import uuid
 from pathlib import Path
@@ -27,6 +26,7 @@ from kernel_backend.config import Settings
 from kernel_backend.metering import Prices, Usage
 from kernel_backend.engine import Engine, Pass
 from kernel_backend.scheduler import Job, Scheduler, error_payload
+from kernel_backend.storage import CheckpointStorage
 from kernel_backend.store import (
     CheckpointRow,
     FutureRow,
@@ -79,7 +79,8 @@ class Service:
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings or Settings()
         self._lock_home()
-        self.store = Store(self.settings.database_url, self.settings.checkpoints_dir)
+        self.store = Store(self.settings.database_url)
+        self.storage = CheckpointStorage(self.settings.checkpoints_dir, self.settings.storage_url or None)
         self.prices = Prices(self.settings.prices_path or None)
         self.scheduler = Scheduler(
             load_engine=lambda name: Engine(name, self.settings),
@@ -151,7 +152,7 @@ class Service:
             self._end_session(session.id, "expired")
         for checkpoint in self.store.list(CheckpointRow, CheckpointRow.expires_at.is_not(None), CheckpointRow.expires_at < now()):
             self.store.delete_checkpoint(checkpoint)
-            shutil.rmtree(checkpoint.directory, ignore_errors=True)
+            self.storage.delete(checkpoint.directory)
 
     def _end_session(self, session_id: str, status: str) -> None:
         """Mark a session over and free its adapters (on the scheduler thread)."""
@@ -384,23 +385,25 @@ class Service:
         if "/" in name or name in (".", "..") or not name.strip():
             raise UserError(f"checkpoint name {name!r} must be a plain name without '/'")
         path = tinker_path(model_id, kind, name)
-        directory = self.store.checkpoint_dir(tenant, model_id, kind, name)
+        key = self.store.checkpoint_key(tenant, model_id, kind, name)
         expires = now() + dt.timedelta(seconds=ttl_seconds) if ttl_seconds else None
 
         def save(engine: Engine):
             existing = self.store.checkpoint_by_path(path)
             if existing is not None and not overwrite:
                 raise UserError(f"checkpoint {path} already exists; pass overwrite=True or pick another name")
-            if kind == "training":
-                engine.save_state(model_id, directory)
-            else:
-                engine.save_weights_for_sampler(model_id, directory)
-            if self.settings.encryption_key:
-                crypto.seal(directory, self.settings.encryption_key)
+            with self.storage.writing(key) as (staging, located):
+                if kind == "training":
+                    engine.save_state(model_id, staging)
+                else:
+                    engine.save_weights_for_sampler(model_id, staging)
+                if self.settings.encryption_key:  # sealed before it reaches the store
+                    crypto.seal(staging, self.settings.encryption_key)
+                size = _size(staging)
             if existing is not None:
                 self.store.delete_checkpoint(existing)
             self.store.add(CheckpointRow(tinker_path=path, model_id=model_id, tenant=tenant, kind=kind, name=name,
-                                         directory=str(directory), size_bytes=_size(directory), expires_at=expires,
+                                         directory=located[0], size_bytes=size, expires_at=expires,
                                          user_metadata=dict(user_metadata or {})))
             return _json({"path": path, "type": "save_weights" if kind == "training" else "save_weights_for_sampler"})
 
@@ -434,7 +437,6 @@ class Service:
         """Legacy load_state into an existing run, or create a new run from a checkpoint."""
         checkpoint = self._checkpoint(tenant, path)
         source = self.store.get(ModelRow, checkpoint.model_id)
-        directory = Path(checkpoint.directory)
         if model_id is None:  # create-via-load
             if session_id is None or model_seq_id is None:
                 raise UserError("load_weights needs either model_id, or session_id and model_seq_id")
@@ -452,7 +454,7 @@ class Service:
         target = model_id
 
         def load(engine: Engine):
-            with crypto.opened(directory, self.settings.encryption_key) as plain:
+            with self.storage.open(checkpoint.directory, self.settings.encryption_key) as plain:
                 engine.load_state(target, plain, with_optimizer=with_optimizer and checkpoint.kind == "training")
             return _json({"path": path, "model_id": target, "type": "load_weights"})
 
@@ -519,7 +521,7 @@ class Service:
         checkpoint = self.store.checkpoint_by_path(sampler.model_path)
         if checkpoint is None:
             raise UserError(f"checkpoint {sampler.model_path} was deleted")
-        with crypto.opened(Path(checkpoint.directory), self.settings.encryption_key) as plain:
+        with self.storage.open(checkpoint.directory, self.settings.encryption_key) as plain:
             engine.load_sampler(sampler.id, plain)
         return sampler.id
 
@@ -570,7 +572,7 @@ class Service:
                     checkpoint = self.store.checkpoint_by_path(path)
                     if checkpoint is None:
                         raise UserError(f"checkpoint {path} was deleted")
-                    with crypto.opened(Path(checkpoint.directory), self.settings.encryption_key) as plain:
+                    with self.storage.open(checkpoint.directory, self.settings.encryption_key) as plain:
                         engine.load_sampler(lane, plain)
                 adapter_id = lane
             result = engine.sample(adapter_id, prompt, num_samples, params, on_token=on_token,
@@ -641,7 +643,7 @@ class Service:
         if row.tenant != tenant:
             raise NotFound(f"no checkpoint at {path}")
         self.store.delete_checkpoint(row)
-        shutil.rmtree(row.directory, ignore_errors=True)
+        self.storage.delete(row.directory)
         return {}
 
     def set_ttl(self, tenant: str, path: str, ttl_seconds: int | None) -> dict:
@@ -760,3 +762,79 @@ def usage_report(service: Service, tenant: str, session_id: str | None = None, t
         "cursor": rows[-1].id if rows else after,
         "currency": "USD",
     }
+
+
+def sessions_report(service: Service, tenant: str, active_only: bool = False, limit: int = 50) -> dict:
+    """One row per session, newest first, for dashboards (the JupyterLab sidebar): its run's base model
+    and rank, optim steps, last loss, tokens and cost, and checkpoints; plus totals of the active ones.
+
+    Computed from the store and the ledger in a few grouped queries, so polling it every second is cheap.
+    """
+    from sqlalchemy import func, select
+
+    where = [SessionRow.tenant == tenant] + ([SessionRow.status == "active"] if active_only else [])
+    with service.store.session() as s:
+        sessions = list(s.scalars(select(SessionRow).where(*where).order_by(SessionRow.created_at.desc()).limit(limit)))
+        ids = [r.id for r in sessions]
+        runs = list(s.scalars(select(ModelRow).where(ModelRow.session_id.in_(ids)).order_by(ModelRow.created_at)))
+        totals = {row[0]: row[1:] for row in s.execute(
+            select(UsageRow.session_id, func.sum(UsageRow.prefill_tokens), func.sum(UsageRow.sample_tokens),
+                   func.sum(UsageRow.train_tokens), func.sum(UsageRow.cost))
+            .where(UsageRow.session_id.in_(ids)).group_by(UsageRow.session_id))}
+        steps = dict(s.execute(select(UsageRow.session_id, func.count()).where(
+            UsageRow.session_id.in_(ids), UsageRow.request_type == "OptimStep").group_by(UsageRow.session_id)).all())
+        last_fb = {}  # session -> metrics of its newest forward_backward
+        newest = (select(UsageRow.session_id, func.max(UsageRow.id)).where(
+            UsageRow.session_id.in_(ids), UsageRow.request_type == "ForwardBackward").group_by(UsageRow.session_id))
+        for session_id, row_id in s.execute(newest).all():
+            last_fb[session_id] = (s.get(UsageRow, row_id).metrics or {})
+        checkpoints = list(s.scalars(select(CheckpointRow).where(
+            CheckpointRow.model_id.in_([r.id for r in runs])).order_by(CheckpointRow.created_at.desc())))
+
+    runs_of = {i: [r for r in runs if r.session_id == i] for i in ids}
+    session_of_run = {r.id: r.session_id for r in runs}
+    moment = now()
+    rows, running = [], {"sessions": 0, "prefill_tokens": 0, "sample_tokens": 0, "train_tokens": 0, "cost": 0.0}
+    for session in sessions:
+        prefill, sample, train, cost = totals.get(session.id, (0, 0, 0, 0.0))
+        first = runs_of[session.id][0] if runs_of[session.id] else None
+        created = session.created_at if session.created_at.tzinfo else session.created_at.replace(tzinfo=dt.timezone.utc)
+        row = {
+            "session_id": session.id,
+            "status": session.status,
+            "display_name": session.display_name,
+            "created_at": _iso(session.created_at),
+            "age_s": round((moment - created).total_seconds(), 1),
+            "base_model": first.base_model if first else None,
+            "lora_rank": first.lora_config["rank"] if first else None,
+            "training_run_ids": [r.id for r in runs_of[session.id]],
+            "steps": int(steps.get(session.id, 0)),
+            "last_loss": last_fb.get(session.id, {}).get("loss:sum"),
+            "prefill_tokens": int(prefill or 0),
+            "sample_tokens": int(sample or 0),
+            "train_tokens": int(train or 0),
+            "cost": float(cost or 0.0),
+            "checkpoints": [
+                {**_checkpoint_json(c), "training_run_id": c.model_id}
+                for c in checkpoints if session_of_run[c.model_id] == session.id
+            ],
+        }
+        rows.append(row)
+        if session.status == "active":
+            running["sessions"] += 1
+            for key in ("prefill_tokens", "sample_tokens", "train_tokens", "cost"):
+                running[key] += row[key]
+    running["by_kind"] = _by_kind(service, [r for r in rows if r["status"] == "active"])
+    return {"sessions": rows, "running": running, "currency": "USD"}
+
+
+def _by_kind(service: Service, rows: list[dict]) -> dict:
+    """Split the cost of some sessions into prefill / sample / train at each base model's prices."""
+    by_kind = {kind: {"tokens": 0, "cost": 0.0} for kind in ("prefill", "sample", "train")}
+    for row in rows:
+        price = service.prices.for_model(row["base_model"] or models.DEFAULT_MODEL)
+        for kind in by_kind:
+            tokens = row[f"{kind}_tokens"]
+            by_kind[kind]["tokens"] += tokens
+            by_kind[kind]["cost"] += tokens * price[kind] / 1e6
+    return by_kind

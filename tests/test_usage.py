@@ -85,3 +85,38 @@ def test_estimate_prices_a_batch_before_it_is_sent(tinker_server):
     price = Prices().for_model(BASE)
     assert (body["train_tokens"], body["prefill_tokens"], body["sample_tokens"]) == (150, 10, 80)
     assert body["cost"] == pytest.approx((150 * price["train"] + 10 * price["prefill"] + 80 * price["sample"]) / 1e6)
+
+
+def test_sessions_report_summarises_each_session_for_the_sidebar(tinker_server):
+    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
+    tc = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    session_id = tc.model_id.split(":")[0]
+    data = [datum(list(range(100, 120)))]
+    for _ in range(2):
+        fb = tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+    last_loss = fb.result().metrics["loss:sum"]
+    path = tc.save_weights_for_sampler("two").result().path
+
+    r = httpx.get(tinker_server.base_url + "/api/v1/usage/sessions", headers={"X-API-Key": tinker_server.api_key})
+    r.raise_for_status()
+    report = r.json()
+    row = next(s for s in report["sessions"] if s["session_id"] == session_id)
+    assert (row["status"], row["base_model"], row["lora_rank"], row["steps"]) == ("active", BASE, 4, 2)
+    assert row["last_loss"] == pytest.approx(last_loss)
+    assert row["training_run_ids"] == [tc.model_id]
+    assert [c["tinker_path"] for c in row["checkpoints"]] == [path]
+    ledger = usage(tinker_server, session_id=session_id)["totals"]
+    assert (row["train_tokens"], row["cost"]) == (ledger["train_tokens"], pytest.approx(ledger["cost"]))
+    # "running" adds up the active sessions only; finishing this one takes it out.
+    running = report["running"]
+    active = [s for s in report["sessions"] if s["status"] == "active"]
+    assert running["sessions"] == len(active)
+    assert running["cost"] == pytest.approx(sum(s["cost"] for s in active))
+    assert sum(k["cost"] for k in running["by_kind"].values()) == pytest.approx(running["cost"])
+    httpx.post(f"{tinker_server.base_url}/api/v1/sessions/{session_id}/finish", headers={"X-API-Key": tinker_server.api_key},
+               json={}).raise_for_status()
+    after = httpx.get(tinker_server.base_url + "/api/v1/usage/sessions", params={"active_only": True},
+                      headers={"X-API-Key": tinker_server.api_key}).json()
+    assert session_id not in [s["session_id"] for s in after["sessions"]]
+    assert after["running"]["cost"] == pytest.approx(running["cost"] - row["cost"])

@@ -1,6 +1,7 @@
 """The usage API: what a tenant's sessions and runs processed and cost, read from the ledger.
 
     GET  /api/v1/usage?session_id=&training_run_id=&since=&until=&after=&limit=
+    GET  /api/v1/usage/sessions?active_only=&limit=   one summary row per session (the JupyterLab sidebar)
     POST /api/v1/usage/estimate   price a batch before sending it
 
 Widgets and the JupyterLab extension poll `series` incrementally: pass the last answer's
@@ -18,7 +19,7 @@ from kernel_backend import models
 from kernel_backend.api.auth import tenant_of
 from kernel_backend.api.tinker import service
 from kernel_backend.metering import Usage
-from kernel_backend.service import Service, usage_report
+from kernel_backend.service import Service, sessions_report, usage_report
 
 router = APIRouter(prefix="/api/v1/usage")
 
@@ -28,6 +29,12 @@ def usage(session_id: str | None = None, training_run_id: str | None = None, sin
           until: dt.datetime | None = None, after: int = 0, limit: int = Query(1000, ge=1, le=10000),
           tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
     return usage_report(svc, tenant, session_id, training_run_id, since, until, after, limit)
+
+
+@router.get("/sessions")
+def sessions(active_only: bool = False, limit: int = Query(50, ge=1, le=1000),
+             tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    return sessions_report(svc, tenant, active_only, limit)
 
 
 class EstimateRequest(BaseModel):
