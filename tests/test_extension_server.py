@@ -1,0 +1,157 @@
+"""The JupyterLab server extension (workbench/lab/): GET /stepwise/sessions in a real Jupyter server
+(pytest-jupyter's jp_fetch), reading a real backend through the registry file a kernel writes.
+
+Each test gets its own STEPWISE_HOME, so only the registry files it writes are seen. The "kernel"
+that announces a backend is this pytest process (a live pid), as connect() in a kernel would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+from tornado.httpclient import HTTPClientError
+
+from servers import free_port
+
+pytest_plugins = ("pytest_jupyter.jupyter_server",)
+
+BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@pytest.fixture
+def jp_server_config():
+    return {"ServerApp": {"jpserver_extensions": {"workbench.lab": True},
+                          "allow_unauthenticated_access": False,  # every route must check the login
+                          "terminals_enabled": False}}
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    home = tmp_path / "stepwise_home"  # not tmp_path itself: pytest-jupyter keeps Jupyter's runtime dir there
+    (home / "runtime").mkdir(parents=True)
+    monkeypatch.setenv("STEPWISE_HOME", str(home))
+    return home
+
+
+def announce(home, base_url: str, api_key: str, pid: int | None = None) -> None:
+    """Write the registry file workbench.connect() writes for a kernel (here: for `pid`)."""
+    pid = os.getpid() if pid is None else pid
+    record = {"base_url": base_url, "api_key": api_key, "pid": pid, "started": "2026-01-01T00:00:00+00:00",
+              "embedded": False, "backend_pid": None, "log": None}
+    (home / "runtime" / f"{pid}.json").write_text(json.dumps(record))
+
+
+@pytest.fixture(scope="module")
+def trained_session(tinker_server):
+    """A session on the shared test backend with two optim steps and a saved state."""
+    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=7).result()
+    tokens = list(range(200, 232))
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": np.array(tokens[1:]),
+                                        "weights": np.ones(len(tokens) - 1, np.float32)})
+    losses = []
+    for _ in range(2):
+        fb = tc.forward_backward([datum], "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        losses.append(fb.result().metrics["loss:sum"])
+    path = tc.save_state("extension-test").result().path
+    usage = httpx.get(f"{tinker_server.base_url}/api/v1/usage", params={"training_run_id": tc.model_id},
+                      headers={"X-API-Key": tinker_server.api_key}).json()
+    session_id = usage["series"][0]["session_id"]
+    return {"session_id": session_id, "run": tc.model_id, "last_loss": losses[-1], "checkpoint": path}
+
+
+async def get_report(jp_fetch, **params) -> dict:
+    response = await jp_fetch("stepwise", "sessions", params=params)
+    assert response.code == 200
+    return json.loads(response.body)
+
+
+async def test_lists_a_backends_sessions_with_steps_loss_tokens_cost_and_checkpoints(
+        jp_fetch, home, tinker_server, trained_session):
+    announce(home, tinker_server.base_url, tinker_server.api_key)
+    response = await jp_fetch("stepwise", "sessions")
+    assert tinker_server.api_key not in response.body.decode()  # the browser never sees a key
+    report = json.loads(response.body)
+
+    assert report["message"] is None
+    assert [b["base_url"] for b in report["backends"]] == [tinker_server.base_url]
+    assert report["backends"][0]["error"] is None and report["backends"][0]["kernel_pids"] == [os.getpid()]
+    ours = [s for s in report["sessions"] if s["session_id"] == trained_session["session_id"]]
+    assert len(ours) == 1, [s["session_id"] for s in report["sessions"]]
+    session = ours[0]
+    assert session["backend"] == tinker_server.base_url
+    assert (session["status"], session["base_model"], session["lora_rank"], session["steps"]) == ("active", BASE, 4, 2)
+    assert session["last_loss"] == pytest.approx(trained_session["last_loss"])
+    assert session["training_run_ids"] == [trained_session["run"]]
+    assert session["train_tokens"] == 2 * 31 and session["cost"] > 0
+    assert [c["tinker_path"] for c in session["checkpoints"]] == [trained_session["checkpoint"]]
+    assert trained_session["checkpoint"].startswith("tinker://")
+    # The running totals cover the active sessions, ours included, split by kind.
+    running = report["running"]
+    assert running["sessions"] >= 1 and running["cost"] >= session["cost"]
+    assert sum(part["cost"] for part in running["by_kind"].values()) == pytest.approx(running["cost"])
+
+
+async def test_two_kernels_on_one_backend_list_it_once(jp_fetch, home, tinker_server, trained_session):
+    announce(home, tinker_server.base_url, tinker_server.api_key)
+    announce(home, tinker_server.base_url, tinker_server.api_key, pid=os.getppid())  # another live process
+    report = await get_report(jp_fetch)
+    assert len(report["backends"]) == 1
+    assert sorted(report["backends"][0]["kernel_pids"]) == sorted([os.getpid(), os.getppid()])
+    ids = [s["session_id"] for s in report["sessions"]]
+    assert len(ids) == len(set(ids))
+
+
+async def test_refuses_unauthenticated_calls(jp_fetch, home):
+    with pytest.raises(HTTPClientError) as error:
+        await jp_fetch("stepwise", "sessions", headers={"Authorization": ""})
+    assert error.value.code == 403
+
+
+async def test_no_backend_running_says_how_to_start_one(jp_fetch, home):
+    report = await get_report(jp_fetch)
+    assert report["sessions"] == [] and report["backends"] == [] and report["running"]["cost"] == 0
+    assert "No Stepwise backend is running" in report["message"]
+    assert "workbench.connect()" in report["message"] and str(home / "runtime") in report["message"]
+
+
+async def test_a_dead_kernels_registry_file_is_ignored(jp_fetch, home, tinker_server):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    announce(home, tinker_server.base_url, tinker_server.api_key, pid=gone.pid)
+    (home / "runtime" / "garbage.json").write_text("{not json")
+    report = await get_report(jp_fetch)
+    assert report["backends"] == [] and "No Stepwise backend is running" in report["message"]
+
+
+async def test_a_backend_that_does_not_answer_is_named_with_the_fix(jp_fetch, home):
+    dead_url = f"http://127.0.0.1:{free_port()}"
+    announce(home, dead_url, "tml-whatever")
+    report = await get_report(jp_fetch)
+    error = report["backends"][0]["error"]
+    assert dead_url in error and "did not answer" in error and "workbench.connect()" in error
+    assert report["message"].startswith("No Stepwise backend answered")
+
+
+async def test_a_refused_key_is_reported(jp_fetch, home, tinker_server):
+    announce(home, tinker_server.base_url, "tml-revoked-or-unknown")
+    report = await get_report(jp_fetch)
+    assert "refused the kernel's API key" in report["backends"][0]["error"]
+    assert report["sessions"] == []
+
+
+async def test_a_bad_limit_is_a_400_that_says_the_range(jp_fetch, home):
+    with pytest.raises(HTTPClientError) as error:
+        await jp_fetch("stepwise", "sessions", params={"limit": "0"})
+    assert error.value.code == 400
+    assert "limit must be an integer from 1 to 1000" in error.value.response.reason
