@@ -10,13 +10,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
+import sys
 import time
 import types as pytypes
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import httpx
 import numpy as np
@@ -46,7 +48,21 @@ class BaseConfig:
     verbose: bool = True             # print the summary at the end
 
 
+class _NoTryAgain(logging.Filter):
+    """The SDK warns "Retrying request ... because of try_again" each time a long poll for a
+    result ends before the result is ready: routine on a slow CPU, noise under a progress bar."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "because of try_again" not in record.getMessage()
+
+
+_POLL_FILTER = _NoTryAgain()
+
+
 def service_client_for(config: BaseConfig, service_client: tinker.ServiceClient | None) -> tinker.ServiceClient:
+    poll_logger = logging.getLogger("tinker.lib.api_future_impl")
+    if _POLL_FILTER not in poll_logger.filters:
+        poll_logger.addFilter(_POLL_FILTER)
     if service_client is not None:
         return service_client
     if not config.base_url or not config.api_key:
@@ -87,6 +103,19 @@ def metrics_path_for(config: BaseConfig, recipe: str) -> Path:
 def read_jsonl(path: str | Path) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def local_tokenizer(base_model: str = DEFAULT_MODEL):
+    """The base model's tokenizer from this machine's model store (where the embedded backend keeps it).
+
+    TrainingClient.get_tokenizer() asks the backend where its tokenizer is; SamplingClient.get_tokenizer()
+    looks the name up on the Hugging Face hub, which fails offline, so use this with a sampling client."""
+    from transformers import AutoTokenizer
+
+    from kernel_backend import models
+    from kernel_backend.config import Settings
+
+    return AutoTokenizer.from_pretrained(models.resolve(base_model, Settings().models_dir)[1])
 
 
 def token_ids(encoded) -> list[int]:
@@ -209,10 +238,14 @@ def adam(lr: float) -> types.AdamParams:
 
 
 class MetricsLog:
-    """Appends one JSON object per line: {"step": n, "time": seconds since start, **metrics}."""
+    """Appends one JSON object per line: {"step": n, "time": seconds since start, **metrics}.
 
-    def __init__(self, path: str | Path):
+    `on_log(row)` is called with every row: a notebook passes e.g. `lambda row: dashboard.log(...)`
+    to plot what the recipe computes locally (rewards, KL) next to the backend's loss."""
+
+    def __init__(self, path: str | Path, on_log: Callable[[dict], None] | None = None):
         self.path = Path(path)
+        self.on_log = on_log
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "w", encoding="utf-8")
         self._start = time.monotonic()
@@ -224,6 +257,8 @@ class MetricsLog:
         self.rows.append(row)
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
+        if self.on_log is not None:
+            self.on_log(row)
         return row
 
     def close(self) -> None:
@@ -234,6 +269,17 @@ class MetricsLog:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def plot_to(dashboard, *names: str) -> Callable[[dict], None]:
+    """An `on_step` callback that plots the named metrics of each logged row on a workbench.Dashboard."""
+
+    def on_step(row: dict) -> None:
+        values = {n: row[n] for n in names if isinstance(row.get(n), (int, float)) and math.isfinite(row[n])}
+        if values:
+            dashboard.log(row["step"], **values)
+
+    return on_step
 
 
 def _plain(value):
@@ -304,6 +350,17 @@ class Summary:
         return "\n".join(lines)
 
 
+def before_after(history: list[float], window: int = 3) -> tuple[float, float, int]:
+    """(the first step's value, the mean of the last `window` steps, the window used).
+
+    The first step's samples come from the initial weights, so its value is the "before"; the
+    last steps are averaged because each step's value is measured on a small fresh batch."""
+    if not history:
+        return float("nan"), float("nan"), 0
+    window = max(1, min(window, len(history) - 1))
+    return float(history[0]), float(np.mean(history[-window:])), window
+
+
 def _total_tokens(totals: dict) -> int:
     return int(totals["prefill_tokens"]) + int(totals["sample_tokens"]) + int(totals["train_tokens"])
 
@@ -345,7 +402,10 @@ def _arg_type(annotation):
 def main(config_cls, run, argv: list[str] | None = None) -> Summary:
     """Parse --field-name options for `config_cls`, connect (the config's base_url/api_key, or
     the embedded backend through workbench.connect()), run the recipe and return its summary."""
-    parser = argparse.ArgumentParser(description=(run.__module__ or "").rsplit(".", 1)[-1] + " recipe")
+    module = sys.modules[run.__module__]
+    name = module.__spec__.name if module.__spec__ else run.__module__
+    parser = argparse.ArgumentParser(prog=f"python -m {name}", description=(module.__doc__ or "").split("\n\n")[0],
+                                     epilog="Without --base-url the embedded backend starts (workbench.connect()).")
     for f in dataclasses.fields(config_cls):
         kind = _arg_type(f.type)
         flag = "--" + f.name.replace("_", "-")

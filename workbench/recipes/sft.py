@@ -95,7 +95,8 @@ def greedy_answers(sampling_client, tokenizer, records: list[dict], max_tokens: 
     return answers
 
 
-def run(config: Config, service_client: tinker.ServiceClient | None = None) -> Summary:
+def run(config: Config, service_client: tinker.ServiceClient | None = None, on_step=None) -> Summary:
+    """Run the recipe; `on_step(row)` sees every metrics row as it is logged (see common.MetricsLog)."""
     service_client = common.service_client_for(config, service_client)
     rng = np.random.default_rng(config.seed)
     tc = service_client.create_lora_training_client(base_model=config.base_model, rank=config.rank,
@@ -106,7 +107,7 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None) -> S
     eval_data = [common.chat_datum(tokenizer, r["messages"], config.train_on) for r in eval_records]
     stream = common.batches(train_data, config.batch_size, rng)
 
-    log = common.MetricsLog(common.metrics_path_for(config, "sft"))
+    log = common.MetricsLog(common.metrics_path_for(config, "sft"), on_step)
     initial = eval_loss(tc, eval_data)
     log.log(0, eval_loss=initial)
     latest_eval, checkpoints = initial, []
@@ -140,7 +141,7 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None) -> S
         log.close()
 
     sampler_path = tc.save_weights_for_sampler(f"{config.checkpoint_prefix}-final").result().path
-    sampler = service_client.create_sampling_client(model_path=sampler_path)
+    sampler = service_client.create_sampling_client(model_path=sampler_path).result()
     checked = [r for r in eval_records if r.get("expect")][: config.sample_questions]
     answers = greedy_answers(sampler, tokenizer, checked, config.sample_max_tokens) if checked else []
     extra = {"samples": answers}

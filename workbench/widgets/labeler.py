@@ -2,7 +2,7 @@
 
     lab = workbench.Labeler(pairs, path="labels.jsonl")   # pairs: dicts with prompt + two completions
     display(lab)                                           # click, or press 1/2/t/b/s/z
-    lab.labels                  # a DataFrame of the current labels
+    lab.labels                  # a DataFrame of the current labels (lab.records: the same as dicts)
     lab.preferences()           # [{prompt, chosen, rejected}] for DPO / TRL
     lab.dpo_datums(tokenizer)   # tinker Datums for workbench.dpo.dpo_loss
 
@@ -179,6 +179,11 @@ class Labeler(anywidget.AnyWidget):
         columns = ["item_id", "choice", "preferred", "prompt", "chosen", "rejected", "completion_a", "completion_b",
                    "sides", "swapped", "model_a", "model_b", "rationale", "labeler", "time", "dwell_s"]
         return pd.DataFrame([{c: r.get(c) for c in columns} for r in self._labels], columns=columns)
+
+    @property
+    def records(self) -> list[dict]:
+        """The label records in force, as logged (the same list read_labels(path) replays)."""
+        return list(self._labels)
 
     def preferences(self) -> list[dict]:
         """{prompt, chosen, rejected} for every A/B label (ties, both-bad and skips carry no preference)."""

@@ -1,0 +1,213 @@
+"""Preference tuning: two samples per prompt, a label, DPO through forward_backward_custom.
+
+    from workbench.recipes import preference
+    summary = preference.run(preference.Config(base_url=..., api_key=..., rule="shorter"))
+
+    python -m workbench.recipes.preference [--steps 12 --rule keyword:sun --beta 0.1 ...]
+
+1. Sample two answers to each prompt from the starting policy (the base model).
+2. Label each pair with a scripted rule (`rule`): "shorter" (fewer tokens wins), "longer", or
+   "keyword:WORD" (the answer containing WORD wins). Ties are dropped. In a notebook a person
+   labels instead: the candidates are the Labeler widget's items, and
+   `pairs_from_labels(candidates, labeler.records)` turns the clicks into the same pairs for
+   `train_dpo` (notebooks/03_preference.ipynb).
+3. Reference log-likelihoods: one forward of every datum through the training client before the
+   first step (its weights are still the initial ones), kept in loss_fn_inputs["ref_logprobs"].
+4. DPO (workbench.dpo.dpo_loss, beta `beta`) with forward_backward_custom on batches of pairs,
+   optim_step after each.
+Headline metric: the logprob margin, the mean over pairs of log pi(chosen) - log pi(rejected)
+under the policy, before training and after (one forward over all pairs at the end).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import tinker
+import torch
+from tinker import types
+
+from workbench.dpo import add_reference_logprobs, completion_datum, dpo_loss
+from workbench.recipes import common
+from workbench.recipes.common import BaseConfig, Summary
+
+PROMPTS = [
+    "Describe the ocean.", "What do you like about autumn?", "Tell me about cats.", "Why is the sky blue?",
+    "Give me a tip for studying.", "What is a good breakfast?", "Describe a forest at night.",
+    "How do birds fly?", "What makes a good friend?", "Tell me about the moon.", "Why do we sleep?",
+    "Describe your favorite city.", "What is music?", "How do plants grow?", "Give me advice on cooking pasta.",
+    "What is the best way to relax?", "Tell me about rain.", "What is a computer?", "Describe a sunny day.",
+    "How do I make tea?", "What are stars?", "Tell me about dogs.", "Why do leaves change color?",
+    "What is friendship?",
+]
+
+
+@dataclass
+class Config(BaseConfig):
+    prompts_path: str | None = None  # JSONL of {"prompt": ...}; None: the built-in PROMPTS
+    num_prompts: int = 16
+    max_tokens: int = 32
+    temperature: float = 1.0
+    rule: str = "shorter"            # shorter | longer | keyword:WORD
+    beta: float = 0.1
+    steps: int = 12
+    batch_pairs: int = 4             # pairs per forward_backward_custom
+    learning_rate: float = 1e-3
+    lr_schedule: str = "constant"
+
+
+def label(rule: str, a: tuple[list[int], str], b: tuple[list[int], str]) -> int:
+    """+1 if a is preferred, -1 if b is, 0 for a tie. a and b are (tokens, text)."""
+    if rule in ("shorter", "longer"):
+        sign = 1 if rule == "shorter" else -1
+        key_a, key_b = (len(a[0]), len(a[1])), (len(b[0]), len(b[1]))
+        return 0 if key_a == key_b else (sign if key_a < key_b else -sign)
+    if rule.startswith("keyword:"):
+        word = rule.split(":", 1)[1].lower()
+        has_a, has_b = word in a[1].lower(), word in b[1].lower()
+        return 0 if has_a == has_b else (1 if has_a else -1)
+    raise ValueError(f"unknown rule {rule!r}: shorter, longer or keyword:WORD")
+
+
+def sample_candidates(sampler, tokenizer, prompts: list[str], config: Config) -> list[dict]:
+    """Two samples per prompt, unlabeled: [{id, prompt, prompt_tokens, completions, completion_tokens}].
+
+    The records are the Labeler widget's items as they are (`id`, `prompt`, two `completions`)."""
+    rendered = [common.user_prompt(tokenizer, p) for p in prompts]
+    futures = [
+        sampler.sample(types.ModelInput.from_ints(tokens), 2,
+                       types.SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature,
+                                            seed=config.seed * 1000 + i))
+        for i, tokens in enumerate(rendered)
+    ]
+    candidates = []
+    for i, (prompt, tokens, future) in enumerate(zip(prompts, rendered, futures)):
+        sequences = [list(s.tokens) for s in future.result().sequences]
+        if not all(sequences):
+            continue  # an empty answer (end of turn at once) has nothing to prefer or train on
+        candidates.append({"id": f"p{i}", "prompt": prompt, "prompt_tokens": tokens, "completion_tokens": sequences,
+                           "completions": [tokenizer.decode(t, skip_special_tokens=True) for t in sequences]})
+    return candidates
+
+
+def pair_of(candidate: dict, preferred: int) -> dict:
+    """The DPO pair of a candidate whose completion number `preferred` (0 or 1) won."""
+    return {"prompt": candidate["prompt"], "prompt_tokens": candidate["prompt_tokens"],
+            "chosen_tokens": candidate["completion_tokens"][preferred], "chosen": candidate["completions"][preferred],
+            "rejected_tokens": candidate["completion_tokens"][1 - preferred],
+            "rejected": candidate["completions"][1 - preferred]}
+
+
+def label_by_rule(candidates: list[dict], rule: str) -> list[dict]:
+    """Scripted labels (tests, scripts): the DPO pairs the rule decides; ties are dropped."""
+    pairs = []
+    for c in candidates:
+        verdict = label(rule, *zip(c["completion_tokens"], c["completions"]))
+        if verdict:
+            pairs.append(pair_of(c, 0 if verdict > 0 else 1))
+    return pairs
+
+
+def pairs_from_labels(candidates: list[dict], labels: list[dict]) -> list[dict]:
+    """Human labels (the Labeler widget's records, or read_labels(path)) as DPO pairs: every A/B choice;
+    ties, both-bad and skips carry no preference."""
+    by_id = {c["id"]: c for c in candidates}
+    return [pair_of(by_id[r["item_id"]], r["preferred"]) for r in labels
+            if r.get("preferred") is not None and r["item_id"] in by_id]
+
+
+def pair_datums(pairs: list[dict]) -> list[types.Datum]:
+    """[chosen0, rejected0, chosen1, ...]: the sampled tokens themselves, weight 1 on the answer."""
+    data = []
+    for pair in pairs:
+        for key in ("chosen_tokens", "rejected_tokens"):
+            data.append(completion_datum(pair["prompt_tokens"], pair["prompt_tokens"] + list(pair[key])))
+    return data
+
+
+def answer_logprobs(data: list[types.Datum], logprobs_list) -> np.ndarray:
+    """log pi(answer | prompt) per datum: logprobs summed over the weighted positions."""
+    return np.array([float((common.as_numpy(lp) * common.as_numpy(d.loss_fn_inputs["weights"])).sum())
+                     for d, lp in zip(data, logprobs_list)])
+
+
+def make_loss(beta: float):
+    """workbench.dpo.dpo_loss plus the raw logprob margin among its metrics."""
+
+    def loss_fn(data, logprobs_list):
+        loss, metrics = dpo_loss(data, logprobs_list, beta=beta)
+        with torch.no_grad():
+            lps = answer_logprobs(data, [lp.detach().numpy() for lp in logprobs_list])
+        metrics["logprob_margin:mean"] = float(np.mean(lps[0::2] - lps[1::2]))
+        return loss, metrics
+
+    return loss_fn
+
+
+def margin_of(training_client, data: list[types.Datum]) -> float:
+    """The mean logprob margin of (chosen, rejected) datums under the current weights (forward only)."""
+    plain = [types.Datum(model_input=d.model_input,  # the server takes only its loss's own inputs
+                         loss_fn_inputs={k: d.loss_fn_inputs[k] for k in ("target_tokens", "weights")}) for d in data]
+    out = training_client.forward(plain, "cross_entropy").result()
+    lps = answer_logprobs(data, [o["logprobs"] for o in out.loss_fn_outputs])
+    return float(np.mean(lps[0::2] - lps[1::2]))
+
+
+def train_dpo(training_client, pairs: list[dict], config: Config, log: common.MetricsLog) -> tuple[float, float]:
+    """Reference logprobs, then config.steps DPO steps over `pairs`; returns (margin before, after)."""
+    data = add_reference_logprobs(pair_datums(pairs), training_client)  # forward at the initial weights
+    ref = [common.as_numpy(d.loss_fn_inputs["ref_logprobs"]) for d in data]
+    lps = answer_logprobs(data, ref)
+    initial = float(np.mean(lps[0::2] - lps[1::2]))
+    log.log(0, logprob_margin=initial, pairs=len(pairs))
+    rng = np.random.default_rng(config.seed)
+    stream = common.batches(list(range(len(pairs))), config.batch_pairs, rng)
+    loss_fn = make_loss(config.beta)
+    bar = common.progress_bar(config.steps, "dpo", config.progress)
+    try:
+        for step in range(1, config.steps + 1):
+            batch = [d for i in next(stream) for d in (data[2 * i], data[2 * i + 1])]
+            lr = common.lr_at(step - 1, config.steps, config.learning_rate, config.lr_schedule)
+            fb = training_client.forward_backward_custom(batch, loss_fn)
+            optim = training_client.optim_step(common.adam(lr))
+            out = fb.result()
+            optim.result()
+            m = out.metrics
+            row = log.log(step, lr=lr, dpo_loss=m.get("dpo_loss:mean"), accuracy=m.get("accuracy:mean"),
+                          reward_margin=m.get("margin:mean"), batch_logprob_margin=m.get("logprob_margin:mean"),
+                          train_tokens=sum(d.model_input.length for d in batch))
+            bar.set_postfix(loss=f"{row['dpo_loss']:.3f}", margin=f"{row['batch_logprob_margin']:.2f}")
+            bar.update(1)
+    finally:
+        bar.close()
+    final = margin_of(training_client, data)
+    log.log(config.steps, logprob_margin=final)
+    return initial, final
+
+
+def run(config: Config, service_client: tinker.ServiceClient | None = None, on_step=None) -> Summary:
+    """Run the recipe; `on_step(row)` sees every metrics row as it is logged (see common.MetricsLog)."""
+    service_client = common.service_client_for(config, service_client)
+    prompts = [r["prompt"] for r in common.read_jsonl(config.prompts_path)] if config.prompts_path else PROMPTS
+    prompts = prompts[: config.num_prompts]
+    tc = service_client.create_lora_training_client(base_model=config.base_model, rank=config.rank,
+                                                    seed=config.seed).result()
+    tokenizer = tc.get_tokenizer()
+    base = service_client.create_sampling_client(base_model=config.base_model).result()
+    pairs = label_by_rule(sample_candidates(base, tokenizer, prompts, config), config.rule)
+    if not pairs:
+        raise RuntimeError(f"rule {config.rule!r} labeled no pair (every pair tied): try more prompts or another rule")
+    log = common.MetricsLog(common.metrics_path_for(config, "preference"), on_step)
+    try:
+        initial, final = train_dpo(tc, pairs, config, log)
+    finally:
+        log.close()
+    sampler_path = tc.save_weights_for_sampler("preference-final").result().path
+    extra = {"pairs": len(pairs), "examples": [{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in pairs[:3]]}
+    return common.summarize("preference", config, service_client, tc, config.steps, "logprob_margin", initial, final,
+                            log, sampler_path=sampler_path, extra=extra)
+
+
+if __name__ == "__main__":
+    common.main(Config, run)
