@@ -1,4 +1,8 @@
-"""The `stepwise` command: `stepwise serve` runs the backend (more commands to come: lab, demo)."""
+"""The `stepwise` command.
+
+    stepwise serve|keys|export ...   the backend (kernel_backend.__main__)
+    stepwise demo [--sft-steps N]    the quickstart headless: SFT then RL, progress, metrics, cost
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,13 @@ def main(argv: list[str] | None = None) -> None:
 
         backend_main(argv)
         return
-    print("usage: stepwise serve|keys|export ... (see `stepwise serve --help`)", file=sys.stderr)
+    if argv and argv[0] == "demo":
+        from workbench.demo import main as demo_main
+
+        demo_main(argv[1:])
+        return
+    print("usage: stepwise serve|keys|export|demo ... (see `stepwise serve --help`, `stepwise demo --help`)",
+          file=sys.stderr)
     raise SystemExit(2)
 
 

@@ -166,14 +166,16 @@ def connect(base_url: str | None = None, api_key: str | None = None, *, timeout:
             progress: bool = True):
     """Return a `tinker.ServiceClient` bound to a Stepwise backend.
 
-    With no `base_url`, start the embedded backend on a free loopback port (or reuse the one this
-    kernel already started). With a `base_url`, bind to that running backend; `api_key` defaults to
-    $TINKER_API_KEY. Calling again with the same arguments returns the same client, so re-running
+    With no `base_url`, bind to $STEPWISE_BASE_URL when it is set (a shared or team backend), else
+    start the embedded backend on a free loopback port (or reuse the one this kernel already
+    started). With a `base_url`, bind to that running backend; `api_key` defaults to
+    $STEPWISE_API_KEY, then $TINKER_API_KEY. Calling again with the same arguments returns the same client, so re-running
     a cell does not open a new session each time.
     """
     global _current
     import tinker
 
+    base_url = base_url or os.environ.get("STEPWISE_BASE_URL") or None
     with _lock:
         if base_url is None:
             conn = _embedded_connection(timeout, progress)
@@ -219,9 +221,10 @@ atexit.register(disconnect, finish_sessions=False)
 
 
 def _bind(base_url: str, api_key: str | None) -> Connection:
-    api_key = api_key or os.environ.get("TINKER_API_KEY")
+    api_key = api_key or os.environ.get("STEPWISE_API_KEY") or os.environ.get("TINKER_API_KEY")
     if not api_key:
-        raise BackendError(f"connect({base_url!r}) needs an api_key (or $TINKER_API_KEY); keys start with 'tml-'")
+        raise BackendError(f"connect({base_url!r}) needs an api_key (or $STEPWISE_API_KEY / $TINKER_API_KEY); "
+                           "keys start with 'tml-'")
     for existing in _connections:
         if (existing.base_url, existing.api_key) == (base_url, api_key):
             return existing
