@@ -4,7 +4,7 @@ a notebook that starts the embedded backend and trains three steps, Debian's Chr
 What it checks: the sidebar lists the session with its three steps, base model and rank, and its
 checkpoint's tinker:// path (copied by the copy button); the status-bar cost is above zero, moved
 while the training cell was still running, and equals the usage API's. A screenshot of the page
-goes to the test's output folder (pytest-playwright's `output_path`, under test-results/).
+goes to tests/_artifacts/extension-sidebar-and-cost-meter.png.
 
 Skipped, with the reason, where /usr/bin/chromium is missing (`make test` installs it as root).
 """
@@ -27,6 +27,7 @@ import pytest
 from servers import REPO, free_port
 
 CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = REPO / "tests" / "_artifacts"  # gitignored; the screenshot stays there for a person to look at
 pytestmark = pytest.mark.skipif(
     not CHROMIUM.exists(),
     reason="the browser test needs Debian's Chromium at /usr/bin/chromium: `apt-get install -y chromium` "
@@ -58,11 +59,23 @@ checkpoint = tc.save_state("browser-test").result().path
 print("trained", {STEPS}, "steps; saved", checkpoint)"""
 
 
-@pytest.fixture(scope="session")
-def browser_type_launch_args(browser_type_launch_args):
-    # Debian's Chromium, never a browser Playwright downloads; no sandbox as root in a container.
-    return {**browser_type_launch_args, "executable_path": str(CHROMIUM),
-            "args": ["--no-sandbox", "--disable-dev-shm-usage"]}
+@pytest.fixture
+def page():
+    """A page in Debian's Chromium (never a browser Playwright downloads; no sandbox as root).
+
+    Playwright's sync API runs an event loop in this thread while it is open, so it is opened and
+    closed within the test: left open for the session (pytest-playwright's fixtures), it would break
+    every later test that runs asyncio.
+    """
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM),
+                                             args=["--no-sandbox", "--disable-dev-shm-usage"])
+        try:
+            yield browser.new_page(viewport={"width": 1280, "height": 720})
+        finally:
+            browser.close()
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +151,7 @@ def lab(tmp_path_factory, wheel_prefix, stepwise_home):
             process.wait()
 
 
-def test_sidebar_and_cost_meter_follow_a_training_notebook(lab, page, output_path):
+def test_sidebar_and_cost_meter_follow_a_training_notebook(lab, page):
     from playwright.sync_api import expect
 
     page.set_default_timeout(30_000)
@@ -190,8 +203,8 @@ def test_sidebar_and_cost_meter_follow_a_training_notebook(lab, page, output_pat
     row.locator(".jp-StepwiseCheckpoint-copy").click()
     expect(row.locator(".jp-StepwiseCheckpoint-copy")).to_have_text("Copied")
 
-    screenshot = Path(output_path) / "sidebar-and-cost-meter.png"
-    screenshot.parent.mkdir(parents=True, exist_ok=True)
+    ARTIFACTS.mkdir(exist_ok=True)
+    screenshot = ARTIFACTS / "extension-sidebar-and-cost-meter.png"
     page.screenshot(path=str(screenshot))
     print("screenshot:", screenshot)
 

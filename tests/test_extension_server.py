@@ -3,6 +3,11 @@
 
 Each test gets its own STEPWISE_HOME, so only the registry files it writes are seen. The "kernel"
 that announces a backend is this pytest process (a live pid), as connect() in a kernel would.
+
+pytest-jupyter's fixtures are imported into this module rather than loaded as a plugin
+(`pytest_plugins`): as a plugin, its autouse fixtures (a fresh event loop, a ServerApp cleanup) and
+its call hook would run for every test of the suite. So the tests are plain functions that run
+jp_fetch on the fixture's loop.
 """
 
 from __future__ import annotations
@@ -19,9 +24,14 @@ import tinker
 from tinker import types
 from tornado.httpclient import HTTPClientError
 
+from pytest_jupyter.jupyter_core import (  # noqa: F401  (fixtures, used by name)
+    echo_kernel_spec, jp_asyncio_loop, jp_config_dir, jp_data_dir, jp_env_config_path, jp_env_jupyter_path,
+    jp_environ, jp_home_dir, jp_kernel_dir, jp_runtime_dir, jp_system_config_path, jp_system_jupyter_path)
+from pytest_jupyter.jupyter_server import (  # noqa: F401
+    jp_argv, jp_auth_header, jp_base_url, jp_configurable_serverapp, jp_fetch, jp_http_port, jp_logging_stream,
+    jp_nbconvert_templates, jp_root_dir, jp_server_cleanup, jp_serverapp, jp_template_dir, jp_web_app)
+from pytest_jupyter.pytest_tornasync import http_server, http_server_client, http_server_port, io_loop  # noqa: F401
 from servers import free_port
-
-pytest_plugins = ("pytest_jupyter.jupyter_server",)
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -29,7 +39,8 @@ BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 @pytest.fixture
 def jp_server_config():
     return {"ServerApp": {"jpserver_extensions": {"workbench.lab": True},
-                          "allow_unauthenticated_access": False,  # every route must check the login
+                          # jupyter_server's default: only the handler's own @authenticated guards it
+                          "allow_unauthenticated_access": True,
                           "terminals_enabled": False}}
 
 
@@ -70,16 +81,22 @@ def trained_session(tinker_server):
     return {"session_id": session_id, "run": tc.model_id, "last_loss": losses[-1], "checkpoint": path}
 
 
-async def get_report(jp_fetch, **params) -> dict:
-    response = await jp_fetch("stepwise", "sessions", params=params)
+@pytest.fixture
+def fetch(jp_fetch, jp_asyncio_loop):
+    """jp_fetch, run to completion on the Jupyter server's loop."""
+    return lambda *parts, **kwargs: jp_asyncio_loop.run_until_complete(jp_fetch(*parts, **kwargs))
+
+
+def get_report(fetch, **params) -> dict:
+    response = fetch("stepwise", "sessions", params=params)
     assert response.code == 200
     return json.loads(response.body)
 
 
-async def test_lists_a_backends_sessions_with_steps_loss_tokens_cost_and_checkpoints(
-        jp_fetch, home, tinker_server, trained_session):
+def test_lists_a_backends_sessions_with_steps_loss_tokens_cost_and_checkpoints(
+        fetch, home, tinker_server, trained_session):
     announce(home, tinker_server.base_url, tinker_server.api_key)
-    response = await jp_fetch("stepwise", "sessions")
+    response = fetch("stepwise", "sessions")
     assert tinker_server.api_key not in response.body.decode()  # the browser never sees a key
     report = json.loads(response.body)
 
@@ -102,56 +119,56 @@ async def test_lists_a_backends_sessions_with_steps_loss_tokens_cost_and_checkpo
     assert sum(part["cost"] for part in running["by_kind"].values()) == pytest.approx(running["cost"])
 
 
-async def test_two_kernels_on_one_backend_list_it_once(jp_fetch, home, tinker_server, trained_session):
+def test_two_kernels_on_one_backend_list_it_once(fetch, home, tinker_server, trained_session):
     announce(home, tinker_server.base_url, tinker_server.api_key)
     announce(home, tinker_server.base_url, tinker_server.api_key, pid=os.getppid())  # another live process
-    report = await get_report(jp_fetch)
+    report = get_report(fetch)
     assert len(report["backends"]) == 1
     assert sorted(report["backends"][0]["kernel_pids"]) == sorted([os.getpid(), os.getppid()])
     ids = [s["session_id"] for s in report["sessions"]]
     assert len(ids) == len(set(ids))
 
 
-async def test_refuses_unauthenticated_calls(jp_fetch, home):
+def test_refuses_unauthenticated_calls(fetch, home):
     with pytest.raises(HTTPClientError) as error:
-        await jp_fetch("stepwise", "sessions", headers={"Authorization": ""})
+        fetch("stepwise", "sessions", headers={"Authorization": ""})
     assert error.value.code == 403
 
 
-async def test_no_backend_running_says_how_to_start_one(jp_fetch, home):
-    report = await get_report(jp_fetch)
+def test_no_backend_running_says_how_to_start_one(fetch, home):
+    report = get_report(fetch)
     assert report["sessions"] == [] and report["backends"] == [] and report["running"]["cost"] == 0
     assert "No Stepwise backend is running" in report["message"]
     assert "workbench.connect()" in report["message"] and str(home / "runtime") in report["message"]
 
 
-async def test_a_dead_kernels_registry_file_is_ignored(jp_fetch, home, tinker_server):
+def test_a_dead_kernels_registry_file_is_ignored(fetch, home, tinker_server):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     announce(home, tinker_server.base_url, tinker_server.api_key, pid=gone.pid)
     (home / "runtime" / "garbage.json").write_text("{not json")
-    report = await get_report(jp_fetch)
+    report = get_report(fetch)
     assert report["backends"] == [] and "No Stepwise backend is running" in report["message"]
 
 
-async def test_a_backend_that_does_not_answer_is_named_with_the_fix(jp_fetch, home):
+def test_a_backend_that_does_not_answer_is_named_with_the_fix(fetch, home):
     dead_url = f"http://127.0.0.1:{free_port()}"
     announce(home, dead_url, "tml-whatever")
-    report = await get_report(jp_fetch)
+    report = get_report(fetch)
     error = report["backends"][0]["error"]
     assert dead_url in error and "did not answer" in error and "workbench.connect()" in error
     assert report["message"].startswith("No Stepwise backend answered")
 
 
-async def test_a_refused_key_is_reported(jp_fetch, home, tinker_server):
+def test_a_refused_key_is_reported(fetch, home, tinker_server):
     announce(home, tinker_server.base_url, "tml-revoked-or-unknown")
-    report = await get_report(jp_fetch)
+    report = get_report(fetch)
     assert "refused the kernel's API key" in report["backends"][0]["error"]
     assert report["sessions"] == []
 
 
-async def test_a_bad_limit_is_a_400_that_says_the_range(jp_fetch, home):
+def test_a_bad_limit_is_a_400_that_says_the_range(fetch, home):
     with pytest.raises(HTTPClientError) as error:
-        await jp_fetch("stepwise", "sessions", params={"limit": "0"})
+        fetch("stepwise", "sessions", params={"limit": "0"})
     assert error.value.code == 400
     assert "limit must be an integer from 1 to 1000" in error.value.response.reason
