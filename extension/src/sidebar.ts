@@ -20,7 +20,7 @@ import {
 } from './format';
 import { stepwiseIcon } from './icon';
 import { SessionsModel } from './model';
-import { ICheckpoint, ISession } from './types';
+import { ICheckpoint, IReport, ISession } from './types';
 
 export const SIDEBAR_ID = 'stepwise-sessions';
 
@@ -59,12 +59,13 @@ export class SessionsSidebar extends Widget {
       ? `${plural(sessions.length, 'session')} · ${running.sessions} running · ${formatCost(running.cost, this._symbol)}`
       : 'Loading…';
 
-    const message = model.error ?? report?.message ?? null;
+    const message = model.error ?? report?.message ?? emptyMessage(report);
     this._message.textContent = message ?? '';
     this._message.hidden = message === null;
     this._message.classList.toggle('jp-mod-error', model.error !== null);
 
-    const failed = report?.sessions.length ? report.backends.filter(b => b.error) : [];
+    // The report's message already names every failure when no backend answered.
+    const failed = report && !report.message ? report.backends.filter(b => b.error) : [];
     this._backendErrors.replaceChildren(
       ...failed.map(b => el('div', 'jp-StepwiseSidebar-backendError', b.error ?? ''))
     );
@@ -158,6 +159,15 @@ class SessionRow {
   private _tokens = el('div', 'jp-StepwiseSession-tokens');
   private _checkpoints = el('ul', 'jp-StepwiseSession-checkpoints');
   private _drawnCheckpoints = '';
+}
+
+/** What to say when the backends answered but have no session yet. */
+function emptyMessage(report: IReport | null): string | null {
+  if (!report || report.message || report.sessions.length > 0) {
+    return null;
+  }
+  const backends = plural(report.backends.length, 'backend');
+  return `No sessions yet on ${backends}: service.create_lora_training_client(...) starts one.`;
 }
 
 function checkpointItems(checkpoints: ICheckpoint[]): HTMLElement[] {
