@@ -3,7 +3,8 @@ a notebook that starts the embedded backend and trains three steps, Debian's Chr
 
 What it checks: the sidebar lists the session with its three steps, base model and rank, and its
 checkpoint's tinker:// path (copied by the copy button); the status-bar cost is above zero, moved
-while the training cell was still running, and equals the usage API's. A screenshot of the page
+while the training cell was still running, and equals the usage API's; the settings (currency
+symbol, hiding the status item) take effect. A screenshot of the page
 goes to tests/_artifacts/extension-sidebar-and-cost-meter.png.
 
 Skipped, with the reason, where /usr/bin/chromium is missing (`make test` installs it as root).
@@ -207,6 +208,14 @@ def test_sidebar_and_cost_meter_follow_a_training_notebook(lab, page):
     screenshot = ARTIFACTS / "extension-sidebar-and-cost-meter.png"
     page.screenshot(path=str(screenshot))
     print("screenshot:", screenshot)
+
+    # Settings: another currency symbol, and no status item, after a reload.
+    raw = json.dumps({"refreshInterval": 1, "currencySymbol": "€", "showStatusItem": False})
+    assert httpx.put(f"{lab['url']}/lab/api/settings/stepwise-lab:plugin", json={"raw": raw}).status_code == 204
+    page.reload()
+    expect(page.locator(".jp-StepwiseSidebar-summary")).to_contain_text("running · €")
+    expect(page.locator("li.jp-StepwiseSession .jp-StepwiseSession-cost")).to_have_text(re.compile(r"^€0\.0"))
+    expect(page.locator(".jp-StepwiseCost")).to_be_hidden()
 
 
 # ---- helpers --------------------------------------------------------------------------------------
