@@ -714,7 +714,7 @@ def usage_report(service: Service, tenant: str, session_id: str | None = None, t
                  since: dt.datetime | None = None, until: dt.datetime | None = None, after: int = 0,
                  limit: int = 1000) -> dict:
     """Totals by kind and cost, plus the per-request series after ledger row `after` (a cursor)."""
-    from sqlalchemy import func, select
+    from sqlalchemy import select
 
     where = [UsageRow.tenant == tenant]
     if session_id:
@@ -726,30 +726,10 @@ def usage_report(service: Service, tenant: str, session_id: str | None = None, t
     if until:
         where.append(UsageRow.created_at < until)
     with service.store.session() as s:
-        per_model = s.execute(
-            select(UsageRow.base_model, func.count(), func.sum(UsageRow.prefill_tokens), func.sum(UsageRow.sample_tokens),
-                   func.sum(UsageRow.train_tokens), func.sum(UsageRow.cost))
-            .where(*where).group_by(UsageRow.base_model)
-        ).all()
+        per_model = s.execute(_per_model_sums(*where)).all()
         rows = list(s.scalars(select(UsageRow).where(*where, UsageRow.id > after).order_by(UsageRow.id).limit(limit)))
-    by_kind = {kind: {"tokens": 0, "cost": 0.0} for kind in ("prefill", "sample", "train")}
-    requests, cost = 0, 0.0
-    for base_model, count, prefill, sample, train, model_cost in per_model:
-        price = service.prices.for_model(base_model)
-        requests += count
-        cost += model_cost or 0.0
-        for kind, tokens in (("prefill", prefill), ("sample", sample), ("train", train)):
-            by_kind[kind]["tokens"] += int(tokens or 0)
-            by_kind[kind]["cost"] += int(tokens or 0) * price[kind] / 1e6
     return {
-        "totals": {
-            "requests": requests,
-            "prefill_tokens": by_kind["prefill"]["tokens"],
-            "sample_tokens": by_kind["sample"]["tokens"],
-            "train_tokens": by_kind["train"]["tokens"],
-            "cost": cost,
-            "by_kind": by_kind,
-        },
+        "totals": _totals(service, per_model),
         "series": [
             {
                 "id": r.id, "time": _iso(r.created_at), "request_type": r.request_type, "session_id": r.session_id,
@@ -761,6 +741,36 @@ def usage_report(service: Service, tenant: str, session_id: str | None = None, t
         ],
         "cursor": rows[-1].id if rows else after,
         "currency": "USD",
+    }
+
+
+def _per_model_sums(*where):
+    """The ledger's sums per base model: (base_model, requests, prefill, sample, train, cost) rows."""
+    from sqlalchemy import func, select
+
+    return (select(UsageRow.base_model, func.count(), func.sum(UsageRow.prefill_tokens), func.sum(UsageRow.sample_tokens),
+                   func.sum(UsageRow.train_tokens), func.sum(UsageRow.cost))
+            .where(*where).group_by(UsageRow.base_model))
+
+
+def _totals(service: Service, per_model) -> dict:
+    """Requests, tokens by kind and cost, from _per_model_sums rows; each kind priced at its model's rate."""
+    by_kind = {kind: {"tokens": 0, "cost": 0.0} for kind in ("prefill", "sample", "train")}
+    requests, cost = 0, 0.0
+    for base_model, count, prefill, sample, train, model_cost in per_model:
+        price = service.prices.for_model(base_model)
+        requests += count
+        cost += model_cost or 0.0
+        for kind, tokens in (("prefill", prefill), ("sample", sample), ("train", train)):
+            by_kind[kind]["tokens"] += int(tokens or 0)
+            by_kind[kind]["cost"] += int(tokens or 0) * price[kind] / 1e6
+    return {
+        "requests": requests,
+        "prefill_tokens": by_kind["prefill"]["tokens"],
+        "sample_tokens": by_kind["sample"]["tokens"],
+        "train_tokens": by_kind["train"]["tokens"],
+        "cost": cost,
+        "by_kind": by_kind,
     }
 
 
@@ -790,11 +800,15 @@ def sessions_report(service: Service, tenant: str, active_only: bool = False, li
             last_fb[session_id] = (s.get(UsageRow, row_id).metrics or {})
         checkpoints = list(s.scalars(select(CheckpointRow).where(
             CheckpointRow.model_id.in_([r.id for r in runs])).order_by(CheckpointRow.created_at.desc())))
+        # The running totals cover every active session, not only the `limit` listed.
+        active = select(SessionRow.id).where(SessionRow.tenant == tenant, SessionRow.status == "active")
+        running = {"sessions": s.scalar(select(func.count()).select_from(active.subquery())),
+                   **_totals(service, s.execute(_per_model_sums(UsageRow.session_id.in_(active))).all())}
 
     runs_of = {i: [r for r in runs if r.session_id == i] for i in ids}
     session_of_run = {r.id: r.session_id for r in runs}
     moment = now()
-    rows, running = [], {"sessions": 0, "prefill_tokens": 0, "sample_tokens": 0, "train_tokens": 0, "cost": 0.0}
+    rows = []
     for session in sessions:
         prefill, sample, train, cost = totals.get(session.id, (0, 0, 0, 0.0))
         first = runs_of[session.id][0] if runs_of[session.id] else None
@@ -820,21 +834,4 @@ def sessions_report(service: Service, tenant: str, active_only: bool = False, li
             ],
         }
         rows.append(row)
-        if session.status == "active":
-            running["sessions"] += 1
-            for key in ("prefill_tokens", "sample_tokens", "train_tokens", "cost"):
-                running[key] += row[key]
-    running["by_kind"] = _by_kind(service, [r for r in rows if r["status"] == "active"])
     return {"sessions": rows, "running": running, "currency": "USD"}
-
-
-def _by_kind(service: Service, rows: list[dict]) -> dict:
-    """Split the cost of some sessions into prefill / sample / train at each base model's prices."""
-    by_kind = {kind: {"tokens": 0, "cost": 0.0} for kind in ("prefill", "sample", "train")}
-    for row in rows:
-        price = service.prices.for_model(row["base_model"] or models.DEFAULT_MODEL)
-        for kind in by_kind:
-            tokens = row[f"{kind}_tokens"]
-            by_kind[kind]["tokens"] += tokens
-            by_kind[kind]["cost"] += tokens * price[kind] / 1e6
-    return by_kind

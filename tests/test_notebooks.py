@@ -65,7 +65,7 @@ def number_after(printed: str, label: str) -> list[float]:
 
 
 def test_sft_recipe_notebook(notebook_home, tinker_server):
-    printed = run_notebook(NOTEBOOKS / "01_sft.ipynb", {"steps": 3}, notebook_home, tinker_server)
+    printed = run_notebook(NOTEBOOKS / "01_sft.ipynb", {"steps": 3, "sample_questions": 2}, notebook_home, tinker_server)
     before, after = number_after(printed, "eval_loss:")  # test_recipes checks how far it falls
     assert after < before, printed
     assert number_after(printed, "cost $")[0] > 0

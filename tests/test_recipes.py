@@ -107,7 +107,8 @@ def test_rl_reward_and_preference_labels():
 
 
 def test_sft_teaches_made_up_facts(endpoint, tinker_server, tmp_path):
-    config = sft.Config(**endpoint, steps=16, batch_size=8, eval_every=8, save_every=16, sample_questions=4,
+    config = sft.Config(**endpoint, steps=12, batch_size=8, learning_rate=2e-3, eval_every=6, save_every=12,
+                        sample_questions=4,
                         sample_max_tokens=20, metrics_path=str(tmp_path / "sft.jsonl"))
     summary = sft.run(config)
     rows = check_summary(summary, tinker_server, "sft", "eval_loss")
@@ -118,15 +119,15 @@ def test_sft_teaches_made_up_facts(endpoint, tinker_server, tmp_path):
     assert lrs[0] == config.learning_rate and all(a > b for a, b in zip(lrs, lrs[1:]))  # linear decay
     answers = summary.extra["samples"]
     assert sum(a["correct"] for a in answers) >= len(answers) / 2, answers
-    assert summary.checkpoints == [rows[-1]["checkpoint"]] and summary.checkpoints[0].endswith("/weights/sft-16")
+    assert summary.checkpoints == [rows[-1]["checkpoint"]] and summary.checkpoints[0].endswith("/weights/sft-12")
     assert summary.sampler_path.endswith("/sampler_weights/sft-final")
 
 
 def test_rl_raises_the_reward(endpoint, tinker_server, tmp_path):
     # A fixed held-out set scored before and after training (the same problems and seeds) is the
     # acceptance figure; the per-step training reward is noisier (fresh problems every step).
-    config = rl.Config(**endpoint, steps=8, groups_per_batch=4, group_size=6, max_tokens=10, eval_prompts=8,
-                       eval_samples=6, metrics_path=str(tmp_path / "rl.jsonl"))
+    config = rl.Config(**endpoint, steps=6, groups_per_batch=4, group_size=6, max_tokens=10, eval_prompts=8,
+                       eval_samples=4, metrics_path=str(tmp_path / "rl.jsonl"))
     summary = rl.run(config)
     rows = check_summary(summary, tinker_server, "rl", "eval_reward")
     assert rows[0] == {"step": 0, "time": rows[0]["time"], "eval_reward": summary.initial}
@@ -154,7 +155,7 @@ def test_preference_raises_the_margin(endpoint, tinker_server, tmp_path):
 
 
 def test_distillation_lowers_the_kl_to_the_teacher(endpoint, tinker_server, tmp_path):
-    config = distillation.Config(**endpoint, steps=8, prompts_per_step=4, samples_per_prompt=2, max_tokens=16,
+    config = distillation.Config(**endpoint, steps=5, prompts_per_step=3, samples_per_prompt=2, max_tokens=12,
                                  metrics_path=str(tmp_path / "distillation.jsonl"))
     summary = distillation.run(config)
     rows = check_summary(summary, tinker_server, "distillation", "kl_teacher")
@@ -170,7 +171,7 @@ def test_stepwise_demo_runs_sft_then_rl_and_prints_the_cost(tinker_server, tmp_p
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "workbench.cli", "demo", "--sft-steps", "2", "--rl-steps", "1", "--out", str(tmp_path),
+        [sys.executable, "-m", "workbench.cli", "demo", "--sft-steps", "2", "--rl-steps", "1", "--rl-eval-prompts", "2", "--out", str(tmp_path),
          "--base-url", tinker_server.base_url, "--api-key", tinker_server.api_key],
         capture_output=True, text=True, timeout=600,
     )

@@ -98,7 +98,8 @@ def test_sessions_report_summarises_each_session_for_the_sidebar(tinker_server):
     last_loss = fb.result().metrics["loss:sum"]
     path = tc.save_weights_for_sampler("two").result().path
 
-    r = httpx.get(tinker_server.base_url + "/api/v1/usage/sessions", headers={"X-API-Key": tinker_server.api_key})
+    r = httpx.get(tinker_server.base_url + "/api/v1/usage/sessions", params={"limit": 1000},
+                  headers={"X-API-Key": tinker_server.api_key})
     r.raise_for_status()
     report = r.json()
     row = next(s for s in report["sessions"] if s["session_id"] == session_id)
@@ -108,11 +109,14 @@ def test_sessions_report_summarises_each_session_for_the_sidebar(tinker_server):
     assert [c["tinker_path"] for c in row["checkpoints"]] == [path]
     ledger = usage(tinker_server, session_id=session_id)["totals"]
     assert (row["train_tokens"], row["cost"]) == (ledger["train_tokens"], pytest.approx(ledger["cost"]))
-    # "running" adds up the active sessions only; finishing this one takes it out.
+    # "running" adds up every active session (not only the `limit` listed); finishing this one takes it out.
     running = report["running"]
     active = [s for s in report["sessions"] if s["status"] == "active"]
     assert running["sessions"] == len(active)
     assert running["cost"] == pytest.approx(sum(s["cost"] for s in active))
+    newest_only = httpx.get(tinker_server.base_url + "/api/v1/usage/sessions", params={"limit": 1},
+                            headers={"X-API-Key": tinker_server.api_key}).json()
+    assert len(newest_only["sessions"]) == 1 and newest_only["running"] == running
     assert sum(k["cost"] for k in running["by_kind"].values()) == pytest.approx(running["cost"])
     httpx.post(f"{tinker_server.base_url}/api/v1/sessions/{session_id}/finish", headers={"X-API-Key": tinker_server.api_key},
                json={}).raise_for_status()

@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="stepwise demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sft-steps", type=int, default=12)
     parser.add_argument("--rl-steps", type=int, default=6)
+    parser.add_argument("--rl-eval-prompts", type=int, default=8, help="held-out problems scored before and after RL")
     parser.add_argument("--base-url", help="a running backend (default: start the embedded one)")
     parser.add_argument("--api-key", help="its API key (with --base-url)")
     parser.add_argument("--out", help="folder for the metrics JSONL files (default: a temporary folder)")
@@ -36,8 +37,9 @@ def main(argv: list[str] | None = None) -> dict:
                                      save_every=0, sample_questions=3, metrics_path=str(out / "sft.jsonl")),
                           service_client=service_client)
     print(f"\n2/2 RL: a verifier reward on an addition task ({args.rl_steps} steps)", flush=True)
-    rl_summary = rl.run(rl.Config(**endpoint, steps=args.rl_steps, eval_prompts=8, metrics_path=str(out / "rl.jsonl")),
-                        service_client=service_client)
+    rl_config = rl.Config(**endpoint, steps=args.rl_steps, eval_prompts=args.rl_eval_prompts,
+                          metrics_path=str(out / "rl.jsonl"))
+    rl_summary = rl.run(rl_config, service_client=service_client)
 
     session = common.fetch_usage(conn.base_url, conn.api_key, session_id=sft_summary.session_id)
     print(f"\ndemo done: SFT eval loss {sft_summary.initial:.3f} -> {sft_summary.final:.3f}, "
