@@ -67,6 +67,7 @@ class CheckpointStorage:
 
     def _upload(self, folder: Path, final: str) -> str:
         tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
+        self.fs.makedirs(tmp, exist_ok=True)  # object stores have no folders, but local and SFTP-like ones do
         for path in sorted(folder.iterdir()):
             self.fs.put_file(str(path), f"{tmp}/{path.name}")
         if self.fs.exists(final):  # overwrite=True: the new checkpoint replaces the old one

@@ -15,8 +15,16 @@ from kernel_backend import crypto
 from kernel_backend.storage import CheckpointStorage
 
 
-def stores(tmp_path):
-    return [CheckpointStorage(tmp_path / "local"), CheckpointStorage(tmp_path / "unused", f"memory://ckpt-{uuid.uuid4().hex}")]
+KINDS = ["local", "memory", "file-url"]
+
+
+def store(tmp_path, kind: str) -> CheckpointStorage:
+    """The default local folder, or an fsspec URL: memory:// (an object store's semantics, no folders)
+    or file:// (a filesystem with folders, through the same fsspec code path)."""
+    if kind == "local":
+        return CheckpointStorage(tmp_path / "local")
+    url = f"memory://ckpt-{uuid.uuid4().hex}" if kind == "memory" else f"file://{tmp_path / 'url-store'}"
+    return CheckpointStorage(tmp_path / "unused", url)
 
 
 def write(storage: CheckpointStorage, key: str, files: dict[str, bytes]) -> str:
@@ -32,11 +40,11 @@ def read(storage: CheckpointStorage, location: str, secret: str | None = None) -
         return {p.name: p.read_bytes() for p in folder.iterdir()}
 
 
-@pytest.mark.parametrize("kind", ["local", "memory"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_write_read_overwrite_delete(tmp_path, kind):
-    storage = stores(tmp_path)[kind == "memory"]
+    storage = store(tmp_path, kind)
     location = write(storage, "t/run/weights/a", {"adapter_model.safetensors": b"one", "optimizer.safetensors": b"o"})
-    assert location.startswith("memory://") == (kind == "memory")
+    assert ("://" in location) == (kind != "local")
     assert read(storage, location) == {"adapter_model.safetensors": b"one", "optimizer.safetensors": b"o"}
     assert storage.size(location) == 4
     # Overwriting replaces the whole checkpoint: a file the new one lacks is gone.
@@ -47,9 +55,9 @@ def test_write_read_overwrite_delete(tmp_path, kind):
         read(storage, location)
 
 
-@pytest.mark.parametrize("kind", ["local", "memory"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_failed_write_leaves_the_old_checkpoint_whole(tmp_path, kind):
-    storage = stores(tmp_path)[kind == "memory"]
+    storage = store(tmp_path, kind)
     location = write(storage, "t/run/weights/a", {"adapter_model.safetensors": b"good"})
     with pytest.raises(RuntimeError):
         with storage.writing("t/run/weights/a") as (folder, located):
@@ -58,7 +66,7 @@ def test_a_failed_write_leaves_the_old_checkpoint_whole(tmp_path, kind):
             raise RuntimeError("the engine failed mid-save")
     assert not located
     assert read(storage, location) == {"adapter_model.safetensors": b"good"}
-    if kind == "memory":
+    if kind != "local":
         fs, root = fsspec.core.url_to_fs(storage.url)
         assert [p for p in fs.find(root) if ".tmp-" in p] == []
     else:
@@ -66,7 +74,7 @@ def test_a_failed_write_leaves_the_old_checkpoint_whole(tmp_path, kind):
 
 
 def test_sealed_checkpoints_open_only_with_the_key(tmp_path):
-    storage = stores(tmp_path)[1]
+    storage = store(tmp_path, "memory")
     with storage.writing("t/run/weights/s") as (folder, located):
         folder.mkdir()
         (folder / "adapter_model.safetensors").write_bytes(b"secret weights")
