@@ -126,7 +126,7 @@ def test_sft_teaches_made_up_facts(endpoint, tinker_server, tmp_path):
 def test_rl_raises_the_reward(endpoint, tinker_server, tmp_path):
     # A fixed held-out set scored before and after training (the same problems and seeds) is the
     # acceptance figure; the per-step training reward is noisier (fresh problems every step).
-    config = rl.Config(**endpoint, steps=6, groups_per_batch=4, group_size=6, max_tokens=10, eval_prompts=8,
+    config = rl.Config(**endpoint, steps=5, groups_per_batch=4, group_size=6, max_tokens=10, eval_prompts=8,
                        eval_samples=4, metrics_path=str(tmp_path / "rl.jsonl"))
     summary = rl.run(config)
     rows = check_summary(summary, tinker_server, "rl", "eval_reward")

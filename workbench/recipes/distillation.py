@@ -19,6 +19,12 @@ Each step:
 Headline metric: kl_teacher, the mean over sampled tokens of student_logprob - teacher_logprob
 (a Monte-Carlo estimate of the per-token reverse KL(student || teacher) on the student's own
 samples), logged every step; it falls as the student takes on the teacher's behaviour.
+
+Measured with `python -m workbench.recipes.distillation` (defaults: the pirate teacher, 12 steps of
+4 prompts x 4 samples; embedded backend, 2 shared CPU cores, 13 minutes): kl_teacher 0.495 at the
+first step -> 0.11 (mean of the last 3 steps); 29,007 tokens in the session (teacher scoring
+included), $0.00061. Asked "How do I stay healthy?" without the system prompt, the student now
+answers "A mightyful conundrum, no? I've heard tell of long days at sea swabgin' mammin'...".
 """
 
 from __future__ import annotations

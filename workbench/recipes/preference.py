@@ -17,6 +17,11 @@
    optim_step after each.
 Headline metric: the logprob margin, the mean over pairs of log pi(chosen) - log pi(rejected)
 under the policy, before training and after (one forward over all pairs at the end).
+
+Measured with `python -m workbench.recipes.preference` (defaults: 16 prompts, rule "shorter", beta
+0.1, 12 steps; embedded backend, 2 shared CPU cores, 6 minutes): 16 labelled pairs, logprob margin
+1.38 -> 100.5 on those pairs, DPO accuracy 1.0 from step 5 on; 18,684 tokens, $0.00034. The margin
+is measured on the training pairs: it shows the preference was learned, not that it generalises.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@
 
     python -m workbench.recipes.rl [--steps 16 --group-size 8 --loss-fn cispo ...]
 
-XX The base model gets it
-right about a fifth of the time at temperature 1, so most groups have both outcomes and the
-advantages are not all zero (a task the base model never solves gives no signal).
+The base model (SmolLM2-135M-Instruct) gets about a fifth of these right at temperature 1 (it
+often answers a wrong sum, or says "4 + 3 = 7" instead of the number, which still counts), so
+most groups have both outcomes and the advantages are not all zero (a task the base model never
+solves gives no signal).
 
 Each step (GRPO-style, as the tinker cookbook does it):
 1. save the current weights for sampling and sample `group_size` answers to each of
@@ -21,7 +22,13 @@ sampler logprob - learner logprob, from the forward_backward's output logprobs: 
 learner is from the policy that sampled, about 0 when on-policy), sample/train tokens, loss.
 With `eval_prompts` > 0, a held-out set of prompts is scored before and after training.
 
-Measured (see MEASURED; 2 shared CPU cores, default model, defaults):
+Measured with `python -m workbench.recipes.rl` (defaults: operands 1..5, 12 steps of 4 prompts x 8
+samples, importance_sampling, lr 1e-3, rank 8; embedded backend, 2 shared CPU cores, 9 minutes):
+held-out eval_reward (16 problems x 4 samples, the same before and after) 0.22 -> 1.00; per-step
+training reward 0.19 at the first step, 0.875 over the last three; 19,154 tokens, $0.0005.
+With operands up to 9 and lr 2e-3 the policy first rose (0.78 at step 2), then collapsed onto wrong
+sums (eval 0.20 -> 0.09): a 135M model does not learn those sums in a few steps, and the high
+learning rate killed exploration.
 """
 
 from __future__ import annotations
@@ -36,8 +43,6 @@ from tinker import types
 
 from workbench.recipes import common
 from workbench.recipes.common import BaseConfig, Summary
-
-MEASURED = "filled in below by the measurement run"
 
 LOSSES = ("importance_sampling", "ppo", "cispo", "dro")
 
@@ -88,6 +93,7 @@ TASKS = {"addition": AdditionTask}
 @dataclass
 class Config(BaseConfig):
     task: str = "addition"
+    max_operand: int = 5             # operands are drawn from 1..max_operand
     steps: int = 12
     groups_per_batch: int = 4        # prompts per step
     group_size: int = 8              # samples per prompt
@@ -95,7 +101,7 @@ class Config(BaseConfig):
     temperature: float = 1.0
     loss_fn: str = "importance_sampling"  # importance_sampling | ppo | cispo | dro
     loss_fn_config: dict | str | None = None  # e.g. {"clip_low_threshold": 0.8, ...}; JSON text on the CLI
-    learning_rate: float = 2e-3
+    learning_rate: float = 1e-3
     lr_schedule: str = "constant"
     eval_prompts: int = 16           # score this many held-out problems before and after training (0: skip)
     eval_samples: int = 4            # samples per held-out prompt
@@ -165,7 +171,7 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
     if config.loss_fn not in LOSSES:
         raise ValueError(f"loss_fn must be one of {', '.join(LOSSES)}, not {config.loss_fn!r}")
     loss_fn_config = json.loads(config.loss_fn_config) if isinstance(config.loss_fn_config, str) else config.loss_fn_config
-    task = TASKS[config.task]()
+    task = TASKS[config.task](high=config.max_operand)
     service_client = common.service_client_for(config, service_client)
     rng = np.random.default_rng(config.seed)
     eval_problems = task.problems(config.eval_prompts, np.random.default_rng(config.seed + 10_000))

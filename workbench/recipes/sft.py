@@ -17,8 +17,9 @@ optim_step with the step's learning rate (linear or cosine decay, optional warmu
 assistant token). Every `save_every` steps: save_state. At the end: sampler weights, greedy
 samples on the held-out questions, and the summary (headline metric: eval_loss).
 
-Measured (2 shared CPU cores, default model, `python -m workbench.recipes.sft` on the embedded
-backend, defaults): see MEASURED below.
+Measured with `python -m workbench.recipes.sft` (defaults, embedded backend, default model, 2 shared
+CPU cores, 4 minutes): eval_loss 2.93 -> 0.013 over 24 steps (0.85 at step 6, 0.13 at step 12), and
+8/8 held-out questions answered with the invented fact; 12,091 train tokens, $0.00032.
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ from tinker import types
 
 from workbench.recipes import common
 from workbench.recipes.common import BaseConfig, Summary
-
-MEASURED = "filled in below by the measurement run"
 
 
 @dataclass
