@@ -36,7 +36,7 @@ def checkpoint_location(store: Store, path: str) -> str:
 
 
 def export_checkpoint(store: Store, settings: Settings, path: str, to: str | Path, merged: bool = False) -> Path:
-    storage = CheckpointStorage(settings.checkpoints_dir, settings.storage_url or None)
+    storage = CheckpointStorage(settings.checkpoints_dir, settings.storage_url)
     with storage.open(checkpoint_location(store, path), settings.encryption_key) as source:
         return _export(source, settings, Path(to), merged)
 

@@ -17,7 +17,6 @@ import json
 import logging
 import threading
 import uuid
-from pathlib import Path
 
 
 from kernel_backend import crypto, keys, models
@@ -26,7 +25,7 @@ from kernel_backend.config import Settings
 from kernel_backend.metering import Prices, Usage
 from kernel_backend.engine import Engine, Pass
 from kernel_backend.scheduler import Job, Scheduler, error_payload
-from kernel_backend.storage import CheckpointStorage
+from kernel_backend.storage import CheckpointStorage, folder_size
 from kernel_backend.store import (
     CheckpointRow,
     FutureRow,
@@ -80,7 +79,7 @@ class Service:
         self.settings = settings or Settings()
         self._lock_home()
         self.store = Store(self.settings.database_url)
-        self.storage = CheckpointStorage(self.settings.checkpoints_dir, self.settings.storage_url or None)
+        self.storage = CheckpointStorage(self.settings.checkpoints_dir, self.settings.storage_url)
         self.prices = Prices(self.settings.prices_path or None)
         self.scheduler = Scheduler(
             load_engine=lambda name: Engine(name, self.settings),
@@ -399,7 +398,7 @@ class Service:
                     engine.save_weights_for_sampler(model_id, staging)
                 if self.settings.encryption_key:  # sealed before it reaches the store
                     crypto.seal(staging, self.settings.encryption_key)
-                size = _size(staging)
+                size = folder_size(staging)
             if existing is not None:
                 self.store.delete_checkpoint(existing)
             self.store.add(CheckpointRow(tinker_path=path, model_id=model_id, tenant=tenant, kind=kind, name=name,
@@ -683,14 +682,12 @@ class Service:
         return {"supported_models": supported}
 
 
-def _size(directory: Path) -> int:
-    return sum(p.stat().st_size for p in Path(directory).rglob("*") if p.is_file())
+def _utc(t: dt.datetime) -> dt.datetime:
+    return t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)  # SQLite returns naive datetimes; we store UTC
 
 
 def _iso(t: dt.datetime) -> str:
-    if t.tzinfo is None:  # SQLite returns naive datetimes; we store UTC
-        t = t.replace(tzinfo=dt.timezone.utc)
-    return t.isoformat()
+    return _utc(t).isoformat()
 
 
 def _checkpoint_json(row: CheckpointRow) -> dict:
@@ -726,7 +723,7 @@ def usage_report(service: Service, tenant: str, session_id: str | None = None, t
     if until:
         where.append(UsageRow.created_at < until)
     with service.store.session() as s:
-        per_model = s.execute(_per_model_sums(*where)).all()
+        per_model = s.execute(_ledger_sums(UsageRow.base_model, *where)).all()
         rows = list(s.scalars(select(UsageRow).where(*where, UsageRow.id > after).order_by(UsageRow.id).limit(limit)))
     return {
         "totals": _totals(service, per_model),
@@ -744,17 +741,19 @@ def usage_report(service: Service, tenant: str, session_id: str | None = None, t
     }
 
 
-def _per_model_sums(*where):
-    """The ledger's sums per base model: (base_model, requests, prefill, sample, train, cost) rows."""
+def _ledger_sums(group, *where):
+    """The ledger's sums per value of `group` (a UsageRow column): (group, requests, prefill, sample,
+    train, cost) rows."""
     from sqlalchemy import func, select
 
-    return (select(UsageRow.base_model, func.count(), func.sum(UsageRow.prefill_tokens), func.sum(UsageRow.sample_tokens),
+    return (select(group, func.count(), func.sum(UsageRow.prefill_tokens), func.sum(UsageRow.sample_tokens),
                    func.sum(UsageRow.train_tokens), func.sum(UsageRow.cost))
-            .where(*where).group_by(UsageRow.base_model))
+            .where(*where).group_by(group))
 
 
 def _totals(service: Service, per_model) -> dict:
-    """Requests, tokens by kind and cost, from _per_model_sums rows; each kind priced at its model's rate."""
+    """Requests, tokens by kind and cost, from _ledger_sums rows per base model; each kind priced at its
+    model's rate."""
     by_kind = {kind: {"tokens": 0, "cost": 0.0} for kind in ("prefill", "sample", "train")}
     requests, cost = 0, 0.0
     for base_model, count, prefill, sample, train, model_cost in per_model:
@@ -787,10 +786,7 @@ def sessions_report(service: Service, tenant: str, active_only: bool = False, li
         sessions = list(s.scalars(select(SessionRow).where(*where).order_by(SessionRow.created_at.desc()).limit(limit)))
         ids = [r.id for r in sessions]
         runs = list(s.scalars(select(ModelRow).where(ModelRow.session_id.in_(ids)).order_by(ModelRow.created_at)))
-        totals = {row[0]: row[1:] for row in s.execute(
-            select(UsageRow.session_id, func.sum(UsageRow.prefill_tokens), func.sum(UsageRow.sample_tokens),
-                   func.sum(UsageRow.train_tokens), func.sum(UsageRow.cost))
-            .where(UsageRow.session_id.in_(ids)).group_by(UsageRow.session_id))}
+        totals = {row[0]: row[2:] for row in s.execute(_ledger_sums(UsageRow.session_id, UsageRow.session_id.in_(ids)))}
         steps = dict(s.execute(select(UsageRow.session_id, func.count()).where(
             UsageRow.session_id.in_(ids), UsageRow.request_type == "OptimStep").group_by(UsageRow.session_id)).all())
         last_fb = {}  # session -> metrics of its newest forward_backward
@@ -803,7 +799,7 @@ def sessions_report(service: Service, tenant: str, active_only: bool = False, li
         # The running totals cover every active session, not only the `limit` listed.
         active = select(SessionRow.id).where(SessionRow.tenant == tenant, SessionRow.status == "active")
         running = {"sessions": s.scalar(select(func.count()).select_from(active.subquery())),
-                   **_totals(service, s.execute(_per_model_sums(UsageRow.session_id.in_(active))).all())}
+                   **_totals(service, s.execute(_ledger_sums(UsageRow.base_model, UsageRow.session_id.in_(active))).all())}
 
     runs_of = {i: [r for r in runs if r.session_id == i] for i in ids}
     session_of_run = {r.id: r.session_id for r in runs}
@@ -812,13 +808,12 @@ def sessions_report(service: Service, tenant: str, active_only: bool = False, li
     for session in sessions:
         prefill, sample, train, cost = totals.get(session.id, (0, 0, 0, 0.0))
         first = runs_of[session.id][0] if runs_of[session.id] else None
-        created = session.created_at if session.created_at.tzinfo else session.created_at.replace(tzinfo=dt.timezone.utc)
         row = {
             "session_id": session.id,
             "status": session.status,
             "display_name": session.display_name,
             "created_at": _iso(session.created_at),
-            "age_s": round((moment - created).total_seconds(), 1),
+            "age_s": round((moment - _utc(session.created_at)).total_seconds(), 1),
             "base_model": first.base_model if first else None,
             "lora_rank": first.lora_config["rank"] if first else None,
             "training_run_ids": [r.id for r in runs_of[session.id]],

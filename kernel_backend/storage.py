@@ -28,6 +28,7 @@ from kernel_backend import crypto
 
 class CheckpointStorage:
     def __init__(self, local_root: Path, url: str | None = None):
+        """`url` empty or None: the local folder `local_root`; else any fsspec URL."""
         self.url = url
         if url:
             import fsspec
@@ -101,9 +102,7 @@ class CheckpointStorage:
 
     def size(self, location: str) -> int:
         fs, path = _fs_of(location)
-        if fs is None:
-            return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
-        return int(fs.du(path))
+        return folder_size(Path(path)) if fs is None else int(fs.du(path))
 
     def delete(self, location: str) -> None:
         fs, path = _fs_of(location)
@@ -111,6 +110,11 @@ class CheckpointStorage:
             shutil.rmtree(path, ignore_errors=True)
         elif fs.exists(path):
             fs.rm(path, recursive=True)
+
+
+def folder_size(folder: Path) -> int:
+    """Bytes in the files under a local folder."""
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
 
 
 def _fs_of(location: str):

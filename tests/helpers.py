@@ -11,17 +11,15 @@ import uuid
 import numpy as np
 
 from kernel_backend import models
-from kernel_backend.config import Settings
 from kernel_backend.types import AdamParams, Datum
 
 
 @functools.lru_cache(maxsize=1)
 def default_tokenizer():
     """The default model's tokenizer (converts the model on first use, like the engine)."""
-    from transformers import AutoTokenizer
+    from workbench.recipes.common import local_tokenizer
 
-    _, path = models.resolve(models.DEFAULT_MODEL, Settings().models_dir)
-    return AutoTokenizer.from_pretrained(path)
+    return local_tokenizer(models.DEFAULT_MODEL)
 
 
 def new_id(prefix: str = "adapter") -> str:

@@ -169,8 +169,8 @@ def connect(base_url: str | None = None, api_key: str | None = None, *, timeout:
     With no `base_url`, bind to $STEPWISE_BASE_URL when it is set (a shared or team backend), else
     start the embedded backend on a free loopback port (or reuse the one this kernel already
     started). With a `base_url`, bind to that running backend; `api_key` defaults to
-    $STEPWISE_API_KEY, then $TINKER_API_KEY. Calling again with the same arguments returns the same client, so re-running
-    a cell does not open a new session each time.
+    $STEPWISE_API_KEY, then $TINKER_API_KEY. Calling again with the same arguments returns the same
+    client, so re-running a cell does not open a new session each time.
     """
     global _current
     import tinker

@@ -105,6 +105,11 @@ def read_jsonl(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def read_prompts(path: str | None, default: list[str]) -> list[str]:
+    """The prompts of a JSONL of {"prompt": ...} records, or `default` when there is no path."""
+    return [r["prompt"] for r in read_jsonl(path)] if path else list(default)
+
+
 def local_tokenizer(base_model: str = DEFAULT_MODEL):
     """The base model's tokenizer from this machine's model store (where the embedded backend keeps it).
 

@@ -100,7 +100,7 @@ def distill_batch(student, teacher, tokenizer, prompts: list[str], config: Confi
 def run(config: Config, service_client: tinker.ServiceClient | None = None, on_step=None) -> Summary:
     """Run the recipe; `on_step(row)` sees every metrics row as it is logged (see common.MetricsLog)."""
     service_client = common.service_client_for(config, service_client)
-    prompts = [r["prompt"] for r in common.read_jsonl(config.prompts_path)] if config.prompts_path else PROMPTS
+    prompts = common.read_prompts(config.prompts_path, PROMPTS)
     rng = np.random.default_rng(config.seed)
     tc = service_client.create_lora_training_client(base_model=config.base_model, rank=config.rank,
                                                     seed=config.seed).result()

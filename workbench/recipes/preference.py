@@ -194,7 +194,7 @@ def train_dpo(training_client, pairs: list[dict], config: Config, log: common.Me
 def run(config: Config, service_client: tinker.ServiceClient | None = None, on_step=None) -> Summary:
     """Run the recipe; `on_step(row)` sees every metrics row as it is logged (see common.MetricsLog)."""
     service_client = common.service_client_for(config, service_client)
-    prompts = [r["prompt"] for r in common.read_jsonl(config.prompts_path)] if config.prompts_path else PROMPTS
+    prompts = common.read_prompts(config.prompts_path, PROMPTS)
     prompts = prompts[: config.num_prompts]
     tc = service_client.create_lora_training_client(base_model=config.base_model, rank=config.rank,
                                                     seed=config.seed).result()
