@@ -47,8 +47,9 @@ def start_server(home: Path, env: dict[str, str] | None = None, timeout: float =
     port = free_port()
     log_path = home / f"server-{port}.log"
     api_key = (env or {}).get("STEPWISE_LOCAL_KEY", "tml-test-key")
+    # Like the embedded backend workbench.connect() starts (no per-tenant caps) unless env says otherwise.
     full_env = {**os.environ, "STEPWISE_HOME": str(home), "PYTHONUNBUFFERED": "1", "STEPWISE_LOCAL_KEY": api_key,
-                **(env or {})}
+                "STEPWISE_EMBEDDED": "1", **(env or {})}
     log = open(log_path, "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "kernel_backend", "serve", "--port", str(port)],
