@@ -33,6 +33,13 @@ class Server:
     def tokenizer_dir(self) -> str:
         return str(next((self.home / "models").glob("*SmolLM2*")))
 
+    def make_key(self, tenant: str) -> str:
+        """A new API key for `tenant`, made the way an operator does (`stepwise keys create`)."""
+        out = subprocess.run([sys.executable, "-m", "kernel_backend", "keys", "create", "--tenant", tenant], cwd=REPO,
+                             env={**os.environ, "STEPWISE_HOME": str(self.home)}, capture_output=True, text=True,
+                             check=True)
+        return out.stdout.strip()
+
     def stop(self, kill: bool = False) -> None:
         if self.process.poll() is None:
             (self.process.kill if kill else self.process.terminate)()
