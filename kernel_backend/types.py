@@ -20,8 +20,9 @@ class UserError(ValueError):
     """
 
 
-# An absolute filesystem path: a '/' that starts a token (not a URL's '//' or a ratio like 1/2).
-_ABSOLUTE_PATH = re.compile(r"(?<![\w:/.])/(?:[^\s'\"/:,;()]+/)*[^\s'\"/:,;()]*")
+# An absolute filesystem path of two segments or more: a '/' that starts a token (not a URL's '//', a
+# ratio like 1/2 or a route like sessions/{id}/finish).
+_ABSOLUTE_PATH = re.compile(r"(?<![\w:/.}])/(?:[^\s'\"/:,;(){}]+/)+[^\s'\"/:,;(){}]*")
 
 
 def redact_paths(message: str) -> str:

@@ -54,10 +54,7 @@ def create_app(settings: Settings | None = None, preload: list[str] | None = Non
         return error(request, 413, f"request body is over this server's limit of {max_body} bytes "
                                    "(STEPWISE_MAX_BODY_BYTES); send the batch in smaller requests")
 
-    app.include_router(tinker_routes.router)
-    app.include_router(usage_routes.router)
-    app.include_router(openai_routes.build_router("/oai/api/v1"))
-    app.include_router(openai_routes.build_router("/v1"))
+    include_routes(app)
 
     @app.exception_handler(UserError)
     async def user_error(request: Request, exc: UserError):
@@ -100,6 +97,14 @@ def create_app(settings: Settings | None = None, preload: list[str] | None = Non
         return JSONResponse({"detail": message}, status_code=422)
 
     return app
+
+
+def include_routes(app: FastAPI) -> None:
+    """Every route the server answers (create_app's app; tests build the OpenAPI schema from it alone)."""
+    app.include_router(tinker_routes.router)
+    app.include_router(usage_routes.router)
+    app.include_router(openai_routes.build_router("/oai/api/v1"))
+    app.include_router(openai_routes.build_router("/v1"))
 
 
 class BodyLimit:

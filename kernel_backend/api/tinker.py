@@ -91,7 +91,7 @@ def session_heartbeat(body: T.SessionHeartbeatRequest, tenant: str = Depends(ten
 async def finish_session(session_id: str, request: Request, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
     body = await json_body(request, default={})
     if not isinstance(body, dict):
-        raise UserError("sessions/{id}/finish takes a JSON object {reason?, detail?}")
+        raise UserError("the finish body must be a JSON object {reason?, detail?}")
     return svc.finish_session(tenant, session_id, body.get("reason"))
 
 
