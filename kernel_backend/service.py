@@ -6,7 +6,8 @@ types, call one method here, and turn the answer into a response. Direct answers
 dicts; queued work returns a `FutureRow` whose result the client polls with retrieve_future.
 
 Errors: `UserError` for bad input (the router answers 400), `NotFound` for ids the caller
-cannot see (404, also for another tenant's ids, so their existence is not revealed).
+cannot see (404, also for another tenant's ids, so their existence is not revealed), `RateLimited`
+(429) from admission (kernel_backend/admission.py), which every method that queues work calls first.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import threading
 import uuid
 
 
-from kernel_backend import crypto, keys, models
+from kernel_backend import admission, crypto, keys, lora, models
+from kernel_backend.admission import Admission, RateLimited
 from kernel_backend.keys import LOCAL_TENANT
 from kernel_backend.config import Settings
 from kernel_backend.metering import Prices, Usage
@@ -34,9 +36,12 @@ from kernel_backend.store import (
     SessionRow,
     Store,
     UsageRow,
+    check_checkpoint_name,
+    expiry,
     now,
     parse_tinker_path,
     tinker_path,
+    utc,
 )
 from kernel_backend.types import AdamParams, Datum, LoraConfig, SamplingParams, UserError
 
@@ -58,14 +63,6 @@ class Gone(Exception):
     """The thing existed but is over: a finished or expired session, an interrupted request (410)."""
 
 
-class RateLimited(Exception):
-    """Over a per-tenant limit (429); `retry_after` seconds is when to try again."""
-
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
 def _json(obj: dict) -> tuple[bytes, str]:
     return json.dumps(obj).encode(), JSON_TYPE
 
@@ -81,6 +78,8 @@ class Service:
         self.store = Store(self.settings.database_url)
         self.storage = CheckpointStorage(self.settings.checkpoints_dir, self.settings.storage_url)
         self.prices = Prices(self.settings.prices_path or None)
+        self.admission = Admission(self.settings, self.store, self._adapter_bytes)
+        self._bytes_per_rank: dict[tuple, int] = {}
         self.scheduler = Scheduler(
             load_engine=lambda name: Engine(name, self.settings),
             on_done=self._on_done,
@@ -91,6 +90,8 @@ class Service:
         self._snapshots: dict[str, list[str]] = {}  # run id -> its in-memory sampler ids, oldest first
         self._tokenizers: dict[str, object] = {}
         self._fail_interrupted_futures()
+        if cleaned := self.storage.clean_staging():
+            log.info("removed %d scratch folders of interrupted checkpoint writes", cleaned)
         if self.settings.local_key:
             keys.create(self.store, LOCAL_TENANT, self.settings.local_key)
         self._reaper = threading.Thread(target=self._reap_forever, name="stepwise-reaper", daemon=True)
@@ -114,7 +115,8 @@ class Service:
 
     def start(self, preload: list[str] | None = None) -> None:
         """Load base models (before serving, so the first request is not slow) and start the thread."""
-        for name in preload if preload is not None else [models.DEFAULT_MODEL, *self.settings.base_models]:
+        registered = models.registered_models(self.settings.base_models)
+        for name in preload if preload is not None else [models.DEFAULT_MODEL, *registered]:
             self.scheduler.engine(self._model_name(name))
         self.scheduler.start()
         self._reaper.start()
@@ -133,7 +135,7 @@ class Service:
         """
         for row in self.store.list(FutureRow, FutureRow.status == "pending"):
             payload = error_payload("the server restarted while this request was in flight; submit it again", "server")
-            self.store.finish_future(row.request_id, "interrupted", payload, JSON_TYPE)
+            self.store.finish_future(row.request_id, "interrupted", payload, JSON_TYPE, keep_s=self.settings.result_ttl_s)
 
     # ---- housekeeping: expired sessions, expired checkpoints -----------------------------------
 
@@ -145,7 +147,9 @@ class Service:
                 log.exception("housekeeping failed; will try again")
 
     def reap(self) -> None:
-        """Expire sessions that stopped heart-beating (freeing their adapters) and expired checkpoints."""
+        """Expire sessions that stopped heart-beating (freeing their adapters), expired checkpoints and
+        expired results of finished requests."""
+        self.store.delete_expired_futures()
         cutoff = now() - dt.timedelta(seconds=self.settings.session_timeout_s)
         for session in self.store.list(SessionRow, SessionRow.status == "active", SessionRow.last_heartbeat < cutoff):
             self._end_session(session.id, "expired")
@@ -166,30 +170,20 @@ class Service:
             self.scheduler.submit(Job(_new_id(), f"free:{lane}", models.DEFAULT_MODEL, seq=None, run=free), ordered=False)
         log.info("session %s %s; freed %d adapters", session_id, status, len(lanes))
 
-    def _check_limits(self, tenant: str, tokens: int = 0, new_session: bool = False) -> None:
-        """Per-tenant limits: concurrent sessions and tokens per minute (429 with Retry-After)."""
-        from sqlalchemy import func, select
-
-        if new_session and self.settings.max_sessions_per_tenant:
-            alive = self.store.count(SessionRow, SessionRow.tenant == tenant, SessionRow.status == "active")
-            if alive >= self.settings.max_sessions_per_tenant:
-                raise RateLimited(f"tenant {tenant!r} has {alive} active sessions, the limit is "
-                                  f"{self.settings.max_sessions_per_tenant}; close one (ServiceClient.close())", 10)
-        if tokens and self.settings.tokens_per_minute:
-            since = now() - dt.timedelta(seconds=60)
-            with self.store.session() as s:
-                used = s.scalar(select(func.coalesce(func.sum(UsageRow.prefill_tokens + UsageRow.sample_tokens
-                                                              + UsageRow.train_tokens), 0))
-                                .where(UsageRow.tenant == tenant, UsageRow.created_at >= since))
-            if used + tokens > self.settings.tokens_per_minute:
-                raise RateLimited(f"tenant {tenant!r} processed {used} tokens in the last minute; this request's "
-                                  f"{tokens} would pass the limit of {self.settings.tokens_per_minute}", 5)
-
     # ---- futures -------------------------------------------------------------------------------
 
-    def _submit(self, tenant: str, request_type: str, dedupe_key: str, job: Job, ordered: bool, extra=None,
-                session_id: str | None = None) -> FutureRow:
+    def _submit(self, tenant: str, request_type: str, dedupe_key: str | None, job: Job, ordered: bool, extra=None,
+                session_id: str | None = None, tokens: int = 0) -> FutureRow:
+        """Admit `tokens` of work and queue the job, or return the original future of a retry.
+
+        `dedupe_key` names the work by the client's sequence numbers; without one (no seq_id) every
+        submission is new work."""
         job.tenant, job.request_type, job.session_id = tenant, request_type, session_id
+        dedupe_key = dedupe_key or f"once:{job.request_id}"
+        existing = self.store.future_by_key(dedupe_key)
+        if existing is not None and existing.status != "interrupted":
+            return existing  # a retry: admitted when it was first sent
+        self.admission.tokens(tenant, job.request_id, tokens)
         row = FutureRow(
             request_id=job.request_id,
             dedupe_key=dedupe_key,
@@ -207,9 +201,11 @@ class Service:
         """Record the outcome and, for a completed request, its ledger row (failures bill nothing)."""
         if not job.request_type:  # the service's own housekeeping (freeing adapters): no future, no bill
             return
+        usage = job.usage or Usage()
+        self.admission.settle(job.request_id, usage.prefill_tokens + usage.sample_tokens + usage.train_tokens
+                              if status == "done" else 0)
         ledger = None
         if status == "done":
-            usage = job.usage or Usage()
             engine = self.scheduler.engines.get(job.base_model)
             slot = engine.slots.get(job.lane) if engine else None
             is_sampler = job.request_type in ("Sample", "ChatCompletion", "Completion")
@@ -221,7 +217,7 @@ class Service:
                 prefill_tokens=usage.prefill_tokens, sample_tokens=usage.sample_tokens, train_tokens=usage.train_tokens,
                 cost=self.prices.cost(job.base_model, usage), duration_s=job.duration_s, metrics=job.metrics,
             )
-        self.store.finish_future(job.request_id, status, payload, content_type, ledger)
+        self.store.finish_future(job.request_id, status, payload, content_type, ledger, keep_s=self.settings.result_ttl_s)
         with self._waiters_lock:
             waiters = self._waiters.pop(job.request_id, [])
         for loop, event in waiters:
@@ -231,8 +227,10 @@ class Service:
         """The finished future, or None if it is still running after a long poll (try again)."""
         row = self.store.get(FutureRow, request_id, tenant)
         if row is None:
-            raise NotFound(f"unknown request_id {request_id!r}")
+            raise NotFound(f"unknown request_id {request_id!r} (a result is kept "
+                           f"{self.settings.result_keep_after_retrieval_s:g} s after it is first retrieved)")
         if row.status != "pending":
+            self.store.retrieved(row, self.settings.result_keep_after_retrieval_s)
             return row
         event = asyncio.Event()
         with self._waiters_lock:
@@ -244,12 +242,13 @@ class Service:
             except asyncio.TimeoutError:
                 return None
             row = self.store.get(FutureRow, request_id)
+        self.store.retrieved(row, self.settings.result_keep_after_retrieval_s)
         return row
 
     # ---- sessions --------------------------------------------------------------------------------
 
     def create_session(self, tenant: str, tags, user_metadata, sdk_version, display_name=None) -> dict:
-        self._check_limits(tenant, new_session=True)
+        self.admission.session(tenant)
         session_id = _new_id()[:20]
         self.store.add(
             SessionRow(
@@ -300,7 +299,7 @@ class Service:
 
     def _model_name(self, name: str) -> str:
         """Canonical base-model name; UserError naming the available ones if unknown."""
-        return models.resolve(name, self.settings.models_dir)[0]
+        return models.resolve(name, self.settings.models_dir, self.settings.base_models)[0]
 
     def _run(self, tenant: str, model_id: str) -> ModelRow:
         row = self.store.get(ModelRow, model_id, tenant)
@@ -308,15 +307,27 @@ class Service:
             raise NotFound(f"unknown training run {model_id!r}")
         return row
 
-    def _live_run(self, tenant: str, model_id: str, tokens: int = 0) -> ModelRow:
-        """A run that can still train: its session is active. Also applies the tenant's limits."""
+    def _live_run(self, tenant: str, model_id: str) -> ModelRow:
+        """A run that can still train: its session is active."""
         row = self._run(tenant, model_id)
         session = self.store.get(SessionRow, row.session_id)
         if session.status != "active":
             raise Gone(f"training run {model_id} belongs to a session that has {session.status}; its adapter was freed. "
                        "Resume from a checkpoint: create_training_client_from_state_with_optimizer(path)")
-        self._check_limits(tenant, tokens)
         return row
+
+    def _adapter_bytes(self, base_model: str, lora_config: dict) -> int:
+        """One copy of an adapter's weights on `base_model` (0 while that model is not loaded)."""
+        config = LoraConfig(**lora_config)
+        key = (base_model, config.train_attn, config.train_mlp, config.train_unembed)
+        if key not in self._bytes_per_rank:
+            engine = self.scheduler.engines.get(base_model)
+            if engine is None:
+                return 0
+            targets = lora.targets_of(config)
+            layers = [m.base.weight for name, m in lora.lora_layers(engine.model).items() if name.rsplit(".", 1)[-1] in targets]
+            self._bytes_per_rank[key] = sum((w.shape[0] + w.shape[1]) * w.element_size() for w in layers)
+        return self._bytes_per_rank[key] * config.rank
 
     def create_model(self, tenant: str, session_id: str, model_seq_id: int, base_model: str, lora: dict | None,
                      optimizer_type: str, user_metadata: dict | None) -> FutureRow:
@@ -326,9 +337,11 @@ class Service:
         config = LoraConfig(**{"rank": 32, **{k: v for k, v in (lora or {}).items() if v is not None}})
         if not 1 <= config.rank <= 512:
             raise UserError(f"lora rank must be from 1 to 512, got {config.rank}")
+        admission.check_seed(config.seed, "lora_config.seed")
         base = self._model_name(base_model)
         model_id = f"{session_id}:train:{model_seq_id}"
         if self.store.get(ModelRow, model_id) is None:
+            self.admission.adapter(tenant, base, vars(config), training=True)
             self.store.add(ModelRow(id=model_id, session_id=session_id, tenant=tenant, base_model=base,
                                     lora_config=vars(config), user_metadata=dict(user_metadata or {})))
 
@@ -342,11 +355,15 @@ class Service:
 
     def get_info(self, tenant: str, model_id: str) -> dict:
         run = self._run(tenant, model_id)
-        _, path = models.resolve(run.base_model, self.settings.models_dir)
+        # The SDK's get_tokenizer() loads tokenizer_id on the client. The embedded backend's client is on
+        # this machine, so the local folder works offline; a shared server names the model, never a path.
+        tokenizer_id = run.base_model
+        if self.settings.embedded:
+            tokenizer_id = str(models.resolve(run.base_model, self.settings.models_dir, self.settings.base_models)[1])
         return {
             "type": "get_info",
             "model_id": model_id,
-            "model_data": {"arch": "llama", "model_name": run.base_model, "tokenizer_id": str(path)},
+            "model_data": {"arch": "llama", "model_name": run.base_model, "tokenizer_id": tokenizer_id},
             "is_lora": True,
             "lora_rank": run.lora_config["rank"],
             "model_name": run.base_model,
@@ -355,17 +372,19 @@ class Service:
     def _touch(self, model_id: str) -> None:
         self.store.update(ModelRow, model_id, last_request_time=now())
 
-    def forward_backward(self, tenant: str, model_id: str, seq_id: int, data: list[Datum], loss_fn: str,
+    def forward_backward(self, tenant: str, model_id: str, seq_id: int | None, data: list[Datum], loss_fn: str,
                          loss_fn_config: dict | None, forward_only: bool, encode) -> FutureRow:
-        run = self._live_run(tenant, model_id, tokens=sum(len(d.tokens) for d in data))
+        run = self._live_run(tenant, model_id)
         self._touch(model_id)
+        tokens = sum(len(d.tokens) for d in data)
         fb = Pass(model_id, data, loss_fn, loss_fn_config, forward_only)
         job = Job(_new_id(), model_id, run.base_model, seq=seq_id, fb_pass=fb,
-                  encode=lambda result: (encode(result), PROTO_TYPE), tokens=sum(len(d.tokens) for d in data))
+                  encode=lambda result: (encode(result), PROTO_TYPE), tokens=tokens)
         kind = "Forward" if forward_only else "ForwardBackward"
-        return self._submit(tenant, kind, f"train:{model_id}:{seq_id}", job, ordered=True, session_id=run.session_id)
+        return self._submit(tenant, kind, _train_key(model_id, seq_id), job, ordered=True, session_id=run.session_id,
+                            tokens=tokens)
 
-    def optim_step(self, tenant: str, model_id: str, seq_id: int, params: AdamParams) -> FutureRow:
+    def optim_step(self, tenant: str, model_id: str, seq_id: int | None, params: AdamParams) -> FutureRow:
         run = self._live_run(tenant, model_id)
         self._touch(model_id)
 
@@ -374,18 +393,20 @@ class Service:
             return _json({"metrics": job.metrics, "type": "optim_step"})
 
         job = Job(_new_id(), model_id, run.base_model, seq=seq_id, run=step)
-        return self._submit(tenant, "OptimStep", f"train:{model_id}:{seq_id}", job, ordered=True, session_id=run.session_id)
+        return self._submit(tenant, "OptimStep", _train_key(model_id, seq_id), job, ordered=True, session_id=run.session_id)
 
-    def save_weights(self, tenant: str, model_id: str, seq_id: int, name: str | None, kind: str,
+    def save_weights(self, tenant: str, model_id: str, seq_id: int | None, name: str | None, kind: str,
                      overwrite: bool = True, ttl_seconds: int | None = None, user_metadata: dict | None = None) -> FutureRow:
         """save_state (kind "training": weights + optimizer) or save_weights_for_sampler (kind "sampler")."""
         run = self._live_run(tenant, model_id)
-        name = name or f"{kind}-{seq_id:06d}"
-        if "/" in name or name in (".", "..") or not name.strip():
-            raise UserError(f"checkpoint name {name!r} must be a plain name without '/'")
+        if name is None:
+            if seq_id is None:
+                raise UserError("save_weights needs a path (the checkpoint's name), or a seq_id to name it after")
+            name = f"{kind}-{seq_id:06d}"
+        check_checkpoint_name(name)
+        expires = expiry(ttl_seconds)
         path = tinker_path(model_id, kind, name)
         key = self.store.checkpoint_key(tenant, model_id, kind, name)
-        expires = now() + dt.timedelta(seconds=ttl_seconds) if ttl_seconds else None
 
         def save(engine: Engine):
             existing = self.store.checkpoint_by_path(path)
@@ -408,7 +429,7 @@ class Service:
 
         job = Job(_new_id(), model_id, run.base_model, seq=seq_id, run=save)
         request_type = "SaveWeights" if kind == "training" else "SaveWeightsForSampler"
-        return self._submit(tenant, request_type, f"train:{model_id}:{seq_id}", job, ordered=True, session_id=run.session_id)
+        return self._submit(tenant, request_type, _train_key(model_id, seq_id), job, ordered=True, session_id=run.session_id)
 
     def snapshot_for_sampler(self, tenant: str, model_id: str, seq_id: int, sampling_session_seq_id: int) -> FutureRow:
         """save_weights_and_get_sampling_client: an in-memory copy of the weights, with a sampler id."""
@@ -427,7 +448,7 @@ class Service:
             return _json({"path": None, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
 
         job = Job(_new_id(), model_id, run.base_model, seq=seq_id, run=snapshot)
-        return self._submit(tenant, "SaveWeightsForSampler", f"train:{model_id}:{seq_id}", job, ordered=True,
+        return self._submit(tenant, "SaveWeightsForSampler", _train_key(model_id, seq_id), job, ordered=True,
                             session_id=run.session_id)
 
     def load_weights(self, tenant: str, path: str, with_optimizer: bool, model_id: str | None = None,
@@ -442,6 +463,7 @@ class Service:
             self._session(tenant, session_id)
             model_id = f"{session_id}:train:{model_seq_id}"
             if self.store.get(ModelRow, model_id) is None:
+                self.admission.adapter(tenant, source.base_model, source.lora_config, training=True)
                 self.store.add(ModelRow(id=model_id, session_id=session_id, tenant=tenant, base_model=source.base_model,
                                         lora_config=source.lora_config, user_metadata=dict(user_metadata or source.user_metadata or {})))
             dedupe, seq = f"create_model:{session_id}:{model_seq_id}", None
@@ -449,11 +471,11 @@ class Service:
             run = self._live_run(tenant, model_id)
             if run.base_model != source.base_model:
                 raise UserError(f"checkpoint {path} is for {source.base_model}, but {model_id} trains {run.base_model}")
-            dedupe, seq = f"train:{model_id}:{seq_id}", seq_id
+            dedupe, seq = _train_key(model_id, seq_id), seq_id
         target = model_id
 
         def load(engine: Engine):
-            with self.storage.open(checkpoint.directory, self.settings.encryption_key) as plain:
+            with self.storage.open(checkpoint.directory, self.settings.encryption_key, path) as plain:
                 engine.load_state(target, plain, with_optimizer=with_optimizer and checkpoint.kind == "training")
             return _json({"path": path, "model_id": target, "type": "load_weights"})
 
@@ -470,7 +492,9 @@ class Service:
         if self.store.get(SamplerRow, sampler_id) is None:
             if model_path:
                 checkpoint = self._checkpoint(tenant, model_path)
-                base = self.store.get(ModelRow, checkpoint.model_id).base_model
+                run = self.store.get(ModelRow, checkpoint.model_id)
+                base = run.base_model
+                self.admission.adapter(tenant, base, run.lora_config, training=False)
             elif base_model:
                 base = self._model_name(base_model)
             else:
@@ -492,7 +516,7 @@ class Service:
     def sample(self, tenant: str, sampler_id: str, seq_id: int, prompt: list[int], num_samples: int,
                params: SamplingParams, prompt_logprobs: bool, topk_prompt_logprobs: int, encode) -> FutureRow:
         sampler = self._sampler(tenant, sampler_id)
-        self._check_limits(tenant, len(prompt) + num_samples * (params.max_tokens or 0))
+        tokens = self._check_sampling(sampler.base_model, prompt, num_samples, params, topk_prompt_logprobs)
         request_id = _new_id()
 
         def sample(engine: Engine):
@@ -504,7 +528,15 @@ class Service:
         job = Job(request_id, sampler_id, sampler.base_model, seq=None, run=sample)
         ids = [f"{request_id}:{i}" for i in range(num_samples)]
         return self._submit(tenant, "Sample", f"sample:{sampler_id}:{seq_id}", job, ordered=False,
-                            extra={"sample_sequence_ids": ids}, session_id=sampler.session_id)
+                            extra={"sample_sequence_ids": ids}, session_id=sampler.session_id, tokens=tokens)
+
+    def _check_sampling(self, base_model: str, prompt: list[int], num_samples, params: SamplingParams,
+                        topk: int = 0) -> int:
+        """Bound a sampling request before it is queued (admission.check_sampling); returns its most tokens."""
+        engine = self.scheduler.engines.get(base_model)
+        max_context = engine.max_context if engine is not None else len(prompt) + self.settings.max_sample_tokens
+        return admission.check_sampling(len(prompt), num_samples, params, max_context, self.settings.max_sample_tokens,
+                                        topk)
 
     def _ensure_sampler(self, engine: Engine, sampler: SamplerRow) -> str | None:
         """The engine adapter a sampler samples from (None: the base model). Scheduler thread only."""
@@ -520,7 +552,7 @@ class Service:
         checkpoint = self.store.checkpoint_by_path(sampler.model_path)
         if checkpoint is None:
             raise UserError(f"checkpoint {sampler.model_path} was deleted")
-        with self.storage.open(checkpoint.directory, self.settings.encryption_key) as plain:
+        with self.storage.open(checkpoint.directory, self.settings.encryption_key, sampler.model_path) as plain:
             engine.load_sampler(sampler.id, plain)
         return sampler.id
 
@@ -550,16 +582,19 @@ class Service:
         if base_model not in self._tokenizers:
             from transformers import AutoTokenizer
 
-            self._tokenizers[base_model] = AutoTokenizer.from_pretrained(models.resolve(base_model, self.settings.models_dir)[1])
+            folder = models.resolve(base_model, self.settings.models_dir, self.settings.base_models)[1]
+            self._tokenizers[base_model] = AutoTokenizer.from_pretrained(folder)
         return self._tokenizers[base_model]
 
     def eos_ids(self, base_model: str) -> set[int]:
         tokenizer = self.tokenizer(base_model)
         return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
 
-    async def generate(self, tenant: str, request_type: str, base_model: str, path: str | None, prompt: list[int],
-                       num_samples: int, params: SamplingParams, topk_sample_logprobs: int = 0, on_token=None):
-        """Sample now, on the scheduler thread, metered like any request; returns the SampleResult."""
+    def generate(self, tenant: str, request_type: str, base_model: str, path: str | None, prompt: list[int],
+                 num_samples: int, params: SamplingParams, topk_sample_logprobs: int = 0, on_token=None):
+        """Sample on the scheduler thread, metered like any request. Bounds and admits the request now
+        (raising UserError or RateLimited before anything streams); await the result for the SampleResult."""
+        tokens = self._check_sampling(base_model, prompt, num_samples, params, topk_sample_logprobs)
         lane = f"oai:{tenant}:{path or base_model}"
         request_id = _new_id()
         output = {}
@@ -571,7 +606,7 @@ class Service:
                     checkpoint = self.store.checkpoint_by_path(path)
                     if checkpoint is None:
                         raise UserError(f"checkpoint {path} was deleted")
-                    with self.storage.open(checkpoint.directory, self.settings.encryption_key) as plain:
+                    with self.storage.open(checkpoint.directory, self.settings.encryption_key, path) as plain:
                         engine.load_sampler(lane, plain)
                 adapter_id = lane
             result = engine.sample(adapter_id, prompt, num_samples, params, on_token=on_token,
@@ -581,14 +616,18 @@ class Service:
             return _json({"sequences": len(result.sequences)})
 
         job = Job(request_id, lane, base_model, seq=None, run=sample)
-        self._submit(tenant, request_type, f"oai:{request_id}", job, ordered=False)
-        row = None
-        while row is None:
-            row = await self.retrieve(tenant, request_id)
-        if row.status != "done":
-            error = json.loads(row.result)
-            raise (UserError if error.get("category") == "user" else RuntimeError)(error["error"])
-        return output["result"]
+        self._submit(tenant, request_type, None, job, ordered=False, tokens=tokens)
+
+        async def result():
+            row = None
+            while row is None:
+                row = await self.retrieve(tenant, request_id)
+            if row.status != "done":
+                error = json.loads(row.result)
+                raise (UserError if error.get("category") == "user" else RuntimeError)(error["error"])
+            return output["result"]
+
+        return result()
 
     # ---- checkpoints and runs (REST) --------------------------------------------------------------
 
@@ -649,10 +688,7 @@ class Service:
         row = self._checkpoint(tenant, path)
         if row.tenant != tenant:
             raise NotFound(f"no checkpoint at {path}")
-        if ttl_seconds is not None and (not isinstance(ttl_seconds, int) or ttl_seconds <= 0):
-            raise UserError("ttl_seconds must be a positive integer, or null for no expiry")
-        expires = now() + dt.timedelta(seconds=ttl_seconds) if ttl_seconds else None
-        self.store.update(CheckpointRow, row.id, expires_at=expires)
+        self.store.update(CheckpointRow, row.id, expires_at=expiry(ttl_seconds))
         return _checkpoint_json(self.store.get(CheckpointRow, row.id))
 
     def weights_info(self, tenant: str, path: str) -> dict:
@@ -682,12 +718,13 @@ class Service:
         return {"supported_models": supported}
 
 
-def _utc(t: dt.datetime) -> dt.datetime:
-    return t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)  # SQLite returns naive datetimes; we store UTC
+def _train_key(model_id: str, seq_id: int | None) -> str | None:
+    """A training request's dedupe key: its run and seq_id. Without a seq_id, none: it is new work."""
+    return None if seq_id is None else f"train:{model_id}:{seq_id}"
 
 
 def _iso(t: dt.datetime) -> str:
-    return _utc(t).isoformat()
+    return utc(t).isoformat()
 
 
 def _checkpoint_json(row: CheckpointRow) -> dict:
@@ -813,7 +850,7 @@ def sessions_report(service: Service, tenant: str, active_only: bool = False, li
             "status": session.status,
             "display_name": session.display_name,
             "created_at": _iso(session.created_at),
-            "age_s": round((moment - _utc(session.created_at)).total_seconds(), 1),
+            "age_s": round((moment - utc(session.created_at)).total_seconds(), 1),
             "base_model": first.base_model if first else None,
             "lora_rank": first.lora_config["rank"] if first else None,
             "training_run_ids": [r.id for r in runs_of[session.id]],

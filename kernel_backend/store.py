@@ -4,11 +4,15 @@ Tables: sessions, training runs (models), samplers, futures and checkpoints. SQL
 $STEPWISE_HOME by default; any SQLAlchemy URL (PostgreSQL) through STEPWISE_DATABASE_URL.
 Every row carries its tenant. Futures are keyed by a `dedupe_key` built from the client's
 sequence numbers, so a retried submission finds the original future instead of running twice.
+A finished future's row (its stored result) expires: Service.reap deletes it after `expires_at`.
+The SQLite file is created readable by its owner only (0600), like the checkpoints.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import os
+import re
 from pathlib import Path
 
 from sqlalchemy import (
@@ -22,7 +26,9 @@ from sqlalchemy import (
     Text,
     create_engine,
     event,
+    inspect,
     select,
+    text,
 )
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
@@ -30,6 +36,10 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 def now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
+
+
+def utc(t: dt.datetime) -> dt.datetime:
+    return t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)  # SQLite returns naive datetimes; we store UTC
 
 
 class Base(DeclarativeBase):
@@ -88,6 +98,8 @@ class FutureRow(Base):
     extra: Mapped[dict] = mapped_column(JSON, default=dict)  # e.g. sample_sequence_ids
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
     completed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # When the finished row (and its result) may be deleted: a TTL after it finished, sooner once retrieved.
+    expires_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True, index=True)
 
 
 class CheckpointRow(Base):
@@ -139,6 +151,10 @@ class ApiKeyRow(Base):
 
 
 KIND_SEGMENTS = {"training": "weights", "sampler": "sampler_weights"}
+# Checkpoint names: a path segment on every filesystem and object store, readable in a tinker:// path.
+CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+# The longest a checkpoint may be kept by a TTL: ten years (no TTL keeps it until it is deleted).
+MAX_TTL_S = 10 * 365 * 86400
 
 
 class Store:
@@ -146,7 +162,10 @@ class Store:
 
     def __init__(self, database_url: str) -> None:
         if database_url.startswith("sqlite:///"):
-            Path(database_url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+            path = Path(database_url.removeprefix("sqlite:///"))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))  # SQLite's WAL and journal copy its mode
+            os.chmod(path, 0o600)
         self.engine = create_engine(database_url, pool_pre_ping=True)
         if self.engine.dialect.name == "sqlite":
             # WAL lets the API threads read while the scheduler thread writes.
@@ -157,7 +176,19 @@ class Store:
                 conn.execute("PRAGMA busy_timeout=10000")
 
         Base.metadata.create_all(self.engine)
+        self._add_new_columns()
         self.session = sessionmaker(self.engine, expire_on_commit=False)
+
+    def _add_new_columns(self) -> None:
+        """Columns added to a table after a database was made (nullable ones only): create_all does not."""
+        inspector = inspect(self.engine)
+        with self.engine.begin() as conn:
+            for table in Base.metadata.sorted_tables:
+                have = {c["name"] for c in inspector.get_columns(table.name)}
+                for column in table.columns:
+                    if column.name not in have and column.nullable:
+                        kind = column.type.compile(dialect=self.engine.dialect)
+                        conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN {column.name} {kind}'))
 
     # ---- generic helpers ----------------------------------------------------------------------
 
@@ -220,13 +251,28 @@ class Store:
             return s.scalars(select(FutureRow).where(FutureRow.dedupe_key == dedupe_key)).first()
 
     def finish_future(self, request_id: str, status: str, result: bytes, content_type: str,
-                      usage: UsageRow | None = None) -> None:
-        """Store a future's outcome and, for a completed request, its ledger row: both or neither."""
+                      usage: UsageRow | None = None, keep_s: float | None = None) -> None:
+        """Store a future's outcome and, for a completed request, its ledger row: both or neither.
+        The row expires `keep_s` seconds from now (never if None)."""
         with self.session.begin() as s:
             row = s.get(FutureRow, request_id)
             row.status, row.result, row.content_type, row.completed_at = status, result, content_type, now()
+            row.expires_at = None if keep_s is None else now() + dt.timedelta(seconds=keep_s)
             if usage is not None:
                 s.add(usage)
+
+    def retrieved(self, row: FutureRow, keep_s: float) -> None:
+        """A finished future was read: keep it only `keep_s` seconds more (for a re-poll after a lost answer)."""
+        soon = now() + dt.timedelta(seconds=keep_s)
+        if row.expires_at is None or utc(row.expires_at) > soon:
+            self.update(FutureRow, row.request_id, expires_at=soon)
+
+    def delete_expired_futures(self) -> int:
+        """Delete finished futures past their expiry (their ledger rows stay). Returns how many."""
+        from sqlalchemy import delete
+
+        with self.session.begin() as s:
+            return s.execute(delete(FutureRow).where(FutureRow.status != "pending", FutureRow.expires_at < now())).rowcount
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
@@ -245,6 +291,27 @@ class Store:
     def delete_checkpoint(self, row: CheckpointRow) -> None:
         with self.session.begin() as s:
             s.delete(s.get(CheckpointRow, row.id))
+
+
+def check_checkpoint_name(name) -> None:
+    from kernel_backend.types import UserError
+
+    if not isinstance(name, str) or not CHECKPOINT_NAME.fullmatch(name):
+        shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:77] + "..."
+        raise UserError(f"checkpoint name {shown} is not allowed: use 1 to 128 letters, digits, '_', '-' or '.', "
+                        "starting with a letter, digit or '_' (for example 'step-000100')")
+
+
+def expiry(ttl_seconds) -> dt.datetime | None:
+    """When a checkpoint kept for `ttl_seconds` expires; None (no TTL) keeps it until deleted."""
+    from kernel_backend.types import UserError
+
+    if ttl_seconds is None:
+        return None
+    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or not 1 <= ttl_seconds <= MAX_TTL_S:
+        raise UserError(f"ttl_seconds must be an integer from 1 to {MAX_TTL_S} (ten years), or null for no expiry; "
+                        f"got {ttl_seconds!r}")
+    return now() + dt.timedelta(seconds=ttl_seconds)
 
 
 def tinker_path(model_id: str, kind: str, name: str) -> str:

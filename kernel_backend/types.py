@@ -6,6 +6,7 @@ directly. Arrays are numpy so they cross thread and process boundaries cheaply.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,6 +18,16 @@ class UserError(ValueError):
     The engine raises it before touching any state, so a session's weights and optimizer
     state are unchanged. The service reports it as a failed future with category "user".
     """
+
+
+# An absolute filesystem path of two segments or more: a '/' that starts a token (not a URL's '//', a
+# ratio like 1/2 or a route like sessions/{id}/finish).
+_ABSOLUTE_PATH = re.compile(r"(?<![\w:/.}])/(?:[^\s'\"/:,;(){}]+/)+[^\s'\"/:,;(){}]*")
+
+
+def redact_paths(message: str) -> str:
+    """A message fit to leave the server: absolute paths replaced, so no error reveals the server's folders."""
+    return _ABSOLUTE_PATH.sub("<server path>", message)
 
 
 @dataclass

@@ -7,6 +7,8 @@
   use it must not depend on each other: each makes its own adapters with fresh ids (the
   `adapters` fixture does that and deletes them afterwards).
 - `tokenizer`: the default model's tokenizer.
+- `tinker_server`: a backend process like the embedded one; `shared_server`: one set up like a server
+  several people share (per-tenant caps on, small limits), for the hardening tests.
 Helpers to build data (sft_datum, chat_prompt, ...) live in tests/helpers.py.
 """
 
@@ -83,5 +85,38 @@ def tinker_server(stepwise_home):
     from servers import start_server
 
     server = start_server(stepwise_home, env={"STEPWISE_MAX_BATCH_TOKENS": "8192"})
+    yield server
+    server.stop()
+
+
+# The shared_server's limits: small, so the hardening tests reach them with small requests.
+SHARED_LIMITS = {
+    "STEPWISE_EMBEDDED": "0",  # per-tenant adapter caps at their shared-server defaults
+    "STEPWISE_TOKENS_PER_MINUTE": "300",
+    "STEPWISE_MAX_BODY_BYTES": str(1 << 20),
+    "STEPWISE_RESULT_KEEP_AFTER_RETRIEVAL_S": "1",
+    "STEPWISE_REAP_INTERVAL_S": "0.5",
+}
+
+
+@pytest.fixture(scope="session")
+def shared_server(tmp_path_factory, stepwise_home):
+    """A backend configured like a server several people share (SHARED_LIMITS), in its own home.
+
+    Tests make their own tenants on it (`server.make_key(tenant)`), so the limits one test reaches
+    are its own. Before it starts, the leftovers of an interrupted checkpoint write are planted in its
+    checkpoint folder (`server.planted`), which the start-up must remove.
+    """
+    from servers import start_server
+
+    home = tmp_path_factory.mktemp("shared_server")
+    (home / "models").symlink_to(stepwise_home / "models")
+    staging = home / "checkpoints" / ".staging" / "0123abcd"
+    old_copy = home / "checkpoints" / "t" / "run_train_0" / "weights" / ".ckpt.old-1234abcd"
+    for folder in (staging, old_copy):
+        folder.mkdir(parents=True)
+        (folder / "adapter_model.safetensors").write_bytes(b"half-written")
+    server = start_server(home, env=SHARED_LIMITS)
+    server.planted = [staging, old_copy]
     yield server
     server.stop()

@@ -33,6 +33,13 @@ class Server:
     def tokenizer_dir(self) -> str:
         return str(next((self.home / "models").glob("*SmolLM2*")))
 
+    def make_key(self, tenant: str) -> str:
+        """A new API key for `tenant`, made the way an operator does (`stepwise keys create`)."""
+        out = subprocess.run([sys.executable, "-m", "kernel_backend", "keys", "create", "--tenant", tenant], cwd=REPO,
+                             env={**os.environ, "STEPWISE_HOME": str(self.home)}, capture_output=True, text=True,
+                             check=True)
+        return out.stdout.strip()
+
     def stop(self, kill: bool = False) -> None:
         if self.process.poll() is None:
             (self.process.kill if kill else self.process.terminate)()
@@ -47,8 +54,9 @@ def start_server(home: Path, env: dict[str, str] | None = None, timeout: float =
     port = free_port()
     log_path = home / f"server-{port}.log"
     api_key = (env or {}).get("STEPWISE_LOCAL_KEY", "tml-test-key")
+    # Like the embedded backend workbench.connect() starts (no per-tenant caps) unless env says otherwise.
     full_env = {**os.environ, "STEPWISE_HOME": str(home), "PYTHONUNBUFFERED": "1", "STEPWISE_LOCAL_KEY": api_key,
-                **(env or {})}
+                "STEPWISE_EMBEDDED": "1", **(env or {})}
     log = open(log_path, "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "kernel_backend", "serve", "--port", str(port)],

@@ -12,7 +12,7 @@ import fsspec
 import pytest
 
 from kernel_backend import crypto
-from kernel_backend.storage import CheckpointStorage
+from kernel_backend.storage import MANIFEST, CheckpointStorage
 
 
 KINDS = ["local", "memory", "file-url"]
@@ -36,8 +36,9 @@ def write(storage: CheckpointStorage, key: str, files: dict[str, bytes]) -> str:
 
 
 def read(storage: CheckpointStorage, location: str, secret: str | None = None) -> dict[str, bytes]:
+    """The checkpoint's files (its manifest of checksums left out)."""
     with storage.open(location, secret) as folder:
-        return {p.name: p.read_bytes() for p in folder.iterdir()}
+        return {p.name: p.read_bytes() for p in folder.iterdir() if p.name != MANIFEST}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -46,7 +47,9 @@ def test_write_read_overwrite_delete(tmp_path, kind):
     location = write(storage, "t/run/weights/a", {"adapter_model.safetensors": b"one", "optimizer.safetensors": b"o"})
     assert ("://" in location) == (kind != "local")
     assert read(storage, location) == {"adapter_model.safetensors": b"one", "optimizer.safetensors": b"o"}
-    assert storage.size(location) == 4
+    with storage.open(location, None) as folder:
+        manifest = (folder / MANIFEST).read_bytes()
+    assert storage.size(location) == 4 + len(manifest)
     # Overwriting replaces the whole checkpoint: a file the new one lacks is gone.
     assert write(storage, "t/run/weights/a", {"adapter_model.safetensors": b"two"}) == location
     assert read(storage, location) == {"adapter_model.safetensors": b"two"}
@@ -80,7 +83,8 @@ def test_sealed_checkpoints_open_only_with_the_key(tmp_path):
         (folder / "adapter_model.safetensors").write_bytes(b"secret weights")
         crypto.seal(folder, "k1")
     fs, path = fsspec.core.url_to_fs(located[0])
-    assert all(fs.cat_file(p).startswith(crypto.MAGIC) for p in fs.ls(path, detail=False))
+    stored = [p for p in fs.ls(path, detail=False) if not p.endswith(MANIFEST)]  # the manifest holds checksums only
+    assert stored and all(fs.cat_file(p).startswith(crypto.MAGIC) for p in stored)
     assert read(storage, located[0], "k1") == {"adapter_model.safetensors": b"secret weights"}
     with pytest.raises(Exception, match="is encrypted"):
         read(storage, located[0])

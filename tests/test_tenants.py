@@ -16,11 +16,6 @@ from test_service_http import DATA, Api
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def make_key(home, tenant: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "kernel_backend", "keys", "create", "--tenant", tenant], cwd=REPO,
-                         env={**__import__("os").environ, "STEPWISE_HOME": str(home)}, capture_output=True, text=True,
-                         check=True)
-    return out.stdout.strip()
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +23,7 @@ def two_tenants(tmp_path_factory, stepwise_home):
     home = tmp_path_factory.mktemp("tenants")
     (home / "models").symlink_to(stepwise_home / "models")
     server = start_server(home, env={"STEPWISE_MAX_SESSIONS_PER_TENANT": "3"})
-    key_b = make_key(home, "tenant-b")
+    key_b = server.make_key("tenant-b")
     yield server, Api(server), Api(server, key=key_b), home
     server.stop()
 
@@ -115,7 +110,7 @@ def test_every_route_needs_a_valid_key(two_tenants, headers):
 
 def test_a_revoked_key_stops_working(two_tenants):
     server, _, _, home = two_tenants
-    key = make_key(home, "tenant-c")
+    key = server.make_key("tenant-c")
     api = Api(server, key=key)
     assert api.session()
     subprocess.run([sys.executable, "-m", "kernel_backend", "keys", "revoke", key], cwd=REPO, check=True,
@@ -125,7 +120,7 @@ def test_a_revoked_key_stops_working(two_tenants):
 
 def test_over_the_session_limit_answers_429_with_retry_after(two_tenants):
     server, _, _, home = two_tenants
-    api = Api(server, key=make_key(home, "tenant-d"))
+    api = Api(server, key=server.make_key("tenant-d"))
     for _ in range(3):
         api.session()
     r = api.post("/create_session", {"tags": [], "user_metadata": {}, "sdk_version": "t"})

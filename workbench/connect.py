@@ -322,7 +322,9 @@ def _spawn(port: int, home: Path, log_path: Path, api_key: str) -> subprocess.Po
     # that is on sys.path only because the notebook's folder is.
     package_root = str(Path(importlib.util.find_spec("kernel_backend").origin).parent.parent)
     # STEPWISE_LOCAL_KEY: the backend registers this key for its "local" tenant as it starts.
-    env = {**os.environ, "STEPWISE_HOME": str(home), "STEPWISE_LOCAL_KEY": api_key, "PYTHONUNBUFFERED": "1",
+    # STEPWISE_EMBEDDED: one user on this machine, so no per-tenant caps (docs/security.md).
+    env = {**os.environ, "STEPWISE_HOME": str(home), "STEPWISE_LOCAL_KEY": api_key, "STEPWISE_EMBEDDED": "1",
+           "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(p for p in [package_root, os.environ.get("PYTHONPATH", "")] if p)}
     log = open(log_path, "w")
     try:

@@ -1,4 +1,10 @@
-"""The FastAPI application: routers, error mapping, and the service's lifetime."""
+"""The FastAPI application: routers, error mapping, the request-size limit and the service's lifetime.
+
+Every error answer is JSON in its route's shape: `{"detail": ...}` on the Tinker and usage routes
+(with `"category"` for bad input and server errors), OpenAI's `{"error": {...}}` under /v1 and
+/oai. A 5xx never carries exception text or a server path: it says what failed and that the
+server log has the details.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +21,9 @@ from kernel_backend.api import openai as openai_routes
 from kernel_backend.api import usage as usage_routes
 from kernel_backend.config import Settings
 from kernel_backend.service import Gone, NotFound, RateLimited, Service
-from kernel_backend.types import UserError
+from kernel_backend.types import UserError, redact_paths
+
+log = logging.getLogger("stepwise.api")
 
 
 def create_app(settings: Settings | None = None, preload: list[str] | None = None) -> FastAPI:
@@ -27,35 +35,56 @@ def create_app(settings: Settings | None = None, preload: list[str] | None = Non
         yield
         service.stop()
 
+    max_body = service.settings.max_body_bytes
+
     app = FastAPI(title="Stepwise training-session service", lifespan=lifespan)
     app.state.service = service
-    app.include_router(tinker_routes.router)
-    app.include_router(usage_routes.router)
-    app.include_router(openai_routes.build_router("/oai/api/v1"))
-    app.include_router(openai_routes.build_router("/v1"))
+    app.add_middleware(BodyLimit, max_bytes=max_body)
+
+    def error(request: Request, status: int, message: str, headers=None, category: str | None = None) -> JSONResponse:
+        """An error answer in the shape of the route's protocol."""
+        if request.url.path.startswith(("/v1/", "/oai/")):  # OpenAI clients expect OpenAI's error shape
+            response = openai_routes.OpenAIError(status, message).response()
+            response.headers.update(headers or {})
+            return response
+        body = {"detail": message} if category is None else {"detail": message, "category": category}
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    def too_large(request: Request) -> JSONResponse:
+        return error(request, 413, f"request body is over this server's limit of {max_body} bytes "
+                                   "(STEPWISE_MAX_BODY_BYTES); send the batch in smaller requests")
+
+    include_routes(app)
 
     @app.exception_handler(UserError)
     async def user_error(request: Request, exc: UserError):
-        return JSONResponse({"detail": str(exc), "category": "user"}, status_code=400)
+        return error(request, 400, redact_paths(str(exc)), category="user")
 
     @app.exception_handler(Gone)
     async def gone(request: Request, exc: Gone):
-        return JSONResponse({"detail": str(exc)}, status_code=410)
+        return error(request, 410, str(exc))
 
     @app.exception_handler(RateLimited)
     async def rate_limited(request: Request, exc: RateLimited):
         # The SDK honours Retry-After and backs off.
-        return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": str(exc.retry_after)})
+        return error(request, 429, str(exc), headers={"Retry-After": str(exc.retry_after)})
 
     @app.exception_handler(NotFound)
     async def not_found(request: Request, exc: NotFound):
-        return JSONResponse({"detail": str(exc)}, status_code=404)
+        return error(request, 404, str(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        if request.url.path.startswith(("/v1/", "/oai/")):
-            return openai_routes.OpenAIError(exc.status_code, str(exc.detail)).response()
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+        if exc.status_code == 413:
+            return too_large(request)
+        return error(request, exc.status_code, str(exc.detail), exc.headers)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):
+        # A bug on our side. The traceback goes to the log; the client gets JSON without internals.
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error(request, 500, f"internal server error ({type(exc).__name__}) while handling {request.url.path}; "
+                                   "the server log has the details", category="server")
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -68,6 +97,41 @@ def create_app(settings: Settings | None = None, preload: list[str] | None = Non
         return JSONResponse({"detail": message}, status_code=422)
 
     return app
+
+
+def include_routes(app: FastAPI) -> None:
+    """Every route the server answers (create_app's app; tests build the OpenAPI schema from it alone)."""
+    app.include_router(tinker_routes.router)
+    app.include_router(usage_routes.router)
+    app.include_router(openai_routes.build_router("/oai/api/v1"))
+    app.include_router(openai_routes.build_router("/v1"))
+
+
+class BodyLimit:
+    """Refuse a request body over `max_bytes` (413) before it is read: at once when its Content-Length
+    says so, else as soon as the streamed bytes pass the limit. 0 means no limit."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.max_bytes:
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        too_large = StarletteHTTPException(413)  # answered by the app's handler, in the route's error shape
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            if declared.isdigit() and int(declared) > self.max_bytes:
+                raise too_large
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise too_large
+            return message
+
+        await self.app(scope, limited_receive, send)
 
 
 logging.getLogger("stepwise").setLevel(logging.INFO)

@@ -18,10 +18,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
+from kernel_backend.admission import SEED_RANGE
 from kernel_backend.api.auth import tenant_of
 from kernel_backend.api.tinker import service
 from kernel_backend.service import NotFound, Service
-from kernel_backend.types import SamplingParams, UserError
+from kernel_backend.types import SamplingParams, UserError, redact_paths
 
 
 class OpenAIError(Exception):
@@ -50,7 +51,7 @@ class SamplingFields(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stream: bool = False
     user: str | None = None
 
@@ -139,6 +140,7 @@ async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, 
         def on_token(row: int, token: int, logprob: float) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, (row, token))
 
+        # generate() bounds and admits the request as it is called, so bad input is a 400 before the stream starts.
         task = asyncio.create_task(svc.generate(tenant, request_type, base, path, prompt, body.n, params,
                                                 top_logprobs, on_token=on_token))
         return StreamingResponse(
@@ -239,8 +241,9 @@ async def _stream(task, queue, tokenizer, completion_id, created, model, n, chat
             sent[row] = text
     try:
         result = task.result()
-    except UserError as e:
-        yield "data: " + json.dumps({"error": {"message": str(e), "type": "invalid_request_error"}}) + "\n\n"
+    except Exception as e:  # failed while running (already streaming): an error event, then the end
+        kind = "invalid_request_error" if isinstance(e, UserError) else "server_error"
+        yield "data: " + json.dumps({"error": {"message": redact_paths(str(e)), "type": kind}}) + "\n\n"
         return
     for index, seq in enumerate(result.sequences):
         yield chunk(index, None, "stop" if seq.stop_reason == "stop" else "length")

@@ -8,20 +8,47 @@ client polls with /retrieve_future.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request, Response
+import json
+
+from fastapi import APIRouter, Depends, Query, Request, Response
 from tinker import types as T
 
 from kernel_backend.api import wire
-from kernel_backend.api.auth import tenant_of
+from kernel_backend.api.auth import operator_of, tenant_of
 from kernel_backend.service import Service
 from kernel_backend.store import FutureRow
 from kernel_backend.types import AdamParams, UserError
 
 router = APIRouter(prefix="/api/v1")
 
+# Paging of the list routes: a page holds at most MAX_PAGE rows; offsets fit in SQLite's 64-bit integers.
+MAX_PAGE = 1000
+MAX_OFFSET = 2**62
+Limit = lambda default: Query(default, ge=1, le=MAX_PAGE)  # noqa: E731
+Offset = Query(0, ge=0, le=MAX_OFFSET)
+
+# The protobuf body of /forward_backward, described for OpenAPI clients and fuzzers; JSON is accepted too.
+PROTOBUF_BODY = {"requestBody": {"required": True, "content": {
+    "application/x-protobuf": {"schema": {"type": "string", "format": "binary"}},
+    "application/json": {"schema": {"type": "object", "properties": {
+        "model_id": {"type": "string"}, "seq_id": {"type": "integer"},
+        "forward_backward_input": {"type": "object"}, "forward_input": {"type": "object"}}}},
+}}}
+
 
 def service(request: Request) -> Service:
     return request.app.state.service
+
+
+async def json_body(request: Request, default=None):
+    """The request's JSON body (`default` when it is empty); 400 naming the problem when it does not parse."""
+    body = await request.body()
+    if not body:
+        return default
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"request body is not valid JSON ({e}); send a JSON object") from None
 
 
 def _future(row: FutureRow) -> dict:
@@ -59,10 +86,13 @@ def session_heartbeat(body: T.SessionHeartbeatRequest, tenant: str = Depends(ten
     return svc.heartbeat(tenant, body.session_id)
 
 
-@router.post("/sessions/{session_id}/finish")
+@router.post("/sessions/{session_id}/finish", openapi_extra={"requestBody": {"content": {"application/json": {
+    "schema": {"type": "object", "properties": {"reason": {"type": "object"}, "detail": {"type": "string"}}}}}}})
 async def finish_session(session_id: str, request: Request, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    reason = (await request.json() if await request.body() else {}).get("reason")
-    return svc.finish_session(tenant, session_id, reason)
+    body = await json_body(request, default={})
+    if not isinstance(body, dict):
+        raise UserError("the finish body must be a JSON object {reason?, detail?}")
+    return svc.finish_session(tenant, session_id, body.get("reason"))
 
 
 @router.get("/sessions/{session_id}")
@@ -71,13 +101,13 @@ def get_session(session_id: str, tenant: str = Depends(tenant_of), svc: Service 
 
 
 @router.get("/sessions")
-def list_sessions(limit: int = 20, offset: int = 0, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+def list_sessions(limit: int = Limit(20), offset: int = Offset, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
     return svc.list_sessions(tenant, limit, offset)
 
 
 @router.get("/admin/stats")
-def admin_stats(tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    """What the backend holds in memory: adapters per base model (for operators and tests)."""
+def admin_stats(tenant: str = Depends(operator_of), svc: Service = Depends(service)):
+    """What the backend holds in memory: adapters per base model (the operator's key only)."""
     return {"adapters": {name: len(engine.slots) for name, engine in svc.scheduler.engines.items()}}
 
 
@@ -102,14 +132,14 @@ def get_info(body: T.GetInfoRequest, tenant: str = Depends(tenant_of), svc: Serv
     return svc.get_info(tenant, body.model_id)
 
 
-@router.post("/forward_backward")
-@router.post("/forward")
+@router.post("/forward_backward", openapi_extra=PROTOBUF_BODY)
+@router.post("/forward", openapi_extra=PROTOBUF_BODY)
 async def forward_backward(request: Request, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    body = await request.body()
+    limit = svc.settings.max_body_bytes
     if request.headers.get("content-type", "").startswith("application/json"):
-        call = wire.forward_backward_from_json(await request.json(), forward_only=request.url.path.endswith("/forward"))
+        call = wire.forward_backward_from_json(await json_body(request), forward_only=request.url.path.endswith("/forward"))
     else:
-        call = wire.decode_forward_backward(body, request.headers.get("content-encoding"))
+        call = wire.decode_forward_backward(await request.body(), request.headers.get("content-encoding"), limit)
     row = svc.forward_backward(tenant, call.model_id, call.seq_id, call.data, call.loss_fn, call.loss_fn_config,
                                call.forward_only, wire.encode_forward_backward_output)
     return _future(row)
@@ -193,7 +223,7 @@ async def retrieve_future(body: T.FutureRetrieveRequest, tenant: str = Depends(t
 
 
 @router.get("/training_runs")
-def training_runs(limit: int = 20, offset: int = 0, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+def training_runs(limit: int = Limit(20), offset: int = Offset, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
     return svc.training_runs(tenant, limit, offset)
 
 
@@ -220,7 +250,7 @@ def set_checkpoint_ttl(model_id: str, segment: str, name: str, body: dict, tenan
 
 
 @router.get("/checkpoints")
-def all_checkpoints(limit: int = 100, offset: int = 0, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+def all_checkpoints(limit: int = Limit(100), offset: int = Offset, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
     return svc.checkpoints(tenant, None, limit, offset)
 
 

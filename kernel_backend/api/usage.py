@@ -26,7 +26,7 @@ router = APIRouter(prefix="/api/v1/usage")
 
 @router.get("")
 def usage(session_id: str | None = None, training_run_id: str | None = None, since: dt.datetime | None = None,
-          until: dt.datetime | None = None, after: int = 0, limit: int = Query(1000, ge=1, le=10000),
+          until: dt.datetime | None = None, after: int = Query(0, ge=0, le=2**62), limit: int = Query(1000, ge=1, le=10000),
           tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
     return usage_report(svc, tenant, session_id, training_run_id, since, until, after, limit)
 
@@ -37,17 +37,21 @@ def sessions(active_only: bool = False, limit: int = Query(50, ge=1, le=1000),
     return sessions_report(svc, tenant, active_only, limit)
 
 
+# Counts an estimate may name: far beyond any real plan, small enough that prices stay finite numbers.
+MAX_COUNT = 10**15
+
+
 class EstimateRequest(BaseModel):
     base_model: str = models.DEFAULT_MODEL
     # Either counts...
-    prefill_tokens: int = Field(0, ge=0)
-    sample_tokens: int = Field(0, ge=0)
-    train_tokens: int = Field(0, ge=0)
+    prefill_tokens: int = Field(0, ge=0, le=MAX_COUNT)
+    sample_tokens: int = Field(0, ge=0, le=MAX_COUNT)
+    train_tokens: int = Field(0, ge=0, le=MAX_COUNT)
     # ...or the token lists themselves: forward_backward datums, and prompts to sample from.
     datums: list[list[int]] = []
     prompts: list[list[int]] = []
-    num_samples: int = Field(1, ge=1)
-    max_tokens: int = Field(0, ge=0)  # the most each sample may generate: the estimate is an upper bound
+    num_samples: int = Field(1, ge=1, le=10**6)
+    max_tokens: int = Field(0, ge=0, le=10**6)  # the most each sample may generate: the estimate is an upper bound
 
 
 @router.post("/estimate")

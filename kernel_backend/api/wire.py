@@ -11,6 +11,10 @@ Encodings (all little-endian): token ids in chunks are int32; dense tensors are 
 of their dtype; sparse CSR tensors carry values in their dtype and crow/col indices as
 int64. Sparse tensors are densified with 0 in the unlisted cells, which is how the SDK
 builds them (it auto-sparsifies 2-D torch `target_tokens` / `weights` with pad 0).
+
+Bounded before the work: a sparse tensor's shape costs nothing to send, so its rows must be its
+datum's tokens, its K (the second dimension) at most MAX_TARGET_K, and all the cells one request
+densifies at most MAX_DENSE_CELLS; a zstd body may not expand past the server's body limit.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from kernel_backend.types import Datum, ForwardResult, SampleResult, SamplingParams, UserError
 
-MAX_DECOMPRESSED_BYTES = 1 << 30  # a zstd body may not expand past this
-MAX_SPARSE_CELLS = 1 << 28  # a CSR tensor's dense size is bounded, since its shape costs nothing to send
+MAX_DECOMPRESSED_BYTES = 64 << 20  # a zstd body may not expand past this (or the server's body limit)
+MAX_TARGET_K = 1024  # the most targets per position, (N, K) tensors (top-k distillation uses tens)
+MAX_DENSE_CELLS = 1 << 24  # the most cells one request's sparse tensors densify to, all together (128 MiB of int64)
 TOPK_EMPTY_LOGPROB = -99999.0  # tinker.types.topk_logprobs.MASK_LOGPROB
 
 _SUPPORTED_CHUNK = "send text tokens as 'encoded_text' chunks (ModelInput.from_ints)"
@@ -48,7 +53,7 @@ class ForwardBackwardCall:
     """A decoded /api/v1/forward_backward body (also used by forward(): forward_only=True)."""
 
     model_id: str
-    seq_id: int
+    seq_id: int | None  # None: no dedupe (JSON bodies may leave it out)
     loss_fn: str
     loss_fn_config: dict[str, float | str] = field(default_factory=dict)
     forward_only: bool = False
@@ -58,11 +63,13 @@ class ForwardBackwardCall:
 # ---- requests: protobuf --------------------------------------------------------------------
 
 
-def decode_forward_backward(body: bytes, content_encoding: str | None = None) -> ForwardBackwardCall:
-    """Parse a protobuf ForwardBackwardRequest, zstd-decompressing first if the header says so."""
+def decode_forward_backward(body: bytes, content_encoding: str | None = None,
+                            max_bytes: int = MAX_DECOMPRESSED_BYTES) -> ForwardBackwardCall:
+    """Parse a protobuf ForwardBackwardRequest, zstd-decompressing first (to at most `max_bytes`) if the
+    header says so."""
     encoding = (content_encoding or "").strip().lower()
     if encoding == "zstd":
-        body = _zstd_decompress(body)
+        body = _zstd_decompress(body, max_bytes or MAX_DECOMPRESSED_BYTES)
     elif encoding not in ("", "identity"):
         raise UserError(f"unsupported Content-Encoding {content_encoding!r}; send zstd or no encoding")
     msg = pb.ForwardBackwardRequest()
@@ -84,31 +91,32 @@ def decode_forward_backward(body: bytes, content_encoding: str | None = None) ->
         config = {key: float(value) for key, value in msg.loss_fn_config.items()}
     if not msg.model_id:
         raise UserError("forward_backward body has no model_id; send the id create_model returned")
+    budget = _DenseBudget()
     return ForwardBackwardCall(
         model_id=msg.model_id,
         seq_id=msg.seq_id,
         loss_fn=msg.loss_fn,
         loss_fn_config=config,
         forward_only=msg.forward_only,
-        data=[_datum_from_proto(d, f"data[{i}]") for i, d in enumerate(msg.data)],
+        data=[_datum_from_proto(d, f"data[{i}]", budget) for i, d in enumerate(msg.data)],
     )
 
 
-def _zstd_decompress(body: bytes) -> bytes:
+def _zstd_decompress(body: bytes, max_bytes: int) -> bytes:
     out, total = [], 0
     try:
         with zstandard.ZstdDecompressor().stream_reader(body) as reader:
             while chunk := reader.read(1 << 20):
                 total += len(chunk)
-                if total > MAX_DECOMPRESSED_BYTES:
-                    raise UserError(f"zstd body expands past {MAX_DECOMPRESSED_BYTES} bytes; send smaller chunks")
+                if total > max_bytes:
+                    raise UserError(f"zstd body expands past {max_bytes} bytes; send smaller chunks")
                 out.append(chunk)
     except zstandard.ZstdError as e:
         raise UserError(f"body has Content-Encoding: zstd but is not valid zstd data ({e})") from None
     return b"".join(out)
 
 
-def _datum_from_proto(msg: pb.Datum, where: str) -> Datum:
+def _datum_from_proto(msg: pb.Datum, where: str, budget: _DenseBudget) -> Datum:
     tokens: list[int] = []
     for j, chunk in enumerate(msg.model_input):
         kind = chunk.WhichOneof("chunk")
@@ -118,11 +126,12 @@ def _datum_from_proto(msg: pb.Datum, where: str) -> Datum:
         if len(raw) % 4:
             raise UserError(f"{where}.model_input.chunks[{j}] tokens are {len(raw)} bytes, not whole int32s")
         tokens.extend(np.frombuffer(raw, dtype="<i4").tolist())
-    inputs = {name: _tensor_from_proto(t, f"{where}.loss_fn_inputs[{name!r}]") for name, t in msg.loss_fn_inputs.items()}
+    inputs = {name: _tensor_from_proto(t, f"{where}.loss_fn_inputs[{name!r}]", len(tokens), budget)
+              for name, t in msg.loss_fn_inputs.items()}
     return Datum(tokens=tokens, loss_fn_inputs=inputs)
 
 
-def _tensor_from_proto(msg: pb.Tensor, where: str) -> np.ndarray:
+def _tensor_from_proto(msg: pb.Tensor, where: str, rows: int, budget: _DenseBudget) -> np.ndarray:
     if msg.dtype not in _PROTO_DTYPES:
         raise UserError(f"{where} has unsupported dtype {msg.dtype}; use float32 or int64")
     wire, target = _PROTO_DTYPES[msg.dtype]
@@ -144,6 +153,8 @@ def _tensor_from_proto(msg: pb.Tensor, where: str) -> np.ndarray:
             read(csr.crow_indices, np.dtype("<i8"), "crow_indices"),
             read(csr.col_indices, np.dtype("<i8"), "col_indices"),
             where,
+            rows,
+            budget,
         )
     return _shaped(read(msg.dense, wire, "data").astype(target), shape or None, where)
 
@@ -166,13 +177,32 @@ def _shaped(flat: np.ndarray, shape: list[int] | None, where: str) -> np.ndarray
     return flat.reshape(shape)
 
 
-def _densify(values: np.ndarray, shape: list[int], crow: np.ndarray, col: np.ndarray, where: str) -> np.ndarray:
-    """A CSR tensor as a dense array, 0 in the unlisted cells."""
+class _DenseBudget:
+    """The cells one request's sparse tensors may still densify to (MAX_DENSE_CELLS in all)."""
+
+    def __init__(self) -> None:
+        self.left = MAX_DENSE_CELLS
+
+    def take(self, cells: int, where: str) -> None:
+        if cells > self.left:
+            raise UserError(f"{where}: this request's sparse tensors densify to more than {MAX_DENSE_CELLS} cells in "
+                            "all; send fewer datums per request, or a smaller K")
+        self.left -= cells
+
+
+def _densify(values: np.ndarray, shape: list[int], crow: np.ndarray, col: np.ndarray, where: str, tokens: int,
+             budget: _DenseBudget) -> np.ndarray:
+    """A CSR tensor as a dense array, 0 in the unlisted cells, once its size is known to be bounded:
+    one row per token of its datum, K columns at most MAX_TARGET_K, within the request's budget."""
     if len(shape) != 2 or min(shape) < 0:
         raise UserError(f"{where} is sparse CSR, so it needs a 2-D shape; got {shape}")
     rows, cols = shape
-    if rows * cols > MAX_SPARSE_CELLS:
-        raise UserError(f"{where} has sparse shape {shape}, over {MAX_SPARSE_CELLS} cells")
+    if rows != tokens:
+        raise UserError(f"{where} has sparse shape {shape} but model_input has {tokens} tokens; "
+                        f"give one row per input position: shape ({tokens}, K)")
+    if not 1 <= cols <= MAX_TARGET_K:
+        raise UserError(f"{where} has K = {cols} (shape {shape}); K must be from 1 to {MAX_TARGET_K}")
+    budget.take(rows * cols, where)
     nnz = len(values)
     if (
         len(crow) != rows + 1
@@ -191,7 +221,7 @@ def _densify(values: np.ndarray, shape: list[int], crow: np.ndarray, col: np.nda
     return out
 
 
-def _tensor_from_json(obj: Any, where: str) -> np.ndarray:
+def _tensor_from_json(obj: Any, where: str, rows: int, budget: _DenseBudget) -> np.ndarray:
     if not isinstance(obj, dict) or "data" not in obj or "dtype" not in obj:
         raise UserError(f"{where} must be a TensorData object {{data, dtype, shape?}}")
     dtype = _JSON_DTYPES.get(obj["dtype"])
@@ -207,7 +237,7 @@ def _tensor_from_json(obj: Any, where: str) -> np.ndarray:
             crow_a, col_a = np.asarray(crow, dtype=np.int64), np.asarray(col, dtype=np.int64)
             if values.ndim != 1 or crow_a.ndim != 1 or col_a.ndim != 1:
                 raise UserError(f"{where} sparse data and indices must be flat lists")
-            return _densify(values, shape or [], crow_a, col_a, where)
+            return _densify(values, shape or [], crow_a, col_a, where, rows, budget)
     except UserError:
         raise
     except (TypeError, ValueError, OverflowError) as e:
@@ -237,16 +267,19 @@ def model_input_tokens(obj: Any, where: str = "model_input") -> list[int]:
     return tokens
 
 
-def datum_from_json(obj: Any, where: str = "datum") -> Datum:
+def datum_from_json(obj: Any, where: str = "datum", budget: _DenseBudget | None = None) -> Datum:
     """A JSON tinker Datum `{model_input, loss_fn_inputs: {name: TensorData}}` as an engine Datum."""
     if not isinstance(obj, dict):
         raise UserError(f"{where} must be a Datum object {{model_input, loss_fn_inputs}}")
     inputs = obj.get("loss_fn_inputs") or {}
     if not isinstance(inputs, dict):
         raise UserError(f"{where}.loss_fn_inputs must map names to TensorData objects")
+    tokens = model_input_tokens(obj.get("model_input"), f"{where}.model_input")
+    budget = budget or _DenseBudget()
     return Datum(
-        tokens=model_input_tokens(obj.get("model_input"), f"{where}.model_input"),
-        loss_fn_inputs={k: _tensor_from_json(v, f"{where}.loss_fn_inputs[{k!r}]") for k, v in inputs.items()},
+        tokens=tokens,
+        loss_fn_inputs={k: _tensor_from_json(v, f"{where}.loss_fn_inputs[{k!r}]", len(tokens), budget)
+                        for k, v in inputs.items()},
     )
 
 
@@ -259,9 +292,10 @@ def forward_backward_from_json(obj: Any, forward_only: bool = False) -> ForwardB
     fb = obj.get(key)
     if not isinstance(fb, dict) or not isinstance(fb.get("data"), list):
         raise UserError(f"forward_backward body needs {key}: {{data: [Datum...], loss_fn, loss_fn_config?}}")
-    seq_id = obj.get("seq_id") or 0
-    if not isinstance(seq_id, int) or isinstance(seq_id, bool):
+    seq_id = obj.get("seq_id")  # absent: no dedupe, every such request is new work
+    if seq_id is not None and (not isinstance(seq_id, int) or isinstance(seq_id, bool)):
         raise UserError(f"seq_id must be an integer, got {seq_id!r}")
+    budget = _DenseBudget()
     config = fb.get("loss_fn_config") or {}
     if not isinstance(config, dict) or not all(
         isinstance(v, (int, float, str)) and not isinstance(v, bool) for v in config.values()
@@ -273,7 +307,7 @@ def forward_backward_from_json(obj: Any, forward_only: bool = False) -> ForwardB
         loss_fn=str(fb.get("loss_fn", "cross_entropy")),
         loss_fn_config={k: v if isinstance(v, str) else float(v) for k, v in config.items()},
         forward_only=bool(obj.get("forward_only", forward_only or key == "forward_input")),
-        data=[datum_from_json(d, f"data[{i}]") for i, d in enumerate(fb["data"])],
+        data=[datum_from_json(d, f"data[{i}]", budget) for i, d in enumerate(fb["data"])],
     )
 
 

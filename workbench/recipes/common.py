@@ -120,7 +120,8 @@ def local_tokenizer(base_model: str = DEFAULT_MODEL):
     from kernel_backend import models
     from kernel_backend.config import Settings
 
-    return AutoTokenizer.from_pretrained(models.resolve(base_model, Settings().models_dir)[1])
+    settings = Settings()
+    return AutoTokenizer.from_pretrained(models.resolve(base_model, settings.models_dir, settings.base_models)[1])
 
 
 def token_ids(encoded) -> list[int]:

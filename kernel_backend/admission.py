@@ -1,0 +1,171 @@
+"""Admission: the one gate a request that does model work passes before it is queued.
+
+Every request's cost is bounded here before any work starts, and the per-tenant limits are
+counted here, when work is admitted (not when it finishes, so back-to-back requests cannot
+slip past a limit while the first ones are still queued):
+
+- sampling sizes: num_samples, max_tokens, prompt + max_tokens within the model's context, seeds
+  that fit in 64 bits (checked before a future is stored or a job queued);
+- tokens per minute (STEPWISE_TOKENS_PER_MINUTE): a request's tokens are counted when it is
+  admitted; sampling counts its upper bound (prompt + num_samples * max_tokens) and is settled to
+  what it really produced when it finishes; a failed request counts nothing once it has failed;
+- sessions alive at once (STEPWISE_MAX_SESSIONS_PER_TENANT);
+- adapters held at once and their memory (STEPWISE_MAX_ADAPTERS_PER_TENANT,
+  STEPWISE_MAX_ADAPTER_MB_PER_TENANT): training runs and checkpoint samplers of active sessions.
+
+The service calls `Admission` from each method that queues work; a refusal raises `RateLimited`
+(429, with Retry-After, for limits that free up with time) or `UserError` (400, for a request that
+could never pass). The token window is kept in this process's memory: one process serves one device.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+from sqlalchemy import select
+
+from kernel_backend.config import Settings
+from kernel_backend.store import CheckpointRow, ModelRow, SamplerRow, SessionRow, Store
+from kernel_backend.types import SamplingParams, UserError
+
+# What one request may ask of the sampler, before any limit: the engine agrees (engine._check_sampling).
+MAX_NUM_SAMPLES = 128
+MAX_TOPK_LOGPROBS = 20
+# Seeds are 64-bit, as torch.Generator takes them.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+WINDOW_S = 60.0
+# An adapter costs its weights, their gradients and AdamW's two moments: four copies.
+TRAINING_COPIES = 4
+
+
+class RateLimited(Exception):
+    """Over a per-tenant limit (429); `retry_after` seconds is when to try again."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def check_seed(seed, where: str = "seed") -> None:
+    low, high = SEED_RANGE
+    if seed is not None and not (isinstance(seed, int) and low <= seed <= high):
+        raise UserError(f"{where} must be an integer that fits in 64 bits ({low} to {high}), got {seed!r}")
+
+
+def check_sampling(prompt_tokens: int, num_samples, params: SamplingParams, max_context: int, max_sample_tokens: int,
+                   topk: int = 0) -> int:
+    """Bound a sampling request before it is queued; fills in a missing max_tokens. Returns the most
+    tokens it can process (prompt + every sample at max_tokens), which is what admission counts."""
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or not 1 <= num_samples <= MAX_NUM_SAMPLES:
+        raise UserError(f"num_samples must be an integer from 1 to {MAX_NUM_SAMPLES}, got {num_samples!r}")
+    if not 0 <= topk <= MAX_TOPK_LOGPROBS:
+        raise UserError(f"top-k logprobs must be from 0 to {MAX_TOPK_LOGPROBS}, got {topk}")
+    if prompt_tokens >= max_context:
+        raise UserError(f"the prompt has {prompt_tokens} tokens; the model's context is {max_context}")
+    if params.max_tokens is None:
+        params.max_tokens = min(max_sample_tokens, max_context - prompt_tokens)
+    if not 1 <= params.max_tokens <= max_sample_tokens:
+        raise UserError(f"max_tokens must be from 1 to {max_sample_tokens}, got {params.max_tokens}")
+    if prompt_tokens + params.max_tokens > max_context:
+        raise UserError(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context of "
+            f"{max_context}; shorten the prompt or lower max_tokens"
+        )
+    check_seed(params.seed, "sampling_params.seed")
+    return prompt_tokens + num_samples * params.max_tokens
+
+
+class Admission:
+    def __init__(self, settings: Settings, store: Store, adapter_bytes: Callable[[str, dict], int]) -> None:
+        """`adapter_bytes(base_model, lora_config)`: the bytes one adapter's weights take (one copy)."""
+        self.settings = settings
+        self.store = store
+        self.adapter_bytes = adapter_bytes
+        self._lock = threading.Lock()
+        self._window: dict[str, deque[list]] = {}  # tenant -> [admitted at, tokens], oldest first
+        self._entries: dict[str, list] = {}  # request id -> its window entry, until settled
+
+    # ---- tokens per minute --------------------------------------------------------------------
+
+    def tokens(self, tenant: str, request_id: str, tokens: int) -> None:
+        """Count `tokens` of work for `tenant` now, or raise if that would pass the per-minute limit."""
+        limit = self.settings.tokens_per_minute
+        if not limit or not tokens:
+            return
+        if tokens > limit:
+            raise UserError(f"this request is {tokens} tokens, more than the {limit} tokens per minute this server "
+                            "allows a tenant; split it (fewer datums or samples, or a lower max_tokens)")
+        with self._lock:
+            window = self._window.setdefault(tenant, deque())
+            moment = time.monotonic()
+            while window and moment - window[0][0] > WINDOW_S:
+                self._entries.pop(window.popleft()[2], None)
+            used = sum(entry[1] for entry in window)
+            if used + tokens > limit:
+                # When enough of the window has aged out for this request to fit.
+                freed, wait = used + tokens - limit, WINDOW_S
+                for admitted, counted, _ in window:
+                    freed -= counted
+                    if freed <= 0:
+                        wait = WINDOW_S - (moment - admitted)
+                        break
+                raise RateLimited(f"tenant {tenant!r} was admitted {used} tokens in the last minute; this request's "
+                                  f"{tokens} would pass the limit of {limit} tokens per minute", max(1, int(wait + 0.999)))
+            entry = [moment, tokens, request_id]
+            window.append(entry)
+            self._entries[request_id] = entry
+
+    def settle(self, request_id: str, tokens: int) -> None:
+        """A request finished: count what it really processed (0 if it failed) instead of its estimate."""
+        with self._lock:
+            entry = self._entries.pop(request_id, None)
+            if entry is not None:
+                entry[1] = tokens
+
+    # ---- sessions and adapters ------------------------------------------------------------------
+
+    def session(self, tenant: str) -> None:
+        limit = self.settings.max_sessions_per_tenant
+        if not limit:
+            return
+        alive = self.store.count(SessionRow, SessionRow.tenant == tenant, SessionRow.status == "active")
+        if alive >= limit:
+            raise RateLimited(f"tenant {tenant!r} has {alive} active sessions, the limit is {limit}; "
+                              "close one (ServiceClient.close(), or let it expire)", 10)
+
+    def adapter(self, tenant: str, base_model: str, lora_config: dict, training: bool) -> None:
+        """Room for one more adapter (a training run, or a sampler of a checkpoint) for `tenant`?"""
+        count_limit = self.settings.max_adapters_per_tenant
+        mb_limit = self.settings.max_adapter_mb_per_tenant
+        if not count_limit and not mb_limit:
+            return
+        held = self._adapters_held(tenant)
+        new = self.adapter_bytes(base_model, lora_config) * (TRAINING_COPIES if training else 1)
+        if count_limit and len(held) >= count_limit:
+            raise RateLimited(f"tenant {tenant!r} holds {len(held)} adapters (training runs and checkpoint samplers "
+                              f"of active sessions), the limit is {count_limit}; close a session to free its adapters",
+                              10)
+        used = sum(held)
+        if mb_limit and used + new > mb_limit << 20:
+            message = (f"this adapter needs about {new >> 20} MB; tenant {tenant!r} holds {used >> 20} MB of adapters "
+                       f"and the limit is {mb_limit} MB")
+            if new > mb_limit << 20:  # it could never fit: a smaller rank is the fix
+                raise UserError(message + "; use a smaller LoRA rank")
+            raise RateLimited(message + "; close a session to free its adapters", 10)
+
+    def _adapters_held(self, tenant: str) -> list[int]:
+        """Bytes of each adapter `tenant` holds: its active sessions' training runs and checkpoint samplers."""
+        active = select(SessionRow.id).where(SessionRow.tenant == tenant, SessionRow.status == "active")
+        with self.store.session() as s:
+            runs = s.execute(select(ModelRow.base_model, ModelRow.lora_config).where(ModelRow.session_id.in_(active))).all()
+            samplers = s.execute(
+                select(SamplerRow.base_model, ModelRow.lora_config)
+                .join(CheckpointRow, CheckpointRow.tinker_path == SamplerRow.model_path)
+                .join(ModelRow, ModelRow.id == CheckpointRow.model_id)
+                .where(SamplerRow.session_id.in_(active))
+            ).all()
+        return ([self.adapter_bytes(base, lora) * TRAINING_COPIES for base, lora in runs]
+                + [self.adapter_bytes(base, lora) for base, lora in samplers])
