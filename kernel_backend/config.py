@@ -67,6 +67,18 @@ class Settings:
     # Where checkpoints go: unset, the folder <home>/checkpoints; else any fsspec URL (kernel_backend/storage.py).
     storage_url: str = field(default_factory=lambda: _env("STORAGE_URL", ""))
     max_sample_tokens: int = field(default_factory=lambda: int(_env("MAX_SAMPLE_TOKENS", "4096")))
+    # Who samples: "builtin" (kernel_backend/sampler.py, on the engine) or "vllm" (a vLLM worker process in
+    # its own venv, kernel_backend/vllm_sampler.py; the venv is built by kernel_backend/vllm_venv.py).
+    sampler: str = field(default_factory=lambda: _env("SAMPLER", "builtin"))
+    # Machine-wide caches that outlive a STEPWISE_HOME: the vLLM venv (default ~/.cache/stepwise).
+    cache_dir: Path = field(default_factory=lambda: Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "stepwise")
+    # An interpreter that has vLLM, used as it is instead of the venv built in cache_dir.
+    vllm_python: str = field(default_factory=lambda: _env("VLLM_PYTHON", ""))
+    # Adapter versions the vLLM worker keeps loaded; the least recently used one beyond this is unloaded.
+    vllm_max_adapters: int = field(default_factory=lambda: int(_env("VLLM_MAX_ADAPTERS", "8")))
+    # Compare each vLLM sample's logprobs with the trainer's on the same tokens (one extra forward pass
+    # per request, on the engine): the gap goes into the request's ledger metrics. For tests and audits.
+    vllm_check_logprobs: bool = field(default_factory=lambda: _env("VLLM_CHECK_LOGPROBS", "") not in ("", "0", "false"))
 
     def __post_init__(self) -> None:
         self.home = Path(self.home).expanduser()
