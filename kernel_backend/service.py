@@ -44,6 +44,7 @@ from kernel_backend.store import (
     utc,
 )
 from kernel_backend.types import AdamParams, Datum, LoraConfig, SamplingParams, UserError
+from kernel_backend.vllm_sampler import SAMPLE_REQUESTS, VllmSampling
 
 log = logging.getLogger("stepwise.service")
 
@@ -85,6 +86,10 @@ class Service:
             on_done=self._on_done,
             max_batch_tokens=self.settings.max_batch_tokens,
         )
+        # STEPWISE_SAMPLER=vllm: sample jobs go to vLLM workers instead of the scheduler (kernel_backend/vllm_sampler.py).
+        if self.settings.sampler not in ("builtin", "vllm"):
+            raise ValueError(f"STEPWISE_SAMPLER must be 'builtin' or 'vllm', not {self.settings.sampler!r}")
+        self.vllm = VllmSampling(self.settings, self.scheduler, self._on_done) if self.settings.sampler == "vllm" else None
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._waiters_lock = threading.Lock()
         self._snapshots: dict[str, list[str]] = {}  # run id -> its in-memory sampler ids, oldest first
@@ -119,11 +124,15 @@ class Service:
         for name in preload if preload is not None else [models.DEFAULT_MODEL, *registered]:
             self.scheduler.engine(self._model_name(name))
         self.scheduler.start()
+        if self.vllm is not None:
+            self.vllm.start(list(self.scheduler.engines))
         self._reaper.start()
 
     def stop(self) -> None:
         self._stopping.set()
         self.scheduler.stop()
+        if self.vllm is not None:
+            self.vllm.stop()
         if self.settings.local_key:  # the embedded backend's key dies with it
             keys.revoke(self.store, self.settings.local_key)
 
@@ -166,6 +175,8 @@ class Service:
             def free(engine: Engine, lane=lane):
                 for e in self.scheduler.engines.values():
                     e.delete_adapter(lane)
+                if self.vllm is not None:
+                    self.vllm.remove(lane)
                 return _json({})
             self.scheduler.submit(Job(_new_id(), f"free:{lane}", models.DEFAULT_MODEL, seq=None, run=free), ordered=False)
         log.info("session %s %s; freed %d adapters", session_id, status, len(lanes))
@@ -193,7 +204,9 @@ class Service:
             extra=extra or {},
         )
         row, created = self.store.insert_future(row)
-        if created:
+        if created and self.vllm is not None and request_type in SAMPLE_REQUESTS:
+            self.vllm.submit(job)
+        elif created:
             self.scheduler.submit(job, ordered=ordered)
         return row
 
@@ -208,7 +221,7 @@ class Service:
         if status == "done":
             engine = self.scheduler.engines.get(job.base_model)
             slot = engine.slots.get(job.lane) if engine else None
-            is_sampler = job.request_type in ("Sample", "ChatCompletion", "Completion")
+            is_sampler = job.request_type in SAMPLE_REQUESTS
             ledger = UsageRow(
                 request_id=job.request_id, tenant=job.tenant, session_id=job.session_id,
                 model_id=None if is_sampler else job.lane, sampler_id=job.lane if is_sampler else None,
@@ -417,6 +430,8 @@ class Service:
                     engine.save_state(model_id, staging)
                 else:
                     engine.save_weights_for_sampler(model_id, staging)
+                    if self.vllm is not None:  # registered while the files are plain (before sealing)
+                        self.vllm.add_checkpoint(engine, run.base_model, path, staging)
                 if self.settings.encryption_key:  # sealed before it reaches the store
                     crypto.seal(staging, self.settings.encryption_key)
                 size = folder_size(staging)
@@ -438,13 +453,18 @@ class Service:
 
         def snapshot(engine: Engine):
             engine.snapshot_sampler(model_id, sampler_id)
+            if self.vllm is not None:
+                self.vllm.add_snapshot(engine, run.base_model, sampler_id)
             if self.store.get(SamplerRow, sampler_id) is None:
                 self.store.add(SamplerRow(id=sampler_id, session_id=run.session_id, tenant=tenant,
                                           base_model=run.base_model, source_model_id=model_id))
             kept = self._snapshots.setdefault(model_id, [])
             kept.append(sampler_id)
             while len(kept) > SNAPSHOTS_PER_RUN:
-                engine.delete_adapter(kept.pop(0))
+                dropped = kept.pop(0)
+                engine.delete_adapter(dropped)
+                if self.vllm is not None:
+                    self.vllm.remove(dropped)
             return _json({"path": None, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
 
         job = Job(_new_id(), model_id, run.base_model, seq=seq_id, run=snapshot)

@@ -8,8 +8,8 @@ Three pieces, from the bottom up:
   version is a folder of PEFT files (what save_weights_for_sampler writes); the service names it by
   its ids (a sampler id, a checkpoint path, an OpenAI lane), and the sampler keys it by its content,
   so the same weights load once under a versioned name (`<first id>@<sha256 prefix>`). Snapshots
-  (save_weights_and_get_sampling_client) stay until the service removes them; checkpoint versions
-  are kept for the latest STEPWISE_VLLM_MAX_ADAPTERS used, and the one used longest ago is unloaded.
+  (save_weights_and_get_sampling_client) stay until the service removes them; of the other versions
+  the latest STEPWISE_VLLM_MAX_ADAPTERS used are kept, and the one used longest ago is unloaded.
 - `VllmSampling`: what the service calls. Sample jobs (Sample, Completion, ChatCompletion) come here
   instead of the scheduler thread; each runs its usual function on a pool thread against an
   `_EngineView`, which answers the engine calls a sample job makes (has_adapter, load_sampler,
@@ -30,8 +30,10 @@ import logging
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -154,8 +156,8 @@ class _Version:
     name: str  # the worker's name for it: "<first id>@<digest>"
     digest: str  # a prefix of the SHA-256 of its weights file
     folder: Path  # our copy of its PEFT files (the worker reads them from here)
-    pinned: bool  # a snapshot: kept until removed; else a checkpoint version, unloaded when least recently used
     ids: set[str] = field(default_factory=set)  # the service's ids that name it
+    snapshots: set[str] = field(default_factory=set)  # those of them that are snapshots: while any is, it stays
 
 
 class VllmSampler:
@@ -197,76 +199,68 @@ class VllmSampler:
         with self._lock:
             return adapter_id in self._ids
 
-    def add_adapter(self, adapter_id: str, folder: Path, pinned: bool = False) -> str:
-        """Register the PEFT folder under `adapter_id` (copied, so the caller may delete it); its version name."""
+    def add_adapter(self, adapter_id: str, folder: Path, snapshot: bool = False) -> str:
+        """Register the PEFT folder under `adapter_id` (copied: the caller may delete it); returns the version's name.
+
+        A snapshot's version stays until remove_adapter; a checkpoint's is unloaded when it is the least
+        recently used of more than STEPWISE_VLLM_MAX_ADAPTERS (a later sample loads it again)."""
         folder = Path(folder)
         rank = json.loads((folder / "adapter_config.json").read_text())["r"]
         if rank > self.settings.vllm_max_lora_rank:
             raise UserError(f"this adapter has LoRA rank {rank}, above the vLLM sampler's limit of "
                             f"{self.settings.vllm_max_lora_rank} (STEPWISE_VLLM_MAX_LORA_RANK, one of {VLLM_LORA_RANKS})")
         digest = hashlib.sha256((folder / "adapter_model.safetensors").read_bytes()).hexdigest()[:16]
-        with self._lock:
+        with self._lock:  # held across the worker calls too, so no sample sees a version before vLLM has it
             version = next((v for v in self._versions.values() if v.digest == digest), None)
             if version is None:
                 copy = self.adapters_dir / f"{next(self._folders)}-{digest}"
                 shutil.copytree(folder, copy)
-                version = _Version(f"{adapter_id}@{digest}", digest, copy, pinned)
+                version = _Version(f"{adapter_id}@{digest}", digest, copy)
+                try:
+                    self.worker.call("add_adapter", name=version.name, path=str(copy)).result()
+                except Exception:
+                    shutil.rmtree(copy, ignore_errors=True)
+                    raise
                 self._versions[version.name] = version
-                load = True
-            else:
-                version.pinned |= pinned
-                load = False
             self._forget(adapter_id)
             version.ids.add(adapter_id)
+            if snapshot:
+                version.snapshots.add(adapter_id)
             self._ids[adapter_id] = version
             self._versions.move_to_end(version.name)
-            evicted = self._evict()
-        for old in evicted:
-            self._unload(old)
-        if load:
-            try:
-                self.worker.call("add_adapter", name=version.name, path=str(version.folder)).result()
-            except Exception:
-                with self._lock:
-                    self._drop(version)
-                shutil.rmtree(version.folder, ignore_errors=True)
-                raise
+            unnamed = [v for v in self._versions.values() if not v.ids]
+            unpinned = [v for v in self._versions.values() if v.ids and not v.snapshots]
+            for old in unnamed + unpinned[: max(0, len(unpinned) - self.settings.vllm_max_adapters)]:
+                self._unload(old)
         return version.name
 
     def remove_adapter(self, adapter_id: str) -> None:
-        """The service is done with `adapter_id`; a snapshot no other id names is unloaded."""
+        """The service is done with `adapter_id` (a dropped snapshot, an ended session's sampler)."""
         with self._lock:
             version = self._forget(adapter_id)
-            gone = version is not None and version.pinned and not version.ids
-            if gone:
-                self._drop(version)
-        if gone:
-            self._unload(version)
+            if version is not None and not version.ids:  # nothing names it any more
+                self._unload(version)
 
     def _forget(self, adapter_id: str) -> _Version | None:
         version = self._ids.pop(adapter_id, None)
         if version is not None:
             version.ids.discard(adapter_id)
+            version.snapshots.discard(adapter_id)
         return version
 
-    def _drop(self, version: _Version) -> None:
+    def _unload(self, version: _Version) -> None:
+        """Unload a version from the worker and forget it. Lock held."""
         self._versions.pop(version.name, None)
         for adapter_id in version.ids:
             self._ids.pop(adapter_id, None)
-
-    def _evict(self) -> list[_Version]:
-        """Checkpoint versions beyond the latest STEPWISE_VLLM_MAX_ADAPTERS used, oldest first. Lock held."""
-        unpinned = [v for v in self._versions.values() if not v.pinned]
-        evicted = unpinned[: max(0, len(unpinned) - self.settings.vllm_max_adapters)]
-        for version in evicted:
-            self._drop(version)
-        return evicted
-
-    def _unload(self, version: _Version) -> None:
         try:
             self.worker.call("remove_adapter", name=version.name).result()
         finally:
             shutil.rmtree(version.folder, ignore_errors=True)
+
+    def folder(self, adapter_id: str) -> Path:
+        with self._lock:
+            return self._ids[adapter_id].folder
 
     def loaded_versions(self) -> list[str]:
         with self._lock:
@@ -304,3 +298,144 @@ class VllmSampler:
             prompt_logprobs=reply.get("prompt_logprobs"),
             topk_prompt_logprobs=[None] + pairs(reply["topk_prompt_logprobs"][1:]) if "topk_prompt_logprobs" in reply else None,
         )
+
+
+class VllmSampling:
+    """The service's side of STEPWISE_SAMPLER=vllm: sample jobs run here, one vLLM worker per base model.
+
+    `submit(job)` runs the job's usual function on a pool thread (so many requests are in vLLM's batch
+    at once) against an `_EngineView`, then hands the outcome to the service's `on_done` as the
+    scheduler would. The engine stays the trainer: snapshots are still taken there, and the logprob
+    check (STEPWISE_VLLM_CHECK_LOGPROBS) runs there, on the scheduler thread that owns it.
+    """
+
+    def __init__(self, settings: Settings, scheduler, on_done) -> None:
+        self.settings = settings
+        self.scheduler = scheduler
+        self._on_done = on_done
+        self.samplers: dict[str, VllmSampler] = {}
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="stepwise-vllm")
+
+    def start(self, base_models: list[str]) -> None:
+        """Start the workers of these (loaded) base models now rather than at their first request."""
+        for name in base_models:
+            self.sampler(name)
+
+    def stop(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for sampler in self.samplers.values():
+            sampler.stop()
+
+    def sampler(self, base_model: str, engine: engine_module.Engine | None = None) -> VllmSampler:
+        """The base model's sampler, its worker started on first use (pass the engine on the scheduler thread)."""
+        with self._lock:
+            if base_model not in self.samplers:
+                engine = engine or self._engine(base_model)
+                sampler = VllmSampler(self.settings, base_model, engine.max_context)
+                sampler.start()
+                self.samplers[base_model] = sampler
+            return self.samplers[base_model]
+
+    def stats(self) -> dict:
+        return {name: {"startup_s": s.startup_s, "adapters": s.loaded_versions()} for name, s in self.samplers.items()}
+
+    # ---- adapters, from the service's jobs on the scheduler thread ----------------------------------
+
+    def add_snapshot(self, engine: engine_module.Engine, base_model: str, sampler_id: str) -> None:
+        """save_weights_and_get_sampling_client: the engine's new snapshot, registered with vLLM too."""
+        with tempfile.TemporaryDirectory() as scratch:
+            engine.save_weights_for_sampler(sampler_id, Path(scratch) / "adapter")
+            self.sampler(base_model, engine).add_adapter(sampler_id, Path(scratch) / "adapter", snapshot=True)
+
+    def add_checkpoint(self, engine: engine_module.Engine, base_model: str, path: str, folder: Path) -> None:
+        """save_weights_for_sampler: the checkpoint's version, registered before any sampler asks for it."""
+        self.sampler(base_model, engine).add_adapter(path, folder)
+
+    def remove(self, adapter_id: str) -> None:
+        for sampler in list(self.samplers.values()):
+            sampler.remove_adapter(adapter_id)
+
+    # ---- sample jobs ----------------------------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        self._pool.submit(self._run, job)
+
+    def _run(self, job: Job) -> None:
+        start = time.perf_counter()
+        try:
+            view = _EngineView(self, self._engine(job.base_model), job.base_model)
+            payload, content_type = job.run(view)
+        except Exception as e:  # as the scheduler does: bad input is the user's, anything else is logged
+            category = "user" if isinstance(e, UserError) else "server"
+            if category == "server":
+                log.exception("vLLM sample request %s failed", job.request_id)
+            self._on_done(job, "failed", error_payload(str(e), category), "application/json")
+            return
+        job.duration_s = time.perf_counter() - start
+        job.metrics.update(view.metrics)
+        self._on_done(job, "done", payload, content_type)
+
+    def _engine(self, base_model: str) -> engine_module.Engine:
+        """The base model's engine (it validates requests and is the trainer), loaded if need be."""
+        engine = self.scheduler.engines.get(base_model)
+        return engine if engine is not None else self._on_scheduler(base_model, lambda engine: engine)
+
+    def _on_scheduler(self, base_model: str, fn):
+        """fn(engine) on the scheduler thread, the engine's owner; waits for its result."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run(engine):
+            try:
+                done.set_result(fn(engine))
+            except Exception as e:
+                done.set_exception(e)
+            return b"{}", "application/json"
+
+        # No request_type: the service keeps no future and no ledger row for it.
+        self.scheduler.submit(Job(uuid.uuid4().hex, f"vllm:{base_model}", base_model, seq=None, run=run), ordered=False)
+        return done.result(timeout=self.settings.vllm_startup_timeout_s)
+
+    def logprob_gap(self, base_model: str, adapter_id: str | None, prompt: list[int], result: SampleResult) -> dict:
+        """The trainer's logprobs of the sampled tokens against vLLM's: mean and max |difference|."""
+        folder = self.samplers[base_model].folder(adapter_id) if adapter_id is not None else None
+
+        def trainer_logprobs(engine):
+            if adapter_id is not None and not engine.has_adapter(adapter_id):
+                engine.load_sampler(adapter_id, folder)  # a checkpoint's sampler: the same files vLLM loaded
+            return [engine.compute_logprobs(adapter_id, prompt + s.tokens)[len(prompt):] for s in result.sequences]
+
+        trainer = self._on_scheduler(base_model, trainer_logprobs)
+        gaps = [abs(a - b) for s, lps in zip(result.sequences, trainer) for a, b in zip(s.logprobs, lps)]
+        if not gaps:
+            return {}
+        return {"sampler_logprob_gap:mean": sum(gaps) / len(gaps), "sampler_logprob_gap:max": max(gaps)}
+
+
+class _EngineView:
+    """The engine as a sample job's function sees it when vLLM samples: the same calls (has_adapter,
+    load_sampler, sample), validated by the engine exactly as Engine.sample does, sampled by vLLM."""
+
+    def __init__(self, sampling: VllmSampling, engine: engine_module.Engine, base_model: str) -> None:
+        self._sampling, self._engine, self._base_model = sampling, engine, base_model
+        self._vllm = sampling.sampler(base_model, engine)
+        self.metrics: dict[str, float] = {}
+
+    def has_adapter(self, adapter_id: str) -> bool:
+        return self._vllm.has_adapter(adapter_id)
+
+    def load_sampler(self, adapter_id: str, directory: Path) -> None:
+        self._vllm.add_adapter(adapter_id, Path(directory))
+
+    def sample(self, adapter_id: str | None, prompt: list[int], num_samples: int = 1, params: SamplingParams | None = None,
+               prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
+               on_token=None) -> SampleResult:
+        params = params or SamplingParams()
+        # Engine.sample's own checks (they read the engine's fixed facts only: vocabulary, context, eos).
+        prompt = engine_module._check_tokens(prompt, self._engine.vocab_size, "prompt")
+        stop_ids, stop_strings = self._engine._check_sampling(prompt, num_samples, params, topk_prompt_logprobs)
+        result = self._vllm.sample(adapter_id, prompt, num_samples, params, stop_ids, stop_strings, prompt_logprobs,
+                                   topk_prompt_logprobs, topk_sample_logprobs, on_token)
+        if self._sampling.settings.vllm_check_logprobs:
+            self.metrics = self._sampling.logprob_gap(self._base_model, adapter_id, prompt, result)
+        return result
