@@ -7,7 +7,7 @@ Three pieces, from the bottom up:
 - `VllmSampler`: one base model's worker plus the LoRA adapters registered with it. An adapter
   version is a folder of PEFT files (what save_weights_for_sampler writes); the service names it by
   its ids (a sampler id, a checkpoint path, an OpenAI lane), and the sampler keys it by its content,
-  so the same weights load once under a versioned name (`<first id>@<sha256 prefix>`). Snapshots
+  so the same weights load once under a versioned name (`<first id>@<sha256 prefix>#<load number>`). Snapshots
   (save_weights_and_get_sampling_client) stay until the service removes them; of the other versions
   the latest STEPWISE_VLLM_MAX_ADAPTERS used are kept, and the one used longest ago is unloaded.
 - `VllmSampling`: what the service calls. Sample jobs (Sample, Completion, ChatCompletion) come here
@@ -153,11 +153,12 @@ class WorkerProcess:
 class _Version:
     """One adapter version loaded in the worker."""
 
-    name: str  # the worker's name for it: "<first id>@<digest>"
+    name: str  # the worker's name for it: "<first id>@<digest>#<load number>"
     digest: str  # a prefix of the SHA-256 of its weights file
     folder: Path  # our copy of its PEFT files (the worker reads them from here)
     ids: set[str] = field(default_factory=set)  # the service's ids that name it
     snapshots: set[str] = field(default_factory=set)  # those of them that are snapshots: while any is, it stays
+    in_flight: int = 0  # sample requests using it now: it is unloaded from the worker only once they are done
 
 
 class VllmSampler:
@@ -180,7 +181,7 @@ class VllmSampler:
         self._versions: collections.OrderedDict[str, _Version] = collections.OrderedDict()  # least recently used first
         self._ids: dict[str, _Version] = {}
         self._lock = threading.Lock()
-        self._folders = itertools.count()
+        self._loads = itertools.count(1)  # numbers each load, so a name is never reused
 
     def start(self) -> None:
         # Plain copies of adapter files (vLLM reads files), like the checkpoint store's staging folder:
@@ -216,9 +217,10 @@ class VllmSampler:
         with self._lock:  # held across the worker calls too, so no sample sees a version before vLLM has it
             version = next((v for v in self._versions.values() if v.digest == digest), None)
             if version is None:
-                copy = self.adapters_dir / f"{next(self._folders)}-{digest}"
+                load = next(self._loads)
+                copy = self.adapters_dir / f"{load}-{digest}"
                 shutil.copytree(folder, copy)
-                version = _Version(f"{adapter_id}@{digest}", digest, copy)
+                version = _Version(f"{adapter_id}@{digest}#{load}", digest, copy)
                 try:
                     self.worker.call("add_adapter", name=version.name, path=str(copy)).result()
                 except Exception:
@@ -252,10 +254,15 @@ class VllmSampler:
         return version
 
     def _unload(self, version: _Version) -> None:
-        """Unload a version from the worker and forget it. Lock held."""
+        """Forget a version, and unload it from the worker unless requests still use it (then the last
+        one does, see sample). Lock held."""
         self._versions.pop(version.name, None)
         for adapter_id in version.ids:
             self._ids.pop(adapter_id, None)
+        if not version.in_flight:
+            self._release(version)
+
+    def _release(self, version: _Version) -> None:
         try:
             self.worker.call("remove_adapter", name=version.name).result()
         finally:
@@ -275,22 +282,30 @@ class VllmSampler:
                stop_token_ids: set[int], stop_strings: list[str], prompt_logprobs: bool = False,
                topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0, on_token=None) -> SampleResult:
         """Sample on the worker; arguments as Engine.sample's, already validated (stop resolved to ids and strings)."""
-        name = None
+        version = None
         if adapter_id is not None:
             with self._lock:
                 version = self._ids.get(adapter_id)
                 if version is None:
                     raise UserError(f"adapter {adapter_id!r} is not loaded in the vLLM sampler")
                 self._versions.move_to_end(version.name)
-                name = version.name
+                version.in_flight += 1
         on_tokens = (lambda tokens: [on_token(*t) for t in tokens]) if on_token is not None else None
-        reply = self.worker.call(
-            "sample", on_tokens=on_tokens, adapter=name, prompt=list(prompt), n=num_samples,
-            max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-            seed=params.seed, stop_token_ids=sorted(stop_token_ids), stop_strings=list(stop_strings),
-            prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
-            topk_sample_logprobs=topk_sample_logprobs, stream=on_token is not None,
-        ).result()
+        try:
+            reply = self.worker.call(
+                "sample", on_tokens=on_tokens, adapter=version.name if version else None, prompt=list(prompt),
+                n=num_samples, max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k,
+                top_p=params.top_p, seed=params.seed, stop_token_ids=sorted(stop_token_ids),
+                stop_strings=list(stop_strings), prompt_logprobs=prompt_logprobs,
+                topk_prompt_logprobs=topk_prompt_logprobs, topk_sample_logprobs=topk_sample_logprobs,
+                stream=on_token is not None,
+            ).result()
+        finally:
+            if version is not None:
+                with self._lock:
+                    version.in_flight -= 1
+                    if not version.in_flight and version.name not in self._versions:  # unloaded meanwhile
+                        self._release(version)
         pairs = lambda rows: [[(int(t), float(lp)) for t, lp in row] for row in rows]  # noqa: E731
         return SampleResult(
             sequences=[

@@ -196,6 +196,7 @@ async def serve(engine_args: dict, protocol_fd: int) -> None:
         tasks.add(task)
         task.add_done_callback(tasks.discard)
     worker.engine.shutdown()
+    worker.engine = None  # its __del__ shuts down again, which fails once the interpreter is exiting
 
 
 def main() -> None:

@@ -122,13 +122,16 @@ def test_an_adapter_taught_a_made_up_fact_answers_through_vllm(client, taught, t
     recomputed = from_path.compute_logprobs(types.ModelInput.from_ints(prompt.to_ints() + result.sequences[0].tokens)).result()
     assert np.allclose(recomputed[prompt.length:], result.sequences[0].logprobs, atol=GAP)
 
-    # Two newer checkpoint versions (the weights differ after each step) unload this one (room for two);
-    # its sampler then loads it again from the checkpoint store, and answers the same.
+    # Two newer checkpoint versions (the weights differ after each step) unload this one (room for two),
+    # while a long sample on it is still decoding: that sample finishes whole. The sampler then loads
+    # the version again from the checkpoint store, and answers the same.
+    long = from_path.sample(prompt, 1, types.SamplingParams(max_tokens=64, temperature=1.0, seed=0, stop=[]))
     for name in ("later-1", "later-2"):
         train_steps(tc, [chat_datum(tokenizer, QUESTION, ANSWER)] * 4, steps=1)
         tc.save_weights_for_sampler(name).result()
     loaded = vllm_stats(vllm_server)["adapters"]
     assert not any(n.startswith(path + "@") for n in loaded) and sum("/sampler_weights/later-" in n for n in loaded) == 2
+    assert len(long.result().sequences[0].tokens) == 64
     assert tokens_of(from_path.sample(prompt, 1, GREEDY).result()) == tokens_of(result)[:1]
 
     # A snapshot of the current weights (save_weights_and_get_sampling_client) answers too. It has the
