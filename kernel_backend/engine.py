@@ -440,7 +440,8 @@ class Engine:
             meta = {"steps": slot.steps, "lora": asdict(slot.adapter.config), "optimizer": kind}
             (tmp / "stepwise_state.json").write_text(json.dumps(meta))
 
-    def load_state(self, adapter_id: str, directory: Path, with_optimizer: bool = True, optimizer: str | None = None) -> None:
+    def load_state(self, adapter_id: str, directory: Path, with_optimizer: bool = True,
+                   optimizer: str | None = None) -> None:
         """Create (or replace) `adapter_id` from a save_state directory.
 
         With the optimizer state the run keeps the optimizer it was saved with (`optimizer`, if
@@ -464,7 +465,8 @@ class Engine:
         opt = optimizers.create(kind, adapter.parameters(), adapter.config.rank)
         steps = 0
         if restore:
-            optimizers.load_state_tensors(opt, adapter.named_parameters(), load_file(directory / "optimizer.safetensors"))
+            saved = load_file(directory / "optimizer.safetensors")
+            optimizers.load_state_tensors(opt, adapter.named_parameters(), saved)
             steps = meta.get("steps", 0)
         self.slots[adapter_id] = _Slot(adapter, opt, steps)
 

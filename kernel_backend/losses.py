@@ -271,7 +271,8 @@ def compute_loss(
     lengths = [logprobs.shape[0]] if lengths is None else lengths
     if sum(lengths) != logprobs.shape[0]:
         raise ValueError(f"datum lengths {lengths} do not add up to the batch's {logprobs.shape[0]} rows")
-    rows = torch.repeat_interleave(torch.arange(len(lengths), device=logprobs.device), torch.tensor(lengths, device=logprobs.device))
+    index = torch.arange(len(lengths), device=logprobs.device)
+    rows = torch.repeat_interleave(index, torch.tensor(lengths, device=logprobs.device))
     full["datum_index"] = rows.reshape(-1, *[1] * (logprobs.dim() - 1)).expand(logprobs.shape)
 
     loss, metrics = LOSS_FNS[loss_fn](logprobs, full, config)

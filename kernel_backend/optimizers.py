@@ -127,7 +127,8 @@ def _check_dimuon(p: DimuonParams) -> None:
 # ---- save_state / load_state --------------------------------------------------------------------
 
 
-def state_tensors(optimizer: torch.optim.Optimizer, named: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
+def state_tensors(optimizer: torch.optim.Optimizer,
+                  named: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
     """The optimizer's per-parameter state as flat float32 tensors keyed "{param}.{key}"."""
     out = {}
     for name, p in named:
