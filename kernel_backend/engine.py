@@ -1,7 +1,7 @@
 """The compute owner: one frozen base model on one device, many LoRA adapters over it.
 
 Every training and sampling primitive is a method here: forward, forward_backward (gradients
-accumulate until optim_step), optim_step (AdamW per adapter), sample, compute_logprobs,
+accumulate until optim_step), optim_step (AdamW or Dimuon per adapter, optimizers.py), sample, compute_logprobs,
 save/load of state (weights + optimizer) and of sampler weights.
 
 The engine is not thread-safe: one thread owns it (the scheduler, or a test). Every method

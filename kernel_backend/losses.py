@@ -195,9 +195,17 @@ _DEFAULT_CONFIGS: dict[str, dict[str, float]] = {
 # What the engine calls
 
 
+# In the SDK's LossFnType but not here: why, and what to use instead.
+_UNSUPPORTED = {
+    "stable_reinforce": "Tinker does not publish its objective; for off-policy data train with ppo or cispo",
+}
+
+
 def _check_name(loss_fn: str) -> None:
     if loss_fn not in LOSS_FNS:
         supported = ", ".join(sorted(LOSS_FNS))
+        if loss_fn in _UNSUPPORTED:
+            raise UserError(f"loss_fn {loss_fn!r} is not supported here: {_UNSUPPORTED[loss_fn]}; supported: {supported}")
         raise UserError(f"unknown loss_fn {loss_fn!r}; supported: {supported}")
 
 

@@ -328,6 +328,12 @@ def test_unknown_loss(call):
     assert "'foo'" in str(e.value) and SUPPORTED in str(e.value)
 
 
+def test_stable_reinforce_is_refused_with_the_reason():
+    with pytest.raises(UserError) as e:
+        required_inputs("stable_reinforce")
+    assert "does not publish its objective" in str(e.value) and SUPPORTED in str(e.value)
+
+
 def test_check_config_defaults():
     assert check_config("ppo", None) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
     assert check_config("cispo", {}) == {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
