@@ -20,7 +20,7 @@ import threading
 import uuid
 
 
-from kernel_backend import admission, crypto, keys, lora, models
+from kernel_backend import admission, crypto, keys, lora, models, optimizers
 from kernel_backend.admission import Admission, RateLimited
 from kernel_backend.keys import LOCAL_TENANT
 from kernel_backend.config import Settings
@@ -43,7 +43,7 @@ from kernel_backend.store import (
     tinker_path,
     utc,
 )
-from kernel_backend.types import AdamParams, Datum, LoraConfig, SamplingParams, UserError
+from kernel_backend.types import AdamParams, Datum, DimuonParams, LoraConfig, SamplingParams, UserError
 
 log = logging.getLogger("stepwise.service")
 
@@ -332,8 +332,7 @@ class Service:
     def create_model(self, tenant: str, session_id: str, model_seq_id: int, base_model: str, lora: dict | None,
                      optimizer_type: str, user_metadata: dict | None) -> FutureRow:
         self._session(tenant, session_id)
-        if optimizer_type != "adamw":
-            raise UserError(f"optimizer {optimizer_type!r} is not supported; this backend supports: adamw")
+        optimizers.check_kind(optimizer_type)
         config = LoraConfig(**{"rank": 32, **{k: v for k, v in (lora or {}).items() if v is not None}})
         if not 1 <= config.rank <= 512:
             raise UserError(f"lora rank must be from 1 to 512, got {config.rank}")
@@ -346,7 +345,7 @@ class Service:
                                     lora_config=vars(config), user_metadata=dict(user_metadata or {})))
 
         def run(engine: Engine):
-            engine.create_adapter(model_id, config)
+            engine.create_adapter(model_id, config, optimizer_type)
             return _json({"model_id": model_id, "type": "create_model"})
 
         job = Job(_new_id(), model_id, base, seq=None, run=run)
@@ -384,7 +383,7 @@ class Service:
         return self._submit(tenant, kind, _train_key(model_id, seq_id), job, ordered=True, session_id=run.session_id,
                             tokens=tokens)
 
-    def optim_step(self, tenant: str, model_id: str, seq_id: int | None, params: AdamParams) -> FutureRow:
+    def optim_step(self, tenant: str, model_id: str, seq_id: int | None, params: AdamParams | DimuonParams) -> FutureRow:
         run = self._live_run(tenant, model_id)
         self._touch(model_id)
 
@@ -453,8 +452,14 @@ class Service:
 
     def load_weights(self, tenant: str, path: str, with_optimizer: bool, model_id: str | None = None,
                      seq_id: int | None = None, session_id: str | None = None, model_seq_id: int | None = None,
-                     user_metadata: dict | None = None) -> FutureRow:
-        """Legacy load_state into an existing run, or create a new run from a checkpoint."""
+                     user_metadata: dict | None = None, optimizer_type: str | None = None) -> FutureRow:
+        """Legacy load_state into an existing run, or create a new run from a checkpoint.
+
+        optimizer_type: the optimizer for a weights-only load (default AdamW); with the optimizer
+        state the run keeps the one it was saved with.
+        """
+        if optimizer_type is not None:
+            optimizers.check_kind(optimizer_type)
         checkpoint = self._checkpoint(tenant, path)
         source = self.store.get(ModelRow, checkpoint.model_id)
         if model_id is None:  # create-via-load
@@ -476,7 +481,8 @@ class Service:
 
         def load(engine: Engine):
             with self.storage.open(checkpoint.directory, self.settings.encryption_key, path) as plain:
-                engine.load_state(target, plain, with_optimizer=with_optimizer and checkpoint.kind == "training")
+                engine.load_state(target, plain, with_optimizer=with_optimizer and checkpoint.kind == "training",
+                                  optimizer=optimizer_type)
             return _json({"path": path, "model_id": target, "type": "load_weights"})
 
         job = Job(_new_id(), target, source.base_model, seq=seq, run=load)

@@ -17,7 +17,7 @@ from kernel_backend.api import wire
 from kernel_backend.api.auth import operator_of, tenant_of
 from kernel_backend.service import Service
 from kernel_backend.store import FutureRow
-from kernel_backend.types import AdamParams, UserError
+from kernel_backend.types import UserError
 
 router = APIRouter(prefix="/api/v1")
 
@@ -147,11 +147,7 @@ async def forward_backward(request: Request, tenant: str = Depends(tenant_of), s
 
 @router.post("/optim_step")
 def optim_step(body: T.OptimStepRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    if not isinstance(body.optim_params, T.AdamParams):
-        raise UserError(f"optimizer {getattr(body.optim_params, 'type', '?')!r} is not supported; this backend supports: adamw")
-    p = body.optim_params
-    params = AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
-    return _future(svc.optim_step(tenant, body.model_id, body.seq_id, params))
+    return _future(svc.optim_step(tenant, body.model_id, body.seq_id, wire.optim_params(body.optim_params)))
 
 
 @router.post("/save_weights")
@@ -176,7 +172,8 @@ def save_weights_for_sampler(body: T.SaveWeightsForSamplerRequest, tenant: str =
 @router.post("/load_weights")
 def load_weights(body: T.LoadWeightsRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
     row = svc.load_weights(tenant, body.path, body.optimizer, body.model_id, body.seq_id, body.session_id,
-                           body.model_seq_id, body.user_metadata)
+                           body.model_seq_id, body.user_metadata,
+                           body.optimizer_config.type if body.optimizer_config else None)
     return _future(row)
 
 
