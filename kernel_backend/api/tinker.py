@@ -3,7 +3,7 @@
 Request bodies are parsed with the SDK's own pydantic request types, so what the official
 client sends is what we accept; forward_backward arrives as protobuf (see `wire`). Queued
 work answers an UntypedAPIFuture `{request_id, model_id?, sample_sequence_ids?}` that the
-client polls with /retrieve_future.
+client polls with /retrieve_future. The RestClient's and AdminClient's calls are in `rest`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from tinker import types as T
 
 from kernel_backend.api import wire
-from kernel_backend.api.auth import operator_of, tenant_of
-from kernel_backend.service import Service, checkpoints, sampling, sessions, training
+from kernel_backend.api.auth import Caller, caller_of, operator_of, tenant_of
+from kernel_backend.service import Service, accounts, checkpoints, sampling, sessions, training
 from kernel_backend.store import FutureRow
 from kernel_backend.types import UserError
 
@@ -67,8 +67,15 @@ def healthz():
 
 @router.post("/client/config")
 def client_config(tenant: str = Depends(tenant_of)):
+    # JWT auth on: the SDK exchanges its key at /auth/token for short-lived JWTs (and whoami() reads them).
     # Plain JSON bodies and unchunked forward_backward are what this server handles best.
-    return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False}
+    return {"pjwt_auth_enabled": True, "proto_compress_fwdbwd": False}
+
+
+@router.post("/auth/token")
+def auth_token(caller: Caller = Depends(caller_of), svc: Service = Depends(service)):
+    """Exchange an API key (or a JWT still valid) for a fresh short-lived JWT."""
+    return accounts.auth_token(svc, caller.tenant, caller.key_id)
 
 
 @router.post("/telemetry")
@@ -78,7 +85,8 @@ def telemetry(tenant: str = Depends(tenant_of)):
 
 @router.post("/create_session")
 def create_session(body: T.CreateSessionRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    return sessions.create_session(svc, tenant, body.tags, body.user_metadata, body.sdk_version, body.display_name)
+    return sessions.create_session(svc, tenant, body.tags, body.user_metadata, body.sdk_version, body.display_name,
+                                   body.project_id)
 
 
 @router.post("/session_heartbeat")
@@ -92,7 +100,7 @@ async def finish_session(session_id: str, request: Request, tenant: str = Depend
     body = await json_body(request, default={})
     if not isinstance(body, dict):
         raise UserError("the finish body must be a JSON object {reason?, detail?}")
-    return sessions.finish_session(svc, tenant, session_id, body.get("reason"))
+    return sessions.finish_session(svc, tenant, session_id, body.get("reason"), body.get("detail"))
 
 
 @router.get("/sessions/{session_id}")
@@ -170,6 +178,14 @@ def save_weights_for_sampler(body: T.SaveWeightsForSamplerRequest, tenant: str =
     return _future(row)
 
 
+@router.post("/save_weights_external")
+def save_weights_external(body: T.SaveWeightsExternalRequest, tenant: str = Depends(tenant_of),
+                          svc: Service = Depends(service)):
+    row = checkpoints.save_weights(svc, tenant, body.model_id, body.seq_id, body.path, "external", True,
+                                   body.ttl_seconds, age_recipients=body.age_encryption_recipients)
+    return _future(row)
+
+
 @router.post("/load_weights")
 def load_weights(body: T.LoadWeightsRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
     row = checkpoints.load_weights(svc, tenant, body.path, body.optimizer, body.model_id, body.seq_id, body.session_id,
@@ -215,45 +231,3 @@ async def retrieve_future(body: T.FutureRetrieveRequest, tenant: str = Depends(t
     if row.status == "interrupted":  # 410: the SDK submits the request again
         return Response(content=row.result, media_type=row.content_type, status_code=410)
     return Response(content=row.result, media_type=row.content_type)
-
-
-# ---- REST: runs, checkpoints ---------------------------------------------------------------------------
-
-
-@router.get("/training_runs")
-def training_runs(limit: int = Limit(20), offset: int = Offset, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    return training.training_runs(svc, tenant, limit, offset)
-
-
-@router.get("/training_runs/{model_id}")
-def training_run(model_id: str, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    return training.training_run(svc, tenant, model_id)
-
-
-@router.get("/training_runs/{model_id}/checkpoints")
-def run_checkpoints(model_id: str, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    return checkpoints.checkpoints(svc, tenant, model_id)
-
-
-@router.delete("/training_runs/{model_id}/checkpoints/{segment}/{name}")
-def delete_checkpoint(model_id: str, segment: str, name: str, tenant: str = Depends(tenant_of),
-                      svc: Service = Depends(service)):
-    return checkpoints.delete_checkpoint(svc, tenant, model_id, segment, name)
-
-
-@router.put("/training_runs/{model_id}/checkpoints/{segment}/{name}/ttl")
-def set_checkpoint_ttl(model_id: str, segment: str, name: str, body: dict, tenant: str = Depends(tenant_of),
-                       svc: Service = Depends(service)):
-    return checkpoints.set_ttl(svc, tenant, f"tinker://{model_id}/{segment}/{name}", body.get("ttl_seconds"))
-
-
-@router.get("/checkpoints")
-def all_checkpoints(limit: int = Limit(100), offset: int = Offset, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    return checkpoints.checkpoints(svc, tenant, None, limit, offset)
-
-
-@router.post("/weights_info")
-def weights_info(body: dict, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    if not isinstance(body.get("tinker_path"), str):
-        raise UserError("weights_info needs {'tinker_path': 'tinker://...'}")
-    return checkpoints.weights_info(svc, tenant, body["tinker_path"])

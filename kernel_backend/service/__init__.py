@@ -7,11 +7,15 @@ plain dicts; queued work returns a `FutureRow` whose result the client polls wit
     core.py         `Service`, what the others share: the store, checkpoint storage, the scheduler,
                     admission, futures (submit, on_done, retrieve), housekeeping (reap, end_session)
                     and the tenant-checked lookups (session, run, live_run, checkpoint, sampler)
-    sessions.py     create / heartbeat / finish / get / list sessions
+    sessions.py     create / heartbeat / finish / get / list / search sessions; their projects; traces
     training.py     training runs: create_model, get_info, forward_backward, optim_step; run listings
-    checkpoints.py  save_state, save_weights_for_sampler, load_state; checkpoint listings, TTL, delete
+    checkpoints.py  save_state, save_weights_for_sampler, save_weights_external, load_state; checkpoint
+                    listings, TTL, delete
+    publishing.py   who else may read a checkpoint: publish / unpublish, copy_weights into a project
+    downloads.py    signed download URLs: external weights' files, session traces
     sampling.py     sampling sessions and sample; `generate` for the OpenAI-compatible endpoint
-    accounts.py     the ledger: usage and per-session reports
+    accounts.py     the ledger and the audit log: usage and per-session reports, billing, storage usage,
+                    the audit log; the auth JWTs (whoami)
 
 Each concern module is plain functions that take the `Service` first: `training.optim_step(svc, ...)`.
 """

@@ -12,6 +12,9 @@ checkpoints, sampling, accounts), as plain functions that take the `Service` fir
 Errors: `UserError` for bad input (the router answers 400), `NotFound` for ids the caller cannot
 see (404, also for another tenant's ids), `Gone` (410), `RateLimited` (429) from admission
 (kernel_backend/admission.py), which every function that queues work calls first.
+
+Every change to a session, run, checkpoint or project writes an audit row (`audit`), in the same
+transaction as the change where the change is an insert.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import logging
 import threading
 import uuid
 
-from kernel_backend import keys, lora, models
+from kernel_backend import keys, lora, models, signing
 from kernel_backend.admission import Admission
 from kernel_backend.config import Settings
 from kernel_backend.engine import Engine
@@ -35,6 +38,7 @@ from kernel_backend.store import (
     CheckpointRow,
     FutureRow,
     ModelRow,
+    AuditRow,
     SamplerRow,
     SessionRow,
     Store,
@@ -43,7 +47,7 @@ from kernel_backend.store import (
     parse_tinker_path,
     utc,
 )
-from kernel_backend.types import LoraConfig
+from kernel_backend.types import LoraConfig, UserError
 
 log = logging.getLogger("stepwise.service")
 
@@ -53,6 +57,8 @@ PROTO_TYPE = "application/x-protobuf"
 POLL_HOLD_S = 20.0
 # Request types whose ledger rows belong to a sampler, not a training run.
 SAMPLER_REQUESTS = ("Sample", "ChatCompletion", "Completion")
+# The project of a session created without one.
+DEFAULT_PROJECT = "default"
 
 
 class NotFound(LookupError):
@@ -81,6 +87,17 @@ def iso(t: dt.datetime) -> str:
     return utc(t).isoformat()
 
 
+def user_urn(tenant: str) -> str:
+    """How the Tinker API names a principal (whoami, owners, audit actors); here a tenant is one user."""
+    return f"tml:user:{tenant}"
+
+
+def audit(tenant: str, event: str, actor: str | None, **details) -> AuditRow:
+    """An audit-log row for `tenant`, whose resource it is: `event` is <resource>_<action>, `actor` the
+    tenant that acted (another one when it read a published checkpoint; None: the server's housekeeping)."""
+    return AuditRow(tenant=tenant, event=event, details={"actor": user_urn(actor) if actor else "system", **details})
+
+
 class Service:
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings or Settings()
@@ -89,6 +106,7 @@ class Service:
         self.storage = CheckpointStorage(self.settings.checkpoints_dir, self.settings.storage_url)
         self.prices = Prices(self.settings.prices_path or None)
         self.admission = Admission(self.settings, self.store, self.adapter_bytes)
+        self.signing_key = signing.server_secret(self.store, self.settings.signing_key)
         self._bytes_per_rank: dict[tuple, int] = {}
         self.scheduler = Scheduler(
             load_engine=lambda name: Engine(name, self.settings),
@@ -164,8 +182,11 @@ class Service:
         cutoff = now() - dt.timedelta(seconds=self.settings.session_timeout_s)
         for session in self.store.list(SessionRow, SessionRow.status == "active", SessionRow.last_heartbeat < cutoff):
             self.end_session(session.id, "expired")
+            self.store.add(audit(session.tenant, "session_expired", None, session_id=session.id))
         for checkpoint in self.store.list(CheckpointRow, CheckpointRow.expires_at.is_not(None), CheckpointRow.expires_at < now()):
             self.store.delete_checkpoint(checkpoint)
+            self.store.add(audit(checkpoint.tenant, "checkpoint_expired", None, tinker_path=checkpoint.tinker_path,
+                                 model_id=checkpoint.model_id))
             self.storage.delete(checkpoint.directory)
 
     def end_session(self, session_id: str, status: str) -> None:
@@ -272,8 +293,11 @@ class Service:
         return row
 
     def live_run(self, tenant: str, model_id: str) -> ModelRow:
-        """A run that can still train: its session is active."""
+        """A run that can still train: not a copy, and its session is active."""
         row = self.run(tenant, model_id)
+        if row.copied_from:
+            raise UserError(f"training run {model_id} holds a copy of {row.copied_from} and cannot be trained; "
+                            "train a new run from it: create_training_client_from_state(path)")
         session = self.store.get(SessionRow, row.session_id)
         if session.status != "active":
             raise Gone(f"training run {model_id} belongs to a session that has {session.status}; its adapter was freed. "

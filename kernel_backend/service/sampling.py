@@ -13,7 +13,7 @@ import json
 from kernel_backend import admission, models
 from kernel_backend.engine import Engine
 from kernel_backend.metering import Usage
-from kernel_backend.service.checkpoints import SNAPSHOTS_PER_RUN
+from kernel_backend.service.checkpoints import SNAPSHOTS_PER_RUN, loadable
 from kernel_backend.service.core import PROTO_TYPE, NotFound, Service, json_result, new_id
 from kernel_backend.scheduler import Job
 from kernel_backend.store import CheckpointRow, FutureRow, ModelRow, SamplerRow
@@ -26,7 +26,7 @@ def create_sampling_session(svc: Service, tenant: str, session_id: str, seq: int
     sampler_id = f"{session_id}:sample:{seq}"
     if svc.store.get(SamplerRow, sampler_id) is None:
         if model_path:
-            checkpoint = svc.checkpoint(tenant, model_path)
+            checkpoint = loadable(svc, tenant, model_path, "sampling")
             run = svc.store.get(ModelRow, checkpoint.model_id)
             base = run.base_model
             svc.admission.adapter(tenant, base, run.lora_config, training=False)
@@ -47,6 +47,7 @@ def get_sampler(svc: Service, tenant: str, sampler_id: str) -> dict:
 def sample(svc: Service, tenant: str, sampler_id: str, seq_id: int, prompt: list[int], num_samples: int,
            params: SamplingParams, prompt_logprobs: bool, topk_prompt_logprobs: int, encode) -> FutureRow:
     sampler = svc.sampler(tenant, sampler_id)
+    check_still_published(svc, tenant, sampler)
     tokens = check_sampling(svc, sampler.base_model, prompt, num_samples, params, topk_prompt_logprobs)
     request_id = new_id()
 
@@ -60,6 +61,13 @@ def sample(svc: Service, tenant: str, sampler_id: str, seq_id: int, prompt: list
     ids = [f"{request_id}:{i}" for i in range(num_samples)]
     return svc.submit(tenant, "Sample", f"sample:{sampler_id}:{seq_id}", job, ordered=False,
                       extra={"sample_sequence_ids": ids}, session_id=sampler.session_id, tokens=tokens)
+
+
+def check_still_published(svc: Service, tenant: str, sampler: SamplerRow) -> None:
+    """A sampler of another tenant's checkpoint samples only while its owner keeps it published."""
+    checkpoint = svc.store.checkpoint_by_path(sampler.model_path) if sampler.model_path else None
+    if checkpoint is not None and checkpoint.tenant != tenant and not checkpoint.public:
+        raise NotFound(f"no checkpoint at {sampler.model_path}: its owner no longer publishes it")
 
 
 def check_sampling(svc: Service, base_model: str, prompt: list[int], num_samples, params: SamplingParams,
@@ -97,7 +105,7 @@ def openai_model(svc: Service, tenant: str, model: str) -> tuple[str, str | None
     """'base', 'tinker://...' or 'base;tinker://...' -> (base model, checkpoint path or None)."""
     base, _, path = model.partition(";") if ";" in model else (("", "", model) if model.startswith("tinker://") else (model, "", ""))
     if path:
-        checkpoint = svc.checkpoint(tenant, path)
+        checkpoint = loadable(svc, tenant, path)
         run_base = svc.store.get(ModelRow, checkpoint.model_id).base_model
         if base and svc.model_name(base) != run_base:
             raise UserError(f"{path} was trained on {run_base}, not {base}")
@@ -110,7 +118,8 @@ def openai_model(svc: Service, tenant: str, model: str) -> tuple[str, str | None
 
 def openai_models(svc: Service, tenant: str) -> list[str]:
     names = list(dict.fromkeys([*models.available_models(), *svc.scheduler.engines]))
-    samplers = svc.store.list(CheckpointRow, CheckpointRow.tenant == tenant, order=CheckpointRow.created_at)
+    samplers = svc.store.list(CheckpointRow, CheckpointRow.tenant == tenant, CheckpointRow.kind != "external",
+                              order=CheckpointRow.created_at)
     return names + [c.tinker_path for c in samplers]
 
 

@@ -6,12 +6,15 @@ its requests run in the client's seq_id order. Saving and loading its weights is
 
 from __future__ import annotations
 
+from sqlalchemy import select
+
 from kernel_backend import admission, models, optimizers
 from kernel_backend.engine import Engine, Pass
 from kernel_backend.service.checkpoints import checkpoint_json
-from kernel_backend.service.core import PROTO_TYPE, Service, iso, json_result, new_id, train_key
+from kernel_backend.service import sessions
+from kernel_backend.service.core import PROTO_TYPE, Service, audit, iso, json_result, new_id, train_key
 from kernel_backend.scheduler import Job
-from kernel_backend.store import CheckpointRow, FutureRow, ModelRow, now
+from kernel_backend.store import CheckpointRow, FutureRow, ModelRow, SessionRow, now
 from kernel_backend.types import AdamParams, Datum, DimuonParams, LoraConfig, UserError
 
 
@@ -28,7 +31,9 @@ def create_model(svc: Service, tenant: str, session_id: str, model_seq_id: int, 
     if svc.store.get(ModelRow, model_id) is None:
         svc.admission.adapter(tenant, base, vars(config), training=True)
         svc.store.add(ModelRow(id=model_id, session_id=session_id, tenant=tenant, base_model=base,
-                               lora_config=vars(config), user_metadata=dict(user_metadata or {})))
+                               lora_config=vars(config), user_metadata=dict(user_metadata or {})),
+                      audit(tenant, "training_run_created", tenant, model_id=model_id, base_model=base,
+                            lora_rank=config.rank))
 
     def run(engine: Engine):
         engine.create_adapter(model_id, config, optimizer_type)
@@ -108,8 +113,13 @@ def training_run_json(svc: Service, run: ModelRow) -> dict:
     }
 
 
-def training_runs(svc: Service, tenant: str, limit: int, offset: int) -> dict:
-    where = (ModelRow.tenant == tenant,)
+def training_runs(svc: Service, tenant: str, limit: int, offset: int, project_id: str | None = None) -> dict:
+    """The tenant's runs, newest first; with `project_id`, only those whose session is in that project."""
+    where = [ModelRow.tenant == tenant]
+    if project_id is not None:
+        in_project = select(SessionRow.id).where(SessionRow.tenant == tenant,
+                                                 sessions.project_column() == sessions.check_project_id(project_id))
+        where.append(ModelRow.session_id.in_(in_project))
     rows = svc.store.list(ModelRow, *where, order=ModelRow.created_at.desc(), limit=limit, offset=offset)
     return {
         "training_runs": [training_run_json(svc, r) for r in rows],
