@@ -160,7 +160,8 @@ class Admission:
         """Bytes of each adapter `tenant` holds: its active sessions' training runs and checkpoint samplers."""
         active = select(SessionRow.id).where(SessionRow.tenant == tenant, SessionRow.status == "active")
         with self.store.session() as s:
-            runs = s.execute(select(ModelRow.base_model, ModelRow.lora_config).where(ModelRow.session_id.in_(active))).all()
+            runs = s.execute(select(ModelRow.base_model, ModelRow.lora_config).where(
+                ModelRow.session_id.in_(active), ModelRow.copied_from.is_(None))).all()  # a copy holds no adapter
             samplers = s.execute(
                 select(SamplerRow.base_model, ModelRow.lora_config)
                 .join(CheckpointRow, CheckpointRow.tinker_path == SamplerRow.model_path)

@@ -67,6 +67,11 @@ class Settings:
     # Where checkpoints go: unset, the folder <home>/checkpoints; else any fsspec URL (kernel_backend/storage.py).
     storage_url: str = field(default_factory=lambda: _env("STORAGE_URL", ""))
     max_sample_tokens: int = field(default_factory=lambda: int(_env("MAX_SAMPLE_TOKENS", "4096")))
+    # The secret that signs auth JWTs and download URLs (kernel_backend/signing.py); unset, the server makes
+    # one and keeps it in the database. How long an auth JWT and a signed download URL stay valid.
+    signing_key: str = field(default_factory=lambda: _env("SIGNING_KEY", ""))
+    auth_token_ttl_s: int = field(default_factory=lambda: int(_env("AUTH_TOKEN_TTL_S", "900")))
+    download_url_ttl_s: int = field(default_factory=lambda: int(_env("DOWNLOAD_URL_TTL_S", "3600")))
     # Who samples: "builtin" (kernel_backend/sampler.py, on the engine) or "vllm" (a vLLM worker process in
     # its own venv, kernel_backend/vllm_sampler.py; the venv is built by kernel_backend/vllm_venv.py).
     sampler: str = field(default_factory=lambda: _env("SAMPLER", "builtin"))

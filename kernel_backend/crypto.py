@@ -1,4 +1,5 @@
-"""Encryption at rest of checkpoint files, with a key the operator supplies (STEPWISE_ENCRYPTION_KEY).
+"""Encryption at rest of checkpoint files, with a key the operator supplies (STEPWISE_ENCRYPTION_KEY);
+and age encryption of exported weights to the recipients a user names (save_weights_external).
 
 Each file of a checkpoint folder is sealed with AES-256-GCM (the key is the SHA-256 of the
 operator's secret; a fresh nonce per file; the tag authenticates it). The engine reads and
@@ -81,3 +82,39 @@ def opened(directory: Path, secret: str | None, name: str | None = None, scratch
         yield plain
     finally:
         shutil.rmtree(plain, ignore_errors=True)
+
+
+# ---- age encryption of exported weights (save_weights_external) ---------------------------------------
+
+# The SDK allows at most this many recipients.
+MAX_AGE_RECIPIENTS = 10
+AGE_SUFFIX = ".age"
+
+
+def age_recipients(recipients) -> list:
+    """Parse age recipients (native `age1...` keys or SSH public keys); UserError naming a bad one."""
+    import pyrage
+
+    if not isinstance(recipients, list) or not 1 <= len(recipients) <= MAX_AGE_RECIPIENTS:
+        raise UserError(f"age_encryption_recipients must be a list of 1 to {MAX_AGE_RECIPIENTS} recipients, "
+                        "or null for no encryption")
+    parsed = []
+    for text in recipients:
+        kind = pyrage.x25519 if isinstance(text, str) and text.startswith("age1") else pyrage.ssh
+        try:
+            parsed.append(kind.Recipient.from_str(text if isinstance(text, str) else ""))
+        except Exception:
+            shown = repr(text) if len(repr(text)) <= 80 else repr(text)[:77] + "..."
+            raise UserError(f"age recipient {shown} is neither an age public key (age1...) nor an SSH public key "
+                            "(ssh-ed25519 ... or ssh-rsa ...)") from None
+    return parsed
+
+
+def age_encrypt_folder(directory: Path, recipients: list) -> None:
+    """Encrypt every file of `directory` to the parsed `recipients`, as `<name>.age` (decrypt with
+    `age -d -i <identity>`), removing the plain files."""
+    import pyrage
+
+    for path in sorted(p for p in Path(directory).iterdir() if p.is_file()):
+        path.with_name(path.name + AGE_SUFFIX).write_bytes(pyrage.encrypt(path.read_bytes(), recipients))
+        path.unlink()

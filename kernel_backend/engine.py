@@ -1,7 +1,7 @@
 """The compute owner: one frozen base model on one device, many LoRA adapters over it.
 
 Every training and sampling primitive is a method here: forward, forward_backward (gradients
-accumulate until optim_step), optim_step (AdamW per adapter), sample, compute_logprobs,
+accumulate until optim_step), optim_step (AdamW or Dimuon per adapter, optimizers.py), sample, compute_logprobs,
 save/load of state (weights + optimizer) and of sampler weights.
 
 The engine is not thread-safe: one thread owns it (the scheduler, or a test). Every method
@@ -22,11 +22,12 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernel_backend import lora, losses, models, sampler
+from kernel_backend import lora, losses, models, optimizers, sampler
 from kernel_backend.config import Settings
 from kernel_backend.types import (
     AdamParams,
     Datum,
+    DimuonParams,
     ForwardResult,
     LoraConfig,
     SampleResult,
@@ -35,7 +36,7 @@ from kernel_backend.types import (
 )
 
 # loss_fn_inputs names the engine understands (Tinker's); others are rejected by name.
-KNOWN_INPUTS = ("target_tokens", "weights", "advantages", "logprobs")
+KNOWN_INPUTS = ("target_tokens", "weights", "advantages", "logprobs", "sequence_ratio_mask")
 
 
 @dataclass
@@ -51,10 +52,10 @@ class Pass:
 
 @dataclass
 class _Slot:
-    """An adapter and, when it trains, its optimizer."""
+    """An adapter and, when it trains, its optimizer (AdamW or Dimuon: optimizers.py)."""
 
     adapter: lora.Adapter
-    optimizer: torch.optim.AdamW | None = None
+    optimizer: torch.optim.Optimizer | None = None
     steps: int = 0  # optim_steps applied
 
 
@@ -83,11 +84,12 @@ class Engine:
 
     # ---- adapters ---------------------------------------------------------------------------
 
-    def create_adapter(self, adapter_id: str, config: LoraConfig | None = None) -> None:
+    def create_adapter(self, adapter_id: str, config: LoraConfig | None = None, optimizer: str = "adamw") -> None:
         if adapter_id in self.slots:
             raise UserError(f"adapter {adapter_id!r} already exists")
+        optimizers.check_kind(optimizer)
         adapter = lora.new_adapter(self.model, config or LoraConfig())
-        self._add(adapter_id, adapter, trainable=True)
+        self.slots[adapter_id] = _Slot(adapter, optimizers.create(optimizer, adapter.parameters(), adapter.config.rank))
 
     def delete_adapter(self, adapter_id: str) -> None:
         self.slots.pop(adapter_id, None)
@@ -97,10 +99,6 @@ class Engine:
 
     def adapter_config(self, adapter_id: str) -> LoraConfig:
         return self._slot(adapter_id).adapter.config
-
-    def _add(self, adapter_id: str, adapter: lora.Adapter, trainable: bool) -> None:
-        optimizer = torch.optim.AdamW(adapter.parameters(), foreach=True) if trainable else None
-        self.slots[adapter_id] = _Slot(adapter, optimizer)
 
     def _slot(self, adapter_id: str) -> _Slot:
         try:
@@ -171,7 +169,8 @@ class Engine:
                 lp = torch.cat([x for _, x in mine])
                 inputs = {k: torch.cat([r.inputs[k] for r, _ in mine]) for k in mine[0][0].inputs}
                 try:
-                    loss, metrics = losses.compute_loss(passes[i].loss_fn, lp, inputs, configs[i])
+                    lengths = [len(r.tokens) for r, _ in mine]
+                    loss, metrics = losses.compute_loss(passes[i].loss_fn, lp, inputs, configs[i], lengths)
                     if not math.isfinite(metrics["loss:sum"]):
                         raise UserError(
                             f"the {passes[i].loss_fn} loss is not finite ({metrics['loss:sum']}); check that "
@@ -311,17 +310,17 @@ class Engine:
 
     # ---- optimizer --------------------------------------------------------------------------
 
-    def optim_step(self, adapter_id: str, params: AdamParams | None = None) -> dict[str, float]:
-        """One AdamW step on the gradients accumulated since the last step, then zero them.
+    def optim_step(self, adapter_id: str, params: AdamParams | DimuonParams | None = None) -> dict[str, float]:
+        """One step of the adapter's optimizer on the gradients accumulated since the last step, then zero them.
 
+        `params` must match the optimizer the adapter was created with (AdamParams for AdamW).
         A step that would leave the adapter unusable (non-finite weights or optimizer state, or
         non-finite outputs on a probe input, as an absurd learning rate does) is undone: UserError,
-        and weights, gradients and AdamW state are exactly as they were before the call."""
+        and weights, gradients and optimizer state are exactly as they were before the call."""
         params = params or AdamParams()
         slot = self._slot(adapter_id)
         if slot.optimizer is None:
             raise UserError(f"{adapter_id!r} is a sampler snapshot and cannot be trained")
-        _check_adam(params)
         before = _Snapshot(slot)
         try:
             metrics = self._step(slot, params)
@@ -342,7 +341,8 @@ class Engine:
         tensors = slot.adapter.parameters()
         if not bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all()):
             return "weights non-finite"
-        moments = [v for state in slot.optimizer.state.values() for k, v in state.items() if k != "step"]
+        moments = [v for state in slot.optimizer.state.values() for k, v in state.items()
+                   if k != "step" and torch.is_tensor(v)]
         if moments and not bool(torch.isfinite(torch.stack(torch._foreach_norm(moments))).all()):
             return "optimizer state non-finite"
         probe = torch.arange(1, min(9, self.vocab_size), device=self.model.device)[None]
@@ -350,19 +350,13 @@ class Engine:
             logits = self.model(input_ids=probe, logits_to_keep=1).logits
         return None if bool(torch.isfinite(logits).all()) else "output non-finite"
 
-    def _step(self, slot: _Slot, params: AdamParams) -> dict[str, float]:
+    def _step(self, slot: _Slot, params: AdamParams | DimuonParams) -> dict[str, float]:
+        optimizers.configure(slot.optimizer, params)  # checks params first; raises before any change
         trainable = slot.adapter.parameters()
         grads = [p.grad for p in trainable if p.grad is not None]
         grad_norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))) if grads else 0.0
         if params.grad_clip_norm > 0 and grads:
             torch.nn.utils.clip_grad_norm_(trainable, params.grad_clip_norm, foreach=True)
-        for group in slot.optimizer.param_groups:
-            group.update(
-                lr=params.learning_rate,
-                betas=(params.beta1, params.beta2),
-                eps=params.eps,
-                weight_decay=params.weight_decay,
-            )
         slot.optimizer.step()
         slot.optimizer.zero_grad(set_to_none=True)
         slot.steps += 1
@@ -467,42 +461,47 @@ class Engine:
     # ---- checkpoints ------------------------------------------------------------------------
 
     def save_state(self, adapter_id: str, directory: Path) -> None:
-        """Weights (PEFT format) plus AdamW state, written atomically into `directory`."""
+        """Weights (PEFT format) plus optimizer state, written atomically into `directory`."""
         slot = self._slot(adapter_id)
         with _atomic_dir(directory) as tmp:
             lora.save_peft(slot.adapter, tmp, self.base.name)
-            state = {}
+            state, kind = {}, "adamw"
             if slot.optimizer is not None:
-                for name, p in slot.adapter.named_parameters():
-                    s = slot.optimizer.state.get(p)
-                    if s:
-                        state[f"{name}.exp_avg"] = s["exp_avg"].float().cpu().contiguous()
-                        state[f"{name}.exp_avg_sq"] = s["exp_avg_sq"].float().cpu().contiguous()
-                        state[f"{name}.step"] = torch.as_tensor(s["step"], dtype=torch.float32).reshape(1)
+                state = optimizers.state_tensors(slot.optimizer, slot.adapter.named_parameters())
+                kind = optimizers.kind_of(slot.optimizer)
             save_file(state, tmp / "optimizer.safetensors")
-            (tmp / "stepwise_state.json").write_text(json.dumps({"steps": slot.steps, "lora": asdict(slot.adapter.config)}))
+            meta = {"steps": slot.steps, "lora": asdict(slot.adapter.config), "optimizer": kind}
+            (tmp / "stepwise_state.json").write_text(json.dumps(meta))
 
-    def load_state(self, adapter_id: str, directory: Path, with_optimizer: bool = True) -> None:
-        """Create (or replace) `adapter_id` from a save_state directory."""
+    def load_state(self, adapter_id: str, directory: Path, with_optimizer: bool = True,
+                   optimizer: str | None = None) -> None:
+        """Create (or replace) `adapter_id` from a save_state directory.
+
+        With the optimizer state the run keeps the optimizer it was saved with (`optimizer`, if
+        given, must name the same one); weights alone get a fresh `optimizer` (default AdamW).
+        """
         directory = Path(directory)
         if not (directory / "adapter_model.safetensors").exists():
             raise UserError(f"no saved weights at {directory}")
+        meta_file = directory / "stepwise_state.json"
+        meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+        restore = with_optimizer and (directory / "optimizer.safetensors").exists()
+        saved_kind = meta.get("optimizer", "adamw")  # checkpoints from before Dimuon hold AdamW state
+        if restore and optimizer is not None and optimizer != saved_kind:
+            raise UserError(
+                f"this checkpoint holds {saved_kind} optimizer state, which cannot be restored into a {optimizer} "
+                "optimizer; load the weights alone (create_training_client_from_state) to switch optimizers"
+            )
+        kind = saved_kind if restore else (optimizer or "adamw")
+        optimizers.check_kind(kind)
         adapter = lora.load_peft(self.model, directory, trainable=True)
-        optimizer = torch.optim.AdamW(adapter.parameters(), foreach=True)
+        opt = optimizers.create(kind, adapter.parameters(), adapter.config.rank)
         steps = 0
-        if with_optimizer and (directory / "optimizer.safetensors").exists():
-            state = load_file(directory / "optimizer.safetensors")
-            for name, p in adapter.named_parameters():
-                if f"{name}.exp_avg" in state:
-                    optimizer.state[p] = {
-                        "step": state[f"{name}.step"].reshape(()).clone(),
-                        "exp_avg": state[f"{name}.exp_avg"].to(p.device, p.dtype),
-                        "exp_avg_sq": state[f"{name}.exp_avg_sq"].to(p.device, p.dtype),
-                    }
-            meta = directory / "stepwise_state.json"
-            if meta.exists():
-                steps = json.loads(meta.read_text())["steps"]
-        self.slots[adapter_id] = _Slot(adapter, optimizer, steps)
+        if restore:
+            saved = load_file(directory / "optimizer.safetensors")
+            optimizers.load_state_tensors(opt, adapter.named_parameters(), saved)
+            steps = meta.get("steps", 0)
+        self.slots[adapter_id] = _Slot(adapter, opt, steps)
 
     def save_weights_for_sampler(self, adapter_id: str, directory: Path) -> None:
         """The adapter's weights alone, in PEFT format (what vLLM and peft load)."""
@@ -608,21 +607,6 @@ def _check_range(arr: np.ndarray, vocab_size: int, where: str) -> None:
     if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
         bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
         raise UserError(f"{where} has token id {bad}, outside the vocabulary [0, {vocab_size}); use this model's tokenizer")
-
-
-def _check_adam(p: AdamParams) -> None:
-    for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
-        value = getattr(p, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise UserError(f"adam_params.{name} must be a finite number, got {value!r}")
-    for name in ("learning_rate", "weight_decay", "grad_clip_norm"):
-        if getattr(p, name) < 0:
-            raise UserError(f"adam_params.{name} must be >= 0, got {getattr(p, name)}")
-    if p.eps <= 0:
-        raise UserError(f"adam_params.eps must be > 0, got {p.eps}")
-    for name in ("beta1", "beta2"):
-        if not 0 <= getattr(p, name) < 1:
-            raise UserError(f"adam_params.{name} must be in [0, 1), got {getattr(p, name)}")
 
 
 def _grads_finite(adapter: lora.Adapter) -> bool:

@@ -39,9 +39,19 @@ def create(store: Store, tenant: str, key: str | None = None) -> str:
 
 def tenant_for(store: Store, key: str) -> str | None:
     """The tenant a live key belongs to, or None for an unknown or revoked key."""
+    row = live_key(store, key)
+    return row.tenant if row is not None else None
+
+
+def live_key(store: Store, key: str | None = None, key_id: int | None = None) -> ApiKeyRow | None:
+    """The row of a key that is not revoked, by its plaintext or by its id (the JWTs made for a key name
+    it by id, so revoking the key ends them too); None for an unknown or revoked key."""
     with store.session() as s:
-        row = s.scalars(select(ApiKeyRow).where(ApiKeyRow.key_hash == key_hash(key))).first()
-    return row.tenant if row is not None and row.revoked_at is None else None
+        if key_id is not None:
+            row = s.get(ApiKeyRow, key_id)
+        else:
+            row = s.scalars(select(ApiKeyRow).where(ApiKeyRow.key_hash == key_hash(key))).first()
+    return row if row is not None and row.revoked_at is None else None
 
 
 def list_keys(store: Store) -> list[ApiKeyRow]:

@@ -1,9 +1,10 @@
-"""The five built-in loss functions, with Tinker's semantics.
+"""The built-in loss functions, with Tinker's semantics.
 
 This module owns the loss definitions the engine applies to the model's log-probabilities of
-the target tokens: cross_entropy, importance_sampling, ppo, cispo and dro. It also owns their
-inputs (which `loss_fn_inputs` each needs), their `loss_fn_config` keys and defaults, and the
-metrics they report.
+the target tokens: cross_entropy, importance_sampling, ppo, cispo, dro and gspo. It also owns
+their inputs (which `loss_fn_inputs` each needs), their `loss_fn_config` keys and defaults, and
+the metrics they report. (stable_reinforce, the SDK's other built-in, is not here: Tinker does not
+publish its objective, and it needs stability info the sampler records; docs/tinker-surface.md.)
 
 Every loss is a SUM over tokens, never a mean: Tinker does no length normalisation, so a
 client that wants a mean puts it into `weights` or `advantages` (see
@@ -11,7 +12,9 @@ docs: tinker /losses; reference/peers.md section 7). The engine concatenates all
 batch along dim 0 before calling `compute_loss`, so one call covers the whole batch.
 
 Notation: lp = learner logprob (requires grad), q = sampler logprob (`inputs["logprobs"]`),
-A = advantage, r = exp(lp - q) the per-token importance ratio.
+A = advantage, r = exp(lp - q) the per-token importance ratio, sg[] = stop-gradient.
+A loss with a per-sequence term (gspo) finds each row's datum in `inputs["datum_index"]`,
+which compute_loss adds from the datums' lengths.
 """
 
 from __future__ import annotations
@@ -109,12 +112,46 @@ def dro(logprobs, inputs, config):
     return loss, {"kl_sample_train:mean": _kl_sample_train(logprobs, inputs)}
 
 
+def gspo(logprobs, inputs, config):
+    """L = -sum(min(s_t * A, clip(s_t, lo, hi) * A)): GSPO-token (Zheng et al. 2025), Tinker's variant.
+
+    s = exp(mean over the datum's masked tokens of (lp - q)) is one ratio per sequence (the
+    geometric mean of its token ratios; `sequence_ratio_mask` != 0 marks the tokens it averages).
+    Every token of the datum carries s's value but its own gradient: s_t = sg[s] * exp(lp - sg[lp]),
+    so per-token advantages still work. Clipping that one ratio keeps or drops a whole sequence.
+    """
+    lo, hi = config["clip_low_threshold"], config["clip_high_threshold"]
+    adv, index = inputs["advantages"], inputs["datum_index"]
+    in_ratio = inputs["sequence_ratio_mask"] != 0
+    diff = (logprobs.detach() - inputs["logprobs"])[in_ratio]
+    datums = int(index.max()) + 1 if index.numel() else 0
+    counts = torch.zeros(datums, dtype=logprobs.dtype, device=logprobs.device).index_add_(
+        0, index[in_ratio], torch.ones_like(diff))
+    if (counts == 0).any():
+        empty = int((counts == 0).nonzero()[0])
+        raise UserError(
+            f"gspo: loss_fn_inputs['sequence_ratio_mask'] of data[{empty}] marks no token; mark (with 1) "
+            "the sampled tokens whose ratios make the sequence ratio"
+        )
+    sums = torch.zeros_like(counts).index_add_(0, index[in_ratio], diff)
+    log_ratio = (sums / counts)[index]  # the datum's sequence log-ratio, on each of its rows
+    ratio = torch.exp(log_ratio + logprobs - logprobs.detach())
+    unclipped = ratio * adv
+    clipped = ratio.clamp(lo, hi) * adv
+    loss = -torch.minimum(unclipped, clipped).sum()
+    return loss, {
+        "clip_fraction:mean": _mean((clipped < unclipped).float()),
+        "kl_sample_train:mean": _kl_sample_train(logprobs, inputs),
+    }
+
+
 LOSS_FNS: dict[str, LossFn] = {
     "cross_entropy": cross_entropy,
     "importance_sampling": importance_sampling,
     "ppo": ppo,
     "cispo": cispo,
     "dro": dro,
+    "gspo": gspo,
 }
 
 _RL_INPUTS = ("logprobs", "advantages")
@@ -126,6 +163,7 @@ _REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "ppo": _RL_INPUTS,
     "cispo": _RL_INPUTS,
     "dro": _RL_INPUTS,
+    "gspo": (*_RL_INPUTS, "sequence_ratio_mask"),
 }
 
 # Inputs a caller may leave out, and the value that stands in for them.
@@ -135,17 +173,21 @@ _OPTIONAL_INPUTS: dict[str, dict[str, float]] = {
     "ppo": {},
     "cispo": {},
     "dro": {},
+    "gspo": {},
 }
 
 # loss_fn_config keys and their defaults. ppo and cispo defaults are Tinker's documented ones.
 # Tinker does not publish a default beta for dro; 0.05 is our choice (TuFT uses 0.01), so
-# clients that care should pass beta explicitly.
+# clients that care should pass beta explicitly. gspo's are the GSPO paper's clip range
+# (1 - 3e-4, 1 + 4e-4): a sequence ratio moves far less than a token's, so PPO's 0.8 / 1.2
+# would almost never clip. Tinker's page gives gspo's formula but no defaults: pass them to be sure.
 _DEFAULT_CONFIGS: dict[str, dict[str, float]] = {
     "cross_entropy": {},
     "importance_sampling": {},
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     "dro": {"beta": 0.05},
+    "gspo": {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},
 }
 
 
@@ -153,9 +195,17 @@ _DEFAULT_CONFIGS: dict[str, dict[str, float]] = {
 # What the engine calls
 
 
+# In the SDK's LossFnType but not here: why, and what to use instead.
+_UNSUPPORTED = {
+    "stable_reinforce": "Tinker does not publish its objective; for off-policy data train with ppo or cispo",
+}
+
+
 def _check_name(loss_fn: str) -> None:
     if loss_fn not in LOSS_FNS:
         supported = ", ".join(sorted(LOSS_FNS))
+        if loss_fn in _UNSUPPORTED:
+            raise UserError(f"loss_fn {loss_fn!r} is not supported here: {_UNSUPPORTED[loss_fn]}; supported: {supported}")
         raise UserError(f"unknown loss_fn {loss_fn!r}; supported: {supported}")
 
 
@@ -199,12 +249,14 @@ def compute_loss(
     logprobs: torch.Tensor,
     inputs: dict[str, torch.Tensor],
     config: dict[str, float] | None,
+    lengths: list[int] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Apply `loss_fn` to a batch's target-token logprobs.
 
     logprobs: shape (T,) or (T, K), the datums of a batch concatenated along dim 0.
     inputs: the loss_fn_inputs other than target_tokens, concatenated the same way.
     config: the caller's loss_fn_config (None or {} for the defaults).
+    lengths: each datum's number of rows (summing to T); None means one datum.
     Returns the scalar loss (a sum over all tokens) and metrics keyed "name:reduction",
     always including "loss:sum".
     """
@@ -224,6 +276,12 @@ def compute_loss(
             )
         # Inputs arrive as float32 (or int); compute in the logprobs' dtype and device.
         full[name] = value.to(dtype=logprobs.dtype, device=logprobs.device)
+    lengths = [logprobs.shape[0]] if lengths is None else lengths
+    if sum(lengths) != logprobs.shape[0]:
+        raise ValueError(f"datum lengths {lengths} do not add up to the batch's {logprobs.shape[0]} rows")
+    index = torch.arange(len(lengths), device=logprobs.device)
+    rows = torch.repeat_interleave(index, torch.tensor(lengths, device=logprobs.device))
+    full["datum_index"] = rows.reshape(-1, *[1] * (logprobs.dim() - 1)).expand(logprobs.shape)
 
     loss, metrics = LOSS_FNS[loss_fn](logprobs, full, config)
     return loss, {"loss:sum": float(loss.detach()), **metrics}

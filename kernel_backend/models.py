@@ -7,6 +7,10 @@ server load any other folder. With `NAME=DIR` clients see NAME only, never the f
 is loaded from a plain safetensors directory: the GGUF is converted once into
 `$STEPWISE_HOME/models/<name>/` (about 20 s), later loads take under a second.
 Nothing here downloads from a hub.
+
+A registry model's tokenizer is also placed in this machine's Hugging Face hub cache under the
+model's hub id, because the tinker SDK's SamplingClient.get_tokenizer() loads it by that name
+(`AutoTokenizer.from_pretrained(base_model)`); with HF_HUB_OFFLINE=1 that then answers at once.
 """
 
 from __future__ import annotations
@@ -63,7 +67,9 @@ def resolve(name: str, models_dir: Path, registered: list[str] = ()) -> tuple[st
     Only registry models and the operator's `registered` entries (STEPWISE_BASE_MODELS) resolve."""
     name = ALIASES.get(name, name)
     if name in GGUF_MODELS:
-        return name, _converted_gguf_dir(name, models_dir)
+        directory = _converted_gguf_dir(name, models_dir)
+        place_tokenizer_in_hub_cache(name, directory)
+        return name, directory
     local = registered_models(list(registered))
     if name in local:
         if not (local[name] / "config.json").exists():
@@ -90,6 +96,49 @@ def _converted_gguf_dir(name: str, models_dir: Path) -> Path:
     gguf_dir = Path(spec.origin).parent
     _convert_gguf(gguf_dir, filename, target)
     return target
+
+
+# What the hub cache gets: the tokenizer's files (and config.json, which AutoTokenizer reads to
+# pick the tokenizer class), under a revision id of our own. Files AutoTokenizer would probe for
+# next are marked missing (huggingface_hub's .no_exist markers), so it does not ask the hub.
+HUB_CACHE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json")
+HUB_CACHE_ABSENT = ("added_tokens.json", "special_tokens_map.json", "tokenizer.model")
+HUB_CACHE_REVISION = "0" * 40  # a commit id no hub revision has
+
+
+def place_tokenizer_in_hub_cache(name: str, directory: Path) -> None:
+    """Make `AutoTokenizer.from_pretrained(name)` find `directory`'s tokenizer without a network.
+
+    Only when the cache holds nothing for `name` yet: a real download is never shadowed, and with
+    a network huggingface_hub resolves the hub's own revision and fetches the real files anyway.
+    A read-only cache, or another process placing it first, is no error: there is nothing to do.
+    """
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    repo = Path(HF_HUB_CACHE) / f"models--{name.replace('/', '--')}"
+    if (repo / "refs" / "main").exists():
+        return
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".stepwise-", dir=_made(Path(HF_HUB_CACHE))))
+    except OSError:
+        return
+    try:
+        snapshot = _made(tmp / "snapshots" / HUB_CACHE_REVISION)
+        for file in HUB_CACHE_FILES:
+            if (directory / file).exists():
+                shutil.copy2(directory / file, snapshot / file)
+        absent = _made(tmp / ".no_exist" / HUB_CACHE_REVISION)
+        for file in HUB_CACHE_ABSENT:
+            (absent / file).touch()
+        (_made(tmp / "refs") / "main").write_text(HUB_CACHE_REVISION)
+        tmp.rename(repo)  # atomic: a reader sees no repo folder or a complete one
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _made(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _convert_gguf(gguf_dir: Path, filename: str, target: Path) -> None:

@@ -145,6 +145,32 @@ class CheckpointStorage:
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
 
+    def copy(self, location: str, key: str, name: str) -> str:
+        """Copy the checkpoint at `location` as stored (still sealed, if it is) to `key`; returns the copy's
+        location. The source's manifest is verified first, so a damaged checkpoint is never copied."""
+        fs, path = _fs_of(location)
+        with self.writing(key) as (folder, located):
+            folder.mkdir(parents=True)
+            if fs is None:
+                if not Path(path).is_dir():
+                    raise UserError(f"checkpoint {name} has no files in the store; it cannot be copied")
+                for item in Path(path).iterdir():
+                    shutil.copy2(item, folder / item.name)
+            else:
+                for remote in fs.ls(path, detail=False):
+                    fs.get_file(remote, str(folder / remote.rstrip("/").rsplit("/", 1)[-1]))
+            verify_manifest(folder, name)
+        return located[0]
+
+    def files(self, location: str) -> list[str]:
+        """The names of a checkpoint's files, as stored, without its manifest."""
+        fs, path = _fs_of(location)
+        if not (Path(path).is_dir() if fs is None else fs.exists(path)):
+            return []
+        names = ([p.name for p in Path(path).iterdir() if p.is_file()] if fs is None
+                 else [f.rstrip("/").rsplit("/", 1)[-1] for f in fs.ls(path, detail=False)])
+        return sorted(n for n in names if n != MANIFEST)
+
     def size(self, location: str) -> int:
         fs, path = _fs_of(location)
         return folder_size(Path(path)) if fs is None else int(fs.du(path))

@@ -1,6 +1,7 @@
 """The service's durable record: SQLAlchemy tables and the checkpoint folder.
 
-Tables: sessions, training runs (models), samplers, futures and checkpoints. SQLite under
+Tables: sessions, training runs (models), samplers, futures, checkpoints, the usage ledger, API
+keys, the audit log and the server's secrets. SQLite under
 $STEPWISE_HOME by default; any SQLAlchemy URL (PostgreSQL) through STEPWISE_DATABASE_URL.
 Every row carries its tenant. Futures are keyed by a `dedupe_key` built from the client's
 sequence numbers, so a retried submission finds the original future instead of running twice.
@@ -57,6 +58,10 @@ class SessionRow(Base):
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
     last_heartbeat: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
     status: Mapped[str] = mapped_column(String(16), default="active")  # active | finished | expired
+    project_id: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)  # None: DEFAULT_PROJECT
+    # What the client said when it closed the session (ServiceClient.close): success | errored | interrupted.
+    finish_reason: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    finish_detail: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class ModelRow(Base):
@@ -71,6 +76,10 @@ class ModelRow(Base):
     user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
     last_request_time: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
+    # A run made by copy_weights holds a copy of this checkpoint and cannot be trained.
+    copied_from: Mapped[str | None] = mapped_column(String(1024), nullable=True)
+    # The copy's X-Idempotency-Key: a retried copy_weights finds this run instead of copying again.
+    idempotency_key: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)
 
 
 class SamplerRow(Base):
@@ -108,7 +117,7 @@ class CheckpointRow(Base):
     tinker_path: Mapped[str] = mapped_column(String(1024), unique=True)
     model_id: Mapped[str] = mapped_column(String(128), index=True)
     tenant: Mapped[str] = mapped_column(String(128), index=True)
-    kind: Mapped[str] = mapped_column(String(16))  # training | sampler
+    kind: Mapped[str] = mapped_column(String(16))  # training | sampler | external
     name: Mapped[str] = mapped_column(String(512))
     directory: Mapped[str] = mapped_column(Text)
     size_bytes: Mapped[int] = mapped_column(Integer, default=0)
@@ -150,7 +159,27 @@ class ApiKeyRow(Base):
     revoked_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
-KIND_SEGMENTS = {"training": "weights", "sampler": "sampler_weights"}
+class AuditRow(Base):
+    """The audit log: one row per change to a session, run, checkpoint or project, and per read of a
+    checkpoint by another tenant or for download. Rows belong to the tenant whose resource it is."""
+
+    __tablename__ = "audit"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now, index=True)
+    event: Mapped[str] = mapped_column(String(64))  # <resource>_<action>, e.g. checkpoint_published
+    details: Mapped[dict] = mapped_column(JSON, default=dict)  # who did it (actor) and what it was about
+
+
+class SecretRow(Base):
+    """Secrets the server makes once and every gateway of a deployment shares (the token signing key)."""
+
+    __tablename__ = "secrets"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(String(256))
+
+
+KIND_SEGMENTS = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
 # Checkpoint names: a path segment on every filesystem and object store, readable in a tinker:// path.
 CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 # The longest a checkpoint may be kept by a TTL: ten years (no TTL keeps it until it is deleted).
@@ -192,9 +221,10 @@ class Store:
 
     # ---- generic helpers ----------------------------------------------------------------------
 
-    def add(self, row) -> None:
+    def add(self, *rows) -> None:
+        """Insert rows in one transaction: all or none (a change and its audit row, say)."""
         with self.session.begin() as s:
-            s.add(row)
+            s.add_all(rows)
 
     def get(self, cls, key, tenant: str | None = None):
         """A row by primary key, or None; with `tenant`, another tenant's row is None too."""
@@ -302,15 +332,16 @@ def check_checkpoint_name(name) -> None:
                         "starting with a letter, digit or '_' (for example 'step-000100')")
 
 
-def expiry(ttl_seconds) -> dt.datetime | None:
-    """When a checkpoint kept for `ttl_seconds` expires; None (no TTL) keeps it until deleted."""
+def expiry(ttl_seconds, min_s: int = 1) -> dt.datetime | None:
+    """When a checkpoint kept for `ttl_seconds` expires; None (no TTL) keeps it until deleted. Copies and
+    external weights take at least an hour (min_s=3600), as Tinker documents."""
     from kernel_backend.types import UserError
 
     if ttl_seconds is None:
         return None
-    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or not 1 <= ttl_seconds <= MAX_TTL_S:
-        raise UserError(f"ttl_seconds must be an integer from 1 to {MAX_TTL_S} (ten years), or null for no expiry; "
-                        f"got {ttl_seconds!r}")
+    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or not min_s <= ttl_seconds <= MAX_TTL_S:
+        raise UserError(f"ttl_seconds must be an integer from {min_s} to {MAX_TTL_S} (ten years), or null for no "
+                        f"expiry; got {ttl_seconds!r}")
     return now() + dt.timedelta(seconds=ttl_seconds)
 
 
@@ -319,7 +350,7 @@ def tinker_path(model_id: str, kind: str, name: str) -> str:
 
 
 def parse_tinker_path(path: str) -> tuple[str, str, str]:
-    """'tinker://{model_id}/{weights|sampler_weights}/{name}' -> (model_id, kind, name)."""
+    """'tinker://{model_id}/{weights|sampler_weights|external_weights}/{name}' -> (model_id, kind, name)."""
     from kernel_backend.types import UserError
 
     if not isinstance(path, str) or not path.startswith("tinker://"):
@@ -328,7 +359,7 @@ def parse_tinker_path(path: str) -> tuple[str, str, str]:
     kinds = {v: k for k, v in KIND_SEGMENTS.items()}
     if len(parts) != 3 or parts[1] not in kinds or not parts[0] or not parts[2]:
         raise UserError(
-            f"malformed checkpoint path {path!r}; expected tinker://<training run id>/weights/<name> "
-            "or tinker://<training run id>/sampler_weights/<name>"
+            f"malformed checkpoint path {path!r}; expected tinker://<training run id>/weights/<name>, "
+            "tinker://<training run id>/sampler_weights/<name> or tinker://<training run id>/external_weights/<name>"
         )
     return parts[0], kinds[parts[1]], parts[2]

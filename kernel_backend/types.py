@@ -67,6 +67,21 @@ class AdamParams:
 
 
 @dataclass
+class DimuonParams:
+    """One Dimuon step (Tinker's second optimizer, for LoRA matrices; see optimizers.py).
+
+    The SDK has no default learning rate for Dimuon. tinker 0.38 sends the first three
+    fields; newer SDKs also send damping and rank_lr_correction_exponent (defaults below).
+    """
+
+    learning_rate: float
+    grad_clip_norm: float = 0.0  # <= 0 means no clipping
+    beta1: float = 0.9
+    damping: float = 1e-4
+    rank_lr_correction_exponent: float = 0.175
+
+
+@dataclass
 class ForwardResult:
     """What forward / forward_backward return: per-datum outputs and summed metrics."""
 

@@ -45,8 +45,6 @@ from kernel_backend.types import SampledSequence, SampleResult, SamplingParams, 
 log = logging.getLogger("stepwise.vllm")
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
-# The request types that sample, and so go to vLLM when it is the sampler.
-SAMPLE_REQUESTS = ("Sample", "Completion", "ChatCompletion")
 # LoRA ranks vLLM accepts for max_lora_rank.
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 

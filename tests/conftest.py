@@ -25,7 +25,17 @@ import os
 # Subprocesses the tests start (backend servers) inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+# The backend places the default model's tokenizer in the Hugging Face hub cache, where the SDK's
+# SamplingClient.get_tokenizer() looks (kernel_backend/models.py). A throwaway cache per test run,
+# set before anything imports huggingface_hub (and inherited by the servers), leaves the user's own alone.
+_HF_HUB_CACHE = tempfile.mkdtemp(prefix="stepwise-test-hf-hub-")
+os.environ["HF_HUB_CACHE"] = _HF_HUB_CACHE
+atexit.register(shutil.rmtree, _HF_HUB_CACHE, ignore_errors=True)
 
 import pytest  # noqa: E402
 

@@ -8,6 +8,8 @@ checkpoints and the ledger exactly as they were. (docs/security.md lists the gua
 
 from __future__ import annotations
 
+import datetime as dt
+
 import httpx
 import openai
 import pytest
@@ -177,3 +179,63 @@ def test_messages_leaving_the_server_carry_no_absolute_paths():
     kept = "tinker://run:train:0/weights/step-1, ratio 1/2, a/b"
     assert redact_paths(kept) == kept
     assert b"/srv" not in error_payload("failed at /srv/models/m/config.json", "server")
+
+
+def test_the_rest_and_admin_routes_answer_4xx_to_bad_input_and_change_nothing(api, tinker_server, trained):
+    """publish, copy_weights, save_weights_external, projects, search, billing, audit, downloads and the
+    auth exchange: each bad request is refused with what is wrong, before anything is written."""
+    session, model_id, path = trained
+    before = Unchanged(api, model_id, 200)
+    audit = api.http.get("/audit").json()["entries"]
+    runs = api.http.get("/training_runs", params={"limit": 1000}).json()["cursor"]["total_count"]
+
+    refused(api.http.post(f"/training_runs/{model_id}/checkpoints/bogus/keep/publish"), 400, "malformed checkpoint path")
+    refused(api.http.delete(f"/training_runs/{model_id}/checkpoints/weights/keep/publish"), 400, "already private")
+
+    copy = {"source_path": path, "destination_project_id": "archive"}
+    refused(api.post("/copy_weights", {**copy, "ttl_seconds": 60}), 400, "ttl_seconds", "3600")
+    refused(api.post("/copy_weights", {"source_path": path}), 400, "destination_project_id")
+    refused(api.post("/copy_weights", {**copy, "destination_project_id": "../up"}), 400, "project_id")
+    refused(api.post("/copy_weights", {**copy, "session_id": session}), 400, "either")
+    refused(api.http.post("/copy_weights", json=copy, headers={"X-Tinker-Weights-Access-Token": "t"}), 400, "publish")
+    refused(api.post("/copy_weights", {**copy, "source_path": "tinker://nope"}), 400, "malformed checkpoint path")
+    refused(api.post("/copy_weights", {**copy, "surprise": 1}), 422, "surprise")
+
+    external = {"model_id": model_id, "seq_id": 300, "path": "ext"}
+    refused(api.post("/save_weights_external", {**external, "ttl_seconds": 60}), 400, "ttl_seconds")
+    refused(api.post("/save_weights_external", {**external, "age_encryption_recipients": ["age1nope"]}), 400,
+            "age recipient")
+    refused(api.post("/save_weights_external", {**external, "age_encryption_recipients": []}), 400, "1 to 10")
+    refused(api.post("/save_weights_external", {**external, "path": "../x"}), 400, "not allowed")
+
+    refused(api.http.put(f"/sessions/{session}/project", json={"project_id": "no spaces"}), 400, "project_id")
+    refused(api.http.put(f"/sessions/{session}/project", json=["default"]), 400, "JSON object")
+    refused(api.http.post(f"/sessions/{session}/finish", json={"reason": {"type": "bored"}}), 400, "success")
+    assert api.post("/session_heartbeat", {"session_id": session}).status_code == 200  # still open
+    refused(api.post("/sessions/search", {"limit": 0}), 422, "limit")
+    refused(api.post("/sessions/search", {"display_name": ""}), 422, "display_name")
+    refused(api.post("/sessions/search", {"project_ids": ["a b"]}), 400, "project_id")
+    refused(api.http.get("/training_runs", params={"project_id": "a b"}), 400, "project_id")
+
+    hour = dt.datetime.now(dt.timezone.utc).replace(minute=0, second=0, microsecond=0)
+    windows = {"hour boundary": (hour + dt.timedelta(minutes=1), hour + dt.timedelta(hours=1)),
+               "14 days": (hour - dt.timedelta(days=15), hour),
+               "in the future": (hour + dt.timedelta(hours=2), hour + dt.timedelta(hours=3)),
+               "after starting_on": (hour, hour - dt.timedelta(hours=1))}
+    for needle, (start, end) in windows.items():
+        refused(api.http.get("/billing/usage/events", params={"starting_on": start.isoformat(),
+                                                               "ending_before": end.isoformat()}), 400, needle)
+    refused(api.http.get("/billing/usage/events"), 422, "starting_on")
+    refused(api.http.get("/billing/usage/checkpoints/current", params={"project_id": "a b"}), 400, "project_id")
+    refused(api.http.get("/audit", params={"event_type": "everything"}), 422, "event_type")
+    refused(api.http.get("/audit", params={"day": "yesterday"}), 422, "day")
+
+    refused(api.http.get("/downloads/forged.token.here/adapter_model.safetensors"), 404, "invalid or has expired")
+    trace_url = api.http.get(f"/sessions/{session}/trace_export").json()["url"]
+    token = trace_url.split("/downloads/")[1].split("/")[0]
+    refused(api.http.get(f"/downloads/{token}/adapter_model.safetensors"), 404, "invalid or has expired")
+    refused(httpx.post(tinker_server.base_url + "/api/v1/auth/token", json={}), 401, "missing API key")
+
+    assert api.http.get("/audit").json()["entries"] == audit
+    assert api.http.get("/training_runs", params={"limit": 1000}).json()["cursor"]["total_count"] == runs
+    before.check()

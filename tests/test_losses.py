@@ -1,4 +1,4 @@
-"""The five loss functions against hand-written per-token float64 references.
+"""The built-in loss functions against hand-written per-token float64 references.
 
 Each reference computes the value and the gradient w.r.t. the learner logprobs token by token
 with plain Python floats, independently of torch autograd.
@@ -19,7 +19,7 @@ from kernel_backend.losses import (
 from kernel_backend.types import UserError
 
 TOL = 1e-10
-SUPPORTED = "cispo, cross_entropy, dro, importance_sampling, ppo"
+SUPPORTED = "cispo, cross_entropy, dro, gspo, importance_sampling, ppo"
 
 
 def make_batch(seed, shape=(64,)):
@@ -29,13 +29,15 @@ def make_batch(seed, shape=(64,)):
     q = lp - (torch.rand(shape, generator=g, dtype=torch.float64) - 0.5)
     adv = torch.randn(shape, generator=g, dtype=torch.float64)
     weights = torch.rand(shape, generator=g, dtype=torch.float64)
-    return lp, {"logprobs": q, "advantages": adv, "weights": weights}
+    mask = (torch.rand(shape, generator=g) < 0.7).double()  # gspo's sequence_ratio_mask
+    mask.view(-1)[0] = 1.0
+    return lp, {"logprobs": q, "advantages": adv, "weights": weights, "sequence_ratio_mask": mask}
 
 
-def run(loss_fn, lp, inputs, config=None):
+def run(loss_fn, lp, inputs, config=None, lengths=None):
     """Call compute_loss on a fresh leaf and return (loss value, grad as list, metrics)."""
     lp = lp.clone().requires_grad_(True)
-    loss, metrics = compute_loss(loss_fn, lp, inputs, config)
+    loss, metrics = compute_loss(loss_fn, lp, inputs, config, lengths)
     assert loss.dim() == 0
     loss.backward()
     return loss.item(), lp.grad.flatten().tolist(), metrics
@@ -97,6 +99,26 @@ def ref_dro(lp, q, adv, beta):
     for l, qt, a in zip(lp, q, adv):
         value -= l * a - 0.5 * beta * (l - qt) ** 2
         grad.append(-(a - beta * (l - qt)))
+    return value, grad
+
+
+def ref_gspo(lp, q, adv, mask, lengths, lo, hi):
+    """Per datum: s = exp(mean of (lp - q) over its masked tokens); every token then is PPO's
+    min(s A, clip(s) A) with d(s_t)/d(lp_t) = s (its own logprob's gradient, s's value)."""
+    value, grad, start = 0.0, [], 0
+    for n in lengths:
+        rows = range(start, start + n)
+        marked = [i for i in rows if mask[i] != 0]
+        s = math.exp(sum(lp[i] - q[i] for i in marked) / len(marked))
+        for i in rows:
+            unclipped, clipped = s * adv[i], clip(s, lo, hi) * adv[i]
+            if clipped < unclipped:  # the clip won: a constant, no gradient
+                value -= clipped
+                grad.append(0.0)
+            else:
+                value -= unclipped
+                grad.append(-s * adv[i])
+        start += n
     return value, grad
 
 
@@ -206,6 +228,53 @@ def test_dro_default_and_override():
     assert_close(value, grad, ref_dro(*args, 0.7))
 
 
+def gspo_args(lp, inputs):
+    return flat(lp, inputs["logprobs"], inputs["advantages"], inputs["sequence_ratio_mask"])
+
+
+def test_gspo_default_clip_range():
+    # Three datums; sequence log-ratios of a few tenths lie far outside the default (1 - 3e-4,
+    # 1 + 4e-4), so each datum's tokens are clipped or not by the sign of their advantage.
+    lp, inputs = make_batch(11)
+    lengths = [10, 30, 24]
+    value, grad, metrics = run("gspo", lp, inputs, lengths=lengths)
+    assert_close(value, grad, ref_gspo(*gspo_args(lp, inputs), lengths, 1 - 3e-4, 1 + 4e-4))
+    assert 0 < metrics["clip_fraction:mean"] < 1
+    assert any(g == 0.0 for g in grad) and any(g != 0.0 for g in grad)
+
+
+def test_gspo_ratio_is_per_sequence_with_per_token_gradient():
+    # One datum whose sequence ratio is inside a wide range: every token's gradient is -s * A_t,
+    # the same s for all (even for tokens outside the mask), not its own token ratio.
+    lp, inputs = make_batch(12)
+    cfg = {"clip_low_threshold": 0.1, "clip_high_threshold": 10.0}
+    value, grad, metrics = run("gspo", lp, inputs, cfg)
+    in_ratio = inputs["sequence_ratio_mask"] != 0
+    s = torch.exp((lp - inputs["logprobs"])[in_ratio].mean())
+    assert grad == pytest.approx((-s * inputs["advantages"]).tolist(), abs=TOL)
+    assert_close(value, grad, ref_gspo(*gspo_args(lp, inputs), [lp.numel()], 0.1, 10.0))
+    assert metrics["clip_fraction:mean"] == 0.0
+    # The mask matters: averaging over every token gives another ratio, so another loss.
+    everything = {**inputs, "sequence_ratio_mask": torch.ones_like(lp)}
+    assert run("gspo", lp, everything, cfg)[0] != pytest.approx(value, abs=1e-6)
+
+
+def test_gspo_two_datums_differ_from_one():
+    # The sequence ratio must not leak across datums: splitting the batch changes the value.
+    lp, inputs = make_batch(13)
+    cfg = {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}
+    split = run("gspo", lp, inputs, cfg, lengths=[32, 32])
+    assert_close(split[0], split[1], ref_gspo(*gspo_args(lp, inputs), [32, 32], 0.5, 2.0))
+    assert run("gspo", lp, inputs, cfg)[0] != pytest.approx(split[0], abs=1e-6)
+
+
+def test_gspo_datum_with_empty_mask_is_a_user_error():
+    lp, inputs = make_batch(14, shape=(8,))
+    inputs["sequence_ratio_mask"] = torch.tensor([1, 1, 1, 1, 0, 0, 0, 0], dtype=torch.float64)
+    with pytest.raises(UserError, match=r"data\[1\].*marks no token"):
+        compute_loss("gspo", lp.clone().requires_grad_(True), inputs, None, [4, 4])
+
+
 def test_float32_inputs_are_cast():
     # Inputs usually arrive as float32; the loss follows the logprobs' dtype.
     lp, inputs = make_batch(9)
@@ -241,6 +310,7 @@ def test_required_inputs():
     for name in ("importance_sampling", "ppo", "cispo", "dro"):
         assert set(required_inputs(name)) == {"logprobs", "advantages"}
         assert optional_inputs(name) == {}
+    assert set(required_inputs("gspo")) == {"logprobs", "advantages", "sequence_ratio_mask"}
 
 
 @pytest.mark.parametrize(
@@ -258,10 +328,17 @@ def test_unknown_loss(call):
     assert "'foo'" in str(e.value) and SUPPORTED in str(e.value)
 
 
+def test_stable_reinforce_is_refused_with_the_reason():
+    with pytest.raises(UserError) as e:
+        required_inputs("stable_reinforce")
+    assert "does not publish its objective" in str(e.value) and SUPPORTED in str(e.value)
+
+
 def test_check_config_defaults():
     assert check_config("ppo", None) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
     assert check_config("cispo", {}) == {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
     assert check_config("dro", None) == {"beta": 0.05}
+    assert check_config("gspo", None) == {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4}
     assert check_config("cross_entropy", None) == {}
     assert check_config("ppo", {"clip_high_threshold": 2}) == {"clip_low_threshold": 0.8, "clip_high_threshold": 2.0}
 

@@ -129,8 +129,11 @@ def test_bad_input_gets_a_clear_error_and_changes_nothing(api, tinker_server):
     r = api.post("/create_model", {"session_id": session, "model_seq_id": 7, "base_model": "no/such-model"})
     assert r.status_code == 400 and BASE in r.json()["detail"]
     r = api.post("/optim_step", {"model_id": model_id, "seq_id": next(seq),
-                                 "optimizer_params": {"type": "dimuon", "learning_rate": 0.1}})
-    assert r.status_code == 400 and "adamw" in r.json()["detail"]
+                                 "optimizer_params": {"type": "lion", "learning_rate": 0.1}})
+    assert r.status_code == 400 and "AdamParams or DimuonParams" in r.json()["detail"]
+    r = api.post("/optim_step", {"model_id": model_id, "seq_id": next(seq),
+                                 "optimizer_params": {"type": "dimuon", "learning_rate": 0.1, "nesterov": True}})
+    assert r.status_code == 400 and "nesterov" in r.json()["detail"] and "damping" in r.json()["detail"]
 
     # Bad data inside a valid request: a failed future with category "user" and a message.
     def failed(data, loss_fn="cross_entropy") -> dict:
@@ -140,7 +143,12 @@ def test_bad_input_gets_a_clear_error_and_changes_nothing(api, tinker_server):
         return body["error"]
 
     assert "vocabulary" in failed([datum([1, 2, 10**6])])
-    assert "supported: cispo, cross_entropy, dro, importance_sampling, ppo" in failed(DATA, "kl_magic")
+    assert "supported: cispo, cross_entropy, dro, gspo, importance_sampling, ppo" in failed(DATA, "kl_magic")
+    # Dimuon's params for an AdamW run: the run's optimizer was fixed when it was created.
+    r = api.post("/optim_step", {"model_id": model_id, "seq_id": next(seq),
+                                 "optimizer_params": {"type": "dimuon", "learning_rate": 0.1}})
+    body = api.wait(r.json()["request_id"]).json()
+    assert body["category"] == "user" and "takes AdamParams, not DimuonParams" in body["error"]
     assert "advantages" in failed(DATA, "importance_sampling") or "logprobs" in failed(DATA, "importance_sampling")
     long_tokens = list(np.random.default_rng(0).integers(0, 40000, size=3000))
     assert "over the limit" in failed([datum(long_tokens)] * 3)  # the fixture sets the limit to 8192 tokens

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kernel_backend.api import tinker as tinker_routes
 from kernel_backend.api import openai as openai_routes
+from kernel_backend.api import rest as rest_routes
 from kernel_backend.api import usage as usage_routes
 from kernel_backend.config import Settings
 from kernel_backend.service import Gone, NotFound, RateLimited, Service
@@ -102,6 +103,7 @@ def create_app(settings: Settings | None = None, preload: list[str] | None = Non
 def include_routes(app: FastAPI) -> None:
     """Every route the server answers (create_app's app; tests build the OpenAPI schema from it alone)."""
     app.include_router(tinker_routes.router)
+    app.include_router(rest_routes.router)
     app.include_router(usage_routes.router)
     app.include_router(openai_routes.build_router("/oai/api/v1"))
     app.include_router(openai_routes.build_router("/v1"))

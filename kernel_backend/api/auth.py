@@ -1,17 +1,31 @@
-"""Who is calling: the API key (X-API-Key, or Authorization: Bearer) and the tenant it belongs to.
+"""Who is calling: the credential (X-API-Key, or Authorization: Bearer) and the tenant it belongs to.
 
-Keys live hashed in the database (kernel_backend/keys.py). A missing, malformed, unknown or
-revoked key answers 401 on every route. Operator routes (/admin/...) take only a key of the
-operator's tenant, "local": the key the server was started with (STEPWISE_LOCAL_KEY), or one made
-with `stepwise keys create --tenant local`; any other key answers 403.
+Two kinds of credential are accepted on every route:
+- an API key, `tml-...`: keys live hashed in the database (kernel_backend/keys.py);
+- a short-lived JWT (`eyJ...`) that POST /api/v1/auth/token issued for a key (the SDK exchanges its
+  key for one when client/config says pjwt_auth_enabled, and refreshes it before it expires). It
+  names its key, so revoking the key ends its JWTs at once.
+A missing, malformed, unknown or revoked credential answers 401; an expired or forged JWT answers 401
+with `WWW-Authenticate: Bearer error="invalid_token"`, on which the SDK exchanges its key again.
+Operator routes (/admin/...) take only a credential of the operator's tenant, "local": the key the
+server was started with (STEPWISE_LOCAL_KEY), or one made with `stepwise keys create --tenant local`;
+any other answers 403.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from fastapi import HTTPException, Request
 
-from kernel_backend import keys
+from kernel_backend import keys, signing
 from kernel_backend.keys import LOCAL_TENANT
+
+
+@dataclass
+class Caller:
+    tenant: str
+    key_id: int  # the API key's row, also for a JWT made from it
 
 
 def api_key_of(request: Request) -> str | None:
@@ -24,16 +38,30 @@ def api_key_of(request: Request) -> str | None:
     return None
 
 
-def tenant_of(request: Request) -> str:
+def caller_of(request: Request) -> Caller:
     key = api_key_of(request)
     if not key:
         raise HTTPException(401, "missing API key: send X-API-Key: tml-... (or Authorization: Bearer tml-...)")
+    service = request.app.state.service
+    if key.startswith("eyJ"):
+        claims = signing.verify(service.signing_key, key, "auth")
+        key_id = claims.get("key_id") if claims else None
+        row = keys.live_key(service.store, key_id=key_id) if isinstance(key_id, int) else None
+        if row is None or row.tenant != claims.get("org_id"):
+            raise HTTPException(401, "invalid or expired token: exchange your API key for a new one at "
+                                     "/api/v1/auth/token (the tinker SDK does this by itself)",
+                                headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
+        return Caller(row.tenant, row.id)
     if not key.startswith("tml-"):
         raise HTTPException(401, "malformed API key: keys start with 'tml-'")
-    tenant = keys.tenant_for(request.app.state.service.store, key)
-    if tenant is None:
+    row = keys.live_key(service.store, key)
+    if row is None:
         raise HTTPException(401, "unknown or revoked API key; create one with `stepwise keys create --tenant NAME`")
-    return tenant
+    return Caller(row.tenant, row.id)
+
+
+def tenant_of(request: Request) -> str:
+    return caller_of(request).tenant
 
 
 def operator_of(request: Request) -> str:

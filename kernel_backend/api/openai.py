@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 from kernel_backend.admission import SEED_RANGE
 from kernel_backend.api.auth import tenant_of
 from kernel_backend.api.tinker import service
-from kernel_backend.service import NotFound, Service
+from kernel_backend.service import NotFound, Service, sampling
 from kernel_backend.types import SamplingParams, UserError, redact_paths
 
 
@@ -74,14 +74,15 @@ def build_router(prefix: str) -> APIRouter:
     @router.get("/models")
     def list_models(tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
         return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "stepwise"} for name in svc.openai_models(tenant)
+            {"id": name, "object": "model", "created": 0, "owned_by": "stepwise"}
+            for name in sampling.openai_models(svc, tenant)
         ]}
 
     @router.post("/chat/completions")
     async def chat_completions(body: ChatRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
         try:
-            base, path = svc.openai_model(tenant, body.model)
-            tokenizer = svc.tokenizer(base)
+            base, path = sampling.openai_model(svc, tenant, body.model)
+            tokenizer = sampling.tokenizer(svc, base)
             messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
             prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
             top = (body.top_logprobs or 0) if body.logprobs else 0
@@ -92,8 +93,8 @@ def build_router(prefix: str) -> APIRouter:
     @router.post("/completions")
     async def completions(body: CompletionRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
         try:
-            base, path = svc.openai_model(tenant, body.model)
-            tokenizer = svc.tokenizer(base)
+            base, path = sampling.openai_model(svc, tenant, body.model)
+            tokenizer = sampling.tokenizer(svc, base)
             prompt = body.prompt if isinstance(body.prompt, list) else tokenizer(body.prompt)["input_ids"]
             return await _complete(svc, tenant, body, base, path, prompt, body.logprobs or 0, chat=False)
         except (OpenAIError, UserError, NotFound) as e:
@@ -124,7 +125,7 @@ def _text(content) -> str:
 
 async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, path: str | None,
                     prompt: list[int], top_logprobs: int, chat: bool):
-    tokenizer = svc.tokenizer(base)
+    tokenizer = sampling.tokenizer(svc, base)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     params = SamplingParams(
         max_tokens=body.max_completion_tokens or body.max_tokens or (512 if chat else 16),
@@ -141,18 +142,18 @@ async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, 
             loop.call_soon_threadsafe(queue.put_nowait, (row, token))
 
         # generate() bounds and admits the request as it is called, so bad input is a 400 before the stream starts.
-        task = asyncio.create_task(svc.generate(tenant, request_type, base, path, prompt, body.n, params,
-                                                top_logprobs, on_token=on_token))
+        task = asyncio.create_task(sampling.generate(svc, tenant, request_type, base, path, prompt, body.n, params,
+                                                     top_logprobs, on_token=on_token))
         return StreamingResponse(
             _stream(task, queue, tokenizer, completion_id, created, body.model, body.n, chat, stop or []),
             media_type="text/event-stream",
         )
-    result = await svc.generate(tenant, request_type, base, path, prompt, body.n, params, top_logprobs)
+    result = await sampling.generate(svc, tenant, request_type, base, path, prompt, body.n, params, top_logprobs)
     choices = []
     completion_tokens = 0
     for index, seq in enumerate(result.sequences):
         completion_tokens += len(seq.tokens)
-        visible, finish = _visible(seq, tokenizer, stop or [], svc.eos_ids(base))
+        visible, finish = _visible(seq, tokenizer, stop or [], sampling.eos_ids(svc, base))
         text = tokenizer.decode(visible)
         text = _cut_at_stop(text, stop or [])
         choice = {"index": index, "finish_reason": finish}

@@ -1,9 +1,9 @@
-"""The tinker SDK's wire protocol (tinker 0.38.0), as thin FastAPI routes over `Service`.
+"""The tinker SDK's wire protocol (tinker 0.38.0), as thin FastAPI routes over `kernel_backend.service`.
 
 Request bodies are parsed with the SDK's own pydantic request types, so what the official
 client sends is what we accept; forward_backward arrives as protobuf (see `wire`). Queued
 work answers an UntypedAPIFuture `{request_id, model_id?, sample_sequence_ids?}` that the
-client polls with /retrieve_future.
+client polls with /retrieve_future. The RestClient's and AdminClient's calls are in `rest`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from tinker import types as T
 
 from kernel_backend.api import wire
-from kernel_backend.api.auth import operator_of, tenant_of
-from kernel_backend.service import Service
+from kernel_backend.api.auth import Caller, caller_of, operator_of, tenant_of
+from kernel_backend.service import Service, accounts, checkpoints, sampling, sessions, training
 from kernel_backend.store import FutureRow
-from kernel_backend.types import AdamParams, UserError
+from kernel_backend.types import UserError
 
 router = APIRouter(prefix="/api/v1")
 
@@ -67,8 +67,15 @@ def healthz():
 
 @router.post("/client/config")
 def client_config(tenant: str = Depends(tenant_of)):
+    # JWT auth on: the SDK exchanges its key at /auth/token for short-lived JWTs (and whoami() reads them).
     # Plain JSON bodies and unchunked forward_backward are what this server handles best.
-    return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False}
+    return {"pjwt_auth_enabled": True, "proto_compress_fwdbwd": False}
+
+
+@router.post("/auth/token")
+def auth_token(caller: Caller = Depends(caller_of), svc: Service = Depends(service)):
+    """Exchange an API key (or a JWT still valid) for a fresh short-lived JWT."""
+    return accounts.auth_token(svc, caller.tenant, caller.key_id)
 
 
 @router.post("/telemetry")
@@ -78,12 +85,13 @@ def telemetry(tenant: str = Depends(tenant_of)):
 
 @router.post("/create_session")
 def create_session(body: T.CreateSessionRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    return svc.create_session(tenant, body.tags, body.user_metadata, body.sdk_version, body.display_name)
+    return sessions.create_session(svc, tenant, body.tags, body.user_metadata, body.sdk_version, body.display_name,
+                                   body.project_id)
 
 
 @router.post("/session_heartbeat")
 def session_heartbeat(body: T.SessionHeartbeatRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    return svc.heartbeat(tenant, body.session_id)
+    return sessions.heartbeat(svc, tenant, body.session_id)
 
 
 @router.post("/sessions/{session_id}/finish", openapi_extra={"requestBody": {"content": {"application/json": {
@@ -92,17 +100,17 @@ async def finish_session(session_id: str, request: Request, tenant: str = Depend
     body = await json_body(request, default={})
     if not isinstance(body, dict):
         raise UserError("the finish body must be a JSON object {reason?, detail?}")
-    return svc.finish_session(tenant, session_id, body.get("reason"))
+    return sessions.finish_session(svc, tenant, session_id, body.get("reason"), body.get("detail"))
 
 
 @router.get("/sessions/{session_id}")
 def get_session(session_id: str, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    return svc.get_session(tenant, session_id)
+    return sessions.get_session(svc, tenant, session_id)
 
 
 @router.get("/sessions")
 def list_sessions(limit: int = Limit(20), offset: int = Offset, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    return svc.list_sessions(tenant, limit, offset)
+    return sessions.list_sessions(svc, tenant, limit, offset)
 
 
 @router.get("/admin/stats")
@@ -115,7 +123,7 @@ def admin_stats(tenant: str = Depends(operator_of), svc: Service = Depends(servi
 
 @router.get("/get_server_capabilities")
 def capabilities(tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    return svc.capabilities()
+    return training.capabilities(svc)
 
 
 # ---- training -------------------------------------------------------------------------------------
@@ -124,14 +132,14 @@ def capabilities(tenant: str = Depends(tenant_of), svc: Service = Depends(servic
 @router.post("/create_model")
 def create_model(body: T.CreateModelRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
     lora = body.lora_config.model_dump() if body.lora_config else None
-    row = svc.create_model(tenant, body.session_id, body.model_seq_id, body.base_model, lora,
-                           body.optimizer_config.type, body.user_metadata)
+    row = training.create_model(svc, tenant, body.session_id, body.model_seq_id, body.base_model, lora,
+                                body.optimizer_config.type, body.user_metadata)
     return _future(row)
 
 
 @router.post("/get_info")
 def get_info(body: T.GetInfoRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    return svc.get_info(tenant, body.model_id)
+    return training.get_info(svc, tenant, body.model_id)
 
 
 @router.post("/forward_backward", openapi_extra=PROTOBUF_BODY)
@@ -142,24 +150,20 @@ async def forward_backward(request: Request, tenant: str = Depends(tenant_of), s
         call = wire.forward_backward_from_json(await json_body(request), forward_only=request.url.path.endswith("/forward"))
     else:
         call = wire.decode_forward_backward(await request.body(), request.headers.get("content-encoding"), limit)
-    row = svc.forward_backward(tenant, call.model_id, call.seq_id, call.data, call.loss_fn, call.loss_fn_config,
-                               call.forward_only, wire.encode_forward_backward_output)
+    row = training.forward_backward(svc, tenant, call.model_id, call.seq_id, call.data, call.loss_fn,
+                                    call.loss_fn_config, call.forward_only, wire.encode_forward_backward_output)
     return _future(row)
 
 
 @router.post("/optim_step")
 def optim_step(body: T.OptimStepRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    if not isinstance(body.optim_params, T.AdamParams):
-        raise UserError(f"optimizer {getattr(body.optim_params, 'type', '?')!r} is not supported; this backend supports: adamw")
-    p = body.optim_params
-    params = AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
-    return _future(svc.optim_step(tenant, body.model_id, body.seq_id, params))
+    return _future(training.optim_step(svc, tenant, body.model_id, body.seq_id, wire.optim_params(body.optim_params)))
 
 
 @router.post("/save_weights")
 def save_weights(body: T.SaveWeightsRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    row = svc.save_weights(tenant, body.model_id, body.seq_id, body.path, "training", body.overwrite,
-                           body.ttl_seconds, body.user_metadata)
+    row = checkpoints.save_weights(svc, tenant, body.model_id, body.seq_id, body.path, "training", body.overwrite,
+                                   body.ttl_seconds, body.user_metadata)
     return _future(row)
 
 
@@ -169,16 +173,26 @@ def save_weights_for_sampler(body: T.SaveWeightsForSamplerRequest, tenant: str =
     if body.path is None:
         if body.sampling_session_seq_id is None:
             raise UserError("save_weights_for_sampler needs a path, or a sampling_session_seq_id for an ephemeral sampler")
-        return _future(svc.snapshot_for_sampler(tenant, body.model_id, body.seq_id, body.sampling_session_seq_id))
-    row = svc.save_weights(tenant, body.model_id, body.seq_id, body.path, "sampler", True, body.ttl_seconds,
-                           body.user_metadata)
+        return _future(checkpoints.snapshot_for_sampler(svc, tenant, body.model_id, body.seq_id,
+                                                        body.sampling_session_seq_id))
+    row = checkpoints.save_weights(svc, tenant, body.model_id, body.seq_id, body.path, "sampler", True,
+                                   body.ttl_seconds, body.user_metadata)
+    return _future(row)
+
+
+@router.post("/save_weights_external")
+def save_weights_external(body: T.SaveWeightsExternalRequest, tenant: str = Depends(tenant_of),
+                          svc: Service = Depends(service)):
+    row = checkpoints.save_weights(svc, tenant, body.model_id, body.seq_id, body.path, "external", True,
+                                   body.ttl_seconds, age_recipients=body.age_encryption_recipients)
     return _future(row)
 
 
 @router.post("/load_weights")
 def load_weights(body: T.LoadWeightsRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    row = svc.load_weights(tenant, body.path, body.optimizer, body.model_id, body.seq_id, body.session_id,
-                           body.model_seq_id, body.user_metadata)
+    row = checkpoints.load_weights(svc, tenant, body.path, body.optimizer, body.model_id, body.seq_id, body.session_id,
+                                   body.model_seq_id, body.user_metadata,
+                                   body.optimizer_config.type if body.optimizer_config else None)
     return _future(row)
 
 
@@ -188,13 +202,13 @@ def load_weights(body: T.LoadWeightsRequest, tenant: str = Depends(tenant_of), s
 @router.post("/create_sampling_session")
 def create_sampling_session(body: T.CreateSamplingSessionRequest, tenant: str = Depends(tenant_of),
                             svc: Service = Depends(service)):
-    return svc.create_sampling_session(tenant, body.session_id, body.sampling_session_seq_id, body.base_model,
-                                       body.model_path)
+    return sampling.create_sampling_session(svc, tenant, body.session_id, body.sampling_session_seq_id, body.base_model,
+                                            body.model_path)
 
 
 @router.get("/samplers/{sampler_id}")
 def get_sampler(sampler_id: str, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    return svc.get_sampler(tenant, sampler_id)
+    return sampling.get_sampler(svc, tenant, sampler_id)
 
 
 @router.post("/asample")
@@ -203,8 +217,8 @@ def asample(body: T.SampleRequest, tenant: str = Depends(tenant_of), svc: Servic
         raise UserError("asample needs sampling_session_id and seq_id; create a sampling client first")
     prompt = wire.model_input_tokens(body.prompt.model_dump(mode="json"))
     params = wire.sampling_params_from_json(body.sampling_params.model_dump(mode="json"))
-    row = svc.sample(tenant, body.sampling_session_id, body.seq_id, prompt, body.num_samples, params,
-                     bool(body.prompt_logprobs), body.topk_prompt_logprobs, wire.encode_sample_response)
+    row = sampling.sample(svc, tenant, body.sampling_session_id, body.seq_id, prompt, body.num_samples, params,
+                          bool(body.prompt_logprobs), body.topk_prompt_logprobs, wire.encode_sample_response)
     return _future(row)
 
 
@@ -219,45 +233,3 @@ async def retrieve_future(body: T.FutureRetrieveRequest, tenant: str = Depends(t
     if row.status == "interrupted":  # 410: the SDK submits the request again
         return Response(content=row.result, media_type=row.content_type, status_code=410)
     return Response(content=row.result, media_type=row.content_type)
-
-
-# ---- REST: runs, checkpoints ---------------------------------------------------------------------------
-
-
-@router.get("/training_runs")
-def training_runs(limit: int = Limit(20), offset: int = Offset, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    return svc.training_runs(tenant, limit, offset)
-
-
-@router.get("/training_runs/{model_id}")
-def training_run(model_id: str, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    return svc.training_run(tenant, model_id)
-
-
-@router.get("/training_runs/{model_id}/checkpoints")
-def run_checkpoints(model_id: str, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    return svc.checkpoints(tenant, model_id)
-
-
-@router.delete("/training_runs/{model_id}/checkpoints/{segment}/{name}")
-def delete_checkpoint(model_id: str, segment: str, name: str, tenant: str = Depends(tenant_of),
-                      svc: Service = Depends(service)):
-    return svc.delete_checkpoint(tenant, model_id, segment, name)
-
-
-@router.put("/training_runs/{model_id}/checkpoints/{segment}/{name}/ttl")
-def set_checkpoint_ttl(model_id: str, segment: str, name: str, body: dict, tenant: str = Depends(tenant_of),
-                       svc: Service = Depends(service)):
-    return svc.set_ttl(tenant, f"tinker://{model_id}/{segment}/{name}", body.get("ttl_seconds"))
-
-
-@router.get("/checkpoints")
-def all_checkpoints(limit: int = Limit(100), offset: int = Offset, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    return svc.checkpoints(tenant, None, limit, offset)
-
-
-@router.post("/weights_info")
-def weights_info(body: dict, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    if not isinstance(body.get("tinker_path"), str):
-        raise UserError("weights_info needs {'tinker_path': 'tinker://...'}")
-    return svc.weights_info(tenant, body["tinker_path"])

@@ -19,7 +19,7 @@ from kernel_backend import models
 from kernel_backend.api.auth import tenant_of
 from kernel_backend.api.tinker import service
 from kernel_backend.metering import Usage
-from kernel_backend.service import Service, sessions_report, usage_report
+from kernel_backend.service import Service, accounts
 
 router = APIRouter(prefix="/api/v1/usage")
 
@@ -28,13 +28,13 @@ router = APIRouter(prefix="/api/v1/usage")
 def usage(session_id: str | None = None, training_run_id: str | None = None, since: dt.datetime | None = None,
           until: dt.datetime | None = None, after: int = Query(0, ge=0, le=2**62), limit: int = Query(1000, ge=1, le=10000),
           tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    return usage_report(svc, tenant, session_id, training_run_id, since, until, after, limit)
+    return accounts.usage_report(svc, tenant, session_id, training_run_id, since, until, after, limit)
 
 
 @router.get("/sessions")
 def sessions(active_only: bool = False, limit: int = Query(50, ge=1, le=1000),
              tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    return sessions_report(svc, tenant, active_only, limit)
+    return accounts.sessions_report(svc, tenant, active_only, limit)
 
 
 # Counts an estimate may name: far beyond any real plan, small enough that prices stay finite numbers.

@@ -28,7 +28,7 @@ import zstandard
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
-from kernel_backend.types import Datum, ForwardResult, SampleResult, SamplingParams, UserError
+from kernel_backend.types import AdamParams, Datum, DimuonParams, ForwardResult, SampleResult, SamplingParams, UserError
 
 MAX_DECOMPRESSED_BYTES = 64 << 20  # a zstd body may not expand past this (or the server's body limit)
 MAX_TARGET_K = 1024  # the most targets per position, (N, K) tensors (top-k distillation uses tens)
@@ -342,6 +342,27 @@ def sampling_params_from_json(obj: Any) -> SamplingParams:
         seed=number("seed", None, int),
         stop=stop,
     )
+
+
+def optim_params(params: Any) -> AdamParams | DimuonParams:
+    """optim_step's params as the SDK sends them: `adam_params` {learning_rate, beta1, beta2, eps,
+    weight_decay, grad_clip_norm} (parsed by the SDK's AdamParams), or `optimizer_params` {type:
+    "dimuon", learning_rate, grad_clip_norm, beta1, and from newer SDKs damping and
+    rank_lr_correction_exponent}. Values are checked by kernel_backend.optimizers."""
+    if hasattr(params, "beta2"):  # tinker.types.AdamParams
+        return AdamParams(params.learning_rate, params.beta1, params.beta2, params.eps, params.weight_decay,
+                          params.grad_clip_norm)
+    fields = dict(params.model_dump() if hasattr(params, "model_dump") else params)
+    kind = fields.pop("type", None)
+    if kind != "dimuon":
+        raise UserError(f"optimizer {kind!r} is not supported; send AdamParams or DimuonParams")
+    known = set(DimuonParams.__dataclass_fields__)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise UserError(f"optimizer_params has unknown key(s) {unknown}; DimuonParams has: {', '.join(sorted(known))}")
+    if "learning_rate" not in fields:
+        raise UserError("optimizer_params.learning_rate is required for Dimuon (it has no default)")
+    return DimuonParams(**fields)
 
 
 # ---- results: protobuf ---------------------------------------------------------------------

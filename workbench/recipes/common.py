@@ -114,7 +114,8 @@ def local_tokenizer(base_model: str = DEFAULT_MODEL):
     """The base model's tokenizer from this machine's model store (where the embedded backend keeps it).
 
     TrainingClient.get_tokenizer() asks the backend where its tokenizer is; SamplingClient.get_tokenizer()
-    looks the name up on the Hugging Face hub, which fails offline, so use this with a sampling client."""
+    looks the name up in the Hugging Face hub cache (where the backend places it), which answers at once
+    offline only with HF_HUB_OFFLINE=1; this needs neither."""
     from transformers import AutoTokenizer
 
     from kernel_backend import models

@@ -1,0 +1,276 @@
+"""Accounts: who the caller is, what their work processed and cost, and what they changed.
+
+Read from the ledger (one row per completed request, written with its result), the checkpoint rows
+and the audit log:
+
+    usage_report, sessions_report    the usage API (kernel_backend/api/usage.py) that the workbench
+                                     widgets and the JupyterLab sidebar poll
+    billing_usage                    AdminClient.get_billing_usage: hourly buckets of tokens and cost
+    checkpoint_storage_usage         AdminClient.get_current_checkpoint_storage_usage
+    audit_log                        AdminClient.get_audit_log: a UTC day of the audit log
+    auth_token                       the short-lived JWT the SDK exchanges its API key for (whoami reads it)
+
+A tenant is one user and one organisation here: `user_urn(tenant)`, org id = tenant.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from sqlalchemy import func, select
+
+from kernel_backend import signing
+from kernel_backend.service import sessions
+from kernel_backend.service.checkpoints import checkpoint_json
+from kernel_backend.service.core import Service, iso, user_urn
+from kernel_backend.store import AuditRow, CheckpointRow, ModelRow, SessionRow, UsageRow, now, utc
+from kernel_backend.types import UserError
+
+# The longest window get_billing_usage answers, as Tinker's.
+MAX_BILLING_WINDOW = dt.timedelta(days=14)
+# Ledger token columns -> the billing event each becomes (forward-only passes are metered as prefill).
+BILLING_KINDS = {"train": "training", "prefill": "sampling_prefill", "sample": "sampling_sample"}
+AUDIT_EVENT_TYPES = {"all": None, "checkpoints": "checkpoint_", "projects": "project_", "teams": "team_",
+                     "organizations": "organization_"}
+# The most audit entries one day's answer holds.
+MAX_AUDIT_ENTRIES = 100_000
+BYTES_PER_GB = 10**9
+
+
+def usage_report(svc: Service, tenant: str, session_id: str | None = None, training_run_id: str | None = None,
+                 since: dt.datetime | None = None, until: dt.datetime | None = None, after: int = 0,
+                 limit: int = 1000) -> dict:
+    """Totals by kind and cost, plus the per-request series after ledger row `after` (a cursor)."""
+    from sqlalchemy import select
+
+    where = [UsageRow.tenant == tenant]
+    if session_id:
+        where.append(UsageRow.session_id == session_id)
+    if training_run_id:
+        where.append(UsageRow.model_id == training_run_id)
+    if since:
+        where.append(UsageRow.created_at >= since)
+    if until:
+        where.append(UsageRow.created_at < until)
+    with svc.store.session() as s:
+        per_model = s.execute(_ledger_sums(UsageRow.base_model, *where)).all()
+        rows = list(s.scalars(select(UsageRow).where(*where, UsageRow.id > after).order_by(UsageRow.id).limit(limit)))
+    return {
+        "totals": _totals(svc, per_model),
+        "series": [
+            {
+                "id": r.id, "time": iso(r.created_at), "request_type": r.request_type, "session_id": r.session_id,
+                "training_run_id": r.model_id, "sampler_id": r.sampler_id, "base_model": r.base_model, "step": r.step,
+                "prefill_tokens": r.prefill_tokens, "sample_tokens": r.sample_tokens, "train_tokens": r.train_tokens,
+                "cost": r.cost, "duration_s": r.duration_s, "metrics": r.metrics or {},
+            }
+            for r in rows
+        ],
+        "cursor": rows[-1].id if rows else after,
+        "currency": "USD",
+    }
+
+
+def _ledger_sums(group, *where):
+    """The ledger's sums per value of `group` (a UsageRow column): (group, requests, prefill, sample,
+    train, cost) rows."""
+    from sqlalchemy import func, select
+
+    return (select(group, func.count(), func.sum(UsageRow.prefill_tokens), func.sum(UsageRow.sample_tokens),
+                   func.sum(UsageRow.train_tokens), func.sum(UsageRow.cost))
+            .where(*where).group_by(group))
+
+
+def _totals(svc: Service, per_model) -> dict:
+    """Requests, tokens by kind and cost, from _ledger_sums rows per base model; each kind priced at its
+    model's rate."""
+    by_kind = {kind: {"tokens": 0, "cost": 0.0} for kind in ("prefill", "sample", "train")}
+    requests, cost = 0, 0.0
+    for base_model, count, prefill, sample, train, model_cost in per_model:
+        price = svc.prices.for_model(base_model)
+        requests += count
+        cost += model_cost or 0.0
+        for kind, tokens in (("prefill", prefill), ("sample", sample), ("train", train)):
+            by_kind[kind]["tokens"] += int(tokens or 0)
+            by_kind[kind]["cost"] += int(tokens or 0) * price[kind] / 1e6
+    return {
+        "requests": requests,
+        "prefill_tokens": by_kind["prefill"]["tokens"],
+        "sample_tokens": by_kind["sample"]["tokens"],
+        "train_tokens": by_kind["train"]["tokens"],
+        "cost": cost,
+        "by_kind": by_kind,
+    }
+
+
+def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit: int = 50) -> dict:
+    """One row per session, newest first, for dashboards (the JupyterLab sidebar): its run's base model
+    and rank, optim steps, last loss, tokens and cost, and checkpoints; plus totals of the active ones.
+
+    Computed from the store and the ledger in a few grouped queries, so polling it every second is cheap.
+    """
+    from sqlalchemy import func, select
+
+    where = [SessionRow.tenant == tenant] + ([SessionRow.status == "active"] if active_only else [])
+    with svc.store.session() as s:
+        sessions = list(s.scalars(select(SessionRow).where(*where).order_by(SessionRow.created_at.desc()).limit(limit)))
+        ids = [r.id for r in sessions]
+        runs = list(s.scalars(select(ModelRow).where(ModelRow.session_id.in_(ids)).order_by(ModelRow.created_at)))
+        totals = {row[0]: row[2:] for row in s.execute(_ledger_sums(UsageRow.session_id, UsageRow.session_id.in_(ids)))}
+        steps = dict(s.execute(select(UsageRow.session_id, func.count()).where(
+            UsageRow.session_id.in_(ids), UsageRow.request_type == "OptimStep").group_by(UsageRow.session_id)).all())
+        last_fb = {}  # session -> metrics of its newest forward_backward
+        newest = (select(UsageRow.session_id, func.max(UsageRow.id)).where(
+            UsageRow.session_id.in_(ids), UsageRow.request_type == "ForwardBackward").group_by(UsageRow.session_id))
+        for session_id, row_id in s.execute(newest).all():
+            last_fb[session_id] = (s.get(UsageRow, row_id).metrics or {})
+        checkpoints = list(s.scalars(select(CheckpointRow).where(
+            CheckpointRow.model_id.in_([r.id for r in runs])).order_by(CheckpointRow.created_at.desc())))
+        # The running totals cover every active session, not only the `limit` listed.
+        active = select(SessionRow.id).where(SessionRow.tenant == tenant, SessionRow.status == "active")
+        running = {"sessions": s.scalar(select(func.count()).select_from(active.subquery())),
+                   **_totals(svc, s.execute(_ledger_sums(UsageRow.base_model, UsageRow.session_id.in_(active))).all())}
+
+    runs_of = {i: [r for r in runs if r.session_id == i] for i in ids}
+    session_of_run = {r.id: r.session_id for r in runs}
+    moment = now()
+    rows = []
+    for session in sessions:
+        prefill, sample, train, cost = totals.get(session.id, (0, 0, 0, 0.0))
+        first = runs_of[session.id][0] if runs_of[session.id] else None
+        row = {
+            "session_id": session.id,
+            "status": session.status,
+            "display_name": session.display_name,
+            "created_at": iso(session.created_at),
+            "age_s": round((moment - utc(session.created_at)).total_seconds(), 1),
+            "base_model": first.base_model if first else None,
+            "lora_rank": first.lora_config["rank"] if first else None,
+            "training_run_ids": [r.id for r in runs_of[session.id]],
+            "steps": int(steps.get(session.id, 0)),
+            "last_loss": last_fb.get(session.id, {}).get("loss:sum"),
+            "prefill_tokens": int(prefill or 0),
+            "sample_tokens": int(sample or 0),
+            "train_tokens": int(train or 0),
+            "cost": float(cost or 0.0),
+            "checkpoints": [
+                {**checkpoint_json(c), "training_run_id": c.model_id}
+                for c in checkpoints if session_of_run[c.model_id] == session.id
+            ],
+        }
+        rows.append(row)
+    return {"sessions": rows, "running": running, "currency": "USD"}
+
+
+# ---- billing ----------------------------------------------------------------------------------------
+
+
+def _hour(t: dt.datetime, name: str) -> dt.datetime:
+    t = utc(t).astimezone(dt.timezone.utc)
+    if (t.minute, t.second, t.microsecond) != (0, 0, 0):
+        raise UserError(f"{name} must be on a UTC hour boundary (like 2026-01-31T14:00:00Z), got {t.isoformat()}")
+    return t
+
+
+def billing_usage(svc: Service, tenant: str, starting_on: dt.datetime, ending_before: dt.datetime) -> dict:
+    """Hourly buckets of the tenant's training, prefill and sampled tokens (per base model and session) with
+    their cost at today's prices, and of checkpoints saved, in [starting_on, ending_before)."""
+    start, end = _hour(starting_on, "starting_on"), _hour(ending_before, "ending_before")
+    if start > now():
+        raise UserError(f"starting_on {start.isoformat()} is in the future")
+    if not start < end <= start + MAX_BILLING_WINDOW:
+        raise UserError(f"ending_before must be after starting_on and at most {MAX_BILLING_WINDOW.days} days later")
+    tokens: dict[tuple, int] = {}  # (hour, base model, session, kind) -> tokens
+    with svc.store.session() as s:
+        rows = s.execute(select(UsageRow.created_at, UsageRow.base_model, UsageRow.session_id, UsageRow.train_tokens,
+                                UsageRow.prefill_tokens, UsageRow.sample_tokens)
+                         .where(UsageRow.tenant == tenant, UsageRow.created_at >= start, UsageRow.created_at < end))
+        for created, base_model, session_id, train, prefill, sample in rows:
+            hour = utc(created).replace(minute=0, second=0, microsecond=0)
+            for kind, count in (("train", train), ("prefill", prefill), ("sample", sample)):
+                if count:
+                    key = (hour, base_model, session_id, kind)
+                    tokens[key] = tokens.get(key, 0) + count
+        saved = s.execute(select(AuditRow.created_at, AuditRow.details).where(
+            AuditRow.tenant == tenant, AuditRow.event == "checkpoint_created",
+            AuditRow.created_at >= start, AuditRow.created_at < end)).all()
+    checkpoints: dict[tuple, int] = {}  # (hour, session) -> checkpoints saved
+    for created, details in saved:
+        key = (utc(created).replace(minute=0, second=0, microsecond=0), str(details.get("model_id", "")).split(":")[0])
+        checkpoints[key] = checkpoints.get(key, 0) + 1
+    session_rows = {r.id: r for r in svc.store.list(SessionRow, SessionRow.tenant == tenant, SessionRow.id.in_(
+        sorted({k[2] for k in tokens} | {k[1] for k in checkpoints})))}
+
+    def envelope(hour, base_model, session_id) -> dict:
+        session = session_rows.get(session_id)
+        return {"bucket_start": iso(hour), "bucket_end": iso(hour + dt.timedelta(hours=1)), "base_model": base_model,
+                "user_id": user_urn(tenant), "user_name": tenant, "session_id": session.id if session else None,
+                "project_id": sessions.project_of(session) if session else None}
+
+    events = []
+    for (hour, base_model, session_id, kind), count in tokens.items():
+        rate = svc.prices.for_model(base_model)[kind]
+        info = {"type": BILLING_KINDS[kind], "token_count": count} | ({"cached": False} if kind == "prefill" else {})
+        events.append({**envelope(hour, base_model, session_id), "estimated_cost_usd": count * rate / 1e6,
+                       "effective_rate_usd_per_million_tokens": rate, "event_info": info})
+    for (hour, session_id), count in checkpoints.items():
+        events.append({**envelope(hour, None, session_id), "event_info": {"type": "checkpoint", "count": count}})
+    events.sort(key=lambda e: (e["bucket_start"], -e["event_info"].get("token_count", 0)))
+    return {
+        "data": events,
+        "sessions": {r.id: {"user_metadata": {k: str(v) for k, v in (r.user_metadata or {}).items()} or None}
+                     for r in session_rows.values()},
+        "cost_data_through": None,  # every estimate uses today's price table (kernel_backend/prices.toml)
+    }
+
+
+def checkpoint_storage_usage(svc: Service, tenant: str, project_id: str | None = None) -> dict:
+    """The tenant's checkpoints now, counted and sized per project."""
+    project = sessions.project_column()
+    query = (select(project, func.count(CheckpointRow.id), func.sum(CheckpointRow.size_bytes))
+             .join(ModelRow, ModelRow.id == CheckpointRow.model_id).join(SessionRow, SessionRow.id == ModelRow.session_id)
+             .where(CheckpointRow.tenant == tenant).group_by(project).order_by(project))
+    if project_id is not None:
+        query = query.where(project == sessions.check_project_id(project_id))
+    with svc.store.session() as s:
+        rows = s.execute(query).all()
+    return {
+        "effective_rate_usd_per_gigabyte_month": None,  # storage is not priced here
+        "data": [{"project_id": pid, "org_user_urn": user_urn(tenant), "user_email": None, "user_name": tenant,
+                  "checkpoint_count": int(count), "size_bytes": int(size or 0),
+                  "size_gigabytes": int(size or 0) / BYTES_PER_GB, "estimated_monthly_cost_usd": None}
+                 for pid, count, size in rows],
+    }
+
+
+# ---- the audit log and who is calling ----------------------------------------------------------------
+
+
+def audit_log(svc: Service, tenant: str, event_type: str = "all", day: dt.date | None = None) -> dict:
+    """One UTC day (today by default) of the tenant's audit log, oldest first; `event_type` keeps one
+    resource's events (this server has no teams or organisations to change, so those are empty)."""
+    if event_type not in AUDIT_EVENT_TYPES:
+        raise UserError(f"event_type must be one of {list(AUDIT_EVENT_TYPES)}, got {event_type!r}")
+    start = dt.datetime.combine(day or now().date(), dt.time(), dt.timezone.utc)
+    prefix = AUDIT_EVENT_TYPES[event_type]
+    where = [AuditRow.tenant == tenant, AuditRow.created_at >= start, AuditRow.created_at < start + dt.timedelta(days=1)]
+    if prefix is not None:
+        where.append(AuditRow.event.startswith(prefix))
+    rows = svc.store.list(AuditRow, *where, order=AuditRow.id, limit=MAX_AUDIT_ENTRIES)
+    entries = []
+    for row in rows:
+        details = row.details or {}
+        on_checkpoint = row.event.startswith("checkpoint_")
+        entries.append({"timestamp": iso(row.created_at), "event": row.event, "event_details": details,
+                        "model_id": details.get("model_id") if on_checkpoint else None,
+                        "tinker_path": details.get("tinker_path") if on_checkpoint else None,
+                        "purpose": details.get("purpose") if row.event == "checkpoint_read" else None})
+    return {"entries": entries}
+
+
+def auth_token(svc: Service, tenant: str, key_id: int) -> dict:
+    """A JWT for the caller's API key, valid STEPWISE_AUTH_TOKEN_TTL_S: what the SDK sends instead of the key
+    once client/config enables JWT auth, and what its whoami() decodes (user_urn = sub, org = org_id)."""
+    jwt = signing.sign(svc.signing_key, "auth", svc.settings.auth_token_ttl_s, iss=signing.ISSUER,
+                       sub=user_urn(tenant), org_id=tenant, email="", key_id=key_id)
+    return {"jwt": jwt}

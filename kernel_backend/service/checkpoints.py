@@ -1,0 +1,244 @@
+"""Checkpoints: save_state, save_weights_for_sampler, save_weights_external, load_state, and the REST
+calls on saved ones (list, delete, TTL, weights_info).
+
+Saving and loading are jobs in their run's seq_id order. A checkpoint is a folder in the checkpoint
+store (kernel_backend/storage.py: staged, sealed when encryption is on, put in place atomically)
+plus a row that names it by its tinker:// path. Three kinds:
+
+    weights/           save_state: the adapter (PEFT format) and its optimizer's state
+    sampler_weights/   save_weights_for_sampler: the adapter alone
+    external_weights/  save_weights_external: the adapter alone, in Hugging Face PEFT format (what
+                       `stepwise export` writes), optionally age-encrypted; downloaded through signed
+                       URLs (downloads.py), never loaded by this server
+
+Who else may read a checkpoint (publishing, copies) is in publishing.py.
+"""
+
+from __future__ import annotations
+
+from kernel_backend import crypto, optimizers
+from kernel_backend.engine import Engine
+from kernel_backend.service.core import NotFound, Service, audit, iso, json_result, new_id, train_key
+from kernel_backend.scheduler import Job
+from kernel_backend.storage import folder_size
+from kernel_backend.store import (
+    CheckpointRow,
+    KIND_SEGMENTS,
+    FutureRow,
+    ModelRow,
+    SamplerRow,
+    check_checkpoint_name,
+    expiry,
+    tinker_path,
+)
+from kernel_backend.types import UserError
+
+# How many in-memory sampler snapshots (save_weights_and_get_sampling_client) a run keeps.
+SNAPSHOTS_PER_RUN = 4
+
+
+SAVE_REQUESTS = {"training": ("SaveWeights", "save_weights"), "sampler": ("SaveWeightsForSampler", "save_weights_for_sampler"),
+                 "external": ("SaveWeightsExternal", "save_weights_external")}
+
+
+def save_weights(svc: Service, tenant: str, model_id: str, seq_id: int | None, name: str | None, kind: str,
+                 overwrite: bool = True, ttl_seconds: int | None = None, user_metadata: dict | None = None,
+                 age_recipients: list[str] | None = None) -> FutureRow:
+    """save_state (kind "training": weights + optimizer), save_weights_for_sampler (kind "sampler") or
+    save_weights_external (kind "external": optionally age-encrypted to `age_recipients`)."""
+    run = svc.live_run(tenant, model_id)
+    if name is None:
+        if seq_id is None:
+            raise UserError("save_weights needs a path (the checkpoint's name), or a seq_id to name it after")
+        name = f"{kind}-{seq_id:06d}"
+    check_checkpoint_name(name)
+    # Copies and external weights are kept at least an hour, as Tinker documents for them.
+    expires = expiry(ttl_seconds, min_s=3600 if kind == "external" else 1)
+    recipients = crypto.age_recipients(age_recipients) if age_recipients is not None else None
+    path = tinker_path(model_id, kind, name)
+    key = svc.store.checkpoint_key(tenant, model_id, kind, name)
+    request_type, answer_type = SAVE_REQUESTS[kind]
+
+    def save(engine: Engine):
+        existing = svc.store.checkpoint_by_path(path)
+        if existing is not None and not overwrite:
+            raise UserError(f"checkpoint {path} already exists; pass overwrite=True or pick another name")
+        with svc.storage.writing(key) as (staging, located):
+            if kind == "training":
+                engine.save_state(model_id, staging)
+            else:
+                engine.save_weights_for_sampler(model_id, staging)
+            if kind == "sampler" and svc.vllm is not None:  # registered while the files are plain (before sealing)
+                svc.vllm.add_checkpoint(engine, run.base_model, path, staging)
+            if recipients is not None:
+                crypto.age_encrypt_folder(staging, recipients)
+            if svc.settings.encryption_key:  # sealed before it reaches the store
+                crypto.seal(staging, svc.settings.encryption_key)
+            size = folder_size(staging)
+        if existing is not None:
+            svc.store.delete_checkpoint(existing)
+        svc.store.add(CheckpointRow(tinker_path=path, model_id=model_id, tenant=tenant, kind=kind, name=name,
+                                    directory=located[0], size_bytes=size, expires_at=expires,
+                                    user_metadata=dict(user_metadata or {})),
+                      audit(tenant, "checkpoint_created", tenant, tinker_path=path, model_id=model_id,
+                            size_bytes=size, age_encrypted=recipients is not None))
+        answer = {"path": path, "type": answer_type}
+        return json_result({**answer, "size_bytes": size} if kind == "external" else answer)
+
+    job = Job(new_id(), model_id, run.base_model, seq=seq_id, run=save)
+    return svc.submit(tenant, request_type, train_key(model_id, seq_id), job, ordered=True, session_id=run.session_id)
+
+
+def snapshot_for_sampler(svc: Service, tenant: str, model_id: str, seq_id: int, sampling_session_seq_id: int) -> FutureRow:
+    """save_weights_and_get_sampling_client: an in-memory copy of the weights, with a sampler id."""
+    run = svc.live_run(tenant, model_id)
+    sampler_id = f"{run.session_id}:sample:{sampling_session_seq_id}"
+
+    def snapshot(engine: Engine):
+        engine.snapshot_sampler(model_id, sampler_id)
+        if svc.vllm is not None:
+            svc.vllm.add_snapshot(engine, run.base_model, sampler_id)
+        if svc.store.get(SamplerRow, sampler_id) is None:
+            svc.store.add(SamplerRow(id=sampler_id, session_id=run.session_id, tenant=tenant,
+                                     base_model=run.base_model, source_model_id=model_id))
+        kept = svc.snapshots.setdefault(model_id, [])
+        kept.append(sampler_id)
+        while len(kept) > SNAPSHOTS_PER_RUN:
+            dropped = kept.pop(0)
+            engine.delete_adapter(dropped)
+            if svc.vllm is not None:
+                svc.vllm.remove(dropped)
+        return json_result({"path": None, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
+
+    job = Job(new_id(), model_id, run.base_model, seq=seq_id, run=snapshot)
+    return svc.submit(tenant, "SaveWeightsForSampler", train_key(model_id, seq_id), job, ordered=True,
+                      session_id=run.session_id)
+
+
+def load_weights(svc: Service, tenant: str, path: str, with_optimizer: bool, model_id: str | None = None,
+                 seq_id: int | None = None, session_id: str | None = None, model_seq_id: int | None = None,
+                 user_metadata: dict | None = None, optimizer_type: str | None = None) -> FutureRow:
+    """Legacy load_state into an existing run, or create a new run from a checkpoint.
+
+    optimizer_type: the optimizer for a weights-only load (default AdamW); with the optimizer
+    state the run keeps the one it was saved with.
+    """
+    if optimizer_type is not None:
+        optimizers.check_kind(optimizer_type)
+    checkpoint = loadable(svc, tenant, path, "load_weights")
+    source = svc.store.get(ModelRow, checkpoint.model_id)
+    if model_id is None:  # create-via-load
+        if session_id is None or model_seq_id is None:
+            raise UserError("load_weights needs either model_id, or session_id and model_seq_id")
+        svc.session(tenant, session_id)
+        model_id = f"{session_id}:train:{model_seq_id}"
+        if svc.store.get(ModelRow, model_id) is None:
+            svc.admission.adapter(tenant, source.base_model, source.lora_config, training=True)
+            svc.store.add(ModelRow(id=model_id, session_id=session_id, tenant=tenant, base_model=source.base_model,
+                                   lora_config=source.lora_config,
+                                   user_metadata=dict(user_metadata or source.user_metadata or {})),
+                          audit(tenant, "training_run_created", tenant, model_id=model_id, base_model=source.base_model,
+                                lora_rank=source.lora_config["rank"], from_checkpoint=path))
+        dedupe, seq = f"create_model:{session_id}:{model_seq_id}", None
+    else:
+        run = svc.live_run(tenant, model_id)
+        if run.base_model != source.base_model:
+            raise UserError(f"checkpoint {path} is for {source.base_model}, but {model_id} trains {run.base_model}")
+        dedupe, seq = train_key(model_id, seq_id), seq_id
+    target = model_id
+
+    def load(engine: Engine):
+        with svc.storage.open(checkpoint.directory, svc.settings.encryption_key, path) as plain:
+            engine.load_state(target, plain, with_optimizer=with_optimizer and checkpoint.kind == "training",
+                              optimizer=optimizer_type)
+        return json_result({"path": path, "model_id": target, "type": "load_weights"})
+
+    job = Job(new_id(), target, source.base_model, seq=seq, run=load)
+    session = svc.store.get(ModelRow, target).session_id
+    return svc.submit(tenant, "LoadWeights", dedupe, job, ordered=True, session_id=session)
+
+
+# ---- whose checkpoint: the tenant's own, or one published --------------------------------------------
+
+
+def owned_checkpoint(svc: Service, tenant: str, path: str) -> CheckpointRow:
+    """A checkpoint of this tenant's own: what it may delete, expire, publish or download (404 otherwise,
+    also for another tenant's published one)."""
+    row = svc.checkpoint(tenant, path)
+    if row.tenant != tenant:
+        raise NotFound(f"no checkpoint at {path}")
+    return row
+
+
+def loadable(svc: Service, tenant: str, path: str, purpose: str | None = None) -> CheckpointRow:
+    """A checkpoint `tenant` may load weights from: its own or a published one, of weights or sampler weights.
+    With a `purpose`, a read of another tenant's published checkpoint goes in its owner's audit log."""
+    row = svc.checkpoint(tenant, path)
+    if row.kind == "external":
+        raise UserError(f"{path} holds external weights, which are for download (RestClient.get_external_weights_urls);"
+                        " load a weights/ or sampler_weights/ checkpoint instead")
+    if purpose is not None and row.tenant != tenant:
+        svc.store.add(audit(row.tenant, "checkpoint_read", tenant, tinker_path=path, model_id=row.model_id,
+                            purpose=purpose))
+    return row
+
+
+# ---- REST: saved checkpoints -----------------------------------------------------------------------
+
+
+def checkpoint_json(row: CheckpointRow) -> dict:
+    segment = KIND_SEGMENTS[row.kind]
+    return {
+        "checkpoint_id": f"{segment}/{row.name}",
+        "checkpoint_type": row.kind,
+        "time": iso(row.created_at),
+        "tinker_path": row.tinker_path,
+        "size_bytes": row.size_bytes,
+        "public": row.public,
+        "user_metadata": {k: str(v) for k, v in (row.user_metadata or {}).items()} or None,
+        "expires_at": iso(row.expires_at) if row.expires_at else None,
+    }
+
+
+def checkpoints(svc: Service, tenant: str, model_id: str | None, limit: int = 100, offset: int = 0) -> dict:
+    where = [CheckpointRow.tenant == tenant]
+    if model_id is not None:
+        svc.run(tenant, model_id)
+        where.append(CheckpointRow.model_id == model_id)
+    rows = svc.store.list(CheckpointRow, *where, order=CheckpointRow.created_at.desc(), limit=limit, offset=offset)
+    return {
+        "checkpoints": [checkpoint_json(r) for r in rows],
+        "cursor": {"offset": offset, "limit": limit, "total_count": svc.store.count(CheckpointRow, *where)},
+    }
+
+
+def delete_checkpoint(svc: Service, tenant: str, model_id: str, segment: str, name: str) -> dict:
+    path = f"tinker://{model_id}/{segment}/{name}"
+    row = owned_checkpoint(svc, tenant, path)
+    svc.store.delete_checkpoint(row)
+    svc.store.add(audit(tenant, "checkpoint_deleted", tenant, tinker_path=path, model_id=model_id))
+    svc.storage.delete(row.directory)
+    return {}
+
+
+def set_ttl(svc: Service, tenant: str, path: str, ttl_seconds: int | None) -> dict:
+    row = owned_checkpoint(svc, tenant, path)
+    expires = expiry(ttl_seconds)
+    svc.store.update(CheckpointRow, row.id, expires_at=expires)
+    svc.store.add(audit(tenant, "checkpoint_ttl_set", tenant, tinker_path=path, model_id=row.model_id,
+                        ttl_seconds=ttl_seconds))
+    return checkpoint_json(svc.store.get(CheckpointRow, row.id))
+
+
+def weights_info(svc: Service, tenant: str, path: str) -> dict:
+    row = svc.checkpoint(tenant, path)
+    run = svc.store.get(ModelRow, row.model_id)
+    lora = run.lora_config
+    return {
+        "base_model": run.base_model,
+        "is_lora": True,
+        "lora_rank": lora["rank"],
+        "train_unembed": lora["train_unembed"],
+        "train_mlp": lora["train_mlp"],
+        "train_attn": lora["train_attn"],
+    }

@@ -1,0 +1,349 @@
+"""The service's core: what every concern module shares.
+
+`Service` owns the store (durable rows), the checkpoint storage, the scheduler (the thread that runs
+the engines), admission, and the futures' waiters. It queues work (`submit`), records each outcome
+and its ledger row (`on_done`), answers polls (`retrieve`), expires what is over (`reap`), and looks
+rows up for a tenant (`session`, `run`, `live_run`, `checkpoint`, `sampler`): another tenant's ids
+are `NotFound`, so their existence is not revealed.
+
+What each API call does lives in the concern modules beside this one (sessions, training,
+checkpoints, sampling, accounts), as plain functions that take the `Service` first.
+
+Errors: `UserError` for bad input (the router answers 400), `NotFound` for ids the caller cannot
+see (404, also for another tenant's ids), `Gone` (410), `RateLimited` (429) from admission
+(kernel_backend/admission.py), which every function that queues work calls first.
+
+Every change to a session, run, checkpoint or project writes an audit row (`audit`), in the same
+transaction as the change where the change is an insert.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import logging
+import threading
+import uuid
+
+from kernel_backend import keys, lora, models, signing
+from kernel_backend.admission import Admission
+from kernel_backend.config import Settings
+from kernel_backend.engine import Engine
+from kernel_backend.keys import LOCAL_TENANT
+from kernel_backend.metering import Prices, Usage
+from kernel_backend.scheduler import Job, Scheduler, error_payload
+from kernel_backend.storage import CheckpointStorage
+from kernel_backend.store import (
+    CheckpointRow,
+    FutureRow,
+    ModelRow,
+    AuditRow,
+    SamplerRow,
+    SessionRow,
+    Store,
+    UsageRow,
+    now,
+    parse_tinker_path,
+    utc,
+)
+from kernel_backend.types import LoraConfig, UserError
+from kernel_backend.vllm_sampler import VllmSampling
+
+log = logging.getLogger("stepwise.service")
+
+JSON_TYPE = "application/json"
+PROTO_TYPE = "application/x-protobuf"
+# A long poll answers try_again after this long, well inside the SDK's 45 s timeout.
+POLL_HOLD_S = 20.0
+# Request types whose ledger rows belong to a sampler, not a training run.
+SAMPLER_REQUESTS = ("Sample", "ChatCompletion", "Completion")
+# The project of a session created without one.
+DEFAULT_PROJECT = "default"
+
+
+class NotFound(LookupError):
+    pass
+
+
+class Gone(Exception):
+    """The thing existed but is over: a finished or expired session, an interrupted request (410)."""
+
+
+def json_result(obj: dict) -> tuple[bytes, str]:
+    """A job's reply as JSON bytes and their content type."""
+    return json.dumps(obj).encode(), JSON_TYPE
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def train_key(model_id: str, seq_id: int | None) -> str | None:
+    """A training request's dedupe key: its run and seq_id. Without a seq_id, none: it is new work."""
+    return None if seq_id is None else f"train:{model_id}:{seq_id}"
+
+
+def iso(t: dt.datetime) -> str:
+    return utc(t).isoformat()
+
+
+def user_urn(tenant: str) -> str:
+    """How the Tinker API names a principal (whoami, owners, audit actors); here a tenant is one user."""
+    return f"tml:user:{tenant}"
+
+
+def audit(tenant: str, event: str, actor: str | None, **details) -> AuditRow:
+    """An audit-log row for `tenant`, whose resource it is: `event` is <resource>_<action>, `actor` the
+    tenant that acted (another one when it read a published checkpoint; None: the server's housekeeping)."""
+    return AuditRow(tenant=tenant, event=event, details={"actor": user_urn(actor) if actor else "system", **details})
+
+
+class Service:
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or Settings()
+        self._lock_home()
+        self.store = Store(self.settings.database_url)
+        self.storage = CheckpointStorage(self.settings.checkpoints_dir, self.settings.storage_url)
+        self.prices = Prices(self.settings.prices_path or None)
+        self.admission = Admission(self.settings, self.store, self.adapter_bytes)
+        self.signing_key = signing.server_secret(self.store, self.settings.signing_key)
+        self._bytes_per_rank: dict[tuple, int] = {}
+        self.scheduler = Scheduler(
+            load_engine=lambda name: Engine(name, self.settings),
+            on_done=self.on_done,
+            max_batch_tokens=self.settings.max_batch_tokens,
+        )
+        # STEPWISE_SAMPLER=vllm: sample jobs go to vLLM workers instead of the scheduler (kernel_backend/vllm_sampler.py).
+        if self.settings.sampler not in ("builtin", "vllm"):
+            raise ValueError(f"STEPWISE_SAMPLER must be 'builtin' or 'vllm', not {self.settings.sampler!r}")
+        self.vllm = VllmSampling(self.settings, self.scheduler, self.on_done) if self.settings.sampler == "vllm" else None
+        self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        self._waiters_lock = threading.Lock()
+        # State of one concern each, kept here because it lives as long as the service:
+        self.snapshots: dict[str, list[str]] = {}  # checkpoints: run id -> its in-memory sampler ids, oldest first
+        self.tokenizers: dict[str, object] = {}  # sampling: base model -> tokenizer for the API threads
+        self._fail_interrupted_futures()
+        if cleaned := self.storage.clean_staging():
+            log.info("removed %d scratch folders of interrupted checkpoint writes", cleaned)
+        if self.settings.local_key:
+            keys.create(self.store, LOCAL_TENANT, self.settings.local_key)
+        self._reaper = threading.Thread(target=self._reap_forever, name="stepwise-reaper", daemon=True)
+        self._stopping = threading.Event()
+
+    def _lock_home(self) -> None:
+        """One backend per SQLite home: a second one would mark the first's requests interrupted."""
+        if not self.settings.database_url.startswith("sqlite"):
+            return
+        import fcntl
+
+        self.settings.home.mkdir(parents=True, exist_ok=True)
+        self._home_lock = open(self.settings.home / "backend.lock", "w")
+        try:
+            fcntl.flock(self._home_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(
+                f"another Stepwise backend already uses {self.settings.home}; connect to it (workbench.connect() "
+                "finds it through the files in its runtime/ folder) or set STEPWISE_HOME to another folder"
+            ) from None
+
+    def start(self, preload: list[str] | None = None) -> None:
+        """Load base models (before serving, so the first request is not slow) and start the thread."""
+        registered = models.registered_models(self.settings.base_models)
+        for name in preload if preload is not None else [models.DEFAULT_MODEL, *registered]:
+            self.scheduler.engine(self.model_name(name))
+        self.scheduler.start()
+        if self.vllm is not None:
+            self.vllm.start(list(self.scheduler.engines))
+        self._reaper.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.scheduler.stop()
+        if self.vllm is not None:
+            self.vllm.stop()
+        if self.settings.local_key:  # the embedded backend's key dies with it
+            keys.revoke(self.store, self.settings.local_key)
+
+    def _fail_interrupted_futures(self) -> None:
+        """Futures left pending by a previous process will never finish: mark them interrupted.
+
+        Polling one answers 410, on which the SDK submits the request again (and the resubmission
+        replaces the interrupted row, see Store.insert_future).
+        """
+        for row in self.store.list(FutureRow, FutureRow.status == "pending"):
+            payload = error_payload("the server restarted while this request was in flight; submit it again", "server")
+            self.store.finish_future(row.request_id, "interrupted", payload, JSON_TYPE, keep_s=self.settings.result_ttl_s)
+
+    # ---- housekeeping: expired sessions, expired checkpoints -----------------------------------
+
+    def _reap_forever(self) -> None:
+        while not self._stopping.wait(self.settings.reap_interval_s):
+            try:
+                self.reap()
+            except Exception:
+                log.exception("housekeeping failed; will try again")
+
+    def reap(self) -> None:
+        """Expire sessions that stopped heart-beating (freeing their adapters), expired checkpoints and
+        expired results of finished requests."""
+        self.store.delete_expired_futures()
+        cutoff = now() - dt.timedelta(seconds=self.settings.session_timeout_s)
+        for session in self.store.list(SessionRow, SessionRow.status == "active", SessionRow.last_heartbeat < cutoff):
+            self.end_session(session.id, "expired")
+            self.store.add(audit(session.tenant, "session_expired", None, session_id=session.id))
+        for checkpoint in self.store.list(CheckpointRow, CheckpointRow.expires_at.is_not(None), CheckpointRow.expires_at < now()):
+            self.store.delete_checkpoint(checkpoint)
+            self.store.add(audit(checkpoint.tenant, "checkpoint_expired", None, tinker_path=checkpoint.tinker_path,
+                                 model_id=checkpoint.model_id))
+            self.storage.delete(checkpoint.directory)
+
+    def end_session(self, session_id: str, status: str) -> None:
+        """Mark a session over and free its adapters (on the scheduler thread)."""
+        self.store.update(SessionRow, session_id, status=status)
+        lanes = [r.id for r in self.store.list(ModelRow, ModelRow.session_id == session_id)]
+        lanes += [r.id for r in self.store.list(SamplerRow, SamplerRow.session_id == session_id)]
+        for lane in lanes:
+            def free(engine: Engine, lane=lane):
+                for e in self.scheduler.engines.values():
+                    e.delete_adapter(lane)
+                if self.vllm is not None:
+                    self.vllm.remove(lane)
+                return json_result({})
+            self.scheduler.submit(Job(new_id(), f"free:{lane}", models.DEFAULT_MODEL, seq=None, run=free), ordered=False)
+        log.info("session %s %s; freed %d adapters", session_id, status, len(lanes))
+
+    # ---- futures -------------------------------------------------------------------------------
+
+    def submit(self, tenant: str, request_type: str, dedupe_key: str | None, job: Job, ordered: bool, extra=None,
+               session_id: str | None = None, tokens: int = 0) -> FutureRow:
+        """Admit `tokens` of work and queue the job, or return the original future of a retry.
+
+        `dedupe_key` names the work by the client's sequence numbers; without one (no seq_id) every
+        submission is new work."""
+        job.tenant, job.request_type, job.session_id = tenant, request_type, session_id
+        dedupe_key = dedupe_key or f"once:{job.request_id}"
+        existing = self.store.future_by_key(dedupe_key)
+        if existing is not None and existing.status != "interrupted":
+            return existing  # a retry: admitted when it was first sent
+        self.admission.tokens(tenant, job.request_id, tokens)
+        row = FutureRow(
+            request_id=job.request_id,
+            dedupe_key=dedupe_key,
+            tenant=tenant,
+            request_type=request_type,
+            model_id=job.lane,
+            extra=extra or {},
+        )
+        row, created = self.store.insert_future(row)
+        if created and self.vllm is not None and request_type in SAMPLER_REQUESTS:
+            self.vllm.submit(job)
+        elif created:
+            self.scheduler.submit(job, ordered=ordered)
+        return row
+
+    def on_done(self, job: Job, status: str, payload: bytes, content_type: str) -> None:
+        """Record the outcome and, for a completed request, its ledger row (failures bill nothing)."""
+        if not job.request_type:  # the service's own housekeeping (freeing adapters): no future, no bill
+            return
+        usage = job.usage or Usage()
+        self.admission.settle(job.request_id, usage.prefill_tokens + usage.sample_tokens + usage.train_tokens
+                              if status == "done" else 0)
+        ledger = None
+        if status == "done":
+            engine = self.scheduler.engines.get(job.base_model)
+            slot = engine.slots.get(job.lane) if engine else None
+            is_sampler = job.request_type in SAMPLER_REQUESTS
+            ledger = UsageRow(
+                request_id=job.request_id, tenant=job.tenant, session_id=job.session_id,
+                model_id=None if is_sampler else job.lane, sampler_id=job.lane if is_sampler else None,
+                base_model=job.base_model, request_type=job.request_type,
+                step=slot.steps if slot is not None and not is_sampler else None,
+                prefill_tokens=usage.prefill_tokens, sample_tokens=usage.sample_tokens, train_tokens=usage.train_tokens,
+                cost=self.prices.cost(job.base_model, usage), duration_s=job.duration_s, metrics=job.metrics,
+            )
+        self.store.finish_future(job.request_id, status, payload, content_type, ledger, keep_s=self.settings.result_ttl_s)
+        with self._waiters_lock:
+            waiters = self._waiters.pop(job.request_id, [])
+        for loop, event in waiters:
+            loop.call_soon_threadsafe(event.set)
+
+    async def retrieve(self, tenant: str, request_id: str) -> FutureRow | None:
+        """The finished future, or None if it is still running after a long poll (try again)."""
+        row = self.store.get(FutureRow, request_id, tenant)
+        if row is None:
+            raise NotFound(f"unknown request_id {request_id!r} (a result is kept "
+                           f"{self.settings.result_keep_after_retrieval_s:g} s after it is first retrieved)")
+        if row.status != "pending":
+            self.store.retrieved(row, self.settings.result_keep_after_retrieval_s)
+            return row
+        event = asyncio.Event()
+        with self._waiters_lock:
+            self._waiters.setdefault(request_id, []).append((asyncio.get_running_loop(), event))
+        row = self.store.get(FutureRow, request_id)  # it may have finished before we registered
+        if row.status == "pending":
+            try:
+                await asyncio.wait_for(event.wait(), POLL_HOLD_S)
+            except asyncio.TimeoutError:
+                return None
+            row = self.store.get(FutureRow, request_id)
+        self.store.retrieved(row, self.settings.result_keep_after_retrieval_s)
+        return row
+
+    # ---- lookups for a tenant: another tenant's ids are NotFound ----------------------------------
+
+    def session(self, tenant: str, session_id: str) -> SessionRow:
+        row = self.store.get(SessionRow, session_id, tenant)
+        if row is None:
+            raise NotFound(f"unknown session {session_id!r}; create one with ServiceClient()")
+        return row
+
+    def run(self, tenant: str, model_id: str) -> ModelRow:
+        """A training run of this tenant's."""
+        row = self.store.get(ModelRow, model_id, tenant)
+        if row is None:
+            raise NotFound(f"unknown training run {model_id!r}")
+        return row
+
+    def live_run(self, tenant: str, model_id: str) -> ModelRow:
+        """A run that can still train: not a copy, and its session is active."""
+        row = self.run(tenant, model_id)
+        if row.copied_from:
+            raise UserError(f"training run {model_id} holds a copy of {row.copied_from} and cannot be trained; "
+                            "train a new run from it: create_training_client_from_state(path)")
+        session = self.store.get(SessionRow, row.session_id)
+        if session.status != "active":
+            raise Gone(f"training run {model_id} belongs to a session that has {session.status}; its adapter was freed. "
+                       "Resume from a checkpoint: create_training_client_from_state_with_optimizer(path)")
+        return row
+
+    def checkpoint(self, tenant: str, path: str) -> CheckpointRow:
+        """A checkpoint this tenant may read: its own, or a published one."""
+        parse_tinker_path(path)
+        row = self.store.checkpoint_by_path(path, tenant)
+        if row is None:
+            raise NotFound(f"no checkpoint at {path}")
+        return row
+
+    def sampler(self, tenant: str, sampler_id: str) -> SamplerRow:
+        row = self.store.get(SamplerRow, sampler_id, tenant)
+        if row is None:
+            raise NotFound(f"unknown sampling session {sampler_id!r}")
+        return row
+
+    def model_name(self, name: str) -> str:
+        """Canonical base-model name; UserError naming the available ones if unknown."""
+        return models.resolve(name, self.settings.models_dir, self.settings.base_models)[0]
+
+    def adapter_bytes(self, base_model: str, lora_config: dict) -> int:
+        """One copy of an adapter's weights on `base_model` (0 while that model is not loaded); admission's measure."""
+        config = LoraConfig(**lora_config)
+        key = (base_model, config.train_attn, config.train_mlp, config.train_unembed)
+        if key not in self._bytes_per_rank:
+            engine = self.scheduler.engines.get(base_model)
+            if engine is None:
+                return 0
+            targets = lora.targets_of(config)
+            layers = [m.base.weight for name, m in lora.lora_layers(engine.model).items() if name.rsplit(".", 1)[-1] in targets]
+            self._bytes_per_rank[key] = sum((w.shape[0] + w.shape[1]) * w.element_size() for w in layers)
+        return self._bytes_per_rank[key] * config.rank

@@ -1,0 +1,178 @@
+"""Sampling: sampling sessions, sample (and compute_logprobs, which is a sample), and `generate`,
+which the OpenAI-compatible endpoint (kernel_backend/api/openai.py) samples through.
+
+A sampler samples from the base model, a saved sampler checkpoint (loaded into the engine on first
+use), or an in-memory snapshot of a run (save_weights_and_get_sampling_client). Every request is
+bounded and admitted before it is queued (admission.check_sampling).
+"""
+
+from __future__ import annotations
+
+import json
+
+from kernel_backend import admission, models
+from kernel_backend.engine import Engine
+from kernel_backend.metering import Usage
+from kernel_backend.service.checkpoints import SNAPSHOTS_PER_RUN, loadable
+from kernel_backend.service.core import PROTO_TYPE, NotFound, Service, json_result, new_id
+from kernel_backend.scheduler import Job
+from kernel_backend.store import CheckpointRow, FutureRow, ModelRow, SamplerRow
+from kernel_backend.types import SamplingParams, UserError
+
+
+def create_sampling_session(svc: Service, tenant: str, session_id: str, seq: int, base_model: str | None,
+                            model_path: str | None) -> dict:
+    svc.session(tenant, session_id)
+    sampler_id = f"{session_id}:sample:{seq}"
+    if svc.store.get(SamplerRow, sampler_id) is None:
+        if model_path:
+            checkpoint = loadable(svc, tenant, model_path, "sampling")
+            run = svc.store.get(ModelRow, checkpoint.model_id)
+            base = run.base_model
+            svc.admission.adapter(tenant, base, run.lora_config, training=False)
+        elif base_model:
+            base = svc.model_name(base_model)
+        else:
+            raise UserError("create_sampling_session needs base_model or model_path")
+        svc.store.add(SamplerRow(id=sampler_id, session_id=session_id, tenant=tenant, base_model=base,
+                                 model_path=model_path))
+    return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
+
+
+def get_sampler(svc: Service, tenant: str, sampler_id: str) -> dict:
+    row = svc.sampler(tenant, sampler_id)
+    return {"sampler_id": row.id, "base_model": row.base_model, "model_path": row.model_path}
+
+
+def sample(svc: Service, tenant: str, sampler_id: str, seq_id: int, prompt: list[int], num_samples: int,
+           params: SamplingParams, prompt_logprobs: bool, topk_prompt_logprobs: int, encode) -> FutureRow:
+    sampler = svc.sampler(tenant, sampler_id)
+    check_still_published(svc, tenant, sampler)
+    tokens = check_sampling(svc, sampler.base_model, prompt, num_samples, params, topk_prompt_logprobs)
+    request_id = new_id()
+
+    def run(engine: Engine):
+        adapter_id = ensure_sampler(svc, engine, sampler)
+        result = engine.sample(adapter_id, prompt, num_samples, params, prompt_logprobs, topk_prompt_logprobs)
+        job.usage = Usage(prefill_tokens=len(prompt), sample_tokens=sum(len(s.tokens) for s in result.sequences))
+        return encode(result), PROTO_TYPE
+
+    job = Job(request_id, sampler_id, sampler.base_model, seq=None, run=run)
+    ids = [f"{request_id}:{i}" for i in range(num_samples)]
+    return svc.submit(tenant, "Sample", f"sample:{sampler_id}:{seq_id}", job, ordered=False,
+                      extra={"sample_sequence_ids": ids}, session_id=sampler.session_id, tokens=tokens)
+
+
+def check_still_published(svc: Service, tenant: str, sampler: SamplerRow) -> None:
+    """A sampler of another tenant's checkpoint samples only while its owner keeps it published."""
+    checkpoint = svc.store.checkpoint_by_path(sampler.model_path) if sampler.model_path else None
+    if checkpoint is not None and checkpoint.tenant != tenant and not checkpoint.public:
+        raise NotFound(f"no checkpoint at {sampler.model_path}: its owner no longer publishes it")
+
+
+def check_sampling(svc: Service, base_model: str, prompt: list[int], num_samples, params: SamplingParams,
+                   topk: int = 0) -> int:
+    """Bound a sampling request before it is queued (admission.check_sampling); returns its most tokens."""
+    engine = svc.scheduler.engines.get(base_model)
+    max_context = engine.max_context if engine is not None else len(prompt) + svc.settings.max_sample_tokens
+    return admission.check_sampling(len(prompt), num_samples, params, max_context, svc.settings.max_sample_tokens,
+                                    topk)
+
+
+def ensure_sampler(svc: Service, engine: Engine, sampler: SamplerRow) -> str | None:
+    """The engine adapter a sampler samples from (None: the base model). Scheduler thread only."""
+    if sampler.source_model_id is None and sampler.model_path is None:
+        return None
+    if engine.has_adapter(sampler.id):
+        return sampler.id
+    if sampler.model_path is None:
+        raise UserError(
+            f"sampler {sampler.id} was an in-memory snapshot that is no longer kept (only the newest "
+            f"{SNAPSHOTS_PER_RUN} per run are); call save_weights_and_get_sampling_client again"
+        )
+    checkpoint = svc.store.checkpoint_by_path(sampler.model_path)
+    if checkpoint is None:
+        raise UserError(f"checkpoint {sampler.model_path} was deleted")
+    with svc.storage.open(checkpoint.directory, svc.settings.encryption_key, sampler.model_path) as plain:
+        engine.load_sampler(sampler.id, plain)
+    return sampler.id
+
+
+# ---- the OpenAI-compatible endpoint ----------------------------------------------------------------
+
+
+def openai_model(svc: Service, tenant: str, model: str) -> tuple[str, str | None]:
+    """'base', 'tinker://...' or 'base;tinker://...' -> (base model, checkpoint path or None)."""
+    base, _, path = model.partition(";") if ";" in model else (("", "", model) if model.startswith("tinker://") else (model, "", ""))
+    if path:
+        checkpoint = loadable(svc, tenant, path)
+        run_base = svc.store.get(ModelRow, checkpoint.model_id).base_model
+        if base and svc.model_name(base) != run_base:
+            raise UserError(f"{path} was trained on {run_base}, not {base}")
+        return run_base, path
+    try:
+        return svc.model_name(base), None
+    except UserError as e:
+        raise NotFound(f"model {model!r} not found: {e}") from None
+
+
+def openai_models(svc: Service, tenant: str) -> list[str]:
+    names = list(dict.fromkeys([*models.available_models(), *svc.scheduler.engines]))
+    samplers = svc.store.list(CheckpointRow, CheckpointRow.tenant == tenant, CheckpointRow.kind != "external",
+                              order=CheckpointRow.created_at)
+    return names + [c.tinker_path for c in samplers]
+
+
+def tokenizer(svc: Service, base_model: str):
+    """A tokenizer for the API threads (the engine's own belongs to the scheduler thread)."""
+    if base_model not in svc.tokenizers:
+        from transformers import AutoTokenizer
+
+        folder = models.resolve(base_model, svc.settings.models_dir, svc.settings.base_models)[1]
+        svc.tokenizers[base_model] = AutoTokenizer.from_pretrained(folder)
+    return svc.tokenizers[base_model]
+
+
+def eos_ids(svc: Service, base_model: str) -> set[int]:
+    tok = tokenizer(svc, base_model)
+    return {tok.eos_token_id} if tok.eos_token_id is not None else set()
+
+
+def generate(svc: Service, tenant: str, request_type: str, base_model: str, path: str | None, prompt: list[int],
+             num_samples: int, params: SamplingParams, topk_sample_logprobs: int = 0, on_token=None):
+    """Sample on the scheduler thread, metered like any request. Bounds and admits the request now
+    (raising UserError or RateLimited before anything streams); await the result for the SampleResult."""
+    tokens = check_sampling(svc, base_model, prompt, num_samples, params, topk_sample_logprobs)
+    lane = f"oai:{tenant}:{path or base_model}"
+    request_id = new_id()
+    output = {}
+
+    def run(engine: Engine):
+        adapter_id = None
+        if path is not None:
+            if not engine.has_adapter(lane):
+                checkpoint = svc.store.checkpoint_by_path(path)
+                if checkpoint is None:
+                    raise UserError(f"checkpoint {path} was deleted")
+                with svc.storage.open(checkpoint.directory, svc.settings.encryption_key, path) as plain:
+                    engine.load_sampler(lane, plain)
+            adapter_id = lane
+        result = engine.sample(adapter_id, prompt, num_samples, params, on_token=on_token,
+                               topk_sample_logprobs=topk_sample_logprobs)
+        job.usage = Usage(prefill_tokens=len(prompt), sample_tokens=sum(len(s.tokens) for s in result.sequences))
+        output["result"] = result
+        return json_result({"sequences": len(result.sequences)})
+
+    job = Job(request_id, lane, base_model, seq=None, run=run)
+    svc.submit(tenant, request_type, None, job, ordered=False, tokens=tokens)
+
+    async def result():
+        row = None
+        while row is None:
+            row = await svc.retrieve(tenant, request_id)
+        if row.status != "done":
+            error = json.loads(row.result)
+            raise (UserError if error.get("category") == "user" else RuntimeError)(error["error"])
+        return output["result"]
+
+    return result()

@@ -1,0 +1,141 @@
+"""Training runs: create_model, get_info, forward_backward, optim_step, and the runs' REST listings.
+
+A training run is one LoRA adapter (+ its optimizer) over a base model, a lane of the scheduler:
+its requests run in the client's seq_id order. Saving and loading its weights is in checkpoints.py.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+
+from kernel_backend import admission, models, optimizers
+from kernel_backend.engine import Engine, Pass
+from kernel_backend.service.checkpoints import checkpoint_json
+from kernel_backend.service import sessions
+from kernel_backend.service.core import PROTO_TYPE, Service, audit, iso, json_result, new_id, train_key
+from kernel_backend.scheduler import Job
+from kernel_backend.store import CheckpointRow, FutureRow, ModelRow, SessionRow, now
+from kernel_backend.types import AdamParams, Datum, DimuonParams, LoraConfig, UserError
+
+
+def create_model(svc: Service, tenant: str, session_id: str, model_seq_id: int, base_model: str, lora: dict | None,
+                 optimizer_type: str, user_metadata: dict | None) -> FutureRow:
+    svc.session(tenant, session_id)
+    optimizers.check_kind(optimizer_type)
+    config = LoraConfig(**{"rank": 32, **{k: v for k, v in (lora or {}).items() if v is not None}})
+    if not 1 <= config.rank <= 512:
+        raise UserError(f"lora rank must be from 1 to 512, got {config.rank}")
+    admission.check_seed(config.seed, "lora_config.seed")
+    base = svc.model_name(base_model)
+    model_id = f"{session_id}:train:{model_seq_id}"
+    if svc.store.get(ModelRow, model_id) is None:
+        svc.admission.adapter(tenant, base, vars(config), training=True)
+        svc.store.add(ModelRow(id=model_id, session_id=session_id, tenant=tenant, base_model=base,
+                               lora_config=vars(config), user_metadata=dict(user_metadata or {})),
+                      audit(tenant, "training_run_created", tenant, model_id=model_id, base_model=base,
+                            lora_rank=config.rank))
+
+    def run(engine: Engine):
+        engine.create_adapter(model_id, config, optimizer_type)
+        return json_result({"model_id": model_id, "type": "create_model"})
+
+    job = Job(new_id(), model_id, base, seq=None, run=run)
+    return svc.submit(tenant, "CreateModel", f"create_model:{session_id}:{model_seq_id}", job, ordered=True,
+                      session_id=session_id)
+
+
+def get_info(svc: Service, tenant: str, model_id: str) -> dict:
+    run = svc.run(tenant, model_id)
+    # The SDK's get_tokenizer() loads tokenizer_id on the client. The embedded backend's client is on
+    # this machine, so the local folder works offline; a shared server names the model, never a path.
+    tokenizer_id = run.base_model
+    if svc.settings.embedded:
+        tokenizer_id = str(models.resolve(run.base_model, svc.settings.models_dir, svc.settings.base_models)[1])
+    return {
+        "type": "get_info",
+        "model_id": model_id,
+        "model_data": {"arch": "llama", "model_name": run.base_model, "tokenizer_id": tokenizer_id},
+        "is_lora": True,
+        "lora_rank": run.lora_config["rank"],
+        "model_name": run.base_model,
+    }
+
+
+def _touch(svc: Service, model_id: str) -> None:
+    svc.store.update(ModelRow, model_id, last_request_time=now())
+
+
+def forward_backward(svc: Service, tenant: str, model_id: str, seq_id: int | None, data: list[Datum], loss_fn: str,
+                     loss_fn_config: dict | None, forward_only: bool, encode) -> FutureRow:
+    run = svc.live_run(tenant, model_id)
+    _touch(svc, model_id)
+    tokens = sum(len(d.tokens) for d in data)
+    fb = Pass(model_id, data, loss_fn, loss_fn_config, forward_only)
+    job = Job(new_id(), model_id, run.base_model, seq=seq_id, fb_pass=fb,
+              encode=lambda result: (encode(result), PROTO_TYPE), tokens=tokens)
+    kind = "Forward" if forward_only else "ForwardBackward"
+    return svc.submit(tenant, kind, train_key(model_id, seq_id), job, ordered=True, session_id=run.session_id,
+                      tokens=tokens)
+
+
+def optim_step(svc: Service, tenant: str, model_id: str, seq_id: int | None, params: AdamParams | DimuonParams) -> FutureRow:
+    run = svc.live_run(tenant, model_id)
+    _touch(svc, model_id)
+
+    def step(engine: Engine):
+        job.metrics = engine.optim_step(model_id, params)
+        return json_result({"metrics": job.metrics, "type": "optim_step"})
+
+    job = Job(new_id(), model_id, run.base_model, seq=seq_id, run=step)
+    return svc.submit(tenant, "OptimStep", train_key(model_id, seq_id), job, ordered=True, session_id=run.session_id)
+
+
+# ---- REST: runs and the models they can use ---------------------------------------------------------
+
+
+def training_run(svc: Service, tenant: str, model_id: str) -> dict:
+    return training_run_json(svc, svc.run(tenant, model_id))
+
+
+def training_run_json(svc: Service, run: ModelRow) -> dict:
+    checkpoints = svc.store.list(CheckpointRow, CheckpointRow.model_id == run.id, order=CheckpointRow.created_at)
+    last = {kind: next((c for c in reversed(checkpoints) if c.kind == kind), None) for kind in ("training", "sampler")}
+    return {
+        "training_run_id": run.id,
+        "base_model": run.base_model,
+        "model_owner": run.tenant,
+        "is_lora": True,
+        "lora_rank": run.lora_config["rank"],
+        "last_request_time": iso(run.last_request_time),
+        "last_checkpoint": checkpoint_json(last["training"]) if last["training"] else None,
+        "last_sampler_checkpoint": checkpoint_json(last["sampler"]) if last["sampler"] else None,
+        "user_metadata": {k: str(v) for k, v in (run.user_metadata or {}).items()},
+    }
+
+
+def training_runs(svc: Service, tenant: str, limit: int, offset: int, project_id: str | None = None) -> dict:
+    """The tenant's runs, newest first; with `project_id`, only those whose session is in that project."""
+    where = [ModelRow.tenant == tenant]
+    if project_id is not None:
+        in_project = select(SessionRow.id).where(SessionRow.tenant == tenant,
+                                                 sessions.project_column() == sessions.check_project_id(project_id))
+        where.append(ModelRow.session_id.in_(in_project))
+    rows = svc.store.list(ModelRow, *where, order=ModelRow.created_at.desc(), limit=limit, offset=offset)
+    return {
+        "training_runs": [training_run_json(svc, r) for r in rows],
+        "cursor": {"offset": offset, "limit": limit, "total_count": svc.store.count(ModelRow, *where)},
+    }
+
+
+def capabilities(svc: Service) -> dict:
+    names = dict.fromkeys([*models.available_models(), *svc.scheduler.engines])
+    supported = []
+    for name in names:
+        engine = svc.scheduler.engines.get(name)
+        supported.append({
+            "model_name": name,
+            "max_context_length": engine.max_context if engine else None,
+            "trainable": True,
+            "sampleable": True,
+        })
+    return {"supported_models": supported}
