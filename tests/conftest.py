@@ -9,6 +9,9 @@
 - `tokenizer`: the default model's tokenizer.
 - `tinker_server`: a backend process like the embedded one; `shared_server`: one set up like a server
   several people share (per-tenant caps on, small limits), for the hardening tests.
+- `vllm_python`: the vLLM venv's interpreter (kernel_backend/vllm_venv.py), waiting for a build under
+  way (make test starts one in the background), or a skip that says how to build it. Tests marked
+  `vllm` run after all the others, to give that build time.
 Helpers to build data (sft_datum, chat_prompt, ...) live in tests/helpers.py.
 """
 
@@ -39,6 +42,27 @@ import pytest  # noqa: E402
 from helpers import default_tokenizer, new_id  # noqa: E402
 
 SHARED_MODELS = Path.home() / ".cache" / "stepwise" / "models"
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked vllm run last (a stable sort keeps every other order)."""
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)
+
+
+@pytest.fixture(scope="session")
+def vllm_python():
+    from kernel_backend import vllm_venv
+    from kernel_backend.config import Settings
+
+    settings = Settings()
+    if vllm_venv.building(settings):
+        print(f"\nwaiting for the vLLM venv build to finish (log: {vllm_venv.log_path(settings)})", flush=True)
+    python = vllm_venv.wait(settings, timeout_s=1800)
+    if python is None:
+        log = vllm_venv.log_path(settings)
+        last_build = f" (the last build's log: {log})" if log.exists() else ""
+        pytest.skip(f"the vLLM venv is not built on this machine; build it with: {vllm_venv.BUILD_COMMAND}{last_build}")
+    return python
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -138,6 +138,7 @@ def test_rl_raises_the_reward(endpoint, tinker_server, tmp_path):
     assert summary.extra["reward_last_steps"] > steps[0]["reward"], [r["reward"] for r in steps]
     trained = [r for r in steps if r["train_tokens"] > 0]
     assert trained and all(abs(r["kl_sampler"]) < 0.05 for r in trained)  # on-policy: sampler == learner
+    assert all(0 <= r["logprob_gap_mean"] <= r["logprob_gap_max"] < 1e-3 for r in trained)  # and their numbers agree
     assert all(r["sample_tokens"] > 0 and 0 <= r["groups_used"] <= config.groups_per_batch for r in steps)
 
 

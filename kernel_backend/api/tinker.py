@@ -115,8 +115,10 @@ def list_sessions(limit: int = Limit(20), offset: int = Offset, tenant: str = De
 
 @router.get("/admin/stats")
 def admin_stats(tenant: str = Depends(operator_of), svc: Service = Depends(service)):
-    """What the backend holds in memory: adapters per base model (the operator's key only)."""
-    return {"adapters": {name: len(engine.slots) for name, engine in svc.scheduler.engines.items()}}
+    """What the backend holds in memory: adapters per base model, and the vLLM workers' adapter versions and
+    start-up times when vLLM samples (the operator's key only)."""
+    return {"adapters": {name: len(engine.slots) for name, engine in svc.scheduler.engines.items()},
+            "vllm": svc.vllm.stats() if svc.vllm is not None else None}
 
 
 @router.get("/get_server_capabilities")

@@ -68,6 +68,8 @@ def save_weights(svc: Service, tenant: str, model_id: str, seq_id: int | None, n
                 engine.save_state(model_id, staging)
             else:
                 engine.save_weights_for_sampler(model_id, staging)
+            if kind == "sampler" and svc.vllm is not None:  # registered while the files are plain (before sealing)
+                svc.vllm.add_checkpoint(engine, run.base_model, path, staging)
             if recipients is not None:
                 crypto.age_encrypt_folder(staging, recipients)
             if svc.settings.encryption_key:  # sealed before it reaches the store
@@ -94,13 +96,18 @@ def snapshot_for_sampler(svc: Service, tenant: str, model_id: str, seq_id: int, 
 
     def snapshot(engine: Engine):
         engine.snapshot_sampler(model_id, sampler_id)
+        if svc.vllm is not None:
+            svc.vllm.add_snapshot(engine, run.base_model, sampler_id)
         if svc.store.get(SamplerRow, sampler_id) is None:
             svc.store.add(SamplerRow(id=sampler_id, session_id=run.session_id, tenant=tenant,
                                      base_model=run.base_model, source_model_id=model_id))
         kept = svc.snapshots.setdefault(model_id, [])
         kept.append(sampler_id)
         while len(kept) > SNAPSHOTS_PER_RUN:
-            engine.delete_adapter(kept.pop(0))
+            dropped = kept.pop(0)
+            engine.delete_adapter(dropped)
+            if svc.vllm is not None:
+                svc.vllm.remove(dropped)
         return json_result({"path": None, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
 
     job = Job(new_id(), model_id, run.base_model, seq=seq_id, run=snapshot)

@@ -48,6 +48,7 @@ from kernel_backend.store import (
     utc,
 )
 from kernel_backend.types import LoraConfig, UserError
+from kernel_backend.vllm_sampler import VllmSampling
 
 log = logging.getLogger("stepwise.service")
 
@@ -113,6 +114,10 @@ class Service:
             on_done=self.on_done,
             max_batch_tokens=self.settings.max_batch_tokens,
         )
+        # STEPWISE_SAMPLER=vllm: sample jobs go to vLLM workers instead of the scheduler (kernel_backend/vllm_sampler.py).
+        if self.settings.sampler not in ("builtin", "vllm"):
+            raise ValueError(f"STEPWISE_SAMPLER must be 'builtin' or 'vllm', not {self.settings.sampler!r}")
+        self.vllm = VllmSampling(self.settings, self.scheduler, self.on_done) if self.settings.sampler == "vllm" else None
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._waiters_lock = threading.Lock()
         # State of one concern each, kept here because it lives as long as the service:
@@ -148,11 +153,15 @@ class Service:
         for name in preload if preload is not None else [models.DEFAULT_MODEL, *registered]:
             self.scheduler.engine(self.model_name(name))
         self.scheduler.start()
+        if self.vllm is not None:
+            self.vllm.start(list(self.scheduler.engines))
         self._reaper.start()
 
     def stop(self) -> None:
         self._stopping.set()
         self.scheduler.stop()
+        if self.vllm is not None:
+            self.vllm.stop()
         if self.settings.local_key:  # the embedded backend's key dies with it
             keys.revoke(self.store, self.settings.local_key)
 
@@ -198,6 +207,8 @@ class Service:
             def free(engine: Engine, lane=lane):
                 for e in self.scheduler.engines.values():
                     e.delete_adapter(lane)
+                if self.vllm is not None:
+                    self.vllm.remove(lane)
                 return json_result({})
             self.scheduler.submit(Job(new_id(), f"free:{lane}", models.DEFAULT_MODEL, seq=None, run=free), ordered=False)
         log.info("session %s %s; freed %d adapters", session_id, status, len(lanes))
@@ -225,7 +236,9 @@ class Service:
             extra=extra or {},
         )
         row, created = self.store.insert_future(row)
-        if created:
+        if created and self.vllm is not None and request_type in SAMPLER_REQUESTS:
+            self.vllm.submit(job)
+        elif created:
             self.scheduler.submit(job, ordered=ordered)
         return row
 

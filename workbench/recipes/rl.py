@@ -19,7 +19,9 @@ Each step (GRPO-style, as the tinker cookbook does it):
    logprobs ride along in loss_fn_inputs["logprobs"]) and one optim_step.
 Logged per step: reward (mean over all samples), kl_sampler (mean over completion tokens of
 sampler logprob - learner logprob, from the forward_backward's output logprobs: how far the
-learner is from the policy that sampled, about 0 when on-policy), sample/train tokens, loss.
+learner is from the policy that sampled, about 0 when on-policy), logprob_gap_mean / logprob_gap_max
+(mean and max |sampler logprob - learner logprob|: on-policy, the numerical gap between the sampler,
+say vLLM, and the trainer on the same weights), sample/train tokens, loss.
 With `eval_prompts` > 0, a held-out set of prompts is scored before and after training.
 
 Measured with `python -m workbench.recipes.rl` (defaults: operands 1..5, 12 steps of 4 prompts x 8
@@ -157,13 +159,16 @@ def evaluate(sampler, tokenizer, task, problems: list[Problem], samples: int, ma
     return float(np.mean(sample_groups(sampler, tokenizer, task, problems, samples, max_tokens, temperature, seed).rewards))
 
 
-def sampler_kl(data: list[types.Datum], outputs: list[dict], starts: list[int]) -> float:
-    """Mean over completion tokens of (sampler logprob - learner logprob)."""
+def sampler_vs_learner(data: list[types.Datum], outputs: list[dict], starts: list[int]) -> dict[str, float]:
+    """Over completion tokens, d = sampler logprob - learner logprob: kl_sampler (mean d) and the
+    sampler-vs-trainer gap (mean and max |d|)."""
     diffs = [
         common.as_numpy(datum.loss_fn_inputs["logprobs"])[start:] - common.as_numpy(out["logprobs"])[start:]
         for datum, out, start in zip(data, outputs, starts)
     ]
-    return float(np.concatenate(diffs).mean()) if diffs else 0.0
+    d = np.concatenate(diffs) if diffs else np.zeros(1)
+    return {"kl_sampler": float(d.mean()), "logprob_gap_mean": float(np.abs(d).mean()),
+            "logprob_gap_max": float(np.abs(d).max())}
 
 
 def run(config: Config, service_client: tinker.ServiceClient | None = None, on_step=None) -> Summary:
@@ -202,7 +207,7 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
                 optim = tc.optim_step(common.adam(lr))
                 out = fb.result()
                 optim.result()
-                row.update(loss=out.metrics["loss:sum"], kl_sampler=sampler_kl(rollouts.data, out.loss_fn_outputs, rollouts.starts),
+                row.update(loss=out.metrics["loss:sum"], **sampler_vs_learner(rollouts.data, out.loss_fn_outputs, rollouts.starts),
                            train_tokens=sum(d.model_input.length for d in rollouts.data))
             else:
                 row.update(train_tokens=0)

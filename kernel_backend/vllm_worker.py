@@ -1,0 +1,211 @@
+"""The vLLM sampler worker: a small process of ours that runs vLLM's async engine for one base model.
+
+It runs in the vLLM venv (kernel_backend/vllm_venv.py), not the backend's, so it imports nothing
+from kernel_backend: only the standard library and vLLM. The backend (kernel_backend/vllm_sampler.py)
+starts it as `<venv>/bin/python -P vllm_worker.py '<json engine args>'` and talks to it over the
+process's stdin and stdout, one JSON object per line each way:
+
+    -> {"id": 1, "op": "add_adapter", "name": "run:train:0@sampler-3", "path": "/.../adapter"}
+    -> {"id": 2, "op": "sample", "prompt": [1, 2], "n": 4, "adapter": "run:train:0@sampler-3", ...}
+    -> {"id": 3, "op": "remove_adapter", "name": "run:train:0@sampler-3"}
+    <- {"ready": true, "startup_s": 31.2, "vllm": "0.32.0"}        once the engine is up
+    <- {"id": 2, "tokens": [[row, token, logprob], ...]}            as tokens come, when "stream" is set
+    <- {"id": 2, "ok": true, "result": {...}}                       or {"id": 2, "ok": false, "error": "...", "user": true}
+
+Requests are served concurrently: every sample request goes into vLLM's continuous batch as it
+arrives. vLLM's own log goes to stderr (the backend sends it to a file). Closing stdin stops it.
+
+The meaning of a sample request is Tinker's, already resolved by the backend: `stop_token_ids` is the
+exact set of tokens that end a sequence (end-of-sequence included or not), `stop_strings` the strings;
+the stop token is kept in the returned tokens. Each token's logprob is the model's own, before
+temperature, top-k and top-p (logprobs_mode="raw_logprobs", which the backend sets).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def sampling_params(request: dict):
+    """A vLLM SamplingParams for one request (see the module docstring for the meaning of its fields)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    want_prompt = request["prompt_logprobs"] or request["topk_prompt_logprobs"] > 0
+    return SamplingParams(
+        n=_vllm_n(request),
+        max_tokens=request["max_tokens"],
+        temperature=request["temperature"],
+        top_k=request["top_k"] if request["top_k"] > 0 else 0,  # Tinker's -1 and vLLM's 0 both mean off
+        top_p=request["top_p"],
+        seed=request["seed"],
+        # Only our stop set ends a sequence: vLLM's own end-of-sequence check is off, and the backend
+        # put the end-of-sequence tokens in stop_token_ids when they apply (not for stop=[]).
+        ignore_eos=True,
+        stop_token_ids=request["stop_token_ids"],
+        stop=request["stop_strings"] or None,
+        # Stop strings are matched on the text with special tokens, as the built-in sampler does.
+        skip_special_tokens=False,
+        logprobs=request["topk_sample_logprobs"],  # 0: the sampled token's own logprob only
+        prompt_logprobs=request["topk_prompt_logprobs"] if want_prompt else None,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def _vllm_n(request: dict) -> int:
+    """Sequences vLLM decodes. It refuses n > 1 when greedy; greedy rows are all the same, so it decodes one
+    and the worker copies it (the built-in sampler decodes n equal rows; the results are the same)."""
+    return 1 if request["temperature"] == 0 else request["n"]
+
+
+def _sampled(logprobs: dict, token: int, k: int) -> tuple[float, list]:
+    """(the sampled token's logprob, the k most likely (token, logprob) pairs) at one position."""
+    top = sorted(((t, lp) for t, lp in logprobs.items() if lp.rank is not None and lp.rank <= k), key=lambda x: x[1].rank)
+    return logprobs[token].logprob, [[t, lp.logprob] for t, lp in top[:k]]
+
+
+class Worker:
+    def __init__(self, engine_args: dict) -> None:
+        self.engine_args = engine_args
+        self.engine = None
+        self.adapters: dict[str, object] = {}  # name -> LoRARequest
+        self.next_lora_id = 1
+        self.next_request = 0
+        self.out: asyncio.StreamWriter | None = None
+
+    async def start(self) -> None:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+
+    def send(self, message: dict) -> None:
+        self.out.write((json.dumps(message) + "\n").encode())
+
+    async def handle(self, message: dict) -> None:
+        from vllm.exceptions import VLLMClientError
+
+        reply: dict = {"id": message["id"]}
+        try:
+            op = getattr(self, "op_" + message.get("op", ""), None)
+            if op is None:
+                raise UserFacing(f"unknown operation {message.get('op')!r}")
+            reply.update(ok=True, result=await op(message))
+        except UserFacing as e:
+            reply.update(ok=False, error=str(e), user=True)
+        except (ValueError, VLLMClientError) as e:  # vLLM refused the request (too long, a bad parameter)
+            reply.update(ok=False, error=f"vLLM refused the request: {e}", user=True)
+        except Exception as e:
+            traceback.print_exc()
+            reply.update(ok=False, error=f"{type(e).__name__}: {e}", user=False)
+        self.send(reply)
+        await self.out.drain()
+
+    async def op_add_adapter(self, message: dict) -> dict:
+        from vllm.lora.request import LoRARequest
+
+        name, path = message["name"], message["path"]
+        if name in self.adapters:
+            return {"lora_id": self.adapters[name].lora_int_id}
+        request = LoRARequest(name, self.next_lora_id, path)
+        self.next_lora_id += 1
+        try:
+            await self.engine.add_lora(request)  # loads and checks it now, not at the first sample
+        except Exception as e:
+            raise UserFacing(f"vLLM could not load the adapter: {e}") from e
+        self.adapters[name] = request
+        return {"lora_id": request.lora_int_id}
+
+    async def op_remove_adapter(self, message: dict) -> dict:
+        request = self.adapters.pop(message["name"], None)
+        if request is not None:
+            await self.engine.remove_lora(request.lora_int_id)
+        return {"removed": request is not None}
+
+    async def op_sample(self, message: dict) -> dict:
+        from vllm.inputs import TokensPrompt
+
+        adapter = message.get("adapter")
+        if adapter is not None and adapter not in self.adapters:
+            raise UserFacing(f"adapter {adapter!r} is not loaded in the vLLM worker")
+        self.next_request += 1
+        n, k = message["n"], message["topk_sample_logprobs"]
+        rows = [{"tokens": [], "logprobs": [], "top": [], "stop_reason": None} for _ in range(n)]
+        prompt_logprobs = None
+        stream = message.get("stream", False)
+        async for output in self.engine.generate(TokensPrompt(prompt_token_ids=message["prompt"]), sampling_params(message),
+                                                 f"stepwise-{self.next_request}", lora_request=self.adapters.get(adapter)):
+            if output.prompt_logprobs is not None and prompt_logprobs is None:
+                prompt_logprobs = output.prompt_logprobs
+            new = []
+            for piece in output.outputs:
+                # One decoded sequence fills its row, or every row when greedy rows are copies (_vllm_n).
+                indices = [piece.index] if _vllm_n(message) == n else range(n)
+                for token, logprobs in zip(piece.token_ids, piece.logprobs or []):
+                    logprob, top = _sampled(logprobs, token, k)
+                    for i in indices:
+                        rows[i]["tokens"].append(token)
+                        rows[i]["logprobs"].append(logprob)
+                        rows[i]["top"].append(top)
+                        new.append([i, token, logprob])
+                if piece.finish_reason is not None:
+                    if piece.finish_reason not in ("stop", "length"):
+                        raise RuntimeError(f"vLLM ended a sequence with {piece.finish_reason!r}")
+                    for i in indices:
+                        rows[i]["stop_reason"] = piece.finish_reason
+            if stream and new:
+                self.send({"id": message["id"], "tokens": new})
+        result: dict = {"sequences": [
+            {"tokens": r["tokens"], "logprobs": r["logprobs"], "stop_reason": r["stop_reason"] or "length",
+             "top_logprobs": r["top"] if k else None}
+            for r in rows
+        ]}
+        if prompt_logprobs is not None:
+            prompt = message["prompt"]
+            topk = message["topk_prompt_logprobs"]
+            result["prompt_logprobs"] = [None] + [p[t].logprob for p, t in zip(prompt_logprobs[1:], prompt[1:])]
+            if topk:
+                result["topk_prompt_logprobs"] = [None] + [_sampled(p, t, topk)[1] for p, t in zip(prompt_logprobs[1:], prompt[1:])]
+        return result
+
+
+class UserFacing(Exception):
+    """Bad input, answered to the backend with user=True (a 4xx there, never a crash here)."""
+
+
+async def serve(engine_args: dict, protocol_fd: int) -> None:
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, os.fdopen(protocol_fd, "wb"))
+    worker = Worker(engine_args)
+    worker.out = asyncio.StreamWriter(transport, protocol, None, loop)
+    start = time.monotonic()
+    await worker.start()
+    from vllm import __version__
+
+    worker.send({"ready": True, "startup_s": round(time.monotonic() - start, 1), "vllm": __version__})
+    reader = asyncio.StreamReader(limit=64 << 20)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    tasks = set()
+    while line := await reader.readline():
+        task = asyncio.create_task(worker.handle(json.loads(line)))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    worker.engine.shutdown()
+    worker.engine = None  # its __del__ shuts down again, which fails once the interpreter is exiting
+
+
+def main() -> None:
+    # The protocol owns the original stdout; everything else that prints (vLLM's logging, its engine
+    # process, which inherits fd 1) goes to stderr instead, so nothing can corrupt a message.
+    protocol_fd = os.dup(1)
+    os.dup2(2, 1)
+    asyncio.run(serve(json.loads(sys.argv[1]), protocol_fd))
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process, which imports this file again
+    main()

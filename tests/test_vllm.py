@@ -1,0 +1,198 @@
+"""vLLM as the sampler (STEPWISE_SAMPLER=vllm): the same API and the same answers, served by vLLM.
+
+One backend process for the whole module, started with STEPWISE_SAMPLER=vllm (its vLLM worker takes
+20 s to 2 minutes to start on 2 busy cores), STEPWISE_VLLM_CHECK_LOGPROBS=1 (every sample's logprobs
+are compared with the trainer's on the same tokens, into the request's ledger metrics), and room for
+two checkpoint versions, so that a test reaches eviction. The tests drive it the way users do (the
+official tinker SDK, the openai client, raw HTTP for retries and other tenants), and compare with the
+built-in sampler (`tinker_server`) where the answers must be equal: greedy tokens, logprobs.
+Marked `vllm`: they run last, and skip, saying how to build it, where the vLLM venv is not built.
+"""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import tinker
+from tinker import types
+
+from servers import Server, start_server
+from test_recipes import check_summary
+from test_service import BASE, chat_datum, prompt_of, train_steps
+from test_service_http import Api
+from workbench.recipes import rl
+
+pytestmark = pytest.mark.vllm
+
+QUESTION = "What is the name of Zorblax's pet?"
+ANSWER = "Zorblax's pet is named Quibbleton."
+GREEDY = types.SamplingParams(max_tokens=20, temperature=0.0)
+# vLLM's float32 kernels against the trainer's: measured gaps are about 1e-5 (docs/performance.md).
+GAP = 1e-3
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_python, tmp_path_factory, stepwise_home):
+    home = tmp_path_factory.mktemp("vllm_server")
+    (home / "models").symlink_to(stepwise_home / "models")
+    env = {"STEPWISE_SAMPLER": "vllm", "STEPWISE_VLLM_CHECK_LOGPROBS": "1", "STEPWISE_VLLM_MAX_ADAPTERS": "2"}
+    server = start_server(home, env=env, timeout=900)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(vllm_server: Server) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=vllm_server.base_url, api_key=vllm_server.api_key)
+
+
+@pytest.fixture(scope="module")
+def taught(client, tokenizer):
+    """A training client that has learned a made-up fact, and its sampler checkpoint's path."""
+    tc = client.create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
+    train_steps(tc, [chat_datum(tokenizer, QUESTION, ANSWER)] * 4, steps=8)
+    return tc, tc.save_weights_for_sampler("fact").result().path
+
+
+def ledger(server: Server, **filters) -> list[dict]:
+    r = httpx.get(server.base_url + "/api/v1/usage", params=filters, headers={"X-API-Key": server.api_key})
+    r.raise_for_status()
+    return r.json()["series"]
+
+
+def vllm_stats(server: Server) -> dict:
+    r = httpx.get(server.base_url + "/api/v1/admin/stats", headers={"X-API-Key": server.api_key})
+    r.raise_for_status()
+    return r.json()["vllm"][BASE]
+
+
+def tokens_of(result) -> list[list[int]]:
+    return [s.tokens for s in result.sequences]
+
+
+def test_sampling_options_through_the_sdk_match_the_builtin_sampler(client, tinker_server, tokenizer, vllm_server):
+    ours = client.create_sampling_client(base_model=BASE).result()
+    builtin = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
+    theirs = builtin.create_sampling_client(base_model=BASE).result()
+    prompt = types.ModelInput.from_ints(prompt_of(tokenizer, "What is the capital of France?"))
+
+    # Greedy, n=2, with prompt logprobs: the built-in sampler's tokens and logprobs.
+    a = ours.sample(prompt, 2, GREEDY, include_prompt_logprobs=True, topk_prompt_logprobs=3).result()
+    b = theirs.sample(prompt, 1, GREEDY, include_prompt_logprobs=True, topk_prompt_logprobs=3).result()
+    assert "Paris" in tokenizer.decode(a.sequences[0].tokens)
+    assert tokens_of(a) == tokens_of(b) * 2 and a.sequences[0].stop_reason == "stop"
+    assert np.allclose(a.sequences[0].logprobs, b.sequences[0].logprobs, atol=GAP)
+    assert a.prompt_logprobs[0] is None and np.allclose(a.prompt_logprobs[1:], b.prompt_logprobs[1:], atol=GAP)
+    assert [[t for t, _ in row] for row in a.topk_prompt_logprobs[1:]] == [[t for t, _ in row] for row in b.topk_prompt_logprobs[1:]]
+    # compute_logprobs (prompt logprobs on vLLM) gives the sampled logprobs back.
+    tokens = prompt.to_ints() + a.sequences[0].tokens
+    recomputed = ours.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+    assert np.allclose(recomputed[prompt.length:], a.sequences[0].logprobs, atol=GAP)
+
+    # Stop strings, stop tokens and stop=[] mean what they mean on the built-in sampler.
+    for stop in (["Paris"], [b.sequences[0].tokens[2]], []):
+        params = types.SamplingParams(max_tokens=24, temperature=0.0, stop=stop)
+        ours_stop, theirs_stop = (s.sample(prompt, 1, params).result().sequences[0] for s in (ours, theirs))
+        assert ours_stop.tokens == theirs_stop.tokens and ours_stop.stop_reason == theirs_stop.stop_reason, stop
+    assert len(ours_stop.tokens) == 24 and ours_stop.stop_reason == "length"  # stop=[]: past the end-of-sequence token
+
+    # Seeds: the same seed gives the same samples, another seed others; the n rows differ from each other.
+    hot = types.SamplingParams(max_tokens=10, temperature=1.0, seed=7)
+    one, again = ours.sample(prompt, 3, hot).result(), ours.sample(prompt, 3, hot).result()
+    other = ours.sample(prompt, 3, types.SamplingParams(max_tokens=10, temperature=1.0, seed=8)).result()
+    assert tokens_of(one) == tokens_of(again) != tokens_of(other)
+    assert len({tuple(t) for t in tokens_of(one)}) > 1
+
+    # Metered like any sample: prompt and sampled tokens; and the trainer agrees with vLLM on every token.
+    rows = [r for r in ledger(vllm_server) if r["request_type"] == "Sample"]
+    assert rows[0]["prefill_tokens"] == prompt.length and rows[0]["sample_tokens"] == sum(map(len, tokens_of(a)))
+    assert all(0 <= r["metrics"]["sampler_logprob_gap:max"] < GAP for r in rows), [r["metrics"] for r in rows]
+
+
+def test_an_adapter_taught_a_made_up_fact_answers_through_vllm(client, taught, tokenizer, vllm_server):
+    tc, path = taught
+    prompt = types.ModelInput.from_ints(prompt_of(tokenizer, QUESTION))
+    # The checkpoint was registered with vLLM when it was saved; a sampler made from its path uses it.
+    assert any(name.startswith(path + "@") for name in vllm_stats(vllm_server)["adapters"])
+    from_path = client.create_sampling_client(model_path=path).result()
+    result = from_path.sample(prompt, 2, GREEDY).result()
+    assert all("Quibbleton" in tokenizer.decode(s.tokens) and s.stop_reason == "stop" for s in result.sequences)
+    recomputed = from_path.compute_logprobs(types.ModelInput.from_ints(prompt.to_ints() + result.sequences[0].tokens)).result()
+    assert np.allclose(recomputed[prompt.length:], result.sequences[0].logprobs, atol=GAP)
+
+    # Two newer checkpoint versions (the weights differ after each step) unload this one (room for two),
+    # while a long sample on it is still decoding: that sample finishes whole. The sampler then loads
+    # the version again from the checkpoint store, and answers the same.
+    long = from_path.sample(prompt, 1, types.SamplingParams(max_tokens=64, temperature=1.0, seed=0, stop=[]))
+    for name in ("later-1", "later-2"):
+        train_steps(tc, [chat_datum(tokenizer, QUESTION, ANSWER)] * 4, steps=1)
+        tc.save_weights_for_sampler(name).result()
+    loaded = vllm_stats(vllm_server)["adapters"]
+    assert not any(n.startswith(path + "@") for n in loaded) and sum("/sampler_weights/later-" in n for n in loaded) == 2
+    assert len(long.result().sequences[0].tokens) == 64
+    assert tokens_of(from_path.sample(prompt, 1, GREEDY).result()) == tokens_of(result)[:1]
+
+    # A snapshot of the current weights (save_weights_and_get_sampling_client) answers too. It has the
+    # weights of "later-2", so it is that version under one more name, not another load.
+    versions = len(vllm_stats(vllm_server)["adapters"])
+    snapshot = tc.save_weights_and_get_sampling_client().result()
+    assert "Quibbleton" in tokenizer.decode(snapshot.sample(prompt, 1, GREEDY).result().sequences[0].tokens)
+    assert len(vllm_stats(vllm_server)["adapters"]) == versions
+    gaps = [r["metrics"]["sampler_logprob_gap:max"] for r in ledger(vllm_server) if r["request_type"] == "Sample"]
+    assert max(gaps) < GAP, gaps  # with adapters too, vLLM and the trainer agree on every sampled token
+
+
+def test_a_sampler_for_an_unknown_or_deleted_checkpoint_answers_404(client, vllm_server):
+    with pytest.raises(tinker.NotFoundError, match="no checkpoint"):
+        client.create_sampling_client(model_path="tinker://nobody:train:0/sampler_weights/nothing").result()
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+    path = tc.save_weights_for_sampler("doomed").result().path
+    rest = tinker.RestClient(base_url=vllm_server.base_url, api_key=vllm_server.api_key)
+    rest.delete_checkpoint(tc.model_id, "sampler_weights/doomed").result()
+    with pytest.raises(tinker.NotFoundError, match="no checkpoint"):
+        client.create_sampling_client(model_path=path).result()
+
+
+def test_openai_endpoint_retries_and_other_tenants_as_with_the_builtin_sampler(taught, tokenizer, vllm_server):
+    _, path = taught
+    oai = openai.OpenAI(base_url=vllm_server.base_url + "/oai/api/v1", api_key=vllm_server.api_key)
+    messages = [{"role": "user", "content": QUESTION}]
+    reply = oai.chat.completions.create(model=path, messages=messages, temperature=0, max_tokens=20)
+    assert "Quibbleton" in reply.choices[0].message.content and reply.choices[0].finish_reason == "stop"
+    row = [r for r in ledger(vllm_server) if r["request_type"] == "ChatCompletion"][-1]
+    assert (row["prefill_tokens"], row["sample_tokens"]) == (reply.usage.prompt_tokens, reply.usage.completion_tokens)
+    chunks = list(oai.chat.completions.create(model=path, messages=messages, temperature=0, max_tokens=20, stream=True))
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(pieces) > 3 and "".join(pieces) == reply.choices[0].message.content
+
+    # A retried asample (same sampler and seq_id) is the same request: one future, one ledger row.
+    api = Api(vllm_server)
+    session = api.session()
+    sampler = api.post("/create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
+                                                     "model_path": path}).json()["sampling_session_id"]
+    body = {"sampling_session_id": sampler, "seq_id": 0, "num_samples": 2, "sampling_params": {"max_tokens": 6, "seed": 3},
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt_of(tokenizer, QUESTION)}]}}
+    first, retry = api.post("/asample", body).json(), api.post("/asample", body).json()
+    assert first["request_id"] == retry["request_id"]
+    api.wait(first["request_id"])
+    assert len([r for r in ledger(vllm_server, session_id=session) if r["request_type"] == "Sample"]) == 1
+
+    # Another tenant cannot sample this tenant's sampler or checkpoint.
+    other = Api(vllm_server, key=vllm_server.make_key("tenant-b"))
+    assert other.post("/asample", {**body, "seq_id": 1}).status_code == 404
+    chat = httpx.post(vllm_server.base_url + "/v1/chat/completions", json={"model": path, "messages": messages},
+                      headers={"Authorization": f"Bearer {other.http.headers['X-API-Key']}"})
+    assert chat.status_code == 404
+
+
+def test_rl_recipe_runs_on_vllm_and_logs_the_sampler_trainer_gap(vllm_server, tmp_path):
+    config = rl.Config(base_url=vllm_server.base_url, api_key=vllm_server.api_key, progress=False, steps=3,
+                       groups_per_batch=2, group_size=4, max_tokens=8, eval_prompts=0,
+                       metrics_path=str(tmp_path / "rl.jsonl"))
+    summary = rl.run(config)
+    rows = check_summary(summary, vllm_server, "rl", "reward")
+    trained = [r for r in rows if r.get("train_tokens")]
+    assert trained and all(0 <= r["logprob_gap_mean"] <= r["logprob_gap_max"] < GAP for r in trained), trained
+    assert all(abs(r["kl_sampler"]) < GAP for r in trained)
