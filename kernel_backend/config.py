@@ -45,6 +45,13 @@ class Settings:
     # Where checkpoints go: unset, the folder <home>/checkpoints; else any fsspec URL (kernel_backend/storage.py).
     storage_url: str = field(default_factory=lambda: _env("STORAGE_URL", ""))
     max_sample_tokens: int = field(default_factory=lambda: int(_env("MAX_SAMPLE_TOKENS", "4096")))
+    # Sampling: "batched" (every request in one continuous batch, kernel_backend/sampler.py) or
+    # "serial" (one request at a time: the loop before the batched decoder, kept as a baseline).
+    sampler: str = field(default_factory=lambda: _env("SAMPLER", "batched"))
+    # The decoding rows' KV cache may hold at most this many MB (each request reserves its rows at
+    # their longest); and prompt tokens prefilled per decode step (longer prompts take several steps).
+    sample_cache_mb: int = field(default_factory=lambda: int(_env("SAMPLE_CACHE_MB", "4096")))
+    prefill_chunk_tokens: int = field(default_factory=lambda: int(_env("PREFILL_CHUNK_TOKENS", "512")))
 
     def __post_init__(self) -> None:
         self.home = Path(self.home).expanduser()

@@ -495,13 +495,12 @@ class Service:
         self._check_limits(tenant, len(prompt) + num_samples * (params.max_tokens or 0))
         request_id = _new_id()
 
-        def sample(engine: Engine):
+        def prepare(engine: Engine):
             adapter_id = self._ensure_sampler(engine, sampler)
-            result = engine.sample(adapter_id, prompt, num_samples, params, prompt_logprobs, topk_prompt_logprobs)
-            job.usage = Usage(prefill_tokens=len(prompt), sample_tokens=sum(len(s.tokens) for s in result.sequences))
-            return encode(result), PROTO_TYPE
+            return engine.sample_request(adapter_id, prompt, num_samples, params, prompt_logprobs, topk_prompt_logprobs)
 
-        job = Job(request_id, sampler_id, sampler.base_model, seq=None, run=sample)
+        job = Job(request_id, sampler_id, sampler.base_model, seq=None, sample=prepare,
+                  encode=lambda result: (encode(result), PROTO_TYPE), tokens=len(prompt))
         ids = [f"{request_id}:{i}" for i in range(num_samples)]
         return self._submit(tenant, "Sample", f"sample:{sampler_id}:{seq_id}", job, ordered=False,
                             extra={"sample_sequence_ids": ids}, session_id=sampler.session_id)
@@ -563,8 +562,9 @@ class Service:
         lane = f"oai:{tenant}:{path or base_model}"
         request_id = _new_id()
         output = {}
+        cancel = threading.Event()  # set when the caller goes away (a closed stream)
 
-        def sample(engine: Engine):
+        def prepare(engine: Engine):
             adapter_id = None
             if path is not None:
                 if not engine.has_adapter(lane):
@@ -574,17 +574,22 @@ class Service:
                     with self.storage.open(checkpoint.directory, self.settings.encryption_key) as plain:
                         engine.load_sampler(lane, plain)
                 adapter_id = lane
-            result = engine.sample(adapter_id, prompt, num_samples, params, on_token=on_token,
-                                   topk_sample_logprobs=topk_sample_logprobs)
-            job.usage = Usage(prefill_tokens=len(prompt), sample_tokens=sum(len(s.tokens) for s in result.sequences))
+            return engine.sample_request(adapter_id, prompt, num_samples, params, on_token=on_token,
+                                         topk_sample_logprobs=topk_sample_logprobs, cancel=cancel)
+
+        def keep(result):
             output["result"] = result
             return _json({"sequences": len(result.sequences)})
 
-        job = Job(request_id, lane, base_model, seq=None, run=sample)
+        job = Job(request_id, lane, base_model, seq=None, sample=prepare, encode=keep, tokens=len(prompt))
         self._submit(tenant, request_type, f"oai:{request_id}", job, ordered=False)
         row = None
-        while row is None:
-            row = await self.retrieve(tenant, request_id)
+        try:
+            while row is None:
+                row = await self.retrieve(tenant, request_id)
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
         if row.status != "done":
             error = json.loads(row.result)
             raise (UserError if error.get("category") == "user" else RuntimeError)(error["error"])
