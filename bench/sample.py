@@ -182,6 +182,20 @@ def bench_generate(rounds: int, samples: int = 8, new_tokens: int = 64) -> None:
 # ---- recipes: rl and distillation, serial vs batched ---------------------------------------------------
 
 
+def compute_seconds(server, session_id: str) -> dict[str, float]:
+    """The session's compute seconds by request type, from the usage ledger (a batched request's
+    share of each decode step it was in)."""
+    import httpx
+
+    response = httpx.get(f"{server.base_url}/api/v1/usage", params={"session_id": session_id, "limit": 10_000},
+                         headers={"X-API-Key": server.api_key}, timeout=60)
+    response.raise_for_status()
+    seconds: dict[str, float] = {}
+    for row in response.json()["series"]:
+        seconds[row["request_type"]] = seconds.get(row["request_type"], 0.0) + row["duration_s"]
+    return seconds
+
+
 def bench_recipes() -> None:
     from workbench.recipes import distillation, rl
 
@@ -199,15 +213,20 @@ def bench_recipes() -> None:
                 config = module.Config(base_url=server.base_url, api_key=server.api_key, verbose=False,
                                        metrics_path=str(server.home / f"{name}.jsonl"))
                 summary = module.run(config)
-                results[(name, sampler)] = (time.perf_counter() - start_time, headline(summary), load_before)
+                elapsed = time.perf_counter() - start_time
+                results[(name, sampler)] = (elapsed, headline(summary), load_before,
+                                            compute_seconds(server, summary.session_id))
         finally:
             server.stop()
-    print("\n[recipes] defaults, embedded-style server per sampler")
+    print("\n[recipes] defaults, one server per sampler; compute seconds by request type from the ledger")
     for name in recipes:
-        (serial_s, serial_h, load_s), (batched_s, batched_h, load_b) = results[(name, "serial")], results[(name, "batched")]
-        print(f"  {name:<13} serial {serial_s / 60:5.1f} min ({serial_h}; {load_s})")
-        print(f"  {'':<13} batched {batched_s / 60:4.1f} min ({batched_h}; {load_b})")
-        print(f"  {'':<13} time ratio serial / batched: {serial_s / batched_s:.2f}   target >= 2")
+        for sampler in ("serial", "batched"):
+            elapsed, headline, load, seconds = results[(name, sampler)]
+            by_type = ", ".join(f"{kind} {s:.0f}s" for kind, s in sorted(seconds.items(), key=lambda kv: -kv[1]))
+            print(f"  {name:<13} {sampler:<8} {elapsed / 60:5.1f} min  {headline}  ({load})\n  {'':<13} {by_type}")
+        ratio = results[(name, "serial")][0] / results[(name, "batched")][0]
+        sampling = results[(name, "serial")][3].get("Sample", 0) / max(1e-9, results[(name, "batched")][3].get("Sample", 0))
+        print(f"  {'':<13} wall time serial / batched: {ratio:.2f} (target >= 2); sampling compute: {sampling:.2f}")
 
 
 def main() -> None:

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from kernel_backend import lora
-from kernel_backend.types import SampledSequence, SampleResult, SamplingParams
+from kernel_backend.types import SampledSequence, SampleResult, SamplingParams, UserError
 
 # Architectures whose modules the batched forward below calls (same layer structure as Llama).
 BATCHED_ARCHITECTURES = ("llama", "qwen2")
@@ -80,8 +80,8 @@ def cache_tokens(model: torch.nn.Module, megabytes: int) -> int:
     return megabytes * 2**20 // per_token
 
 
-class Cancelled(Exception):
-    """The client went away (a closed stream); nothing was billed."""
+class Cancelled(UserError):
+    """The client went away (a closed stream): the request failed, and bills nothing."""
 
 
 # ---- choosing tokens -------------------------------------------------------------------------
@@ -107,7 +107,8 @@ def row_generator(seed: int | None, row: int) -> torch.Generator:
     """Row `row`'s own random stream: fixed by (seed, row) alone, whatever else is decoding."""
     generator = torch.Generator()
     if seed is None:
-        return generator.manual_seed(torch.seed() % 2**63)
+        generator.seed()  # from the OS's entropy; leaves torch's global generator alone
+        return generator
     return generator.manual_seed((seed * 1_000_003 + row) % 2**63)
 
 
@@ -301,8 +302,9 @@ class Decoder:
         """Prefill what fits, then one decode step for every live row. Returns the requests that left."""
         finished: list[SampleRequest] = []
         self._drop(lambda a: a.request.cancel.is_set(), Cancelled("the request was cancelled"), finished)
-        if self.waiting:
-            self._prefill(finished)
+        segments = self._plan_prefill()
+        if segments:
+            self._prefill(segments, finished)
         if self.rows:
             self._decode(finished)
         if not self.rows:
@@ -311,36 +313,37 @@ class Decoder:
 
     # ---- prefill --------------------------------------------------------------------------
 
-    def _prefill(self, finished: list[SampleRequest]) -> None:
-        """Prefill chunks of waiting prompts (FIFO, within the token budget) in one forward pass."""
+    def _plan_prefill(self) -> list[tuple[_Active, int, int]]:
+        """This step's prompt chunks, (request, start, end): first come first served, within the
+        prefill budget. A request starts only when every started request's rows, at their longest,
+        fit the cache budget; until then it and those after it wait."""
         segments, budget = [], self.prefill_tokens
         started = {id(r.active): r.active for r in self.rows}
         for active in self.waiting:
             if budget <= 0:
                 break
             if active.prefilled == 0:
-                # Admission: all rows, decoding or prefilling, within the cache budget at their longest.
                 rows, longest = self._reserved([*started.values(), active])
                 if rows > self.max_rows or rows * longest > self.budget_tokens:
-                    break  # wait for rows to leave; first come, first served
-                layers = self.cache.shape[0]
-                shape = (layers, self.kv_heads, len(active.request.prompt), self.head_dim)
+                    break
+                shape = (self.cache.shape[0], self.kv_heads, len(active.request.prompt), self.head_dim)
                 active.keys = torch.empty(shape, dtype=self.model.dtype, device=self.model.device)
                 active.values = torch.empty_like(active.keys)
             started[id(active)] = active
             end = min(len(active.request.prompt), active.prefilled + budget)
             segments.append((active, active.prefilled, end))
             budget -= end - active.prefilled
-        if not segments:
-            return
         segments.sort(key=lambda segment: _adapter_key(segment[0]))  # each adapter's tokens side by side
+        return segments
 
+    def _prefill(self, segments: list[tuple[_Active, int, int]], finished: list[SampleRequest]) -> None:
+        """One forward pass over the prompt chunks, packed; requests whose prompt is complete start their rows."""
         start_time = time.perf_counter()
+        device = self.model.device
         ids = [t for a, s, e in segments for t in a.request.prompt[s:e]]
         positions = [p for _, s, e in segments for p in range(s, e)]
         adapters = [a.request.adapter for a, s, e in segments for _ in range(s, e)]
-        device = self.model.device
-        bounds, offset = [], 0
+        bounds, offset = [], 0  # where each chunk sits in the packed batch
         for _, s, e in segments:
             bounds.append((offset, offset + e - s))
             offset += e - s
@@ -360,27 +363,25 @@ class Decoder:
 
         with lora.route(self.model, adapters):
             hidden = self._forward(torch.tensor(ids, device=device), torch.tensor(positions, device=device), attend)
-        # lm_head only where logits are needed: every position for prompt logprobs, else the last one.
-        wanted, owners = [], []
+        # lm_head only where logits are needed: every position for prompt logprobs, else a prompt's last.
+        wanted, firsts = [], []
         for (active, s, e), (lo, hi) in zip(segments, bounds):
+            firsts.append(len(wanted))
             if active.wants_prompt_logits:
                 wanted.extend(range(lo, hi))
-                owners.append((active, s, e, len(wanted) - (hi - lo)))
             elif e == len(active.request.prompt):
                 wanted.append(hi - 1)
-                owners.append((active, s, e, len(wanted) - 1))
         logits = self._logits(hidden[wanted], [adapters[i] for i in wanted]) if wanted else None
         elapsed = time.perf_counter() - start_time
-        total = sum(e - s for _, s, e in segments)
-        for active, s, e in segments:
-            active.request.compute_s += elapsed * (e - s) / total
+        for (active, s, e), first in zip(segments, firsts):
+            active.request.compute_s += elapsed * (e - s) / len(ids)
             active.prefilled = e
-        for active, s, e, first in owners:
             if active.wants_prompt_logits:
                 active.add_prompt_logprobs(logits[first : first + e - s], s)
             if e == len(active.request.prompt):
                 self.waiting.remove(active)
-                self._start_rows(active, logits[first + (e - s - 1 if active.wants_prompt_logits else 0)], finished)
+                last = first + (e - s - 1 if active.wants_prompt_logits else 0)
+                self._start_rows(active, logits[last], finished)
 
     def _start_rows(self, active: _Active, last_logits: torch.Tensor, finished: list[SampleRequest]) -> None:
         """The prompt is in: every row's first token from its last logits; rows that go on join the batch."""
