@@ -16,7 +16,7 @@ Three parts, each printing a ratio measured in this one run (higher is better):
             server and a batched one: wall time, and the recipe's final metric. Long (tens of
             minutes); not in the default set.                            Target: time halved.
 
-    .venv/bin/python bench/sample.py [--parts server,generate] [--rounds 2] [--threads N]
+    .venv/bin/python bench/sample.py [--parts server,generate] [--rounds 2] [--threads N] [--server-threads N] [--bf16]
     .venv/bin/python bench/sample.py --parts recipes
 """
 
@@ -51,13 +51,22 @@ def load_line() -> str:
     return f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus"
 
 
-def start(sampler: str, env: dict[str, str] | None = None):
+SERVER_ENV: dict[str, str] = {}  # extra environment for the servers (--server-threads)
+
+
+def start(sampler: str, dtype: str = "float32"):
     """A backend process with its own home (the default model is shared), sampling with `sampler`."""
     from servers import start_server
 
     home = Path(tempfile.mkdtemp(prefix=f"stepwise-bench-{sampler}-"))
     (home / "models").symlink_to(Path.home() / ".cache" / "stepwise" / "models")
-    return start_server(home, env={"STEPWISE_SAMPLER": sampler, **(env or {})})
+    return start_server(home, env={"STEPWISE_SAMPLER": sampler, "STEPWISE_DTYPE": dtype, **SERVER_ENV})
+
+
+def cpu_seconds(server) -> float:
+    """User + system CPU seconds the server process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{server.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---- server: concurrent requests through the SDK ------------------------------------------------
@@ -93,33 +102,47 @@ class Sessions:
         return time.perf_counter() - start_time, tokens
 
 
-def bench_server(rounds: int) -> None:
+def bench_server(rounds: int, bf16: bool) -> None:
+    """`bf16` adds a third server, batched with bf16 weights, for the record: its tokens differ
+    (other numerics) and its logprobs are not the fp32 ones (docs/performance.md, precision)."""
     from workbench.recipes.common import local_tokenizer
 
     tokenizer = local_tokenizer(BASE)
     servers = {name: start(name) for name in ("serial", "batched")}
+    if bf16:
+        servers["batched-bf16"] = start("batched", "bfloat16")
     try:
         sessions = {name: Sessions(server, tokenizer) for name, server in servers.items()}
         for s in sessions.values():
             s.round(max_tokens=2)  # warm-up: first use of each sampler
         seconds: dict[str, list[float]] = {name: [] for name in servers}
+        cpu: dict[str, float] = {name: 0.0 for name in servers}
         outputs: dict[str, list] = {}
         load_before = load_line()
-        for i in tqdm(range(rounds), desc="rounds (serial, batched alternating)"):
-            for name in ("serial", "batched") if i % 2 == 0 else ("batched", "serial"):
+        for i in tqdm(range(rounds), desc="rounds (alternating)"):
+            for name in list(servers) if i % 2 == 0 else reversed(list(servers)):
+                cpu_before = cpu_seconds(servers[name])
                 elapsed, outputs[name] = sessions[name].round()
                 seconds[name].append(elapsed)
-        tokens = sum(len(t) for request in outputs["batched"] for t in request)
+                cpu[name] += cpu_seconds(servers[name]) - cpu_before
+        # The same seeds every round: each server samples the same tokens in every round.
+        tokens = {name: sum(len(t) for request in out for t in request) for name, out in outputs.items()}
     finally:
         for server in servers.values():
             server.stop()
-    rate = {name: tokens * len(s) / sum(s) for name, s in seconds.items()}
-    print(f"\n[server] 8 requests x 4 samples x max 32 tokens, 4 sessions, {tokens} sampled tokens a round")
+    rate = {name: tokens[name] * len(s) / sum(s) for name, s in seconds.items()}
+    cpu_per_token = {name: cpu[name] / (tokens[name] * rounds) for name in servers}
+    print(f"\n[server] 8 requests x 4 samples x max 32 tokens, 4 sessions, {tokens['batched']} sampled tokens a round")
     for name in servers:
-        print(f"  {name:<8} {rate[name]:7.1f} sampled tokens/s   rounds: " + " ".join(f"{s:.1f}s" for s in seconds[name]))
+        print(f"  {name:<12} {rate[name]:7.1f} sampled tokens/s, {cpu[name] / rounds:5.1f} server CPU s a round   "
+              "rounds: " + " ".join(f"{s:.1f}s" for s in seconds[name]))
     print(f"  same tokens from both decoders: {'yes' if outputs['serial'] == outputs['batched'] else 'NO'}")
-    print(f"  ratio batched / serial: {rate['batched'] / rate['serial']:.2f}   target >= 5   "
+    print(f"  ratio batched / serial: {rate['batched'] / rate['serial']:.2f} (wall), "
+          f"{cpu_per_token['serial'] / cpu_per_token['batched']:.2f} (server CPU time per token)   target >= 5   "
           f"({load_before} before, {load_line()} after)")
+    if bf16:
+        print(f"  ratio batched-bf16 / serial (fp32): {rate['batched-bf16'] / rate['serial']:.2f} (wall), "
+              f"{cpu_per_token['serial'] / cpu_per_token['batched-bf16']:.2f} (server CPU time per token)")
 
 
 # ---- generate: in-process against transformers + peft ------------------------------------------------
@@ -234,12 +257,16 @@ def main() -> None:
     parser.add_argument("--parts", default="server,generate", help="comma-separated: server, generate, recipes")
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds per side (after a warm-up)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads in this process (0: torch's default)")
+    parser.add_argument("--server-threads", type=int, default=0, help="OMP_NUM_THREADS for the servers (0: default)")
+    parser.add_argument("--bf16", action="store_true", help="server part: also a batched server with bf16 weights")
     args = parser.parse_args()
+    if args.server_threads:
+        SERVER_ENV["OMP_NUM_THREADS"] = str(args.server_threads)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    parts = {"server": lambda: bench_server(args.rounds), "generate": lambda: bench_generate(args.rounds),
+    parts = {"server": lambda: bench_server(args.rounds, args.bf16), "generate": lambda: bench_generate(args.rounds),
              "recipes": bench_recipes}
     for part in args.parts.split(","):
         parts[part.strip()]()
