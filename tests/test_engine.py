@@ -320,6 +320,41 @@ def test_a_training_job_finishes_while_a_long_sample_decodes(engine, tokenizer, 
     assert json.loads(done[1][2]) == expected.sequences[0].tokens
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_the_batched_forward_matches_transformers_on_each_architecture_it_claims(architecture):
+    """The decoder writes the layer out itself (sampler.Decoder._forward): on a tiny random model of
+    each architecture in BATCHED_ARCHITECTURES (a shape check, so random weights are fine), its
+    prompt logprobs and sampled-token logprobs equal transformers' own forward pass."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kernel_backend import lora, sampler
+    from kernel_backend.types import SamplingParams
+
+    assert architecture in sampler.BATCHED_ARCHITECTURES
+    config = AutoConfig.for_model(architecture, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                                  max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+    reference = AutoModelForCausalLM.from_config(config).eval()
+    reference.load_state_dict(model.state_dict())
+    lora.attach(model)
+    decoder = sampler.Decoder(model, lambda tokens: "", budget_tokens=10_000, prefill_tokens=8)
+    prompt = torch.randint(0, 300, (21,), generator=torch.Generator().manual_seed(1)).tolist()
+    request = sampler.SampleRequest(None, prompt, 2, SamplingParams(max_tokens=6, temperature=1.0, seed=3), set(), [],
+                                    prompt_logprobs=True)
+    decoder.admit(request)
+    while not decoder.step():
+        pass
+    for seq in request.result.sequences:
+        tokens = prompt + seq.tokens
+        with torch.no_grad():
+            logprobs = reference(torch.tensor([tokens])).logits[0, :-1].log_softmax(-1)
+        expected = logprobs.gather(-1, torch.tensor(tokens[1:])[:, None]).squeeze(-1)
+        np.testing.assert_allclose(request.result.prompt_logprobs[1:], expected[: len(prompt) - 1], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(seq.logprobs, expected[len(prompt) - 1 :], rtol=0, atol=1e-5)
+
+
 # ---- c. adapters over one base do not touch each other ------------------------------------------
 
 
