@@ -453,7 +453,7 @@ class Decoder:
             tokens[i], logprobs[i], tops[i] = chosen[0][j], chosen[1][j], chosen[2][j]
         elapsed = time.perf_counter() - start_time
 
-        leaving, failed = set(), {}
+        leaving, failed = set(), set()  # row indices; ids of failed requests' _Active
         for i, row in enumerate(rows):
             active = row.active
             active.request.compute_s += elapsed / n
@@ -462,7 +462,7 @@ class Decoder:
             try:
                 going = active.take(row.index, tokens[i], logprobs[i], tops[i])
             except Exception as e:  # on_token or stop-string decoding failed: this request alone
-                failed[id(active)] = active
+                failed.add(id(active))
                 active.request.error = e
                 finished.append(active.request)
                 continue
