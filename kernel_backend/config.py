@@ -72,9 +72,14 @@ class Settings:
     signing_key: str = field(default_factory=lambda: _env("SIGNING_KEY", ""))
     auth_token_ttl_s: int = field(default_factory=lambda: int(_env("AUTH_TOKEN_TTL_S", "900")))
     download_url_ttl_s: int = field(default_factory=lambda: int(_env("DOWNLOAD_URL_TTL_S", "3600")))
-    # Who samples: "builtin" (kernel_backend/sampler.py, on the engine) or "vllm" (a vLLM worker process in
-    # its own venv, kernel_backend/vllm_sampler.py; the venv is built by kernel_backend/vllm_venv.py).
-    sampler: str = field(default_factory=lambda: _env("SAMPLER", "builtin"))
+    # Who samples: "batched" (every request in one continuous batch on the engine, kernel_backend/sampler.py),
+    # "serial" (one request at a time: the loop before the batched decoder, kept as a baseline), or "vllm"
+    # (a vLLM worker process in its own venv, kernel_backend/vllm_sampler.py, built by kernel_backend/vllm_venv.py).
+    sampler: str = field(default_factory=lambda: _env("SAMPLER", "batched"))
+    # The decoding rows' KV cache may hold at most this many MB (each request reserves its rows at
+    # their longest); and prompt tokens prefilled per decode step (longer prompts take several steps).
+    sample_cache_mb: int = field(default_factory=lambda: int(_env("SAMPLE_CACHE_MB", "4096")))
+    prefill_chunk_tokens: int = field(default_factory=lambda: int(_env("PREFILL_CHUNK_TOKENS", "512")))
     # Machine-wide caches that outlive a STEPWISE_HOME: the vLLM venv (default ~/.cache/stepwise).
     cache_dir: Path = field(default_factory=lambda: Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "stepwise")
     # An interpreter that has vLLM, used as it is instead of the venv built in cache_dir.

@@ -11,6 +11,7 @@ leaves weights, gradients and optimizer state as they were.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -81,6 +82,22 @@ class Engine:
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 2048))
         lora.attach(self.model)
         self.slots: dict[str, _Slot] = {}
+        self.decoder = self._make_decoder()
+
+    def reset_decoder(self) -> None:
+        """Forget every request in the decoder (after a failed step; the scheduler fails them)."""
+        self.decoder = self._make_decoder()
+
+    def _make_decoder(self) -> sampler.Decoder | sampler.SerialDecoder:
+        """Every sample request on this model goes through this decoder (see sampler.py)."""
+        settings = self.settings
+        if settings.sampler not in ("batched", "serial", "vllm"):  # with vllm, the engine decodes only its own checks
+            raise ValueError(f"STEPWISE_SAMPLER must be 'batched', 'serial' or 'vllm', not {settings.sampler!r}")
+        budget = sampler.cache_tokens(self.model, settings.sample_cache_mb)
+        decode_text = self.tokenizer.decode
+        if settings.sampler == "batched" and sampler.Decoder.supports(self.model):
+            return sampler.Decoder(self.model, decode_text, budget, settings.prefill_chunk_tokens)
+        return sampler.SerialDecoder(self.model, decode_text, budget)
 
     # ---- adapters ---------------------------------------------------------------------------
 
@@ -364,7 +381,7 @@ class Engine:
 
     # ---- sampling ---------------------------------------------------------------------------
 
-    def sample(
+    def sample_request(
         self,
         adapter_id: str | None,
         prompt: list[int],
@@ -374,38 +391,46 @@ class Engine:
         topk_prompt_logprobs: int = 0,
         topk_sample_logprobs: int = 0,
         on_token=None,
-    ) -> SampleResult:
-        """Sample continuations of `prompt` from the base model (adapter_id None) or an adapter."""
-        params = params or SamplingParams()
+        cancel=None,
+    ) -> sampler.SampleRequest:
+        """A validated request for the decoder: continuations of `prompt` from the base model
+        (adapter_id None) or an adapter. Raises UserError for bad input."""
+        params = dataclasses.replace(params) if params is not None else SamplingParams()
         adapter = self._slot(adapter_id).adapter if adapter_id is not None else None
         prompt = _check_tokens(prompt, self.vocab_size, "prompt")
         stop_ids, stop_strings = self._check_sampling(prompt, num_samples, params, topk_prompt_logprobs)
-        want_prompt = prompt_logprobs or topk_prompt_logprobs > 0
-        prompt_logits: list[torch.Tensor] = []
-        with lora.route(self.model, [adapter] * num_samples):
-            sequences = sampler.generate(
-                self.model,
-                prompt,
-                num_samples,
-                params,
-                stop_ids,
-                stop_strings,
-                decode=lambda t: self.tokenizer.decode(t),
-                prompt_logits_out=prompt_logits if want_prompt else None,
-                topk_sample_logprobs=topk_sample_logprobs,
-                on_token=on_token,
+        if not 0 <= topk_sample_logprobs <= 20:
+            raise UserError(f"top logprobs per sampled token must be from 0 to 20, got {topk_sample_logprobs}")
+        request = sampler.SampleRequest(
+            adapter, prompt, num_samples, params, stop_ids, stop_strings, prompt_logprobs, topk_prompt_logprobs,
+            topk_sample_logprobs, on_token,
+        )
+        if cancel is not None:
+            request.cancel = cancel
+        if request.kv_tokens > self.decoder.budget_tokens:
+            raise UserError(
+                f"num_samples ({num_samples}) x (prompt {len(prompt)} + max_tokens {params.max_tokens}) = "
+                f"{request.kv_tokens} tokens is more than the sampler's cache holds ({self.decoder.budget_tokens}); "
+                "lower num_samples or max_tokens, or raise STEPWISE_SAMPLE_CACHE_MB"
             )
-        result = SampleResult(sequences=sequences)
-        if want_prompt:
-            logprobs = prompt_logits[0].log_softmax(-1)  # row j predicts token j + 1
-            if prompt_logprobs:
-                picked = logprobs[:-1].gather(-1, torch.tensor(prompt[1:])[:, None]).squeeze(-1)
-                result.prompt_logprobs = [None] + picked.tolist()
-            if topk_prompt_logprobs > 0:
-                top = torch.topk(logprobs[:-1], topk_prompt_logprobs, dim=-1)
-                result.topk_prompt_logprobs = [None] + [
-                    list(zip(ids, lps)) for ids, lps in zip(top.indices.tolist(), top.values.tolist())
-                ]
+        return request
+
+    def run_requests(self, requests: list[sampler.SampleRequest]) -> list[SampleResult | Exception]:
+        """Decode requests together until every one is done (tests and benchmarks; the service's
+        scheduler drives the decoder itself, step by step)."""
+        for request in requests:
+            self.decoder.admit(request)
+        left = {id(r) for r in requests}
+        while left:
+            left -= {id(r) for r in self.decoder.step()}
+        return [r.error if r.error is not None else r.result for r in requests]
+
+    def sample(self, adapter_id: str | None, prompt: list[int], num_samples: int = 1,
+               params: SamplingParams | None = None, **options) -> SampleResult:
+        """Sample continuations of `prompt` now (options: see sample_request)."""
+        result = self.run_requests([self.sample_request(adapter_id, prompt, num_samples, params, **options)])[0]
+        if isinstance(result, Exception):
+            raise result
         return result
 
     def compute_logprobs(self, adapter_id: str | None, tokens: list[int]) -> list[float | None]:

@@ -41,10 +41,11 @@ def targets_of(config: LoraConfig) -> tuple[str, ...]:
 
 
 class Routing:
-    """Which adapter each batch row uses, grouped: [(adapter, row index tensor or None=all rows)]."""
+    """Which adapter each batch row uses, grouped: [(adapter, rows)], rows being None (every row),
+    a slice (a contiguous run of rows) or an index tensor (rows scattered through the batch)."""
 
     def __init__(self) -> None:
-        self.groups: list[tuple[Adapter, torch.Tensor | None]] = []
+        self.groups: list[tuple[Adapter, slice | torch.Tensor | None]] = []
 
 
 class MultiLoraLinear(nn.Module):
@@ -61,29 +62,26 @@ class MultiLoraLinear(nn.Module):
         return self.base.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        groups = [
-            (adapter, rows, adapter.weights[self.name])
-            for adapter, rows in self.routing.groups
-            if self.name in adapter.weights
-        ]
-        if len(groups) == 1 and groups[0][1] is None:
-            # The whole batch under one adapter: out = x W^T, then out += scale * (x A^T) B^T as one
-            # in-place addmm on the 2-D output. The add and the scaling are fused into the matmul:
-            # no output-sized temporaries or copies (lm_head's rows are vocabulary-wide), and
-            # backward scales only the rank-sized products. In place is safe: the frozen linear's
-            # backward needs its input and weight, not its output (and out is not a view).
-            adapter, _, (a, b) = groups[0]
-            x2d = x.reshape(-1, x.shape[-1])
-            out = F.linear(x2d, self.base.weight, self.base.bias)
-            out.addmm_(F.linear(x2d, a), b.t(), alpha=adapter.scale)
-            return out.view(*x.shape[:-1], out.shape[-1])
-        out = self.base(x)
-        for adapter, rows, (a, b) in groups:
-            if rows is None:
-                out = out + F.linear(F.linear(x, a) * adapter.scale, b)
-            else:
-                out = out.index_add(0, rows, F.linear(F.linear(x[rows], a) * adapter.scale, b))
-        return out
+        x2d = x.reshape(-1, x.shape[-1])
+        out = F.linear(x2d, self.base.weight, self.base.bias)
+        # Tokens per batch row: rows index dim 0 of x, whatever its shape.
+        per_row = x2d.shape[0] // x.shape[0] if x.dim() > 1 else 1
+        for adapter, rows in self.routing.groups:
+            if self.name not in adapter.weights:
+                continue
+            a, b = adapter.weights[self.name]
+            if isinstance(rows, torch.Tensor):  # scattered rows: gather their inputs, add back
+                delta = F.linear(F.linear(x[rows].reshape(-1, x.shape[-1]), a) * adapter.scale, b)
+                out.view(x.shape[0], -1, out.shape[-1]).index_add_(0, rows, delta.view(len(rows), -1, out.shape[-1]))
+                continue
+            # Whole batch or a run of rows: out += scale * (x A^T) B^T as one in-place addmm on the
+            # rows' 2-D view. The add and the scaling are fused into the matmul: no output-sized
+            # temporaries or copies (lm_head's rows are vocabulary-wide), and backward scales only
+            # the rank-sized products. In place is safe: the frozen linear's backward needs its
+            # input and weight, not its output.
+            span = slice(None) if rows is None else slice(rows.start * per_row, rows.stop * per_row)
+            out[span].addmm_(F.linear(x2d[span], a), b.t(), alpha=adapter.scale)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
 
 class Adapter:
@@ -167,7 +165,10 @@ def route(model: nn.Module, adapters: list[Adapter | None]):
         groups = []
         for adapter in distinct:
             rows = [i for i, a in enumerate(adapters) if a is adapter]
-            groups.append((adapter, torch.tensor(rows, device=model.device)))
+            if rows[-1] - rows[0] + 1 == len(rows):  # a contiguous run: views, no copies
+                groups.append((adapter, slice(rows[0], rows[-1] + 1)))
+            else:
+                groups.append((adapter, torch.tensor(rows, device=model.device)))
     previous, routing.groups = routing.groups, groups
     try:
         yield

@@ -1,18 +1,90 @@
-"""Generation on CPU (or one device) with transformers: a plain decode loop over a KV cache.
+"""Generation: every sample request on a base model decodes in one shared, continuous batch.
 
-We write the loop ourselves rather than call `generate` because we need, exactly:
-- the model's own logprob of every sampled token (before temperature / top-k / top-p), so that
-  `sample` and `compute_logprobs` agree on the same tokens and weights;
-- Tinker's stop semantics (end-of-sequence by default, strings or token ids, `[]` = never);
-- one prefill shared by all `num_samples` rows, and a seedable generator.
-Rows are routed through the adapter by `lora.route`, like training.
+A `Decoder` holds the requests of every session, adapter and prompt at once. Each `step()`:
+1. drops cancelled requests;
+2. prefills waiting prompts, up to `prefill_tokens` prompt tokens per step (a longer prompt is
+   split over several steps), all of them packed into one forward pass;
+3. runs one decode step: one forward over the newest token of every live row, each row routed to
+   its own adapter by `lora.route`, as training rows are.
+Rows join when their prompt's prefill is done and leave when they stop, so a new request starts
+within a step or two, however long the generations already running. The `num_samples` rows of a
+request share its prompt's prefill (one forward, its keys and values copied to each row).
+
+What every path keeps, exactly:
+- each sampled token's logprob is the model's own, before temperature / top-k / top-p, and
+  `compute_logprobs` (a prefill) computes the same numbers;
+- each row draws from its own random stream, seeded from (request seed, row), so a seeded
+  request samples the same tokens whatever else shares the batch;
+- Tinker's stop rules: end-of-sequence by default, strings or token ids, `[]` never stops; the
+  stop token is kept in the returned tokens.
+
+The forward pass is written here for Llama-style models (embed; per layer: norm, attention with
+rotary positions, norm, MLP; norm; lm_head), calling the model's own modules. Tokens travel as one
+flat (tokens, hidden) batch, so rows of different lengths need no padding: attention is the only
+step that knows which tokens belong together, and it reads each row's cache up to its own length.
+Other architectures decode one request at a time with transformers' own forward (`SerialDecoder`,
+also the baseline the benchmarks compare against: it is the loop every request went through before).
 """
 
 from __future__ import annotations
 
-import torch
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
 
-from kernel_backend.types import SampledSequence, SamplingParams
+import torch
+import torch.nn.functional as F
+
+from kernel_backend import lora
+from kernel_backend.types import SampledSequence, SampleResult, SamplingParams, UserError
+
+# Architectures whose modules the batched forward below calls (same layer structure as Llama).
+BATCHED_ARCHITECTURES = ("llama", "qwen2")
+
+
+@dataclass
+class SampleRequest:
+    """One `sample` call, validated by the engine: `num_samples` continuations of one prompt."""
+
+    adapter: lora.Adapter | None
+    prompt: list[int]
+    num_samples: int
+    params: SamplingParams  # max_tokens is set
+    stop_token_ids: set[int]
+    stop_strings: list[str]
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    # on_token(row, token, logprob), called as each token is chosen (streaming). If it raises,
+    # this request fails; the others in the batch go on.
+    on_token: Callable[[int, int, float], None] | None = None
+    # Set from any thread; the decoder drops the request at its next step.
+    cancel: threading.Event = field(default_factory=threading.Event)
+    # Set when the request leaves the decoder: a result or an error, and its share of compute time.
+    result: SampleResult | None = None
+    error: Exception | None = None
+    compute_s: float = 0.0
+
+    @property
+    def kv_tokens(self) -> int:
+        """The most cache entries its rows can need: what admission reserves."""
+        return self.num_samples * (len(self.prompt) + self.params.max_tokens)
+
+
+def cache_tokens(model: torch.nn.Module, megabytes: int) -> int:
+    """How many cache entries (keys and values of one token of one row, every layer) fit in `megabytes`."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * model.dtype.itemsize
+    return megabytes * 2**20 // per_token
+
+
+class Cancelled(UserError):
+    """The client went away (a closed stream): the request failed, and bills nothing."""
+
+
+# ---- choosing tokens -------------------------------------------------------------------------
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -31,75 +103,501 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-@torch.inference_mode()
-def generate(
-    model: torch.nn.Module,
-    prompt: list[int],
-    num_samples: int,
-    params: SamplingParams,
-    stop_token_ids: set[int],
-    stop_strings: list[str],
-    decode,
-    prompt_logits_out: list | None = None,
-    topk_sample_logprobs: int = 0,
-    on_token=None,
-) -> list[SampledSequence]:
-    """Sample `num_samples` continuations of `prompt`. The caller has set up LoRA routing.
+def row_generator(seed: int | None, row: int) -> torch.Generator:
+    """Row `row`'s own random stream: fixed by (seed, row) alone, whatever else is decoding."""
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()  # from the OS's entropy; leaves torch's global generator alone
+        return generator
+    return generator.manual_seed((seed * 1_000_003 + row) % 2**63)
 
-    `decode(tokens) -> str` is used only for stop strings. When `prompt_logits_out` is a list,
-    the prefill's logits for every prompt position are appended to it (for prompt logprobs).
-    `topk_sample_logprobs` > 0 records the k most likely tokens at each sampled position;
-    `on_token(row, token, logprob)` is called as each token is chosen (for streaming).
+
+def choose(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of `logits` (rows, vocab), row i drawing from generators[i].
+
+    Inverse-CDF sampling: one uniform number per row and step, so a row's draws depend on its
+    own stream only (torch.multinomial over a batch would share one generator between rows).
     """
-    device = model.device
-    generator = torch.Generator(device=device)
-    generator.manual_seed(params.seed if params.seed is not None else torch.seed() % 2**63)
+    if params.temperature == 0:
+        return logits.argmax(-1)
+    cdf = filter_logits(logits, params).softmax(-1).cumsum(-1)
+    u = torch.cat([torch.rand(1, generator=g) for g in generators]).to(cdf.device)
+    total = cdf[:, -1:]
+    # Strictly below the total, so the pick is a token with non-zero probability.
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_max(logits.shape[-1] - 1)
 
-    # logits_to_keep=0 keeps every position (needed for prompt logprobs); 1 only the last.
-    keep = 0 if prompt_logits_out is not None else 1
-    out = model(torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=keep)
-    if prompt_logits_out is not None:
-        prompt_logits_out.append(out.logits[0].float())
-    cache = out.cache
-    cache.batch_repeat_interleave(num_samples)
-    next_logits = out.logits[:, -1, :].float().expand(num_samples, -1)
 
-    tokens: list[list[int]] = [[] for _ in range(num_samples)]
-    logprobs: list[list[float]] = [[] for _ in range(num_samples)]
-    top: list[list[list[tuple[int, float]]]] = [[] for _ in range(num_samples)]
-    stopped = [False] * num_samples
-    for _ in range(params.max_tokens):
-        model_logprobs = next_logits.log_softmax(-1)
-        if params.temperature == 0:
-            chosen = next_logits.argmax(-1)
-        else:
-            probs = filter_logits(next_logits, params).softmax(-1)
-            chosen = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        chosen_logprobs = model_logprobs.gather(-1, chosen[:, None]).squeeze(-1)
-        if topk_sample_logprobs:
-            best = torch.topk(model_logprobs, topk_sample_logprobs, dim=-1)
-            best_pairs = [list(zip(i, v)) for i, v in zip(best.indices.tolist(), best.values.tolist())]
-        for row, (token, logprob) in enumerate(zip(chosen.tolist(), chosen_logprobs.tolist())):
-            if stopped[row]:
+# ---- one request's progress ------------------------------------------------------------------
+
+
+class _Active:
+    """A request inside a decoder: its prompt's prefill, then its rows' tokens and logprobs."""
+
+    def __init__(self, request: SampleRequest, decode_text: Callable[[list[int]], str]) -> None:
+        self.request = request
+        self.decode_text = decode_text
+        self.prefilled = 0  # prompt tokens whose keys and values are computed
+        self.keys: torch.Tensor | None = None  # (layers, kv_heads, prompt, head_dim) during prefill
+        self.values: torch.Tensor | None = None
+        self.prompt_logprobs: list[float] = []
+        self.topk_prompt: list[list[tuple[int, float]]] = []
+        n = request.num_samples
+        self.generators = [row_generator(request.params.seed, i) for i in range(n)]
+        self.sequences = [SampledSequence([], [], "length", [] if request.topk_sample_logprobs else None) for _ in range(n)]
+        self.rows_left = n
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        return self.request.prompt_logprobs or self.request.topk_prompt_logprobs > 0
+
+    def add_prompt_logprobs(self, logits: torch.Tensor, start: int) -> None:
+        """Logits at prompt positions start.. (each predicts the next prompt token)."""
+        prompt = self.request.prompt
+        logprobs = logits[: max(0, len(prompt) - 1 - start)].float().log_softmax(-1)
+        if not len(logprobs):
+            return
+        following = torch.tensor(prompt[start + 1 : start + 1 + len(logprobs)], device=logprobs.device)
+        self.prompt_logprobs += logprobs.gather(-1, following[:, None]).squeeze(-1).tolist()
+        if self.request.topk_prompt_logprobs:
+            top = torch.topk(logprobs, self.request.topk_prompt_logprobs, dim=-1)
+            self.topk_prompt += [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+
+    def take(self, row: int, token: int, logprob: float, top: list[tuple[int, float]] | None) -> bool:
+        """Record row's next token; True while the row goes on. Raises what on_token raises."""
+        request, seq = self.request, self.sequences[row]
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        if top is not None:
+            seq.top_logprobs.append(top)
+        if request.on_token is not None:
+            request.on_token(row, token, logprob)
+        stop_strings = request.stop_strings
+        if token in request.stop_token_ids or (stop_strings and any(s in self.decode_text(seq.tokens) for s in stop_strings)):
+            seq.stop_reason = "stop"
+        elif len(seq.tokens) < request.params.max_tokens:
+            return True
+        self.rows_left -= 1
+        return False
+
+    def finish(self) -> None:
+        result = SampleResult(sequences=self.sequences)
+        if self.request.prompt_logprobs:
+            result.prompt_logprobs = [None] + self.prompt_logprobs
+        if self.request.topk_prompt_logprobs:
+            result.topk_prompt_logprobs = [None] + self.topk_prompt
+        self.request.result = result
+        self.keys = self.values = None
+
+
+def _choose_for(actives: list[_Active], rows: list[int], logits: torch.Tensor):
+    """Tokens, model logprobs and top-k lists for rows (logits row i is actives[i]'s row rows[i])."""
+    log_total = torch.logsumexp(logits, -1, keepdim=True)
+    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    tops: list[list[tuple[int, float]] | None] = [None] * len(rows)
+    groups: dict[int, list[int]] = {}
+    for i, active in enumerate(actives):
+        groups.setdefault(id(active), []).append(i)
+    for members in groups.values():  # rows of one request share its sampling parameters
+        active = actives[members[0]]
+        index = torch.tensor(members, device=logits.device)
+        generators = [active.generators[rows[i]] for i in members]
+        tokens[index] = choose(logits[index], active.request.params, generators)
+        k = active.request.topk_sample_logprobs
+        if k:
+            best = torch.topk(logits[index], k, dim=-1)
+            values = best.values - log_total[index]
+            for i, ids, lps in zip(members, best.indices.tolist(), values.tolist()):
+                tops[i] = list(zip(ids, lps))
+    chosen = logits.gather(-1, tokens[:, None]) - log_total
+    return tokens.tolist(), chosen.squeeze(-1).tolist(), tops
+
+
+# ---- the batched decoder ---------------------------------------------------------------------
+
+
+class KVCache:
+    """Keys and values of the decoding rows, (layers, rows, kv_heads, length, head_dim) each.
+
+    Live rows are always rows [0, n): a row that leaves is replaced by the last one. Capacity
+    grows on demand (doubling) within `budget_tokens` rows x length, and is freed when idle.
+    """
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device, budget_tokens: int) -> None:
+        self.shape = (layers, kv_heads, head_dim)
+        self.dtype, self.device, self.budget_tokens = dtype, device, budget_tokens
+        self.clear()
+
+    def clear(self) -> None:
+        layers, kv_heads, head_dim = self.shape
+        self.keys = torch.empty(layers, 0, kv_heads, 0, head_dim, dtype=self.dtype, device=self.device)
+        self.values = torch.empty_like(self.keys)
+
+    def ensure(self, rows: int, length: int, longest_needed: int) -> None:
+        """Room for `rows` rows of `length` entries. Grows by doubling, but never past the longest
+        length a live row may reach, nor (rows x length) past the budget; keeps rows [0, rows)."""
+        have_rows, have_length = self.keys.shape[1], self.keys.shape[3]
+        if rows <= have_rows and length <= have_length:
+            return
+        new_length = max(length, min(2 * have_length, longest_needed)) if length > have_length else have_length
+        new_rows = max(rows, min(2 * have_rows if rows > have_rows else have_rows, self.budget_tokens // new_length))
+        layers, kv_heads, head_dim = self.shape
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = torch.zeros(layers, new_rows, kv_heads, new_length, head_dim, dtype=self.dtype, device=self.device)
+            kept = min(old.shape[1], new_rows)
+            new[:, :kept, :, : old.shape[3]] = old[:, :kept]
+            setattr(self, name, new)
+
+    def move(self, source: int, target: int) -> None:
+        self.keys[:, target] = self.keys[:, source]
+        self.values[:, target] = self.values[:, source]
+
+
+@dataclass
+class _Row:
+    active: _Active
+    index: int  # which of its request's samples
+    length: int  # cache entries written (the position of next_token)
+    next_token: int
+
+
+class Decoder:
+    """The continuous batch for one base model (see the module docstring). One thread owns it."""
+
+    def __init__(self, model: torch.nn.Module, decode_text: Callable[[list[int]], str], budget_tokens: int,
+                 prefill_tokens: int = 512, max_rows: int = 256) -> None:
+        config = model.config
+        self.model, self.decode_text = model, decode_text
+        self.budget_tokens, self.prefill_tokens, self.max_rows = budget_tokens, prefill_tokens, max_rows
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.cache = KVCache(config.num_hidden_layers, self.kv_heads, self.head_dim, model.dtype, model.device, budget_tokens)
+        self.waiting: list[_Active] = []  # admitted, prefill not finished (FIFO)
+        self.rows: list[_Row] = []  # decoding, row i in cache row i
+
+    @staticmethod
+    def supports(model: torch.nn.Module) -> bool:
+        config = model.config
+        return config.model_type in BATCHED_ARCHITECTURES and not getattr(config, "use_sliding_window", False)
+
+    def admit(self, request: SampleRequest) -> None:
+        self.waiting.append(_Active(request, self.decode_text))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.rows)
+
+    def prefill_room(self) -> int:
+        """Prompt tokens worth admitting now: what the next step could prefill beyond those waiting."""
+        return self.prefill_tokens - sum(len(a.request.prompt) - a.prefilled for a in self.waiting)
+
+    def _reserved(self, actives) -> tuple[int, int]:
+        rows = sum(a.request.num_samples for a in actives)
+        longest = max((len(a.request.prompt) + a.request.params.max_tokens for a in actives), default=0)
+        return rows, longest
+
+    @torch.inference_mode()
+    def step(self) -> list[SampleRequest]:
+        """Prefill what fits, then one decode step for every live row. Returns the requests that left."""
+        finished: list[SampleRequest] = []
+        self._drop(lambda a: a.request.cancel.is_set(), Cancelled("the request was cancelled"), finished)
+        segments = self._plan_prefill()
+        if segments:
+            self._prefill(segments, finished)
+        if self.rows:
+            self._decode(finished)
+        if not self.rows:
+            self.cache.clear()
+        return finished
+
+    # ---- prefill --------------------------------------------------------------------------
+
+    def _plan_prefill(self) -> list[tuple[_Active, int, int]]:
+        """This step's prompt chunks, (request, start, end): first come first served, within the
+        prefill budget. A request starts only when every started request's rows, at their longest,
+        fit the cache budget; until then it and those after it wait."""
+        segments, budget = [], self.prefill_tokens
+        started = {id(r.active): r.active for r in self.rows}
+        for active in self.waiting:
+            if budget <= 0:
+                break
+            if active.prefilled == 0:
+                rows, longest = self._reserved([*started.values(), active])
+                if rows > self.max_rows or rows * longest > self.budget_tokens:
+                    break
+                shape = (self.cache.shape[0], self.kv_heads, len(active.request.prompt), self.head_dim)
+                active.keys = torch.empty(shape, dtype=self.model.dtype, device=self.model.device)
+                active.values = torch.empty_like(active.keys)
+            started[id(active)] = active
+            end = min(len(active.request.prompt), active.prefilled + budget)
+            segments.append((active, active.prefilled, end))
+            budget -= end - active.prefilled
+        segments.sort(key=lambda segment: _adapter_key(segment[0]))  # each adapter's tokens side by side
+        return segments
+
+    def _prefill(self, segments: list[tuple[_Active, int, int]], finished: list[SampleRequest]) -> None:
+        """One forward pass over the prompt chunks, packed; requests whose prompt is complete start their rows."""
+        start_time = time.perf_counter()
+        device = self.model.device
+        ids = [t for a, s, e in segments for t in a.request.prompt[s:e]]
+        positions = [p for _, s, e in segments for p in range(s, e)]
+        adapters = [a.request.adapter for a, s, e in segments for _ in range(s, e)]
+        bounds, offset = [], 0  # where each chunk sits in the packed batch
+        for _, s, e in segments:
+            bounds.append((offset, offset + e - s))
+            offset += e - s
+
+        def attend(layer: int, q, k, v):
+            out = torch.empty_like(q)
+            for (active, s, e), (lo, hi) in zip(segments, bounds):
+                active.keys[layer, :, s:e] = k[lo:hi].transpose(0, 1)
+                active.values[layer, :, s:e] = v[lo:hi].transpose(0, 1)
+                # Causal within the prompt: position s + i sees positions 0 .. s + i.
+                mask = None if s == 0 else torch.arange(e, device=device)[None, :] <= torch.arange(s, e, device=device)[:, None]
+                out[lo:hi] = F.scaled_dot_product_attention(
+                    q[lo:hi].transpose(0, 1)[None], active.keys[None, layer, :, :e], active.values[None, layer, :, :e],
+                    attn_mask=mask, is_causal=s == 0, scale=self.scaling, enable_gqa=True,
+                )[0].transpose(0, 1)
+            return out
+
+        with lora.route(self.model, adapters):
+            hidden = self._forward(torch.tensor(ids, device=device), torch.tensor(positions, device=device), attend)
+        # lm_head only where logits are needed: every position for prompt logprobs, else a prompt's last.
+        wanted, firsts = [], []
+        for (active, s, e), (lo, hi) in zip(segments, bounds):
+            firsts.append(len(wanted))
+            if active.wants_prompt_logits:
+                wanted.extend(range(lo, hi))
+            elif e == len(active.request.prompt):
+                wanted.append(hi - 1)
+        logits = self._logits(hidden[wanted], [adapters[i] for i in wanted]) if wanted else None
+        elapsed = time.perf_counter() - start_time
+        for (active, s, e), first in zip(segments, firsts):
+            active.request.compute_s += elapsed * (e - s) / len(ids)
+            active.prefilled = e
+            if active.wants_prompt_logits:
+                active.add_prompt_logprobs(logits[first : first + e - s], s)
+            if e == len(active.request.prompt):
+                self.waiting.remove(active)
+                last = first + (e - s - 1 if active.wants_prompt_logits else 0)
+                self._start_rows(active, logits[last], finished)
+
+    def _start_rows(self, active: _Active, last_logits: torch.Tensor, finished: list[SampleRequest]) -> None:
+        """The prompt is in: every row's first token from its last logits; rows that go on join the batch."""
+        n = active.request.num_samples
+        try:
+            tokens, logprobs, tops = _choose_for([active] * n, list(range(n)), last_logits.float().expand(n, -1))
+            going = [i for i in range(n) if active.take(i, tokens[i], logprobs[i], tops[i])]
+        except Exception as e:  # on_token or stop-string decoding failed: this request alone
+            active.request.error = e
+            finished.append(active.request)
+            return
+        if going:
+            length = len(active.request.prompt)
+            first = len(self.rows)
+            self.cache.ensure(first + len(going), length + 1, self._reserved([*self._actives(), active])[1])
+            rows = slice(first, first + len(going))
+            self.cache.keys[:, rows, :, :length] = active.keys[:, None]
+            self.cache.values[:, rows, :, :length] = active.values[:, None]
+            self.rows += [_Row(active, i, length, tokens[i]) for i in going]
+        active.keys = active.values = None  # the rows have their own copies
+        if active.rows_left == 0:
+            active.finish()
+            finished.append(active.request)
+
+    def _actives(self) -> list[_Active]:
+        return list({id(r.active): r.active for r in self.rows}.values())
+
+    # ---- decode ---------------------------------------------------------------------------
+
+    def _decode(self, finished: list[SampleRequest]) -> None:
+        """One token for every live row, in one forward pass."""
+        start_time = time.perf_counter()
+        rows, device = self.rows, self.model.device
+        n = len(rows)
+        # The forward pass sees the rows grouped by adapter (each adapter's LoRA then works on one
+        # contiguous run of rows); the cache keeps its own order, so attention puts its small
+        # per-token inputs into cache order and its output back.
+        order = sorted(range(n), key=lambda i: _adapter_key(rows[i].active))
+        permuted = order != list(range(n))
+        forward_order = torch.tensor(order, device=device)
+        cache_order = torch.argsort(forward_order)
+        lengths = torch.tensor([r.length for r in rows], device=device)  # in cache order
+        longest = int(lengths.max()) + 1
+        self.cache.ensure(n, longest, self._reserved(self._actives())[1])
+        index = torch.arange(n, device=device)
+        visible = torch.arange(longest, device=device)[None, :] <= lengths[:, None]  # (rows, length)
+
+        def attend(layer: int, q, k, v):
+            if permuted:
+                q, k, v = q[cache_order], k[cache_order], v[cache_order]
+            keys, values = self.cache.keys[layer], self.cache.values[layer]
+            keys[index, :, lengths] = k
+            values[index, :, lengths] = v
+            out = F.scaled_dot_product_attention(
+                q[:, :, None], keys[:n, :, :longest], values[:n, :, :longest],
+                attn_mask=visible[:, None, None, :], scale=self.scaling, enable_gqa=True,
+            )[:, :, 0]
+            return out[forward_order] if permuted else out
+
+        ordered = [rows[i] for i in order]
+        adapters = [r.active.request.adapter for r in ordered]
+        ids = torch.tensor([r.next_token for r in ordered], device=device)
+        with lora.route(self.model, adapters):
+            hidden = self._forward(ids, lengths[forward_order] if permuted else lengths, attend)
+        logits = self._logits(hidden, adapters)
+        chosen = _choose_for([r.active for r in ordered], [r.index for r in ordered], logits)
+        tokens, logprobs, tops = ([None] * n for _ in range(3))
+        for j, i in enumerate(order):  # back to cache order
+            tokens[i], logprobs[i], tops[i] = chosen[0][j], chosen[1][j], chosen[2][j]
+        elapsed = time.perf_counter() - start_time
+
+        leaving, failed = set(), set()  # row indices; ids of failed requests' _Active
+        for i, row in enumerate(rows):
+            active = row.active
+            active.request.compute_s += elapsed / n
+            if id(active) in failed:
                 continue
-            tokens[row].append(token)
-            logprobs[row].append(logprob)
-            if topk_sample_logprobs:
-                top[row].append(best_pairs[row])
-            if on_token is not None:
-                on_token(row, token, logprob)
-            if token in stop_token_ids or (stop_strings and _ends_with_stop(decode(tokens[row]), stop_strings)):
-                stopped[row] = True
-        if all(stopped):
-            break
-        out = model(chosen[:, None], cache=cache, use_cache=True)
-        cache = out.cache
-        next_logits = out.logits[:, -1, :].float()
-    return [
-        SampledSequence(tokens=t, logprobs=lp, stop_reason="stop" if s else "length", top_logprobs=k or None)
-        for t, lp, s, k in zip(tokens, logprobs, stopped, top)
-    ]
+            try:
+                going = active.take(row.index, tokens[i], logprobs[i], tops[i])
+            except Exception as e:  # on_token or stop-string decoding failed: this request alone
+                failed.add(id(active))
+                active.request.error = e
+                finished.append(active.request)
+                continue
+            row.length += 1
+            row.next_token = tokens[i]
+            if not going:
+                leaving.add(i)
+                if active.rows_left == 0:
+                    active.finish()
+                    finished.append(active.request)
+        self._remove([i for i, r in enumerate(rows) if i in leaving or id(r.active) in failed])
+
+    def _remove(self, indices: list[int]) -> None:
+        """Take rows out of the batch: the last live row moves into each hole."""
+        for i in sorted(indices, reverse=True):
+            last = len(self.rows) - 1
+            if i != last:
+                self.cache.move(last, i)
+                self.rows[i] = self.rows[last]
+            self.rows.pop()
+
+    def _drop(self, condition, error: Exception, finished: list[SampleRequest]) -> None:
+        """Remove every request for which condition(active) holds, failing it with `error`."""
+        gone = [a for a in [*self.waiting, *self._actives()] if condition(a)]
+        for active in gone:
+            active.request.error = error
+            finished.append(active.request)
+        self.waiting = [a for a in self.waiting if not condition(a)]
+        self._remove([i for i, r in enumerate(self.rows) if condition(r.active)])
+
+    # ---- the model ------------------------------------------------------------------------
+
+    @property
+    def scaling(self) -> float:
+        return self.model.model.layers[0].self_attn.scaling
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """Hidden states after the final norm for a flat batch of tokens, (tokens, hidden).
+
+        `attend(layer, q, k, v)` gets this layer's rotated queries (tokens, heads, head_dim), keys and
+        values (tokens, kv_heads, head_dim), stores the keys and values, and returns the attention
+        output (tokens, heads, head_dim): it alone knows which tokens see which.
+        """
+        inner = self.model.model
+        n = len(ids)
+        hidden = inner.embed_tokens(ids)
+        cos, sin = inner.rotary_emb(hidden, positions[None])
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # broadcast over heads
+        for layer_index, layer in enumerate(inner.layers):
+            attention = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = attention.q_proj(x).view(n, -1, self.head_dim)
+            k = attention.k_proj(x).view(n, -1, self.head_dim)
+            v = attention.v_proj(x).view(n, -1, self.head_dim)
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            hidden = hidden + attention.o_proj(attend(layer_index, q, k, v).reshape(n, -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return inner.norm(hidden)
+
+    def _logits(self, hidden: torch.Tensor, adapters: list) -> torch.Tensor:
+        with lora.route(self.model, adapters):
+            return self.model.lm_head(hidden).float()
 
 
-def _ends_with_stop(text: str, stop_strings: list[str]) -> bool:
-    return any(s in text for s in stop_strings)
+def _adapter_key(active: _Active) -> int:
+    return id(active.request.adapter) if active.request.adapter is not None else 0
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+# ---- one request at a time (other architectures; the benchmarks' baseline) ---------------------
+
+
+class SerialDecoder:
+    """Each request alone, start to end, through transformers' own forward and KV cache.
+
+    The loop all sampling used before the batched decoder, kept for architectures `Decoder` does
+    not support and as the baseline of bench/sample.py (STEPWISE_SAMPLER=serial).
+    """
+
+    def __init__(self, model: torch.nn.Module, decode_text: Callable[[list[int]], str], budget_tokens: int) -> None:
+        self.model, self.decode_text, self.budget_tokens = model, decode_text, budget_tokens
+        self.waiting: list[SampleRequest] = []
+
+    def admit(self, request: SampleRequest) -> None:
+        self.waiting.append(request)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting)
+
+    def prefill_room(self) -> int:
+        return 0 if self.waiting else 1  # one request at a time
+
+    def step(self) -> list[SampleRequest]:
+        request = self.waiting.pop(0)
+        start = time.perf_counter()
+        if request.cancel.is_set():
+            request.error = Cancelled("the request was cancelled")
+        else:
+            try:
+                self._generate(_Active(request, self.decode_text))
+            except Exception as e:
+                request.error = e
+        request.compute_s = time.perf_counter() - start
+        return [request]
+
+    @torch.inference_mode()
+    def _generate(self, active: _Active) -> None:
+        request, model = active.request, self.model
+        n = request.num_samples
+        with lora.route(model, [request.adapter] * n):
+            # logits_to_keep=0 keeps every position (for prompt logprobs); 1 only the last.
+            out = model(torch.tensor([request.prompt], device=model.device), use_cache=True,
+                        logits_to_keep=0 if active.wants_prompt_logits else 1)
+            if active.wants_prompt_logits:
+                active.add_prompt_logprobs(out.logits[0], 0)
+            cache = out.cache
+            cache.batch_repeat_interleave(n)
+            logits = out.logits[:, -1, :].float().expand(n, -1)
+            going = list(range(n))
+            while True:
+                tokens, logprobs, tops = _choose_for([active] * len(going), going, logits)
+                going_on = [row for i, row in enumerate(going) if active.take(row, tokens[i], logprobs[i], tops[i])]
+                if not going_on:
+                    break
+                # Rows keep their place in the cache after they stop (the cache cannot drop rows);
+                # only the still-going rows' tokens matter, the others feed a placeholder.
+                feed = {row: tokens[i] for i, row in enumerate(going) if row in going_on}
+                step_ids = torch.tensor([[feed.get(row, 0)] for row in range(n)], device=model.device)
+                out = model(step_ids, cache=cache, use_cache=True)
+                cache = out.cache
+                logits = out.logits[going_on, -1, :].float()
+                going = going_on
+        active.finish()

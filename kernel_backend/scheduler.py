@@ -7,6 +7,14 @@ sampler is an unordered lane. Lanes take turns round-robin, so one busy session 
 another. When several lanes have a forward / forward_backward at their head, those passes run
 as one batch with per-row LoRA routing (`Engine.run_passes`).
 
+Sample requests do not take turns one by one: they join their base model's decoder (one
+continuous batch, kernel_backend/sampler.py), taken round-robin across sampler lanes whenever the
+decoder has room. The thread then alternates between decode steps (each a step for every live
+request) and the other jobs, sharing its time between them by lanes: the decoder counts as many
+lanes as it has requests from, so a long generation cannot starve training, nor training stall
+generation. A job is never interrupted: a decode step waits for the job before it, and a job
+for the decode step before it.
+
 A job's outcome is handed to `on_done(job, status, payload, content_type)`; the service stores
 it with the job's usage (the ledger row) and wakes whoever is polling.
 """
@@ -23,7 +31,8 @@ from typing import Callable
 
 from kernel_backend.engine import Engine, Pass
 from kernel_backend.metering import Usage
-from kernel_backend.types import ForwardResult, UserError, redact_paths
+from kernel_backend.sampler import SampleRequest
+from kernel_backend.types import UserError, redact_paths
 
 log = logging.getLogger("stepwise.scheduler")
 
@@ -40,9 +49,12 @@ class Job:
     seq: int | None
     # Either a plain function of the engine returning the reply...
     run: Callable[[Engine], tuple[bytes, str]] | None = None
-    # ...or a forward(_backward) pass, batched with other lanes', whose result `encode` turns into the reply.
+    # ...or a forward(_backward) pass, batched with other lanes', whose result `encode` turns into the reply...
     fb_pass: Pass | None = None
-    encode: Callable[[ForwardResult], tuple[bytes, str]] | None = None
+    # ...or a sample request: `sample(engine)` (on this thread) validates it and returns the engine's
+    # SampleRequest, which decodes with all the others; `encode` turns its SampleResult into the reply.
+    sample: Callable[[Engine], SampleRequest] | None = None
+    encode: Callable[[object], tuple[bytes, str]] | None = None
     tokens: int = 0
     # Who and what, for the ledger.
     tenant: str = ""
@@ -84,6 +96,10 @@ class Scheduler:
         self._cv = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="stepwise-scheduler", daemon=True)
+        # Sample jobs inside a decoder, by id of their SampleRequest; scheduler thread only.
+        self._decoding: dict[int, tuple[Job, SampleRequest]] = {}
+        # Seconds spent decoding and running other jobs while both had work (the time share).
+        self._decode_s = self._jobs_s = 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -119,26 +135,77 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                picked = self._pick()
-                while not picked and not self._stopping:
+                while True:
+                    if self._stopping:
+                        return
+                    samples = self._take_samples()
+                    decoding = bool(samples or self._decoding)
+                    job_lanes = self._ready_job_lanes()
+                    if decoding or job_lanes:
+                        break
                     self._cv.wait(timeout=0.5)
-                    picked = self._pick()
-                if self._stopping:
-                    return
+                decode_turn = decoding and (not job_lanes or self._decode_s / self._decoding_lanes(samples)
+                                            <= self._jobs_s / job_lanes)
+                picked = [] if decode_turn else self._pick()
+            start = time.perf_counter()
             try:
-                self._run(picked)
+                for job in samples:
+                    self._admit(job)
+                if decode_turn:
+                    self._decode_step()
+                elif picked:
+                    self._run(picked)
             except Exception:  # never let one job take the thread (and so the whole service) down
-                log.exception("scheduler: unexpected error while finishing %s", [j.request_id for j in picked])
+                log.exception("scheduler: unexpected error while running %s", [j.request_id for j in picked] or "a decode step")
+            # Only time spent while both sides had work counts toward the share; an idle side starts afresh.
+            if decoding and job_lanes:
+                if decode_turn:
+                    self._decode_s += time.perf_counter() - start
+                else:
+                    self._jobs_s += time.perf_counter() - start
+            else:
+                self._decode_s = self._jobs_s = 0.0
+
+    def _decoding_lanes(self, samples: list[Job]) -> int:
+        return len({job.lane for job, _ in self._decoding.values()} | {job.lane for job in samples}) or 1
+
+    def _ready_job_lanes(self) -> int:
+        """Lanes whose head is a job (not a sample request) that may run now. Lock held."""
+        now = time.monotonic()
+        return sum(1 for lane in self._lanes.values() if (job := lane.head(now)) is not None and job.sample is None)
+
+    def _take_samples(self) -> list[Job]:
+        """Sample jobs for decoders with room, one lane at a time round-robin. Lock held.
+
+        Room is counted in prompt tokens (a job's `tokens`): about one step's prefill, so requests
+        wait in their lanes, where turns are fair, rather than in a decoder's first-come queue.
+        """
+        taken: list[Job] = []
+        room = {name: engine.decoder.prefill_room() for name, engine in self.engines.items()}
+        took = True
+        while took:
+            took = False
+            for lane_id in self._turns:
+                lane = self._lanes[lane_id]
+                job = lane.jobs[0] if lane.jobs and not lane.ordered else None
+                # An engine not loaded yet takes one job: loading it is that job's admission.
+                if job is None or job.sample is None or room.get(job.base_model, 1) <= 0:
+                    continue
+                lane.jobs.pop(0)
+                taken.append(job)
+                room[job.base_model] = room.get(job.base_model, 1) - max(1, job.tokens)
+                took = True
+        return taken
 
     def _pick(self) -> list[Job]:
-        """Take the next job (or batch of passes) round-robin. Called with the lock held."""
+        """Take the next job (or batch of passes) round-robin, sample requests aside. Lock held."""
         now = time.monotonic()
         for _ in range(len(self._turns)):
             lane_id = self._turns[0]
             self._turns.rotate(-1)
             lane = self._lanes[lane_id]
             job = lane.head(now)
-            if job is None:
+            if job is None or job.sample is not None:
                 continue
             picked = [job]
             if job.fb_pass is not None:
@@ -150,6 +217,45 @@ class Scheduler:
                     lane.last_seq = max(lane.last_seq if lane.last_seq is not None else j.seq, j.seq)
             return picked
         return []
+
+    # ---- sampling -----------------------------------------------------------------------------
+
+    def _admit(self, job: Job) -> None:
+        """Validate a sample job on its engine and hand it to the engine's decoder."""
+        try:
+            engine = self.engine(job.base_model)
+            request = job.sample(engine)
+        except Exception as e:  # bad input, an unknown sampler, a model that cannot load
+            self._fail(job, e)
+            return
+        engine.decoder.admit(request)
+        self._decoding[id(request)] = (job, request)
+
+    def _decode_step(self) -> None:
+        """One step of every busy decoder; finish the requests that left it."""
+        for name, engine in list(self.engines.items()):
+            if not engine.decoder.busy:
+                continue
+            try:
+                finished = engine.decoder.step()
+            except Exception as e:  # the whole batch failed (say, out of memory): fail its requests
+                log.exception("scheduler: a decode step failed; failing the requests decoding on %s", name)
+                finished = [request for job, request in self._decoding.values() if job.base_model == name]
+                for request in finished:
+                    request.error = e
+                engine.reset_decoder()
+            for request in finished:
+                job, _ = self._decoding.pop(id(request))
+                self._finish_sample(job, request)
+
+    def _finish_sample(self, job: Job, request: SampleRequest) -> None:
+        if request.error is not None:
+            self._fail(job, request.error)
+            return
+        result = request.result
+        job.usage = Usage(prefill_tokens=len(request.prompt), sample_tokens=sum(len(s.tokens) for s in result.sequences))
+        job.duration_s = request.compute_s
+        self._finish(job, lambda: job.encode(result))
 
     def _batch_partners(self, first: Job, now: float) -> list[Job]:
         """Other lanes' ready passes on the same base model, up to the token budget."""

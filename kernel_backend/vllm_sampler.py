@@ -39,6 +39,7 @@ from pathlib import Path
 
 from kernel_backend import engine as engine_module, models, vllm_venv
 from kernel_backend.config import Settings
+from kernel_backend.metering import Usage
 from kernel_backend.scheduler import Job, error_payload
 from kernel_backend.types import SampledSequence, SampleResult, SamplingParams, UserError
 
@@ -381,7 +382,12 @@ class VllmSampling:
         start = time.perf_counter()
         try:
             view = _EngineView(self, self._engine(job.base_model), job.base_model)
-            payload, content_type = job.run(view)
+            if job.sample is not None:  # the view's sample_request samples with vLLM right away
+                result = job.sample(view)
+                job.usage = Usage(prefill_tokens=job.tokens, sample_tokens=sum(len(s.tokens) for s in result.sequences))
+                payload, content_type = job.encode(result)
+            else:
+                payload, content_type = job.run(view)
         except Exception as e:  # as the scheduler does: bad input is the user's, anything else is logged
             category = "user" if isinstance(e, UserError) else "server"
             if category == "server":
@@ -430,7 +436,7 @@ class VllmSampling:
 
 class _EngineView:
     """The engine as a sample job's function sees it when vLLM samples: the same calls (has_adapter,
-    load_sampler, sample), validated by the engine exactly as Engine.sample does, sampled by vLLM."""
+    load_sampler, sample_request), validated by the engine exactly as Engine.sample_request does, sampled by vLLM."""
 
     def __init__(self, sampling: VllmSampling, engine: engine_module.Engine, base_model: str) -> None:
         self._sampling, self._engine, self._base_model = sampling, engine, base_model
@@ -443,9 +449,11 @@ class _EngineView:
     def load_sampler(self, adapter_id: str, directory: Path) -> None:
         self._vllm.add_adapter(adapter_id, Path(directory))
 
-    def sample(self, adapter_id: str | None, prompt: list[int], num_samples: int = 1, params: SamplingParams | None = None,
-               prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
-               on_token=None) -> SampleResult:
+    def sample_request(self, adapter_id: str | None, prompt: list[int], num_samples: int = 1,
+                       params: SamplingParams | None = None, prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
+                       topk_sample_logprobs: int = 0, on_token=None, cancel=None) -> SampleResult:
+        """Engine.sample_request's checks, then vLLM samples now: the result itself, not a decoder request
+        (`cancel` is not watched: vLLM finishes the request)."""
         params = params or SamplingParams()
         # Engine.sample's own checks (they read the engine's fixed facts only: vocabulary, context, eos).
         prompt = engine_module._check_tokens(prompt, self._engine.vocab_size, "prompt")

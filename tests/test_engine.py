@@ -140,6 +140,221 @@ def test_prompt_logprobs_and_topk_are_consistent(engine, tokenizer, adapters):
     assert abs(greedy.sequences[0].logprobs[0] - topk[j][0][1]) < 1e-4
 
 
+# ---- b2. one continuous batch: requests decode together, each as if alone --------------------------
+
+
+def _decode_together(engine, first, later=(), join_after=3):
+    """Decode requests in the engine's one batch: `first` from the start, `later` joining after
+    `join_after` steps, while the first ones are still decoding. Returns results (or errors) in order."""
+    decoder = engine.decoder
+    for request in first:
+        decoder.admit(request)
+    left, steps = {id(r) for r in [*first, *later]}, 0
+    while left:
+        if later and steps == join_after:
+            assert decoder.rows, "the first requests should still be decoding when the others join"
+            for request in later:
+                decoder.admit(request)
+        left -= {id(r) for r in decoder.step()}
+        steps += 1
+    return [r.error or r.result for r in [*first, *later]]
+
+
+def _assert_same_samples(got, expected):
+    assert [s.tokens for s in got.sequences] == [s.tokens for s in expected.sequences]
+    assert [s.stop_reason for s in got.sequences] == [s.stop_reason for s in expected.sequences]
+    for g, e in zip(got.sequences, expected.sequences):
+        np.testing.assert_allclose(g.logprobs, e.logprobs, rtol=0, atol=1e-4)
+
+
+def test_requests_decoded_together_equal_each_alone(engine, tokenizer, pair):
+    """Adapters, prompts, sample counts and sampling rules mixed in one batch, two requests joining
+    mid-decode: greedy and seeded rows give the tokens they give alone, every logprob equals
+    compute_logprobs, and each request's stop rule holds."""
+    a, b, _, _ = pair
+    poem, probe = chat_prompt(POEM_PROMPT, tokenizer), chat_prompt(PROBE[0], tokenizer)
+    greedy = engine.sample(None, poem, 1, SamplingParams(max_tokens=12, temperature=0.0, stop=[])).sequences[0].tokens
+    stop_token = greedy[5]
+    specs = [  # (adapter, prompt, num_samples, params)
+        (None, poem, 1, SamplingParams(max_tokens=12, temperature=0.0, stop=[stop_token])),
+        (a, probe, 3, SamplingParams(max_tokens=10, temperature=1.0, seed=11, stop=[])),
+        (b, poem, 2, SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=12)),
+        (None, poem, 1, SamplingParams(max_tokens=16, temperature=0.0, stop=[","])),
+    ]
+    alone = [engine.sample(*spec) for spec in specs]
+    together = _decode_together(engine, [engine.sample_request(*spec) for spec in specs[:2]],
+                                 [engine.sample_request(*spec) for spec in specs[2:]])
+    for (adapter, prompt, _, _), got, expected in zip(specs, together, alone):
+        _assert_same_samples(got, expected)
+        for seq in got.sequences:
+            recomputed = engine.compute_logprobs(adapter, prompt + seq.tokens)[len(prompt) :]
+            np.testing.assert_allclose(recomputed, seq.logprobs, rtol=0, atol=1e-4)
+    # Stop rules: a stop token ends the row at its first occurrence (and is kept)...
+    stopped = together[0].sequences[0]
+    assert stopped.tokens == greedy[: greedy.index(stop_token) + 1] and stopped.stop_reason == "stop"
+    # ...a stop string at the first token whose text contains it; stop=[] never stops.
+    comma = together[3].sequences[0]
+    assert comma.stop_reason == "stop" and "," in tokenizer.decode(comma.tokens)
+    assert "," not in tokenizer.decode(comma.tokens[:-1])
+    assert all(len(s.tokens) == 10 and s.stop_reason == "length" for s in together[1].sequences)
+    assert len({tuple(s.tokens) for s in together[1].sequences}) > 1  # seeded rows really sampled
+
+
+def test_a_failing_or_cancelled_request_leaves_the_others_alone(engine, tokenizer):
+    from kernel_backend.sampler import Cancelled
+
+    prompt = chat_prompt(POEM_PROMPT, tokenizer)
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=3, stop=[])
+    expected = engine.sample(None, prompt, 2, params)
+    streamed = []
+
+    def stream_breaks(row, token, logprob):
+        if len(streamed) == 4:
+            raise ConnectionError("the client went away")
+        streamed.append(token)
+
+    failing = engine.sample_request(None, prompt, 2, params, on_token=stream_breaks)
+    cancelled = engine.sample_request(None, prompt, 1, params)
+    good = engine.sample_request(None, prompt, 2, params)
+    decoder = engine.decoder
+    for request in (failing, cancelled, good):
+        decoder.admit(request)
+    left, steps = 3, 0
+    while left:
+        if steps == 4:
+            cancelled.cancel.set()
+        left -= len(decoder.step())
+        steps += 1
+    assert isinstance(failing.error, ConnectionError) and failing.result is None
+    assert isinstance(cancelled.error, Cancelled) and cancelled.result is None
+    assert good.error is None
+    _assert_same_samples(good.result, expected)
+    assert not decoder.busy and decoder.cache.keys.numel() == 0  # rows gone, cache freed
+
+
+def test_chunked_prefill_a_full_cache_and_the_serial_loop_agree(engine, tokenizer, pair):
+    """The same requests through a decoder that prefills 16 tokens a step and whose cache holds one
+    request at a time, and through the serial loop (transformers' own forward): same tokens, same
+    logprobs, and prompt logprobs equal to the training path's."""
+    from kernel_backend import sampler
+
+    a, _, _, _ = pair
+    _, conversation = chat_tokens(*PROBE, tokenizer)
+    specs = [
+        (a, conversation, 2, SamplingParams(max_tokens=8, temperature=1.0, seed=21)),
+        (None, chat_prompt(POEM_PROMPT, tokenizer), 2, SamplingParams(max_tokens=8, temperature=1.0, seed=22)),
+    ]
+    options = dict(prompt_logprobs=True, topk_prompt_logprobs=3)
+    default = engine.run_requests([engine.sample_request(*spec, **options) for spec in specs])
+    assert len(conversation) > 32  # at least three prefill chunks of 16
+    one_at_a_time = max(engine.sample_request(*spec).kv_tokens for spec in specs)
+    variants = {
+        "chunked, full cache": sampler.Decoder(engine.model, tokenizer.decode, one_at_a_time, prefill_tokens=16),
+        "serial": sampler.SerialDecoder(engine.model, tokenizer.decode, one_at_a_time),
+    }
+    original = engine.decoder
+    try:
+        for name, decoder in variants.items():
+            engine.decoder = decoder
+            requests = [engine.sample_request(*spec, **options) for spec in specs]
+            for request in requests:
+                decoder.admit(request)
+            most_rows, left = 0, len(requests)
+            while left:
+                left -= len(decoder.step())
+                most_rows = max(most_rows, len(getattr(decoder, "rows", [])))
+            assert most_rows <= 2, name  # one request's rows at a time
+            for request, expected in zip(requests, default):
+                _assert_same_samples(request.result, expected)
+                np.testing.assert_allclose(request.result.prompt_logprobs[1:], expected.prompt_logprobs[1:], atol=1e-4)
+                assert [[t for t, _ in top] for top in request.result.topk_prompt_logprobs[1:]] == \
+                    [[t for t, _ in top] for top in expected.topk_prompt_logprobs[1:]]
+    finally:
+        engine.decoder = original
+    training_path = forward_logprobs(engine, a, [shifted_datum(conversation)])[0]
+    np.testing.assert_allclose(default[0].prompt_logprobs[1:], training_path, rtol=0, atol=1e-4)
+
+
+def test_a_training_job_finishes_while_a_long_sample_decodes(engine, tokenizer, adapters):
+    """The real scheduler, engine and decoder: a forward_backward submitted while a 64-token sample
+    decodes is done before the sample is, and the sample still comes out whole."""
+    import json
+    import threading
+    import time
+
+    from kernel_backend.scheduler import Job, Scheduler
+
+    adapter = adapters(rank=4, seed=9)
+    done: list[tuple[str, str, bytes]] = []
+    finished = threading.Event()
+
+    def on_done(job, status, payload, content_type):
+        done.append((job.request_id, status, payload))
+        if len(done) == 2:
+            finished.set()
+
+    scheduler = Scheduler(load_engine=lambda name: engine, on_done=on_done, max_batch_tokens=8192)
+    scheduler.engine("default")
+    prompt = chat_prompt(POEM_PROMPT, tokenizer)
+    long_sample = Job(
+        "long-sample", "a-sampler", "default", seq=None, tokens=len(prompt),
+        sample=lambda e: e.sample_request(None, prompt, 1, SamplingParams(max_tokens=64, temperature=0.0, stop=[])),
+        encode=lambda result: (json.dumps(result.sequences[0].tokens).encode(), "application/json"),
+    )
+    datum = sft_datum(*FACTS[0], tokenizer)
+    training = Job("training", adapter, "default", seq=0, fb_pass=Pass(adapter, [datum]), tokens=len(datum.tokens),
+                   encode=lambda result: (b"{}", "application/json"))
+    scheduler.start()
+    try:
+        scheduler.submit(long_sample, ordered=False)
+        deadline = time.monotonic() + 60
+        while not engine.decoder.rows:  # the sample is decoding
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        scheduler.submit(training, ordered=True)
+        assert finished.wait(120), done
+    finally:
+        scheduler.stop()
+    assert [(request_id, status) for request_id, status, _ in done] == [("training", "done"), ("long-sample", "done")]
+    expected = engine.sample(None, prompt, 1, SamplingParams(max_tokens=64, temperature=0.0, stop=[]))
+    assert json.loads(done[1][2]) == expected.sequences[0].tokens
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_the_batched_forward_matches_transformers_on_each_architecture_it_claims(architecture):
+    """The decoder writes the layer out itself (sampler.Decoder._forward): on a tiny random model of
+    each architecture in BATCHED_ARCHITECTURES (a shape check, so random weights are fine), its
+    prompt logprobs and sampled-token logprobs equal transformers' own forward pass."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kernel_backend import lora, sampler
+    from kernel_backend.types import SamplingParams
+
+    assert architecture in sampler.BATCHED_ARCHITECTURES
+    config = AutoConfig.for_model(architecture, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                                  max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+    reference = AutoModelForCausalLM.from_config(config).eval()
+    reference.load_state_dict(model.state_dict())
+    lora.attach(model)
+    decoder = sampler.Decoder(model, lambda tokens: "", budget_tokens=10_000, prefill_tokens=8)
+    prompt = torch.randint(0, 300, (21,), generator=torch.Generator().manual_seed(1)).tolist()
+    request = sampler.SampleRequest(None, prompt, 2, SamplingParams(max_tokens=6, temperature=1.0, seed=3), set(), [],
+                                    prompt_logprobs=True)
+    decoder.admit(request)
+    while not decoder.step():
+        pass
+    for seq in request.result.sequences:
+        tokens = prompt + seq.tokens
+        with torch.no_grad():
+            logprobs = reference(torch.tensor([tokens])).logits[0, :-1].log_softmax(-1)
+        expected = logprobs.gather(-1, torch.tensor(tokens[1:])[:, None]).squeeze(-1)
+        np.testing.assert_allclose(request.result.prompt_logprobs[1:], expected[: len(prompt) - 1], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(seq.logprobs, expected[len(prompt) - 1 :], rtol=0, atol=1e-5)
+
+
 # ---- c. adapters over one base do not touch each other ------------------------------------------
 
 
@@ -499,6 +714,7 @@ BAD_SAMPLING = {
     "too many topk": (dict(topk_prompt_logprobs=1000), {}, "topk_prompt_logprobs"),
     "prompt id outside vocab": (dict(prompt=[1, 2, V]), {}, "prompt"),
     "empty prompt": (dict(prompt=[]), {}, "prompt"),
+    "more rows than the cache holds": (dict(num_samples=128), dict(max_tokens=4096), "STEPWISE_SAMPLE_CACHE_MB"),
 }
 
 

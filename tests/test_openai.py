@@ -45,14 +45,17 @@ def test_chat_completion_from_a_sampler_checkpoint_shows_what_it_learned(oai, tr
 
 
 def test_streaming_gives_the_same_text_token_by_token(oai, trained_path):
+    """Two choices stream side by side from the shared decode batch, each token to its own choice."""
     messages = [{"role": "user", "content": QUESTION}]
     whole = oai.chat.completions.create(model=trained_path, messages=messages, temperature=0, max_tokens=20)
     chunks = list(oai.chat.completions.create(model=trained_path, messages=messages, temperature=0, max_tokens=20,
-                                              stream=True))
-    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
-    assert len(pieces) > 3  # it really streamed, not one blob
-    assert "".join(pieces) == whole.choices[0].message.content
-    assert chunks[-1].choices[0].finish_reason == "stop"
+                                              n=2, stream=True))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        pieces = [choice.delta.content for choice in mine if choice.delta.content]
+        assert len(pieces) > 3  # it really streamed, not one blob
+        assert "".join(pieces) == whole.choices[0].message.content
+        assert mine[-1].finish_reason == "stop"
 
 
 def test_logprobs_and_top_logprobs(oai, trained_path):

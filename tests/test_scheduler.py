@@ -1,7 +1,9 @@
 """The scheduler's ordering and fairness, with recording jobs (the compute is tested elsewhere).
 
-The engine here is a stand-in that records which passes ran together: these tests are about
-who runs when, not about what the model computes.
+The engine here is a stand-in that records which passes ran together, and its decoder a stand-in
+whose requests each need a given number of steps: these tests are about who runs when, not about
+what the model computes. The same scheduling with the real model and decoder is in
+tests/test_engine.py (test_a_training_job_finishes_while_a_long_sample_decodes).
 """
 
 from __future__ import annotations
@@ -10,31 +12,75 @@ import threading
 import time
 
 from kernel_backend.engine import Pass
+from kernel_backend.sampler import SampleRequest
 from kernel_backend.scheduler import Job, Scheduler
-from kernel_backend.types import ForwardResult
+from kernel_backend.types import ForwardResult, SampleResult, SamplingParams
+
+
+class CountingDecoder:
+    """Each request is done after `params.max_tokens` steps of `step_s` seconds; steps are logged."""
+
+    def __init__(self, log: list[str], step_s: float) -> None:
+        self.log, self.step_s = log, step_s
+        self.live: list[list] = []  # [request, steps left]
+        self.steps = 0
+
+    def admit(self, request: SampleRequest) -> None:
+        self.live.append([request, request.params.max_tokens])
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.live)
+
+    def prefill_room(self) -> int:
+        return 1000
+
+    def step(self) -> list[SampleRequest]:
+        time.sleep(self.step_s)
+        self.steps += 1
+        self.log.append(f"step:{len(self.live)}")
+        for entry in self.live:
+            entry[1] -= 1
+        done = [r for r, left in self.live if left == 0]
+        self.live = [e for e in self.live if e[1] > 0]
+        for request in done:
+            request.result = SampleResult(sequences=[])
+        return done
 
 
 class RecordingEngine:
-    def __init__(self) -> None:
+    def __init__(self, step_s: float = 0.0) -> None:
         self.batches: list[list[str]] = []
+        self.log: list[str] = []
+        self.decoder = CountingDecoder(self.log, step_s)
 
     def run_passes(self, passes):
         self.batches.append([p.adapter_id for p in passes])
         return [ForwardResult([], {"loss:sum": 0.0}) for _ in passes]
 
 
-def make_scheduler():
-    engine = RecordingEngine()
+def make_scheduler(step_s: float = 0.0):
+    engine = RecordingEngine(step_s)
     order: list[str] = []
     done = threading.Event()
     finished: list[str] = []
 
     def on_done(job, status, payload, content_type):
         finished.append(job.request_id)
+        engine.log.append(f"done:{job.request_id}")
         done.set()
 
     scheduler = Scheduler(load_engine=lambda name: engine, on_done=on_done, max_batch_tokens=10_000)
+    scheduler.engine("m")  # loaded before start, as the service does
     return scheduler, engine, order, finished
+
+
+def sample_job(request_id: str, lane: str, steps: int) -> Job:
+    """A sample job whose request needs `steps` decode steps."""
+    def prepare(engine):
+        return SampleRequest(None, [1], 1, SamplingParams(max_tokens=steps), set(), [])
+
+    return Job(request_id, lane, "m", seq=None, sample=prepare, encode=lambda result: (b"{}", "application/json"))
 
 
 def recording_job(order, request_id, lane, seq, delay=0.0):
@@ -104,3 +150,31 @@ def test_passes_of_different_runs_are_batched_together():
     wait_for(finished, 3)
     scheduler.stop()
     assert sorted(engine.batches[0]) == ["run-a", "run-b", "run-c"]
+
+
+def test_sample_requests_of_several_lanes_decode_together():
+    scheduler, engine, _, finished = make_scheduler()
+    for lane in ("sampler-a", "sampler-b", "sampler-c"):
+        scheduler.submit(sample_job(f"{lane}-1", lane, steps=3), ordered=False)
+    scheduler.start()
+    wait_for(finished, 3)
+    scheduler.stop()
+    # One batch of three requests, three steps, not three requests one after another.
+    assert engine.log[:3] == ["step:3"] * 3 and engine.decoder.steps == 3, engine.log
+
+
+def test_a_long_decode_and_training_jobs_take_turns():
+    """Neither starves the other: training finishes while the long sample still decodes, and the
+    decode keeps stepping while training jobs are queued."""
+    scheduler, engine, order, finished = make_scheduler(step_s=0.005)
+    scheduler.submit(sample_job("long-sample", "sampler", steps=60), ordered=False)
+    for i in range(6):
+        scheduler.submit(recording_job(order, f"t{i}", "run", seq=i, delay=0.02), ordered=True)
+    scheduler.start()
+    wait_for(finished, 7)
+    scheduler.stop()
+    log = engine.log
+    assert log.index("done:t5") < log.index("done:long-sample"), log
+    # Decode steps ran between training jobs, not only after all of them.
+    between = log[log.index("done:t0") : log.index("done:t5")]
+    assert sum(entry.startswith("step") for entry in between) >= 5, log

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from html import escape as html_escape
 from pathlib import Path
 
 import httpx
@@ -297,7 +298,7 @@ def test_reprs_and_the_rollout_inspector_on_real_samples(service, tokenizer):
     html = sample_html(responses[0], tokenizer=tokenizer)
     text = tokenizer.decode(list(responses[0].sequences[0].tokens))
     assert "SampleResponse" in html and html.count('class="wb-tok"') == sum(len(s.tokens) for s in responses[0].sequences)
-    assert (text.split() or [""])[0].replace("<", "&lt;").replace(">", "&gt;") in html
+    assert html_escape((text.split() or [""])[0]) in html
 
     rewards = [[1.0 if tokenizer.decode(list(s.tokens)).strip().lower().startswith("yes") else 0.0
                 for s in r.sequences] for r in responses]

@@ -211,7 +211,16 @@ def _logprobs(seq, visible: list[int], tokenizer, top: int, chat: bool):
 
 
 async def _stream(task, queue, tokenizer, completion_id, created, model, n, chat, stop):
-    """Server-sent events: one chunk per generated token, as the decode loop produces it."""
+    """Server-sent events: one chunk per generated token, as the decode loop produces it. A client
+    that goes away cancels the generation (its rows leave the decoder at the next step)."""
+    try:
+        async for event in _events(task, queue, tokenizer, completion_id, created, model, n, chat, stop):
+            yield event
+    finally:
+        task.cancel()
+
+
+async def _events(task, queue, tokenizer, completion_id, created, model, n, chat, stop):
     kind = "chat.completion.chunk" if chat else "text_completion"
     sent = [""] * n  # text already sent per choice (decoding token by token can split characters)
     tokens: list[list[int]] = [[] for _ in range(n)]

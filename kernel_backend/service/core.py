@@ -115,8 +115,8 @@ class Service:
             max_batch_tokens=self.settings.max_batch_tokens,
         )
         # STEPWISE_SAMPLER=vllm: sample jobs go to vLLM workers instead of the scheduler (kernel_backend/vllm_sampler.py).
-        if self.settings.sampler not in ("builtin", "vllm"):
-            raise ValueError(f"STEPWISE_SAMPLER must be 'builtin' or 'vllm', not {self.settings.sampler!r}")
+        if self.settings.sampler not in ("batched", "serial", "vllm"):
+            raise ValueError(f"STEPWISE_SAMPLER must be 'batched', 'serial' or 'vllm', not {self.settings.sampler!r}")
         self.vllm = VllmSampling(self.settings, self.scheduler, self.on_done) if self.settings.sampler == "vllm" else None
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._waiters_lock = threading.Lock()

@@ -8,11 +8,12 @@ bounded and admitted before it is queued (admission.check_sampling).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 
 from kernel_backend import admission, models
 from kernel_backend.engine import Engine
-from kernel_backend.metering import Usage
 from kernel_backend.service.checkpoints import SNAPSHOTS_PER_RUN, loadable
 from kernel_backend.service.core import PROTO_TYPE, NotFound, Service, json_result, new_id
 from kernel_backend.scheduler import Job
@@ -51,13 +52,12 @@ def sample(svc: Service, tenant: str, sampler_id: str, seq_id: int, prompt: list
     tokens = check_sampling(svc, sampler.base_model, prompt, num_samples, params, topk_prompt_logprobs)
     request_id = new_id()
 
-    def run(engine: Engine):
+    def prepare(engine: Engine):
         adapter_id = ensure_sampler(svc, engine, sampler)
-        result = engine.sample(adapter_id, prompt, num_samples, params, prompt_logprobs, topk_prompt_logprobs)
-        job.usage = Usage(prefill_tokens=len(prompt), sample_tokens=sum(len(s.tokens) for s in result.sequences))
-        return encode(result), PROTO_TYPE
+        return engine.sample_request(adapter_id, prompt, num_samples, params, prompt_logprobs, topk_prompt_logprobs)
 
-    job = Job(request_id, sampler_id, sampler.base_model, seq=None, run=run)
+    job = Job(request_id, sampler_id, sampler.base_model, seq=None, sample=prepare,
+              encode=lambda result: (encode(result), PROTO_TYPE), tokens=len(prompt))
     ids = [f"{request_id}:{i}" for i in range(num_samples)]
     return svc.submit(tenant, "Sample", f"sample:{sampler_id}:{seq_id}", job, ordered=False,
                       extra={"sample_sequence_ids": ids}, session_id=sampler.session_id, tokens=tokens)
@@ -146,8 +146,9 @@ def generate(svc: Service, tenant: str, request_type: str, base_model: str, path
     lane = f"oai:{tenant}:{path or base_model}"
     request_id = new_id()
     output = {}
+    cancel = threading.Event()  # set when the caller goes away (a closed stream)
 
-    def run(engine: Engine):
+    def prepare(engine: Engine):
         adapter_id = None
         if path is not None:
             if not engine.has_adapter(lane):
@@ -157,19 +158,24 @@ def generate(svc: Service, tenant: str, request_type: str, base_model: str, path
                 with svc.storage.open(checkpoint.directory, svc.settings.encryption_key, path) as plain:
                     engine.load_sampler(lane, plain)
             adapter_id = lane
-        result = engine.sample(adapter_id, prompt, num_samples, params, on_token=on_token,
-                               topk_sample_logprobs=topk_sample_logprobs)
-        job.usage = Usage(prefill_tokens=len(prompt), sample_tokens=sum(len(s.tokens) for s in result.sequences))
+        return engine.sample_request(adapter_id, prompt, num_samples, params, on_token=on_token,
+                                     topk_sample_logprobs=topk_sample_logprobs, cancel=cancel)
+
+    def keep(result):
         output["result"] = result
         return json_result({"sequences": len(result.sequences)})
 
-    job = Job(request_id, lane, base_model, seq=None, run=run)
+    job = Job(request_id, lane, base_model, seq=None, sample=prepare, encode=keep, tokens=len(prompt))
     svc.submit(tenant, request_type, None, job, ordered=False, tokens=tokens)
 
     async def result():
         row = None
-        while row is None:
-            row = await svc.retrieve(tenant, request_id)
+        try:
+            while row is None:
+                row = await svc.retrieve(tenant, request_id)
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
         if row.status != "done":
             error = json.loads(row.result)
             raise (UserError if error.get("category") == "user" else RuntimeError)(error["error"])

@@ -1,0 +1,276 @@
+"""Sampling: the continuous-batching decoder against the loop it replaced, and against `generate`.
+
+Three parts, each printing a ratio measured in this one run (higher is better):
+
+- server:   eight concurrent sample requests from four sessions (each its own LoRA sampler,
+            num_samples 4, max_tokens 32, temperature 1, a seed each) through the official tinker
+            SDK against a real server: aggregate sampled tokens/s with the batched decoder (the
+            default) over the same requests on a server started with STEPWISE_SAMPLER=serial, which
+            decodes them one after another with the loop every request went through before.
+            Rounds alternate between the two servers. Both give the same tokens for the same seeds
+            (the script checks), so they do the same work.   Target: >= 5x.
+- generate: one adapter (rank 32, every target), one prompt, 8 samples of 64 tokens at
+            temperature 1, in this process: `Engine.sample` over transformers' `generate` on the
+            PEFT model (peft.get_peft_model, the same LoRA shape).      Target: >= 1.0x.
+- recipes:  the rl and distillation recipes with their defaults, each against a serial-sampler
+            server and a batched one: wall time, and the recipe's final metric. Long (tens of
+            minutes); not in the default set.                            Target: time halved.
+
+    .venv/bin/python bench/sample.py [--parts server,generate] [--rounds 2] [--threads N] [--server-threads N] [--bf16]
+    .venv/bin/python bench/sample.py --parts recipes
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# As in the server process: idle OpenMP threads sleep, so both sides suffer a busy machine alike.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from tqdm import tqdm  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
+
+BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+QUESTIONS = [
+    "What is your favorite color?", "How are you today?", "What should I eat for dinner?", "Tell me about dogs.",
+    "What is the weather like in spring?", "Can you recommend a book?", "What is a good hobby?",
+    "How do I stay healthy?",
+]
+
+
+def load_line() -> str:
+    return f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus"
+
+
+SERVER_ENV: dict[str, str] = {}  # extra environment for the servers (--server-threads)
+
+
+def start(sampler: str, dtype: str = "float32"):
+    """A backend process with its own home (the default model is shared), sampling with `sampler`."""
+    from servers import start_server
+
+    home = Path(tempfile.mkdtemp(prefix=f"stepwise-bench-{sampler}-"))
+    (home / "models").symlink_to(Path.home() / ".cache" / "stepwise" / "models")
+    return start_server(home, env={"STEPWISE_SAMPLER": sampler, "STEPWISE_DTYPE": dtype, **SERVER_ENV})
+
+
+def cpu_seconds(server) -> float:
+    """User + system CPU seconds the server process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{server.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ---- server: concurrent requests through the SDK ------------------------------------------------
+
+
+class Sessions:
+    """Four sessions on one server, each with a LoRA sampler (rank 32, its own seed)."""
+
+    def __init__(self, server, tokenizer) -> None:
+        import tinker
+
+        self.samplers = []
+        for seed in range(4):
+            client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
+            training = client.create_lora_training_client(base_model=BASE, rank=32, seed=seed).result()
+            self.samplers.append(training.save_weights_and_get_sampling_client().result())
+        self.prompts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
+            for q in QUESTIONS
+        ]
+
+    def round(self, max_tokens: int = 32, num_samples: int = 4) -> tuple[float, list[list[list[int]]]]:
+        """All eight requests at once (two per session); (seconds to the last result, their tokens)."""
+        from tinker import types
+
+        start_time = time.perf_counter()
+        futures = [
+            self.samplers[i % 4].sample(types.ModelInput.from_ints(prompt), num_samples,
+                                        types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i))
+            for i, prompt in enumerate(self.prompts)
+        ]
+        tokens = [[list(s.tokens) for s in f.result().sequences] for f in futures]
+        return time.perf_counter() - start_time, tokens
+
+
+def bench_server(rounds: int, bf16: bool) -> None:
+    """`bf16` adds a third server, batched with bf16 weights, for the record: its tokens differ
+    (other numerics) and its logprobs are not the fp32 ones (docs/performance.md, precision)."""
+    from workbench.recipes.common import local_tokenizer
+
+    tokenizer = local_tokenizer(BASE)
+    servers = {name: start(name) for name in ("serial", "batched")}
+    if bf16:
+        servers["batched-bf16"] = start("batched", "bfloat16")
+    try:
+        sessions = {name: Sessions(server, tokenizer) for name, server in servers.items()}
+        for s in sessions.values():
+            s.round(max_tokens=2)  # warm-up: first use of each sampler
+        seconds: dict[str, list[float]] = {name: [] for name in servers}
+        cpu: dict[str, float] = {name: 0.0 for name in servers}
+        outputs: dict[str, list] = {}
+        load_before = load_line()
+        for i in tqdm(range(rounds), desc="rounds (alternating)"):
+            for name in list(servers) if i % 2 == 0 else reversed(list(servers)):
+                cpu_before = cpu_seconds(servers[name])
+                elapsed, outputs[name] = sessions[name].round()
+                seconds[name].append(elapsed)
+                cpu[name] += cpu_seconds(servers[name]) - cpu_before
+        # The same seeds every round: each server samples the same tokens in every round.
+        tokens = {name: sum(len(t) for request in out for t in request) for name, out in outputs.items()}
+    finally:
+        for server in servers.values():
+            server.stop()
+    rate = {name: tokens[name] * len(s) / sum(s) for name, s in seconds.items()}
+    cpu_per_token = {name: cpu[name] / (tokens[name] * rounds) for name in servers}
+    print(f"\n[server] 8 requests x 4 samples x max 32 tokens, 4 sessions, {tokens['batched']} sampled tokens a round")
+    for name in servers:
+        print(f"  {name:<12} {rate[name]:7.1f} sampled tokens/s, {cpu[name] / rounds:5.1f} server CPU s a round   "
+              "rounds: " + " ".join(f"{s:.1f}s" for s in seconds[name]))
+    print(f"  same tokens from both decoders: {'yes' if outputs['serial'] == outputs['batched'] else 'NO'}")
+    print(f"  ratio batched / serial: {rate['batched'] / rate['serial']:.2f} (wall), "
+          f"{cpu_per_token['serial'] / cpu_per_token['batched']:.2f} (server CPU time per token)   target >= 5   "
+          f"({load_before} before, {load_line()} after)")
+    if bf16:
+        print(f"  ratio batched-bf16 / serial (fp32): {rate['batched-bf16'] / rate['serial']:.2f} (wall), "
+              f"{cpu_per_token['serial'] / cpu_per_token['batched-bf16']:.2f} (server CPU time per token)")
+
+
+# ---- generate: in-process against transformers + peft ------------------------------------------------
+
+
+def bench_generate(rounds: int, samples: int = 8, new_tokens: int = 64) -> None:
+    import warnings
+
+    import torch
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from kernel_backend.engine import Engine
+    from kernel_backend.types import LoraConfig, SamplingParams
+
+    engine = Engine(BASE)
+    engine.create_adapter("bench", LoraConfig(rank=32, seed=0))
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}],
+                                                  add_generation_prompt=True)["input_ids"]
+    base = AutoModelForCausalLM.from_pretrained(engine.base.path, dtype=torch.float32).eval()
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+        peft_model = get_peft_model(base, PeftLoraConfig(r=32, lora_alpha=32, lora_dropout=0.0, target_modules=targets))
+    peft_model.eval()
+    ids = torch.tensor([prompt])
+
+    def ours() -> int:
+        params = SamplingParams(max_tokens=new_tokens, temperature=1.0, stop=[], seed=0)
+        return sum(len(s.tokens) for s in engine.sample("bench", prompt, samples, params).sequences)
+
+    @torch.inference_mode()
+    def theirs() -> int:
+        out = peft_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                                  top_k=0, top_p=1.0, num_return_sequences=samples, max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, pad_token_id=engine.tokenizer.eos_token_id)
+        return (out.shape[1] - ids.shape[1]) * samples
+
+    runners = {"stepwise": ours, "generate": theirs}
+    for run in runners.values():
+        run()  # warm-up
+    seconds: dict[str, list[float]] = {name: [] for name in runners}
+    load_before = load_line()
+    for i in tqdm(range(rounds), desc="rounds (interleaved)"):
+        for name in runners if i % 2 == 0 else reversed(list(runners)):
+            start_time = time.perf_counter()
+            assert runners[name]() == samples * new_tokens
+            seconds[name].append(time.perf_counter() - start_time)
+    tokens = samples * new_tokens
+    rate = {name: tokens / statistics.median(s) for name, s in seconds.items()}
+    print(f"\n[generate] one adapter (rank 32), {samples} samples x {new_tokens} tokens, temperature 1, "
+          f"{torch.get_num_threads()} threads")
+    for name in runners:
+        print(f"  {name:<9} {rate[name]:7.1f} tokens/s (median round)   rounds: " + " ".join(f"{s:.2f}s" for s in seconds[name]))
+    print(f"  ratio stepwise / generate: {rate['stepwise'] / rate['generate']:.2f}   target >= 1.0   "
+          f"({load_before} before, {load_line()} after)")
+
+
+# ---- recipes: rl and distillation, serial vs batched ---------------------------------------------------
+
+
+def compute_seconds(server, session_id: str) -> dict[str, float]:
+    """The session's compute seconds by request type, from the usage ledger (a batched request's
+    share of each decode step it was in)."""
+    import httpx
+
+    response = httpx.get(f"{server.base_url}/api/v1/usage", params={"session_id": session_id, "limit": 10_000},
+                         headers={"X-API-Key": server.api_key}, timeout=60)
+    response.raise_for_status()
+    seconds: dict[str, float] = {}
+    for row in response.json()["series"]:
+        seconds[row["request_type"]] = seconds.get(row["request_type"], 0.0) + row["duration_s"]
+    return seconds
+
+
+def bench_recipes() -> None:
+    from workbench.recipes import distillation, rl
+
+    recipes = {
+        "rl": (rl, lambda s: f"eval_reward {s.extra['eval_reward_before']:.2f} -> {s.extra['eval_reward_after']:.2f}"),
+        "distillation": (distillation, lambda s: f"kl_teacher {s.initial:.3f} -> {s.final:.3f}"),
+    }
+    results = {}
+    for sampler in ("serial", "batched"):
+        server = start(sampler)
+        try:
+            for name, (module, headline) in recipes.items():
+                load_before = load_line()
+                start_time = time.perf_counter()
+                config = module.Config(base_url=server.base_url, api_key=server.api_key, verbose=False,
+                                       metrics_path=str(server.home / f"{name}.jsonl"))
+                summary = module.run(config)
+                elapsed = time.perf_counter() - start_time
+                results[(name, sampler)] = (elapsed, headline(summary), load_before,
+                                            compute_seconds(server, summary.session_id))
+        finally:
+            server.stop()
+    print("\n[recipes] defaults, one server per sampler; compute seconds by request type from the ledger")
+    for name in recipes:
+        for sampler in ("serial", "batched"):
+            elapsed, headline, load, seconds = results[(name, sampler)]
+            by_type = ", ".join(f"{kind} {s:.0f}s" for kind, s in sorted(seconds.items(), key=lambda kv: -kv[1]))
+            print(f"  {name:<13} {sampler:<8} {elapsed / 60:5.1f} min  {headline}  ({load})\n  {'':<13} {by_type}")
+        ratio = results[(name, "serial")][0] / results[(name, "batched")][0]
+        sampling = results[(name, "serial")][3].get("Sample", 0) / max(1e-9, results[(name, "batched")][3].get("Sample", 0))
+        print(f"  {'':<13} wall time serial / batched: {ratio:.2f} (target >= 2); sampling compute: {sampling:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default="server,generate", help="comma-separated: server, generate, recipes")
+    parser.add_argument("--rounds", type=int, default=2, help="timed rounds per side (after a warm-up)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads in this process (0: torch's default)")
+    parser.add_argument("--server-threads", type=int, default=0, help="OMP_NUM_THREADS for the servers (0: default)")
+    parser.add_argument("--bf16", action="store_true", help="server part: also a batched server with bf16 weights")
+    args = parser.parse_args()
+    if args.server_threads:
+        SERVER_ENV["OMP_NUM_THREADS"] = str(args.server_threads)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    parts = {"server": lambda: bench_server(args.rounds, args.bf16), "generate": lambda: bench_generate(args.rounds),
+             "recipes": bench_recipes}
+    for part in args.parts.split(","):
+        parts[part.strip()]()
+
+
+if __name__ == "__main__":
+    main()
