@@ -26,14 +26,13 @@ import logging
 import threading
 import uuid
 
-from kernel_backend import keys, lora, models, signing
+from kernel_backend import keys, lora, models, ops, signing
 from kernel_backend.admission import Admission
 from kernel_backend.config import Settings
 from kernel_backend.engine import Engine
 from kernel_backend.keys import LOCAL_TENANT
 from kernel_backend.metering import Prices, Usage
-from kernel_backend.scheduler import Job, Scheduler, error_payload
-from kernel_backend.storage import CheckpointStorage
+from kernel_backend.scheduler import Job, Scheduler, error_payload, failure_category, log_failure
 from kernel_backend.store import (
     CheckpointRow,
     FutureRow,
@@ -104,24 +103,25 @@ class Service:
         self.settings = settings or Settings()
         self._lock_home()
         self.store = Store(self.settings.database_url)
-        self.storage = CheckpointStorage(self.settings.checkpoints_dir, self.settings.storage_url)
+        self.ctx = ops.Context.of(self.settings)  # what engine-side work reaches: settings, the checkpoint store
+        self.storage = self.ctx.storage
         self.prices = Prices(self.settings.prices_path or None)
         self.admission = Admission(self.settings, self.store, self.adapter_bytes)
         self.signing_key = signing.server_secret(self.store, self.settings.signing_key)
-        self._bytes_per_rank: dict[tuple, int] = {}
         self.scheduler = Scheduler(
             load_engine=lambda name: Engine(name, self.settings),
             on_done=self.on_done,
             max_batch_tokens=self.settings.max_batch_tokens,
+            ctx=self.ctx,
         )
         # STEPWISE_SAMPLER=vllm: sample jobs go to vLLM workers instead of the scheduler (kernel_backend/vllm_sampler.py).
         if self.settings.sampler not in ("batched", "serial", "vllm"):
             raise ValueError(f"STEPWISE_SAMPLER must be 'batched', 'serial' or 'vllm', not {self.settings.sampler!r}")
         self.vllm = VllmSampling(self.settings, self.scheduler, self.on_done) if self.settings.sampler == "vllm" else None
+        self.ctx.vllm = self.vllm
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._waiters_lock = threading.Lock()
         # State of one concern each, kept here because it lives as long as the service:
-        self.snapshots: dict[str, list[str]] = {}  # checkpoints: run id -> its in-memory sampler ids, oldest first
         self.tokenizers: dict[str, object] = {}  # sampling: base model -> tokenizer for the API threads
         self._fail_interrupted_futures()
         if cleaned := self.storage.clean_staging():
@@ -201,16 +201,12 @@ class Service:
     def end_session(self, session_id: str, status: str) -> None:
         """Mark a session over and free its adapters (on the scheduler thread)."""
         self.store.update(SessionRow, session_id, status=status)
-        lanes = [r.id for r in self.store.list(ModelRow, ModelRow.session_id == session_id)]
-        lanes += [r.id for r in self.store.list(SamplerRow, SamplerRow.session_id == session_id)]
+        lanes = self.store.list(ModelRow, ModelRow.session_id == session_id)
+        lanes += self.store.list(SamplerRow, SamplerRow.session_id == session_id)
         for lane in lanes:
-            def free(engine: Engine, lane=lane):
-                for e in self.scheduler.engines.values():
-                    e.delete_adapter(lane)
-                if self.vllm is not None:
-                    self.vllm.remove(lane)
-                return json_result({})
-            self.scheduler.submit(Job(new_id(), f"free:{lane}", models.DEFAULT_MODEL, seq=None, run=free), ordered=False)
+            if lane.base_model in self.scheduler.engines:  # a model never loaded holds no adapter
+                free = ops.Op("free_adapters", {"adapter_ids": [lane.id]})
+                self.scheduler.submit(Job(new_id(), f"free:{lane.id}", lane.base_model, seq=None, op=free), ordered=False)
         log.info("session %s %s; freed %d adapters", session_id, status, len(lanes))
 
     # ---- futures -------------------------------------------------------------------------------
@@ -242,23 +238,31 @@ class Service:
             self.scheduler.submit(job, ordered=ordered)
         return row
 
-    def on_done(self, job: Job, status: str, payload: bytes, content_type: str) -> None:
-        """Record the outcome and, for a completed request, its ledger row (failures bill nothing)."""
+    def on_done(self, job: Job, outcome) -> None:
+        """Record a job's outcome (its op's result, or the exception it raised) as the reply `job.encode`
+        makes of it and, for a completed request, its ledger row (failures bill nothing)."""
         if not job.request_type:  # the service's own housekeeping (freeing adapters): no future, no bill
             return
+        status, content_type = "done", JSON_TYPE
+        try:
+            if isinstance(outcome, Exception):
+                raise outcome
+            payload, content_type = job.encode(outcome) if job.encode is not None else json_result(outcome)
+        except Exception as e:  # the op failed, or writing its rows did
+            if e is not outcome:
+                log_failure(job.request_id, e)
+            status, payload = "failed", error_payload(str(e), failure_category(e))
         usage = job.usage or Usage()
         self.admission.settle(job.request_id, usage.prefill_tokens + usage.sample_tokens + usage.train_tokens
                               if status == "done" else 0)
         ledger = None
         if status == "done":
-            engine = self.scheduler.engines.get(job.base_model)
-            slot = engine.slots.get(job.lane) if engine else None
             is_sampler = job.request_type in SAMPLER_REQUESTS
             ledger = UsageRow(
                 request_id=job.request_id, tenant=job.tenant, session_id=job.session_id,
                 model_id=None if is_sampler else job.lane, sampler_id=job.lane if is_sampler else None,
                 base_model=job.base_model, request_type=job.request_type,
-                step=slot.steps if slot is not None and not is_sampler else None,
+                step=None if is_sampler else job.step,
                 prefill_tokens=usage.prefill_tokens, sample_tokens=usage.sample_tokens, train_tokens=usage.train_tokens,
                 cost=self.prices.cost(job.base_model, usage), duration_s=job.duration_s, metrics=job.metrics,
             )
@@ -335,15 +339,15 @@ class Service:
         """Canonical base-model name; UserError naming the available ones if unknown."""
         return models.resolve(name, self.settings.models_dir, self.settings.base_models)[0]
 
+    def model_facts(self) -> dict[str, dict]:
+        """The loaded base models and their facts (ops.model_facts): context length, LoRA bytes per rank."""
+        return self.scheduler.facts()
+
     def adapter_bytes(self, base_model: str, lora_config: dict) -> int:
         """One copy of an adapter's weights on `base_model` (0 while that model is not loaded); admission's measure."""
         config = LoraConfig(**lora_config)
-        key = (base_model, config.train_attn, config.train_mlp, config.train_unembed)
-        if key not in self._bytes_per_rank:
-            engine = self.scheduler.engines.get(base_model)
-            if engine is None:
-                return 0
-            targets = lora.targets_of(config)
-            layers = [m.base.weight for name, m in lora.lora_layers(engine.model).items() if name.rsplit(".", 1)[-1] in targets]
-            self._bytes_per_rank[key] = sum((w.shape[0] + w.shape[1]) * w.element_size() for w in layers)
-        return self._bytes_per_rank[key] * config.rank
+        facts = self.model_facts().get(base_model)
+        if facts is None:
+            return 0
+        per_rank = facts["lora_bytes_per_rank"]
+        return sum(per_rank.get(kind, 0) for kind in lora.targets_of(config)) * config.rank
