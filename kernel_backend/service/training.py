@@ -38,9 +38,24 @@ def create_model(svc: Service, tenant: str, session_id: str, model_seq_id: int, 
 
     job = Job(new_id(), model_id, base, seq=None, op=Op("create_adapter", {"model_id": model_id, "config": config,
                                                                            "optimizer": optimizer_type}),
-              encode=lambda _: json_result({"model_id": model_id, "type": "create_model"}))
+              encode=lambda _: json_result({"model_id": model_id, "type": "create_model"}),
+              replicas=replicas_asked(user_metadata))
     return svc.submit(tenant, "CreateModel", f"create_model:{session_id}:{model_seq_id}", job, ordered=True,
                       session_id=session_id)
+
+
+def replicas_asked(user_metadata: dict | None) -> int | None:
+    """Data-parallel replicas a run asks for in its user_metadata ({"replicas": "2"}; kernel_backend/cluster.py)."""
+    value = (user_metadata or {}).get("replicas")
+    if value is None:
+        return None
+    try:
+        replicas = int(value)
+    except (TypeError, ValueError):
+        replicas = 0
+    if not 1 <= replicas <= 64:
+        raise UserError(f"user_metadata replicas must be a whole number from 1 to 64, got {value!r}")
+    return replicas
 
 
 def get_info(svc: Service, tenant: str, model_id: str) -> dict:
