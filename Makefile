@@ -58,6 +58,8 @@ vllm-venv: install
 test: install chromium
 	@$(PY) -m kernel_backend.vllm_venv build --background
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
+	# The official-SDK service tests once more, unchanged, their server's engines on two Ray workers (about 2 min).
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_service.py --cluster
 
 lab: install
 	# JupyterLab on the quickstart; its first cell starts the embedded backend.

@@ -111,7 +111,7 @@ class EngineWorker:
         self._waiting: dict[str, asyncio.Future] = {}
         self._stores: dict[str, object] = {}  # run id -> the TCPStore its group meets at (rank 0 keeps it)
         self._groups: dict[str, object] = {}  # run id -> its data-parallel process group
-        self._undo: dict[str, list] = {}  # request id -> its run's gradients before that backward pass
+        self._undo: dict[str, tuple[str, list]] = {}  # run id -> (its last backward pass, the gradients before it)
         self._reduce: dict[str, tuple] = {}  # request id -> (all-reduce work, flat gradients), for an optim_step
 
     async def start(self, base_models: list[str]) -> dict:
@@ -205,8 +205,8 @@ class EngineWorker:
         """Before a run is restored here from a snapshot: what waits in its lane was meant for the state being
         replaced (it fails); then its adapter and group go."""
         self.scheduler.drop_lane(run_id, WorkerLost(f"training run {run_id} is being restored from a snapshot"))
-        self._groups.pop(run_id, None)
-        self._stores.pop(run_id, None)
+        for held in (self._groups, self._stores, self._undo):
+            held.pop(run_id, None)
         free = Job(uuid.uuid4().hex, run_id, base_model, seq=None, op=Op("free_adapters", {"adapter_ids": [run_id]}))
         return await self.run(free, True)
 
@@ -214,8 +214,8 @@ class EngineWorker:
         """This worker's part of a data-parallel run's job: gates and local steps around the plain work."""
         if job.op is not None and job.op.name == "free_adapters":
             for adapter_id in job.op.args["adapter_ids"]:
-                self._groups.pop(adapter_id, None)
-                self._stores.pop(adapter_id, None)
+                for held in (self._groups, self._stores, self._undo):
+                    held.pop(adapter_id, None)
         group = self._groups.get(job.lane)
         if group is None:
             return
@@ -232,13 +232,14 @@ class EngineWorker:
 
     def _keep_undo(self, job: Job) -> bool:
         """Before a replica's backward pass: keep its run's gradients, to put back if another shard fails."""
-        if job.request_id not in self._undo and job.lane in self.scheduler.engines[job.base_model].slots:
-            self._undo = {job.request_id: [None if p.grad is None else p.grad.clone() for p in self._params(job)]}
+        kept = self._undo.get(job.lane)
+        if (kept is None or kept[0] != job.request_id) and job.lane in self.scheduler.engines[job.base_model].slots:
+            self._undo[job.lane] = (job.request_id, [None if p.grad is None else p.grad.clone() for p in self._params(job)])
         return True
 
     def _restore_grads(self, engine, job: Job) -> dict:
-        grads = self._undo.pop(job.op.args["request_id"], None)
-        if grads is not None:
+        request_id, grads = self._undo.pop(job.lane, (None, None))
+        if request_id == job.op.args["request_id"]:
             for p, g in zip(self._params(job), grads):
                 p.grad = g
         return {}
@@ -370,6 +371,7 @@ class Cluster:
         self.workers: dict[str, Worker] = {}
         self.runs: dict[str, Run] = {}
         self.lanes: dict[str, str] = {}  # sampler lanes -> their worker
+        self.lost_lanes: dict[str, str] = {}  # sampler lanes whose worker died -> its name
         self.models: list[str] = []
         self._lock = threading.RLock()
         self._stopping = threading.Event()
@@ -585,9 +587,15 @@ class Cluster:
             run = self.runs.pop(adapter_id, None)
             if run is not None and run.snapshot:
                 self.storage.delete(run.snapshot["location"])
+            self.lost_lanes.pop(adapter_id, None)
             where = run.workers if run else [self.lanes.pop(adapter_id)] if adapter_id in self.lanes else []
             return [name for name in where if self.workers[name].state == "live"]
         name = self.lanes.get(job.lane)
+        if name is None and job.lane in self.lost_lanes and job.sample is not None and job.sample.adapter_id \
+                and job.sample.location is None:
+            raise UserError(f"sampler {job.lane} sampled from an in-memory snapshot of engine worker "
+                            f"{self.lost_lanes[job.lane]}, which stopped; its weights went with it: call "
+                            "save_weights_and_get_sampling_client again")
         if name is None or self.workers[name].state != "live":
             live = [w for w in self.workers.values() if w.state == "live"]
             holding = [w for w in live if job.base_model in w.report.get("models", {})] or live
@@ -728,8 +736,8 @@ class Cluster:
                 continue
             try:
                 report = ray.get(ref)
-            except Exception as e:
-                if worker.state in ("live", "starting"):
+            except Exception as e:  # it died; if Ray restarts it, a later report has a new incarnation
+                if worker.state == "live":
                     self._lost(worker, f"{type(e).__name__}: {e}")
                 continue
             worker.missed = 0
@@ -739,23 +747,27 @@ class Cluster:
                 worker.incarnation, worker.state = report["incarnation"], "starting"
                 threading.Thread(target=self._rejoin, args=(worker,), daemon=True).start()
                 continue
-            if worker.state != "starting":
+            if worker.state == "dead":  # taken for dead, yet it answers: its runs moved; start it afresh
+                ray.kill(worker.actor, no_restart=False)
+            elif worker.state != "starting":
                 self._update(worker, report)
 
     def _rejoin(self, worker: Worker) -> None:
         import ray
 
         try:
-            self._update(worker, ray.get(worker.actor.start.remote(self.models)))
+            self._update(worker, ray.get(worker.actor.start.remote(self.models)), revive=True)
             log.info("worker %s rejoined: %s", worker.name, worker.state)
         except Exception as e:
             self._lost(worker, f"{type(e).__name__}: {e}")
 
-    def _update(self, worker: Worker, report: dict) -> None:
+    def _update(self, worker: Worker, report: dict, revive: bool = False) -> None:
+        """A worker's report. Its state follows the report, except that a dead worker stays dead until it has
+        started again (`revive`: its models loaded in its new process)."""
         with self._lock:
             worker.report, worker.heartbeat_at = report, time.monotonic()
             worker.incarnation = report["incarnation"]
-            if worker.state != "dead" or report["state"] != "live":
+            if revive or worker.state != "dead":
                 worker.state, worker.error = report["state"], report["error"]
             held = {adapter for ids in report.get("adapters", {}).values() for adapter in ids}
             worker.placed = {run: b for run, b in worker.placed.items() if run not in held}
@@ -771,7 +783,7 @@ class Cluster:
             for run in runs:  # their next calls wait for the restore (those in flight fail: they were lost)
                 run.held, run.held_by = run.held or [], RESTORING
             for lane in [lane for lane, name in self.lanes.items() if name == worker.name]:
-                del self.lanes[lane]
+                self.lost_lanes[lane] = self.lanes.pop(lane)
             unanswered = list(worker.parts.values())
         for run in runs:
             threading.Thread(target=self._restore, args=(run, worker.name), daemon=True).start()
