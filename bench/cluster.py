@@ -86,7 +86,7 @@ def throughput(workers: int, steps: int) -> float:
             start = time.perf_counter()
             list(pool.map(lambda i: train(i, steps), range(4)))
             elapsed = time.perf_counter() - start
-        service.close()  # its heartbeats stop before the server does
+        service.close("success").result()  # its heartbeats stop before the server does
         return tokens / elapsed
     finally:
         server.stop()

@@ -58,7 +58,8 @@ class Job:
     fb_pass: Pass | None = None
     # ...or a sample request, which joins its model's decoder (ops.sample_request validates it there).
     sample: SampleOp | None = None
-    # In this process only, never sent to a worker: a function of the engine (the vLLM sampler's own calls).
+    # Never sent to a worker: a function of the engine, made where it runs (the vLLM sampler's own calls; a
+    # worker's data-parallel steps around the op).
     call: Callable[[Engine], object] | None = None
     # The service's side, never sent to a worker: the outcome into the reply (bytes, content type), rows
     # written on the way; a streaming sample's per-token callback and its cancel event.

@@ -265,14 +265,14 @@ class Service:
         if not job.request_type:  # the service's own housekeeping (freeing adapters): no future, no bill
             return
         status, content_type = "done", JSON_TYPE
-        try:
-            if isinstance(outcome, Exception):
-                raise outcome
-            payload, content_type = job.encode(outcome) if job.encode is not None else json_result(outcome)
-        except Exception as e:  # the op failed, or writing its rows did
-            if e is not outcome:
+        if isinstance(outcome, Exception):  # the op failed (and was logged where it ran)
+            status, payload = "failed", error_payload(str(outcome), failure_category(outcome))
+        else:
+            try:
+                payload, content_type = job.encode(outcome) if job.encode is not None else json_result(outcome)
+            except Exception as e:  # writing its rows failed
                 log_failure(job.request_id, e)
-            status, payload = "failed", error_payload(str(e), failure_category(e))
+                status, payload, content_type = "failed", error_payload(str(e), failure_category(e)), JSON_TYPE
         usage = job.usage or Usage()
         self.admission.settle(job.request_id, usage.prefill_tokens + usage.sample_tokens + usage.train_tokens
                               if status == "done" else 0)
