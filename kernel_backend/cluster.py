@@ -386,7 +386,10 @@ class Cluster:
             # Ray maps 127.0.0.1 to the machine's address unless told that this is no cluster: a head of our own
             # stays on loopback (read when ray is first imported).
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        import ray
+        try:
+            import ray
+        except ImportError:
+            raise RuntimeError("STEPWISE_WORKERS and STEPWISE_RAY_ADDRESS need Ray: pip install 'stepwise[cluster]'") from None
 
         self.models = list(base_models)
         if not ray.is_initialized():

@@ -27,6 +27,8 @@ from kernel_backend.cluster import shard_bounds
 from kernel_backend.types import AdamParams, LoraConfig
 from servers import Server, start_server
 
+pytest.importorskip("ray", reason="the cluster tests need Ray: pip install -e '.[cluster]' (make install does)")
+
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 LR = 1e-3
 QUESTIONS = [
