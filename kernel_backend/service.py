@@ -19,7 +19,7 @@ import threading
 import uuid
 
 
-from kernel_backend import crypto, keys, models
+from kernel_backend import crypto, keys, models, runtime
 from kernel_backend.keys import LOCAL_TENANT
 from kernel_backend.config import Settings
 from kernel_backend.metering import Prices, Usage
@@ -107,9 +107,12 @@ class Service:
         try:
             fcntl.flock(self._home_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            holder = runtime.running_backend(self.settings.home) or {}
+            where = f" at {holder['base_url']} (pid {holder['pid']})" if holder else ""
             raise RuntimeError(
-                f"another Stepwise backend already uses {self.settings.home}; connect to it (workbench.connect() "
-                "finds it through the files in its runtime/ folder) or set STEPWISE_HOME to another folder"
+                f"another Stepwise backend already serves {self.settings.home}{where}: use that one "
+                "(workbench.connect() and `stepwise demo` in this home share it by themselves), or give this "
+                "backend its own folder with STEPWISE_HOME=..."
             ) from None
 
     def start(self, preload: list[str] | None = None) -> None:
@@ -149,6 +152,12 @@ class Service:
         cutoff = now() - dt.timedelta(seconds=self.settings.session_timeout_s)
         for session in self.store.list(SessionRow, SessionRow.status == "active", SessionRow.last_heartbeat < cutoff):
             self._end_session(session.id, "expired")
+        # A session opened by a process on this machine (workbench.connect() puts its pid in the
+        # metadata) ends with that process: a shut-down kernel's session is over, not idle.
+        for session in self.store.list(SessionRow, SessionRow.status == "active"):
+            pid = str((session.user_metadata or {}).get("local_pid", ""))
+            if pid.isdigit() and not runtime.pid_alive(int(pid)):
+                self._end_session(session.id, "finished")
         for checkpoint in self.store.list(CheckpointRow, CheckpointRow.expires_at.is_not(None), CheckpointRow.expires_at < now()):
             self.store.delete_checkpoint(checkpoint)
             self.storage.delete(checkpoint.directory)

@@ -54,6 +54,8 @@ def find_backends(home: Path | None = None) -> list[Backend]:
     """The backends announced under `home`/runtime by kernels that are still alive, oldest first."""
     found: dict[tuple[str, str], Backend] = {}
     for path in sorted(runtime_dir(home).glob("*.json")):
+        if not path.stem.isdigit():
+            continue  # backend.json: the backend's own file, not a client's
         try:
             record = json.loads(path.read_text())
             pid, base_url, api_key = int(record["pid"]), str(record["base_url"]).rstrip("/"), str(record["api_key"])
