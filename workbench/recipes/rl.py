@@ -61,12 +61,18 @@ class Problem:
 class AdditionTask:
     """Questions "What is a plus b? Reply with only the number." for a, b in [low, high].
 
-    Reward 1 when the answer's first number is the sum, after skipping an echo of the question
-    ("6 + 5 equals 11" counts, "1 + 8 equals 1 + 9" does not), else 0.
+    The verifier is strict: a reply is correct when it is the sum and nothing else, allowing only a
+    restatement of the question before it ("4 + 3 = 7", "4 plus 3 equals 7.", "The answer is 7")
+    and a final full stop. "5 + 5 = 10 Snakes, following" is wrong: the prompt asked for the
+    number only. A second, separate check, `format`, is 1 when the reply is exactly a number (right
+    or wrong): the instruction followed to the letter. The training reward is
+    `correct + format_weight * format` (format_weight 0 by default: the format is logged, not
+    trained on); the held-out eval counts `correct` only.
     """
 
-    def __init__(self, low: int = 1, high: int = 9, template: str = "What is {a} plus {b}? Reply with only the number."):
-        self.low, self.high, self.template = low, high, template
+    def __init__(self, low: int = 1, high: int = 9, template: str = "What is {a} plus {b}? Reply with only the number.",
+                 format_weight: float = 0.0):
+        self.low, self.high, self.template, self.format_weight = low, high, template, format_weight
 
     def problems(self, n: int, rng: np.random.Generator) -> list[Problem]:
         out = []
@@ -76,12 +82,18 @@ class AdditionTask:
         return out
 
     @staticmethod
-    def reward(text: str, problem: Problem) -> float:
-        numbers = re.findall(r"-?\d+", text)
-        echo = [str(x) for x in problem.operands]
-        if echo and numbers[: len(echo)] == echo:
-            numbers = numbers[len(echo) :]
-        return 1.0 if numbers and numbers[0] == problem.answer else 0.0
+    def grade(text: str, problem: Problem) -> dict[str, float]:
+        """{"correct": 0 or 1, "format": 0 or 1} for one reply (see the class docstring)."""
+        a, b = (re.escape(str(x)) for x in problem.operands) if problem.operands else ("", "")
+        restated = rf"(?:the answer is|{a}\s*(?:\+|plus)\s*{b}\s*(?:=|is|equals))\s*" if a else r"(?:the answer is)\s*"
+        answer = re.fullmatch(rf"\s*(?:{restated})?(-?\d+)\s*\.?\s*", text, flags=re.IGNORECASE)
+        only_number = re.fullmatch(r"\s*-?\d+\s*\.?\s*", text) is not None
+        return {"correct": float(answer is not None and answer.group(1) == problem.answer),
+                "format": float(only_number)}
+
+    def reward(self, text: str, problem: Problem) -> float:
+        grade = self.grade(text, problem)
+        return grade["correct"] + self.format_weight * grade["format"]
 
 
 TASKS = {"addition": AdditionTask}
@@ -94,6 +106,7 @@ TASKS = {"addition": AdditionTask}
 class Config(BaseConfig):
     task: str = "addition"
     max_operand: int = 5             # operands are drawn from 1..max_operand
+    format_weight: float = 0.0       # reward += this x "the reply is only a number" (logged as `format` either way)
     steps: int = 12
     groups_per_batch: int = 4        # prompts per step
     group_size: int = 8              # samples per prompt
@@ -113,6 +126,8 @@ class Config(BaseConfig):
 class Rollouts:
     data: list[types.Datum] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
+    formats: list[float] = field(default_factory=list)  # per sample: the reply is only a number
+    correct: list[float] = field(default_factory=list)  # per sample: the verifier's verdict
     sample_tokens: int = 0
     groups_used: int = 0
     starts: list[int] = field(default_factory=list)  # per datum: the first completion position
@@ -133,14 +148,18 @@ def sample_groups(sampler, tokenizer, task, problems: list[Problem], group_size:
     for problem, prompt, future in zip(problems, prompts, futures):
         sequences = future.result().sequences
         texts = [tokenizer.decode(s.tokens, skip_special_tokens=True) for s in sequences]
+        grades = [task.grade(t, problem) for t in texts]
         rewards = np.array([task.reward(t, problem) for t in texts])
         out.rewards.extend(rewards.tolist())
+        out.correct.extend(g["correct"] for g in grades)
+        out.formats.extend(g["format"] for g in grades)
         out.sample_tokens += sum(len(s.tokens) for s in sequences)
         out.examples.append({"question": problem.question, "answer": texts[0], "reward": float(rewards[0])})
         advantages = rewards - rewards.mean()
-        out.table.extend({"prompt": problem.question, "completion": text, "reward": float(r), "advantage": float(a),
-                          "tokens": list(seq.tokens), "logprobs": list(seq.logprobs)}
-                         for seq, text, r, a in zip(sequences, texts, rewards, advantages))
+        out.table.extend({"prompt": problem.question, "completion": text, "reward": float(r), "correct": g["correct"],
+                          "format": g["format"], "advantage": float(a), "tokens": list(seq.tokens),
+                          "logprobs": list(seq.logprobs)}
+                         for seq, text, r, g, a in zip(sequences, texts, rewards, grades, advantages))
         if np.all(advantages == 0):
             continue
         out.groups_used += 1
@@ -153,8 +172,8 @@ def sample_groups(sampler, tokenizer, task, problems: list[Problem], group_size:
 
 def evaluate(sampler, tokenizer, task, problems: list[Problem], samples: int, max_tokens: int,
              temperature: float, seed: int) -> float:
-    """Mean reward over `samples` answers to each problem."""
-    return float(np.mean(sample_groups(sampler, tokenizer, task, problems, samples, max_tokens, temperature, seed).rewards))
+    """The share of correct answers over `samples` answers to each problem (the format not counted)."""
+    return float(np.mean(sample_groups(sampler, tokenizer, task, problems, samples, max_tokens, temperature, seed).correct))
 
 
 def sampler_kl(data: list[types.Datum], outputs: list[dict], starts: list[int]) -> float:
@@ -171,7 +190,7 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
     if config.loss_fn not in LOSSES:
         raise ValueError(f"loss_fn must be one of {', '.join(LOSSES)}, not {config.loss_fn!r}")
     loss_fn_config = json.loads(config.loss_fn_config) if isinstance(config.loss_fn_config, str) else config.loss_fn_config
-    task = TASKS[config.task](high=config.max_operand)
+    task = TASKS[config.task](high=config.max_operand, format_weight=config.format_weight)
     service_client = common.service_client_for(config, service_client)
     rng = np.random.default_rng(config.seed)
     eval_problems = task.problems(config.eval_prompts, np.random.default_rng(config.seed + 10_000))
@@ -195,7 +214,8 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
             rollouts = sample_groups(sampler, tokenizer, task, problems, config.group_size, config.max_tokens,
                                      config.temperature, seed=config.seed * 100_000 + step)
             lr = common.lr_at(step - 1, config.steps, config.learning_rate, config.lr_schedule)
-            row = {"reward": float(np.mean(rollouts.rewards)), "groups_used": rollouts.groups_used,
+            row = {"reward": float(np.mean(rollouts.rewards)), "format": float(np.mean(rollouts.formats)),
+                   "groups_used": rollouts.groups_used,
                    "sample_tokens": rollouts.sample_tokens, "lr": lr}
             if rollouts.data:
                 fb = tc.forward_backward(rollouts.data, config.loss_fn, loss_fn_config=loss_fn_config)
