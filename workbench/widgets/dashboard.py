@@ -20,8 +20,8 @@ accumulation) are summed, as losses are sums over tokens.
 Each panel is one plotly figure with a title and labelled axes: the loss, then one per logged
 metric (`panels={"reward": ["reward", "eval_reward"]}` puts several metrics on one panel). A panel
 is drawn once it has a point; until then the dashboard says in words what will appear. The panels
-wrap to the notebook's width. A figure is built whole whenever its set of traces changes (a new
-run, a new metric), and only restyled in place otherwise.
+wrap to the notebook's width. A panel's figure is drawn anew whenever its points change (see
+_draw_now for why), at most a few times a second.
 
 State is plain traitlets (loss_steps, loss_values, metrics, cost, tokens), so tests read it
 without a browser; redraws are throttled (a few per second) because plotly re-sends whole traces.
@@ -29,6 +29,7 @@ without a browser; redraws are throttled (a few per second) because plotly re-se
 
 from __future__ import annotations
 
+import copy
 import html
 import math
 import threading
@@ -48,9 +49,9 @@ PAGE = 1000
 PANEL_WIDTH, PANEL_HEIGHT = 440, 250
 
 
-def _figure(title: str, y_title: str, series: dict[str, tuple[list, list]]) -> go.FigureWidget:
+def _figure(title: str, y_title: str, series: dict[str, tuple[list, list]]) -> go.Figure:
     last = max((max(xs) for xs, _ in series.values() if xs), default=1)
-    return go.FigureWidget(
+    return go.Figure(
         data=[go.Scatter(x=xs, y=ys, mode="lines+markers", name=name) for name, (xs, ys) in series.items()],
         layout=go.Layout(
             title=dict(text=title, font=dict(size=14)), width=PANEL_WIDTH, height=PANEL_HEIGHT,
@@ -59,6 +60,13 @@ def _figure(title: str, y_title: str, series: dict[str, tuple[list, list]]) -> g
             yaxis=dict(title=dict(text=y_title)),
         ),
     )
+
+
+def _as_output(figure: go.Figure) -> dict:
+    """The figure as one display_data output, drawn by JupyterLab's plotly renderer (jupyterlab-plotly)."""
+    return {"output_type": "display_data", "metadata": {},
+            "data": {"application/vnd.plotly.v1+json": {**figure.to_plotly_json(), "config": {"displaylogo": False}},
+                     "text/plain": f"<plotly figure: {figure.layout.title.text}>"}}
 
 
 def _dtick(last_step: int) -> int:
@@ -90,7 +98,9 @@ class Dashboard(w.VBox):
             raise ValueError("Dashboard needs training_run_id= (an id or a TrainingClient) or session=")
         self.scope = f"run {run_id}" if run_id else f"session {session_id}"
         self.panel_of = {name: title for title, names in (panels or {}).items() for name in names}
-        self.figures: dict[str, go.FigureWidget] = {}  # panel title -> its figure, in drawing order
+        self.slots: dict[str, w.Output] = {}  # panel title -> the output that shows it, in drawing order
+        self.figures: dict[str, go.Figure] = {}  # panel title -> the figure it shows
+        self._drawn: dict[str, dict] = {}  # panel title -> the series its figure shows
         self.panels = w.Box(layout=w.Layout(display="flex", flex_flow="row wrap", width="100%"))
         self.note = w.HTML()  # what is not drawn yet, in words
         self.stats = w.HTML()
@@ -178,21 +188,20 @@ class Dashboard(w.VBox):
 
     def _draw_now(self) -> None:
         panels = self.panel_series()
-        changed = False
         for title, (y_title, series) in panels.items():
-            figure = self.figures.get(title)
-            if figure is not None and [trace.name for trace in figure.data] == list(series):
-                with figure.batch_update():  # same traces: new points only
-                    for trace in figure.data:
-                        trace.x, trace.y = series[trace.name]
-                    figure.layout.xaxis.dtick = _dtick(max((max(xs) for xs, _ in series.values() if xs), default=1))
-            else:  # a new panel, or a new trace in it: build the figure whole
-                self.figures[title] = _figure(title, y_title, series)
-                if figure is not None:
-                    figure.close()
-                changed = True
-        if changed:
-            self.panels.children = tuple(self.figures.values())
+            if self._drawn.get(title) == series:
+                continue
+            # Each panel is an Output showing the figure as data (plotly's mimetype), replaced whole
+            # when its points change. Not a plotly FigureWidget: each of those carries plotly.js
+            # (5 MB) in its synced state, so a page reload that restores a few of them from the
+            # kernel fails ("model not found" for every widget), and its in-place edits are
+            # messages that a view still drawing misses.
+            if title not in self.slots:
+                self.slots[title] = w.Output(layout=w.Layout(width=f"{PANEL_WIDTH + 10}px"))
+                self.panels.children = (*self.panels.children, self.slots[title])
+            self.figures[title] = _figure(title, y_title, series)
+            self.slots[title].outputs = (_as_output(self.figures[title]),)
+            self._drawn[title] = copy.deepcopy(series)
         self.note.value = self._note(panels)
         tok = self.tokens
         error = f" · <span style='color:#b00'>{html.escape(self.error)}</span>" if self.error else ""
@@ -229,6 +238,6 @@ class Dashboard(w.VBox):
 
     def close(self) -> None:
         self.stop()
-        for child in (*self.figures.values(), self.panels, self.note, self.stats):
+        for child in (*self.slots.values(), self.panels, self.note, self.stats):
             child.close()
         super().close()

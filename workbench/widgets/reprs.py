@@ -28,9 +28,10 @@ MAX_TOKENS = 96  # tokens shown per row
 
 _tokenizer = None  # set by enable_reprs(tokenizer=...)
 
+# `table td`: more specific than JupyterLab's right-aligned `.jp-RenderedHTMLCommon td`.
 _STYLE = ("<style>.wb-repr table{border-collapse:collapse;font-size:12px}"
-          ".wb-repr td,.wb-repr th{border:1px solid #ddd;padding:2px 6px;text-align:left;vertical-align:top}"
-          ".wb-repr .wb-muted{color:#777}</style>")
+          ".wb-repr table td,.wb-repr table th{border:1px solid #ddd;padding:2px 6px;text-align:left;"
+          "vertical-align:top}.wb-repr .wb-muted{color:#777}</style>")
 
 
 def _metrics_table(metrics: dict) -> str:
