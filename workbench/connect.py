@@ -234,9 +234,11 @@ def connect(base_url: str | None = None, api_key: str | None = None, *, name: st
         _current = conn
         _write_registry(conn)
 
+    from workbench import sdk_hooks
     from workbench.widgets.reprs import enable_reprs
 
-    _quiet_long_polls()
+    quiet_long_polls()
+    sdk_hooks.install()  # custom losses reach the ledger, results remember their datums
     enable_reprs()
     return conn.service_client
 
@@ -284,7 +286,7 @@ class _NoTryAgain(logging.Filter):
 _POLL_FILTER = _NoTryAgain()
 
 
-def _quiet_long_polls() -> None:
+def quiet_long_polls() -> None:
     poll_logger = logging.getLogger("tinker.lib.api_future_impl")
     if _POLL_FILTER not in poll_logger.filters:
         poll_logger.addFilter(_POLL_FILTER)
