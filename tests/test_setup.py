@@ -1,0 +1,144 @@
+"""What a new user types first: the README's "Fifteen lines" as printed, and `make lab`.
+
+- The README's code block runs unchanged against `python -m kernel_backend serve --port 8000` (the
+  command its comment gives) in a fresh STEPWISE_HOME: the loopback-only server accepts the
+  well-known key "tml-local", the model learns the taught answer, and a server listening on every
+  address refuses that key with a message that says what to do instead. (Port 8000 is used when it
+  is free; otherwise the same command on a free port, and the code's URL with it.)
+- `make lab` starts JupyterLab on copies of the notebooks, as root (it adds --allow-root) and, where
+  this test runs as root with a `nobody` user, as that user too; JUPYTER_ARGS reaches Jupyter.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from servers import REPO, free_port, start_server
+
+README = REPO / "README.md"
+
+
+def readme_example() -> str:
+    text = README.read_text()
+    section = text[text.index("## Fifteen lines"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+@pytest.fixture
+def fresh_home(tmp_path, stepwise_home):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "models").symlink_to(stepwise_home / "models", target_is_directory=True)
+    return home
+
+
+def test_the_readme_example_runs_as_printed(fresh_home):
+    code = readme_example()
+    assert 'api_key="tml-local"' in code and "python -m kernel_backend serve --port 8000" in code
+    port = 8000 if port_free(8000) else free_port()
+    code = code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+    server = subprocess.Popen([sys.executable, "-m", "kernel_backend", "serve", "--port", str(port)],
+                              env={**os.environ, "STEPWISE_HOME": str(fresh_home)}, cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while not _healthy(f"http://127.0.0.1:{port}"):
+            assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.3)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=REPO,
+                             env={**os.environ, "STEPWISE_HOME": str(fresh_home)})
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Quibbleton" in out.stdout, out.stdout
+
+
+def test_a_server_on_every_address_refuses_the_loopback_key(fresh_home):
+    server = start_server(fresh_home, env={"STEPWISE_LOCAL_KEY": "tml-real-key"}, host="0.0.0.0")
+    try:
+        refused = httpx.get(f"{server.base_url}/api/v1/usage", headers={"X-API-Key": "tml-local"})
+        assert refused.status_code == 401
+        assert "accepted only by a backend that listens on loopback" in refused.json()["detail"]
+        assert "stepwise keys create" in refused.json()["detail"]
+        assert httpx.get(f"{server.base_url}/api/v1/usage", headers={"X-API-Key": "tml-real-key"}).status_code == 200
+    finally:
+        server.stop()
+
+
+def _healthy(base_url: str) -> bool:
+    try:
+        return httpx.get(f"{base_url}/api/v1/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+# ---- make lab ------------------------------------------------------------------------------------------
+
+
+def _users() -> list[str | None]:
+    """None: this user; "nobody" too where we are root and can become it."""
+    users: list[str | None] = [None]
+    if os.geteuid() == 0 and shutil.which("runuser"):
+        try:
+            pwd.getpwnam("nobody")
+            users.append("nobody")
+        except KeyError:
+            pass
+    return users
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.parametrize("user", _users(), ids=lambda u: u or "this-user")
+def test_make_lab_starts_jupyterlab_on_copies_of_the_notebooks(user, tmp_path):
+    tmp_path.chmod(0o777)
+    lab_dir, runtime = tmp_path / "notebooks", tmp_path / "runtime"
+    port = free_port()
+    # -o install: the environment is already installed (make test did it); this is about `lab`.
+    command = ["make", "-s", "-o", "install", "lab", f"LAB_DIR={lab_dir}",
+               f"JUPYTER_ARGS=--no-browser --port={port} --IdentityProvider.token= --ServerApp.ip=127.0.0.1"]
+    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(runtime), "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+           "JUPYTER_DATA_DIR": str(tmp_path / "data"), "HOME": str(tmp_path)}
+    if user is not None:
+        command = ["runuser", "-u", user, "--", "env", *[f"{k}={v}" for k, v in env.items()], *command]
+    log = tmp_path / "lab.log"
+    with open(log, "w") as out:
+        lab = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/api/status", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert lab.poll() is None, f"make lab exited: {log.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, f"JupyterLab did not answer: {log.read_text()[-2000:]}"
+            time.sleep(0.5)
+        contents = httpx.get(f"http://127.0.0.1:{port}/api/contents").json()["content"]
+        assert {c["name"] for c in contents} >= {p.name for p in (REPO / "notebooks").glob("*.ipynb")}
+    finally:
+        os.killpg(lab.pid, 15)
+        lab.wait(timeout=30)
