@@ -5,8 +5,8 @@
   well-known key "tml-local", the model learns the taught answer, and a server listening on every
   address refuses that key with a message that says what to do instead. (Port 8000 is used when it
   is free; otherwise the same command on a free port, and the code's URL with it.)
-- `make lab` starts JupyterLab on copies of the notebooks, as root (it adds --allow-root) and, where
-  this test runs as root with a `nobody` user, as that user too; JUPYTER_ARGS reaches Jupyter.
+- `make lab` starts JupyterLab on copies of the notebooks, JUPYTER_ARGS reaches Jupyter, and it adds
+  --allow-root for root only (the command line make runs as another user has none).
 """
 
 from __future__ import annotations
@@ -96,36 +96,19 @@ def _healthy(base_url: str) -> bool:
 
 # ---- make lab ------------------------------------------------------------------------------------------
 
-
-def _users() -> list[str | None]:
-    """None: this user; "nobody" too where we are root and can become it."""
-    users: list[str | None] = [None]
-    if os.geteuid() == 0 and shutil.which("runuser"):
-        try:
-            pwd.getpwnam("nobody")
-            users.append("nobody")
-        except KeyError:
-            pass
-    return users
+# -o install: the environment is already installed (make test did it); these are about `lab`.
+MAKE_LAB = ["make", "-s", "-o", "install", "lab"]
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
-@pytest.mark.parametrize("user", _users(), ids=lambda u: u or "this-user")
-def test_make_lab_starts_jupyterlab_on_copies_of_the_notebooks(user, tmp_path):
-    tmp_path.chmod(0o777)
-    lab_dir, runtime = tmp_path / "notebooks", tmp_path / "runtime"
-    port = free_port()
-    # -o install: the environment is already installed (make test did it); this is about `lab`.
-    command = ["make", "-s", "-o", "install", "lab", f"LAB_DIR={lab_dir}",
+def test_make_lab_starts_jupyterlab_on_copies_of_the_notebooks(tmp_path):
+    lab_dir, port = tmp_path / "notebooks", free_port()
+    command = [*MAKE_LAB, f"LAB_DIR={lab_dir}",
                f"JUPYTER_ARGS=--no-browser --port={port} --IdentityProvider.token= --ServerApp.ip=127.0.0.1"]
-    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(runtime), "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
-           "JUPYTER_DATA_DIR": str(tmp_path / "data"), "HOME": str(tmp_path)}
-    if user is not None:
-        command = ["runuser", "-u", user, "--", "env", *[f"{k}={v}" for k, v in env.items()], *command]
+    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "JUPYTER_CONFIG_DIR": str(tmp_path / "config")}
     log = tmp_path / "lab.log"
     with open(log, "w") as out:
-        lab = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+        lab = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -140,5 +123,31 @@ def test_make_lab_starts_jupyterlab_on_copies_of_the_notebooks(user, tmp_path):
         contents = httpx.get(f"http://127.0.0.1:{port}/api/contents").json()["content"]
         assert {c["name"] for c in contents} >= {p.name for p in (REPO / "notebooks").glob("*.ipynb")}
     finally:
-        os.killpg(lab.pid, 15)
+        os.killpg(lab.pid, 15)  # make and the JupyterLab it started
         lab.wait(timeout=30)
+    # Copies: running and saving them leaves the repository's notebooks as they are.
+    assert (lab_dir / "00_quickstart.ipynb").read_bytes() == (REPO / "notebooks/00_quickstart.ipynb").read_bytes()
+
+
+def dry_run(user: str | None, lab_dir: Path) -> str:
+    command = [*MAKE_LAB, "-n", f"LAB_DIR={lab_dir}", "JUPYTER_ARGS=--port=8899"]
+    if user is not None:
+        command = ["runuser", "-u", user, "--", *command]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True, timeout=60).stdout
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_lab_adds_allow_root_only_for_root(tmp_path):
+    """JupyterLab refuses to run as root without --allow-root: `make lab` adds it for root only.
+    (Starting it as another user needs a Python that user can run; the command line is checked.)"""
+    mine = dry_run(None, tmp_path)
+    assert "--port=8899" in mine and f"--ServerApp.root_dir={tmp_path}" in mine
+    assert ("--allow-root" in mine) == (os.geteuid() == 0)
+    if os.geteuid() != 0 or not shutil.which("runuser"):
+        pytest.skip("checking another user's command line needs root and runuser")
+    try:
+        pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no `nobody` user to run make as")
+    theirs = dry_run("nobody", tmp_path)
+    assert "--port=8899" in theirs and "--allow-root" not in theirs

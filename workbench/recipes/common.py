@@ -401,7 +401,7 @@ def main(config_cls, run, argv: list[str] | None = None) -> Summary:
     module = sys.modules[run.__module__]
     name = module.__spec__.name if module.__spec__ else run.__module__
     parser = argparse.ArgumentParser(prog=f"python -m {name}", description=(module.__doc__ or "").split("\n\n")[0],
-                                     epilog="Without --base-url the embedded backend starts (workbench.connect()).")
+                                     epilog="Without --base-url it uses the local backend (workbench.connect()), started if none runs.")
     for f in dataclasses.fields(config_cls):
         kind = _arg_type(f.type)
         flag = "--" + f.name.replace("_", "-")

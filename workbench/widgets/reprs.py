@@ -28,15 +28,16 @@ MAX_TOKENS = 96  # tokens shown per row
 
 _tokenizer = None  # set by enable_reprs(tokenizer=...)
 
-# `table td`: more specific than JupyterLab's right-aligned `.jp-RenderedHTMLCommon td`.
-_STYLE = ("<style>.wb-repr table{border-collapse:collapse;font-size:12px}"
-          ".wb-repr table td,.wb-repr table th{border:1px solid #ddd;padding:2px 6px;text-align:left;"
+# `.wb-repr table.wb-t td`: more specific than JupyterLab's right-aligned
+# `:not(.jp-RenderedMarkdown).jp-RenderedHTMLCommon td`.
+_STYLE = ("<style>.wb-repr table.wb-t{border-collapse:collapse;font-size:12px}"
+          ".wb-repr table.wb-t td,.wb-repr table.wb-t th{border:1px solid #ddd;padding:2px 6px;text-align:left;"
           "vertical-align:top}.wb-repr .wb-muted{color:#777}</style>")
 
 
 def _metrics_table(metrics: dict) -> str:
     cells = "".join(f"<tr><th>{html.escape(k)}</th><td>{v:.6g}</td></tr>" for k, v in sorted(metrics.items()))
-    return f"<table>{cells}</table>" if cells else ""
+    return f'<table class="wb-t">{cells}</table>' if cells else ""
 
 
 def _more(total: int, shown: int, what: str) -> str:
@@ -104,7 +105,7 @@ def forward_backward_html(output, data=None, tokenizer=None, max_rows: int = MAX
                     f"<td>{weighted:.4g}</td><td>{logprobs.sum():.4g}</td><td>{cells}</td></tr>")
     what = "target tokens, by logprob (dimmed: weight 0)" if data is not None else (
         "per-position logprobs (the datums were not recorded: call through a connect()ed client for token text)")
-    table = ("<table><tr><th>datum</th><th>targets</th><th>weighted</th><th>Σ weight·logprob</th>"
+    table = ('<table class="wb-t"><tr><th>datum</th><th>targets</th><th>weighted</th><th>Σ weight·logprob</th>'
              f"<th>Σ logprob (all)</th><th>{what}</th></tr>" + "".join(rows) + "</table>")
     check = ""
     if data is not None and outputs:
@@ -145,7 +146,7 @@ def sample_html(response, tokenizer=None, max_rows: int = MAX_ROWS, max_tokens: 
     hint = "" if tokenizer is not None else (
         '<div class="wb-muted">tokens shown as ids: workbench.enable_reprs(tokenizer=tc.get_tokenizer()) '
         "shows their text</div>")
-    table = ("<table><tr><th>#</th><th>stop</th><th>tokens</th><th>text, then tokens by logprob</th></tr>"
+    table = ('<table class="wb-t"><tr><th>#</th><th>stop</th><th>tokens</th><th>text, then tokens by logprob</th></tr>'
              + "".join(blocks) + "</table>")
     return (f'<div class="wb-repr">{_STYLE}<b>SampleResponse</b> · {len(sequences)} sequence(s){table}'
             f"{_more(len(sequences), max_rows, 'sequences')}{hint}</div>")
