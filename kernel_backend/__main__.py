@@ -102,7 +102,7 @@ def serve_forever(settings, host: str, port: int, log_level: str, exit_when_unus
                 runtime.exit_when_unused(settings.home, base_url, stop=lambda: setattr(server, "should_exit", True))
 
     announced = runtime.announce_backend(settings.home, base_url, settings.local_key, app.state.loopback_key,
-                                         os.environ.get("STEPWISE_LOG"))
+                                         os.environ.get("STEPWISE_LOG"), exit_when_unused)
     threading.Thread(target=when_ready, name="stepwise-ready", daemon=True).start()
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the previous handler:
     # make that one an exit that runs the `finally` below (the default would end the process first).

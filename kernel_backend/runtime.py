@@ -1,7 +1,7 @@
 """The runtime folder of a STEPWISE_HOME: which backend serves it, and which processes use it.
 
     <home>/runtime/backend.json   written by `serve` while it runs (mode 0600):
-                                  {base_url, pid, started, local_key, loopback_key, log}
+                                  {base_url, pid, started, local_key, loopback_key, log, exits_when_unused}
     <home>/runtime/<pid>.json     written by every process that connected to a backend
                                   (workbench.connect(): a notebook kernel, `stepwise demo`, a script):
                                   {base_url, api_key, pid, ...}; removed when that process exits
@@ -73,12 +73,14 @@ def write_private_json(path: Path, record: dict) -> None:
     tmp.replace(path)
 
 
-def announce_backend(home: Path, base_url: str, local_key: str, loopback_key: str, log_path: str | None) -> Path:
+def announce_backend(home: Path, base_url: str, local_key: str, loopback_key: str, log_path: str | None,
+                     exits_when_unused: bool) -> Path:
     """Write backend.json for this process; returns its path (remove it at exit)."""
     path = runtime_dir(home) / BACKEND_FILE
     write_private_json(path, {
         "base_url": base_url, "pid": os.getpid(), "started": dt.datetime.now(dt.timezone.utc).isoformat(),
         "local_key": local_key or None, "loopback_key": loopback_key or None, "log": log_path,
+        "exits_when_unused": exits_when_unused,  # started by a client: its last client may stop it sooner
     })
     return path
 

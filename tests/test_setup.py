@@ -68,6 +68,14 @@ def test_the_readme_example_runs_as_printed(fresh_home):
             time.sleep(0.3)
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=REPO,
                              env={**os.environ, "STEPWISE_HOME": str(fresh_home)})
+        # A notebook of the same home uses this server (found in runtime/backend.json, with the
+        # loopback key) and leaves it running when it exits: a person started it, not a kernel.
+        joined = subprocess.run([sys.executable, "-c", "import workbench; workbench.connect(progress=False); "
+                                 "print(workbench.current().base_url, workbench.current().api_key)"],
+                                capture_output=True, text=True, timeout=120, cwd=REPO,
+                                env={**os.environ, "STEPWISE_HOME": str(fresh_home)})
+        assert joined.stdout.split() == [f"http://127.0.0.1:{port}", "tml-local"], joined.stderr[-2000:]
+        assert server.poll() is None and _healthy(f"http://127.0.0.1:{port}")
     finally:
         server.terminate()
         server.wait(timeout=30)

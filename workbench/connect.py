@@ -65,13 +65,15 @@ class Connection:
     """A backend this process talks to, and the ServiceClients connect() handed out for it.
 
     `embedded`: the local backend of $STEPWISE_HOME (started here or by another process of that
-    home); `process` is set only in the process that started it."""
+    home, or `stepwise serve`); `process` is set only in the process that started it;
+    `stops_when_unused`: started by a client (not by a person's `serve`), so the last client stops it."""
 
     base_url: str
     api_key: str
     embedded: bool = False
     process: subprocess.Popen | None = None
     backend_pid: int | None = None
+    stops_when_unused: bool = False
     log_path: Path | None = None
     registry_path: Path | None = None
     started: str = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc).isoformat())
@@ -164,7 +166,7 @@ class Connection:
         if self.registry_path is not None:
             self.registry_path.unlink(missing_ok=True)
             self.registry_path = None
-        if self.embedded and self.backend_pid:
+        if self.stops_when_unused and self.backend_pid:
             from kernel_backend.runtime import live_clients
 
             others = [pid for pid in live_clients(stepwise_home(), self.base_url) if pid != os.getpid()]
@@ -384,7 +386,7 @@ def _join(record: dict, timeout: float, show: "_StartProgress") -> Connection:
                            "or set STEPWISE_HOME to another folder for a backend of your own")
     log_path = Path(record["log"]) if record.get("log") else None
     conn = Connection(base_url=base_url, api_key=api_key, embedded=True, backend_pid=int(record["pid"]),
-                      log_path=log_path)
+                      stops_when_unused=bool(record.get("exits_when_unused")), log_path=log_path)
     _wait_healthy(conn, timeout, show, what=f"the backend of pid {record['pid']}")
     _check_key(conn)
     show.finish(f"Using the Stepwise backend at {base_url}, shared with the other notebooks and scripts of "
@@ -406,7 +408,7 @@ def _start(home: Path, timeout: float, show: "_StartProgress") -> Connection:
         log_path = runtime / "backend.log"  # one backend per home at a time (the start lock)
         process = _spawn(port, home, log_path, api_key)
         conn = Connection(base_url=f"http://127.0.0.1:{port}", api_key=api_key, embedded=True, process=process,
-                          backend_pid=process.pid, log_path=log_path)
+                          backend_pid=process.pid, stops_when_unused=True, log_path=log_path)
         try:
             _wait_healthy(conn, timeout, show, what="the embedded backend")
             show.finish(f"Started the Stepwise backend at {conn.base_url} in {time.monotonic() - began:.0f} s; "
