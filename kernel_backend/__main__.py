@@ -85,7 +85,12 @@ def serve_forever(settings, host: str, port: int, log_level: str, exit_when_unus
     from kernel_backend.api.app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    app = create_app(settings)  # takes the home's lock: a second backend of this home stops here
+    from kernel_backend.service import HomeInUse
+
+    try:
+        app = create_app(settings)  # takes the home's lock: a second backend of this home stops here
+    except HomeInUse as error:
+        raise SystemExit(f"stepwise serve: {error}") from None
     # The well-known local key only where nobody but this machine can reach the server.
     loopback = runtime.is_loopback(host)
     app.state.loopback_key = settings.loopback_key if loopback else ""

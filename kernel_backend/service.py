@@ -58,6 +58,10 @@ class Gone(Exception):
     """The thing existed but is over: a finished or expired session, an interrupted request (410)."""
 
 
+class HomeInUse(RuntimeError):
+    """Another backend already serves this SQLite home; the message names it."""
+
+
 class RateLimited(Exception):
     """Over a per-tenant limit (429); `retry_after` seconds is when to try again."""
 
@@ -109,7 +113,7 @@ class Service:
         except BlockingIOError:
             holder = runtime.running_backend(self.settings.home) or {}
             where = f" at {holder['base_url']} (pid {holder['pid']})" if holder else ""
-            raise RuntimeError(
+            raise HomeInUse(
                 f"another Stepwise backend already serves {self.settings.home}{where}: use that one "
                 "(workbench.connect() and `stepwise demo` in this home share it by themselves), or give this "
                 "backend its own folder with STEPWISE_HOME=..."

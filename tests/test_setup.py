@@ -2,8 +2,9 @@
 
 - The README's code block runs unchanged against `python -m kernel_backend serve --port 8000` (the
   command its comment gives) in a fresh STEPWISE_HOME: the loopback-only server accepts the
-  well-known key "tml-local", the model learns the taught answer, and a server listening on every
-  address refuses that key with a message that says what to do instead. (Port 8000 is used when it
+  well-known key "tml-local", the model learns the taught answer; a notebook of that home shares the
+  server and leaves it running; a second server of the home stops with a message naming the first;
+  a server listening on every address refuses the key with a message that says what to do instead. (Port 8000 is used when it
   is free; otherwise the same command on a free port, and the code's URL with it.)
 - `make lab` starts JupyterLab on copies of the notebooks, JUPYTER_ARGS reaches Jupyter, and it adds
   --allow-root for root only (the command line make runs as another user has none).
@@ -76,6 +77,12 @@ def test_the_readme_example_runs_as_printed(fresh_home):
                                 env={**os.environ, "STEPWISE_HOME": str(fresh_home)})
         assert joined.stdout.split() == [f"http://127.0.0.1:{port}", "tml-local"], joined.stderr[-2000:]
         assert server.poll() is None and _healthy(f"http://127.0.0.1:{port}")
+        # A second server of the same home stops at once and names the running one.
+        second = subprocess.run([sys.executable, "-m", "kernel_backend", "serve", "--port", str(free_port())],
+                                capture_output=True, text=True, timeout=120, cwd=REPO,
+                                env={**os.environ, "STEPWISE_HOME": str(fresh_home)})
+        assert second.returncode != 0 and "Traceback" not in second.stderr
+        assert f"another Stepwise backend already serves {fresh_home} at http://127.0.0.1:{port}" in second.stderr
     finally:
         server.terminate()
         server.wait(timeout=30)

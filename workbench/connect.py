@@ -412,7 +412,7 @@ def _start(home: Path, timeout: float, show: "_StartProgress") -> Connection:
         try:
             _wait_healthy(conn, timeout, show, what="the embedded backend")
             show.finish(f"Started the Stepwise backend at {conn.base_url} in {time.monotonic() - began:.0f} s; "
-                        f"other notebooks of {home} share it. Log: {log_path}")
+                        f"the other notebooks and scripts of {home} share it. Log: {log_path}")
             return conn
         except BackendError as error:
             if "already in use" not in str(error) or attempt == 2:

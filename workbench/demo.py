@@ -4,7 +4,7 @@ RL run raises the share of correct answers to held-out sums, with a strict verif
 each recipe's summary, and what the whole demo cost. On the local backend (shared with your
 notebooks) or --base-url.
 
-    stepwise demo                       # about 3 minutes on a laptop CPU
+    stepwise demo                       # two to four minutes on a laptop CPU
     stepwise demo --sft-steps 24 --rl-steps 12 --base-url http://127.0.0.1:8000 --api-key tml-local
 
 The defaults are the smallest runs that learn reliably (measured: docs/cookbook.md); the test
