@@ -20,9 +20,9 @@ Each step (GRPO-style, as the tinker cookbook does it):
 3. one forward_backward with `loss_fn` (importance_sampling, ppo, cispo or dro; the sampler's
    logprobs ride along in loss_fn_inputs["logprobs"]) and one optim_step.
 Logged per step: reward (mean over all samples), format (the share of replies that are only a
-number), kl_sampler (mean over completion tokens of
-sampler logprob - learner logprob, from the forward_backward's output logprobs: how far the
-learner is from the policy that sampled, about 0 when on-policy), sample/train tokens, loss.
+number), kl_sampler (mean over completion tokens of sampler logprob - learner logprob, from the
+forward_backward's output logprobs: how far the learner is from the policy that sampled, about 0
+when on-policy), sample/train tokens, loss.
 With `eval_prompts` > 0, a held-out set of prompts is scored before and after training.
 
 Measured with `python -m workbench.recipes.rl` (defaults: operands 1..5, 12 steps of 4 prompts x 8
