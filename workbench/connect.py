@@ -156,7 +156,7 @@ class Connection:
         if finish_sessions:
             for session_id in self.session_ids():
                 try:  # plain HTTP, not the SDK: at exit its worker threads are already gone
-                    self.http.post(f"/api/v1/sessions/{session_id}/finish", json={"reason": "client exited"},
+                    self.http.post(f"/api/v1/sessions/{session_id}/finish", json={"reason": {"type": "success"}, "detail": "client exited"},
                                    timeout=5)
                 except httpx.HTTPError:
                     pass
