@@ -9,6 +9,9 @@ A `Decoder` holds the requests of every session, adapter and prompt at once. Eac
 Rows join when their prompt's prefill is done and leave when they stop, so a new request starts
 within a step or two, however long the generations already running. The `num_samples` rows of a
 request share its prompt's prefill (one forward, its keys and values copied to each row).
+What a request asks about its prompt (SampleOptions: prompt logprobs and top-k, target ids'
+logprobs, alternative tokens) comes from the logits of that prefill, chunk by chunk, computed only
+from the first prompt position it needs; top-k at sampled positions from each decode step's logits.
 
 What every path keeps, exactly:
 - each sampled token's logprob is the model's own, before temperature / top-k / top-p, and
@@ -151,7 +154,7 @@ class _Active:
         self.values: torch.Tensor | None = None
         n, options, scored = request.num_samples, request.options, len(request.prompt) - 1
         # Prompt position p's logits predict prompt token p + 1. Logprobs and top-k: from position
-        # `scored_from` (the last n tokens when prompt_logprobs_last_n is set); None before it.
+        # `logprobs_from` on (the last n tokens' with prompt_logprobs_last_n); None before it.
         wants_logprobs = options.prompt_logprobs or options.topk_prompt_logprobs > 0
         self.logprobs_from = scored - (options.prompt_logprobs_last_n or scored) if wants_logprobs else scored
         self.prompt_logprobs: list[float | None] = [None] * scored
