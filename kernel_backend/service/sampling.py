@@ -18,7 +18,7 @@ from kernel_backend.service.checkpoints import SNAPSHOTS_PER_RUN, loadable
 from kernel_backend.service.core import PROTO_TYPE, NotFound, Service, json_result, new_id
 from kernel_backend.scheduler import Job
 from kernel_backend.store import CheckpointRow, FutureRow, ModelRow, SamplerRow
-from kernel_backend.types import SamplingParams, UserError
+from kernel_backend.types import SampleOptions, SamplingParams, UserError
 
 
 def create_sampling_session(svc: Service, tenant: str, session_id: str, seq: int, base_model: str | None,
@@ -46,15 +46,17 @@ def get_sampler(svc: Service, tenant: str, sampler_id: str) -> dict:
 
 
 def sample(svc: Service, tenant: str, sampler_id: str, seq_id: int, prompt: list[int], num_samples: int,
-           params: SamplingParams, prompt_logprobs: bool, topk_prompt_logprobs: int, encode) -> FutureRow:
+           params: SamplingParams, options: SampleOptions, encode) -> FutureRow:
     sampler = svc.sampler(tenant, sampler_id)
     check_still_published(svc, tenant, sampler)
-    tokens = check_sampling(svc, sampler.base_model, prompt, num_samples, params, topk_prompt_logprobs)
+    tokens = check_sampling(svc, sampler.base_model, prompt, num_samples, params, options)
+    if svc.vllm is not None:
+        svc.vllm.check_options(options)
     request_id = new_id()
 
     def prepare(engine: Engine):
         adapter_id = ensure_sampler(svc, engine, sampler)
-        return engine.sample_request(adapter_id, prompt, num_samples, params, prompt_logprobs, topk_prompt_logprobs)
+        return engine.sample_request(adapter_id, prompt, num_samples, params, options)
 
     job = Job(request_id, sampler_id, sampler.base_model, seq=None, sample=prepare,
               encode=lambda result: (encode(result), PROTO_TYPE), tokens=len(prompt))
@@ -71,12 +73,12 @@ def check_still_published(svc: Service, tenant: str, sampler: SamplerRow) -> Non
 
 
 def check_sampling(svc: Service, base_model: str, prompt: list[int], num_samples, params: SamplingParams,
-                   topk: int = 0) -> int:
+                   options: SampleOptions) -> int:
     """Bound a sampling request before it is queued (admission.check_sampling); returns its most tokens."""
     engine = svc.scheduler.engines.get(base_model)
     max_context = engine.max_context if engine is not None else len(prompt) + svc.settings.max_sample_tokens
     return admission.check_sampling(len(prompt), num_samples, params, max_context, svc.settings.max_sample_tokens,
-                                    topk)
+                                    options)
 
 
 def ensure_sampler(svc: Service, engine: Engine, sampler: SamplerRow) -> str | None:
@@ -142,7 +144,8 @@ def generate(svc: Service, tenant: str, request_type: str, base_model: str, path
              num_samples: int, params: SamplingParams, topk_sample_logprobs: int = 0, on_token=None):
     """Sample on the scheduler thread, metered like any request. Bounds and admits the request now
     (raising UserError or RateLimited before anything streams); await the result for the SampleResult."""
-    tokens = check_sampling(svc, base_model, prompt, num_samples, params, topk_sample_logprobs)
+    options = SampleOptions(topk_sample_logprobs=topk_sample_logprobs)
+    tokens = check_sampling(svc, base_model, prompt, num_samples, params, options)
     lane = f"oai:{tenant}:{path or base_model}"
     request_id = new_id()
     output = {}
@@ -158,8 +161,7 @@ def generate(svc: Service, tenant: str, request_type: str, base_model: str, path
                 with svc.storage.open(checkpoint.directory, svc.settings.encryption_key, path) as plain:
                     engine.load_sampler(lane, plain)
             adapter_id = lane
-        return engine.sample_request(adapter_id, prompt, num_samples, params, on_token=on_token,
-                                     topk_sample_logprobs=topk_sample_logprobs, cancel=cancel)
+        return engine.sample_request(adapter_id, prompt, num_samples, params, options, on_token=on_token, cancel=cancel)
 
     def keep(result):
         output["result"] = result
