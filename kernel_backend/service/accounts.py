@@ -220,7 +220,7 @@ def billing_usage(svc: Service, tenant: str, starting_on: dt.datetime, ending_be
         key = (utc(created).replace(minute=0, second=0, microsecond=0), str(details.get("model_id", "")).split(":")[0])
         checkpoints[key] = checkpoints.get(key, 0) + 1
     session_rows = {r.id: r for r in svc.store.list(SessionRow, SessionRow.tenant == tenant, SessionRow.id.in_(
-        sorted({k[2] for k in tokens} | {k[1] for k in checkpoints})))}
+        sorted({k[2] for k in tokens if k[2]} | {k[1] for k in checkpoints if k[1]})))}
 
     def envelope(hour, base_model, session_id) -> dict:
         session = session_rows.get(session_id)
