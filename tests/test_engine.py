@@ -429,7 +429,7 @@ def test_the_batched_forward_matches_transformers_on_each_architecture_it_claims
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from kernel_backend import lora, sampler
-    from kernel_backend.types import SamplingParams
+    from kernel_backend.types import SampleOptions, SamplingParams
 
     assert architecture in sampler.BATCHED_ARCHITECTURES
     config = AutoConfig.for_model(architecture, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -443,7 +443,7 @@ def test_the_batched_forward_matches_transformers_on_each_architecture_it_claims
     decoder = sampler.Decoder(model, lambda tokens: "", budget_tokens=10_000, prefill_tokens=8)
     prompt = torch.randint(0, 300, (21,), generator=torch.Generator().manual_seed(1)).tolist()
     request = sampler.SampleRequest(None, prompt, 2, SamplingParams(max_tokens=6, temperature=1.0, seed=3), set(), [],
-                                    prompt_logprobs=True)
+                                    SampleOptions(prompt_logprobs=True))
     decoder.admit(request)
     while not decoder.step():
         pass

@@ -274,7 +274,13 @@ def test_dpo_loss_matches_the_formula_and_pushes_chosen_up():
 # ---- reprs and throttling -----------------------------------------------------------------------------
 
 
-def test_html_reprs_for_sdk_results_and_their_registration():
+def test_html_reprs_for_sdk_results_and_their_registration(monkeypatch):
+    # Earlier tests in this process sampled through the SDK: forget those calls (the repr would find their tokenizer).
+    from workbench import sdk_hooks
+    import workbench.widgets.reprs as reprs_module
+
+    monkeypatch.setattr(sdk_hooks, "_recent", type(sdk_hooks._recent)(maxlen=sdk_hooks.RECENT))
+    monkeypatch.setattr(reprs_module, "_tokenizer", None)
     fb = types.ForwardBackwardOutput(
         loss_fn_output_type="ArrayRecord", metrics={"loss:sum": 3.25},
         loss_fn_outputs=[{"logprobs": types.TensorData.from_numpy(np.array([-0.25, -3.0], np.float32))}] * 10)
