@@ -61,9 +61,18 @@ test: install chromium
 	# The official-SDK service tests once more, unchanged, their server's engines on two Ray workers (about 2 min).
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_service.py --cluster
 
+# JupyterLab on copies of the notebooks in $(LAB_DIR) (made once; the repo's stay clean), opened
+# on the quickstart, whose first cell starts the local backend. As root it adds --allow-root.
+# More Jupyter options: make lab JUPYTER_ARGS="--no-browser --port 8890"
+LAB_DIR      ?= my-notebooks
+JUPYTER_ARGS ?=
+ALLOW_ROOT   := $(if $(filter 0,$(shell id -u)),--allow-root)
+
 lab: install
-	# JupyterLab on the quickstart; its first cell starts the embedded backend.
-	$(VENV)/bin/jupyter lab notebooks/00_quickstart.ipynb
+	@mkdir -p $(LAB_DIR)
+	@for nb in notebooks/*.ipynb; do test -e $(LAB_DIR)/$$(basename $$nb) || cp $$nb $(LAB_DIR)/; done
+	$(VENV)/bin/jupyter lab $(ALLOW_ROOT) --ServerApp.root_dir=$(LAB_DIR) \
+		--LabApp.default_url=/lab/tree/00_quickstart.ipynb $(JUPYTER_ARGS)
 
 bench: install
 	$(PY) bench/train_step.py

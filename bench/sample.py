@@ -1,14 +1,21 @@
-"""Sampling: the continuous-batching decoder against the loop it replaced, and against `generate`.
+"""Sampling: the continuous-batching decoder against the loop it replaced, against vLLM, and against `generate`.
 
 Three parts, each printing a ratio measured in this one run (higher is better):
 
 - server:   eight concurrent sample requests from four sessions (each its own LoRA sampler,
             num_samples 4, max_tokens 32, temperature 1, a seed each) through the official tinker
-            SDK against a real server: aggregate sampled tokens/s with the batched decoder (the
-            default) over the same requests on a server started with STEPWISE_SAMPLER=serial, which
-            decodes them one after another with the loop every request went through before.
-            Rounds alternate between the two servers. Both give the same tokens for the same seeds
-            (the script checks), so they do the same work.   Target: >= 5x.
+            SDK against real servers: aggregate sampled tokens/s with the batched decoder (the
+            default) over the same requests on a server started with STEPWISE_SAMPLER=<--sampler>.
+            Rounds alternate between the servers.
+            --sampler serial (the default): the loop every request went through before, one request
+            after another. Both give the same tokens for the same seeds (the script checks), so they
+            do the same work.                                   Target: >= 5x.
+            --sampler vllm: the vLLM sampler (needs its venv: python -m kernel_backend.vllm_venv
+            build). Its random streams are not ours, so every sample runs exactly 32 tokens
+            (stop=[]) for the same work; the requests run once through the LoRA samplers and once
+            through base-model samplers; printed also: each server's start-up (the vLLM worker's
+            apart), and the sampler-vs-trainer logprob gap (|vLLM's logprob - the batched server's
+            compute_logprobs| on vLLM's tokens, same weights).
 - generate: one adapter (rank 32, every target), one prompt, 8 samples of 64 tokens at
             temperature 1, in this process: `Engine.sample` over transformers' `generate` on the
             PEFT model (peft.get_peft_model, the same LoRA shape).      Target: >= 1.0x.
@@ -17,6 +24,7 @@ Three parts, each printing a ratio measured in this one run (higher is better):
             minutes); not in the default set.                            Target: time halved.
 
     .venv/bin/python bench/sample.py [--parts server,generate] [--rounds 2] [--threads N] [--server-threads N] [--bf16]
+    .venv/bin/python bench/sample.py --parts server --sampler vllm
     .venv/bin/python bench/sample.py --parts recipes
 """
 
@@ -55,94 +63,159 @@ SERVER_ENV: dict[str, str] = {}  # extra environment for the servers (--server-t
 
 
 def start(sampler: str, dtype: str = "float32"):
-    """A backend process with its own home (the default model is shared), sampling with `sampler`."""
+    """A backend process with its own home (the default model is shared), sampling with `sampler`.
+    A vLLM server answers once its worker is up (minutes on a busy CPU)."""
     from servers import start_server
 
     home = Path(tempfile.mkdtemp(prefix=f"stepwise-bench-{sampler}-"))
     (home / "models").symlink_to(Path.home() / ".cache" / "stepwise" / "models")
-    return start_server(home, env={"STEPWISE_SAMPLER": sampler, "STEPWISE_DTYPE": dtype, **SERVER_ENV})
+    env = {"STEPWISE_SAMPLER": sampler, "STEPWISE_DTYPE": dtype, **SERVER_ENV}
+    return start_server(home, env=env, timeout=900 if sampler == "vllm" else 180)
+
+
+def vllm_startup_s(server) -> float:
+    """The vLLM worker's own start-up, from the server's admin stats."""
+    import httpx
+
+    stats = httpx.get(f"{server.base_url}/api/v1/admin/stats", headers={"X-API-Key": server.api_key}, timeout=60)
+    return stats.json()["vllm"][BASE]["startup_s"]
 
 
 def cpu_seconds(server) -> float:
-    """User + system CPU seconds the server process has used so far (Linux /proc)."""
-    fields = Path(f"/proc/{server.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds the server process and its descendants (a vLLM worker and its engine
+    process) have used so far (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # from the state field on
+        except OSError:
+            continue  # exited meanwhile
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+        ticks[int(entry.name)] = int(fields[11]) + int(fields[12])
+    total, stack = 0, [server.process.pid]
+    while stack:
+        pid = stack.pop()
+        total += ticks.get(pid, 0)
+        stack += children.get(pid, [])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 # ---- server: concurrent requests through the SDK ------------------------------------------------
 
 
 class Sessions:
-    """Four sessions on one server, each with a LoRA sampler (rank 32, its own seed)."""
+    """Four sessions on one server, each with a sampler: of a fresh LoRA adapter (rank 32, its own
+    seed, so every server gets the same weights) or of the base model."""
 
-    def __init__(self, server, tokenizer) -> None:
+    def __init__(self, server, tokenizer, lora: bool = True) -> None:
         import tinker
 
         self.samplers = []
         for seed in range(4):
             client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
-            training = client.create_lora_training_client(base_model=BASE, rank=32, seed=seed).result()
-            self.samplers.append(training.save_weights_and_get_sampling_client().result())
+            if lora:
+                training = client.create_lora_training_client(base_model=BASE, rank=32, seed=seed).result()
+                self.samplers.append(training.save_weights_and_get_sampling_client().result())
+            else:
+                self.samplers.append(client.create_sampling_client(base_model=BASE).result())
         self.prompts = [
             tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
             for q in QUESTIONS
         ]
 
-    def round(self, max_tokens: int = 32, num_samples: int = 4) -> tuple[float, list[list[list[int]]]]:
-        """All eight requests at once (two per session); (seconds to the last result, their tokens)."""
+    def round(self, max_tokens: int = 32, num_samples: int = 4, stop=None) -> tuple[float, list]:
+        """All eight requests at once (two per session); (seconds to the last result, their SampleResponses)."""
         from tinker import types
 
         start_time = time.perf_counter()
         futures = [
             self.samplers[i % 4].sample(types.ModelInput.from_ints(prompt), num_samples,
-                                        types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i))
+                                        types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, stop=stop))
             for i, prompt in enumerate(self.prompts)
         ]
-        tokens = [[list(s.tokens) for s in f.result().sequences] for f in futures]
-        return time.perf_counter() - start_time, tokens
+        results = [f.result() for f in futures]
+        return time.perf_counter() - start_time, results
+
+    def logprob_gap(self, results) -> list[float]:
+        """|logprob - this server's compute_logprobs| of every token of `results` (another server's
+        samples of the same prompts, from samplers with the same weights)."""
+        from tinker import types
+
+        gaps = []
+        for i, (prompt, result) in enumerate(zip(self.prompts, results)):
+            for seq in result.sequences:
+                scored = self.samplers[i % 4].compute_logprobs(types.ModelInput.from_ints(prompt + seq.tokens)).result()
+                gaps += [abs(a - b) for a, b in zip(seq.logprobs, scored[len(prompt):])]
+        return gaps
 
 
-def bench_server(rounds: int, bf16: bool) -> None:
-    """`bf16` adds a third server, batched with bf16 weights, for the record: its tokens differ
-    (other numerics) and its logprobs are not the fp32 ones (docs/performance.md, precision)."""
+def bench_server(rounds: int, bf16: bool, baseline: str) -> None:
+    """The batched server against one sampling with `baseline` (serial or vllm). `bf16` adds a server,
+    batched with bf16 weights, for the record: its tokens differ (other numerics) and its logprobs are
+    not the fp32 ones (docs/performance.md, precision)."""
     from workbench.recipes.common import local_tokenizer
 
     tokenizer = local_tokenizer(BASE)
-    servers = {name: start(name) for name in ("serial", "batched")}
+    kinds = {baseline: (baseline, "float32"), "batched": ("batched", "float32")}  # name: (STEPWISE_SAMPLER, dtype)
     if bf16:
-        servers["batched-bf16"] = start("batched", "bfloat16")
+        kinds["batched-bf16"] = ("batched", "bfloat16")
+    servers, startup = {}, {}
     try:
-        sessions = {name: Sessions(server, tokenizer) for name, server in servers.items()}
-        for s in sessions.values():
-            s.round(max_tokens=2)  # warm-up: first use of each sampler
-        seconds: dict[str, list[float]] = {name: [] for name in servers}
-        cpu: dict[str, float] = {name: 0.0 for name in servers}
-        outputs: dict[str, list] = {}
-        load_before = load_line()
-        for i in tqdm(range(rounds), desc="rounds (alternating)"):
-            for name in list(servers) if i % 2 == 0 else reversed(list(servers)):
-                cpu_before = cpu_seconds(servers[name])
-                elapsed, outputs[name] = sessions[name].round()
-                seconds[name].append(elapsed)
-                cpu[name] += cpu_seconds(servers[name]) - cpu_before
-        # The same seeds every round: each server samples the same tokens in every round.
-        tokens = {name: sum(len(t) for request in out for t in request) for name, out in outputs.items()}
+        for name, (sampler, dtype) in kinds.items():
+            start_time = time.perf_counter()
+            servers[name] = start(sampler, dtype)
+            startup[name] = time.perf_counter() - start_time
+        print("\n[server] start-up (until the server answers): " + ", ".join(f"{n} {s:.1f} s" for n, s in startup.items())
+              + (f"; of which the vLLM worker {vllm_startup_s(servers['vllm']):.1f} s" if baseline == "vllm" else ""))
+        # vLLM samples its own random streams: equal work needs a fixed length, so no sample stops early.
+        stop = [] if baseline == "vllm" else None
+        workloads = {"LoRA rank 32": True, "base model": False} if baseline == "vllm" else {"LoRA rank 32": True}
+        for label, lora in workloads.items():
+            _server_workload(servers, tokenizer, label, lora, rounds, stop, baseline)
     finally:
         for server in servers.values():
             server.stop()
+
+
+def _server_workload(servers, tokenizer, label: str, lora: bool, rounds: int, stop, baseline: str) -> None:
+    sessions = {name: Sessions(server, tokenizer, lora) for name, server in servers.items()}
+    for s in sessions.values():
+        s.round(max_tokens=2)  # warm-up: first use of each sampler
+    seconds: dict[str, list[float]] = {name: [] for name in servers}
+    cpu: dict[str, float] = {name: 0.0 for name in servers}
+    outputs: dict[str, list] = {}
+    load_before = load_line()
+    for i in tqdm(range(rounds), desc=f"{label}: rounds (alternating)"):
+        for name in list(servers) if i % 2 == 0 else reversed(list(servers)):
+            cpu_before = cpu_seconds(servers[name])
+            elapsed, outputs[name] = sessions[name].round(stop=stop)
+            seconds[name].append(elapsed)
+            cpu[name] += cpu_seconds(servers[name]) - cpu_before
+    # The same seeds every round: each server samples the same tokens in every round.
+    tokens_of = {name: [[list(s.tokens) for s in r.sequences] for r in out] for name, out in outputs.items()}
+    tokens = {name: sum(len(t) for request in out for t in request) for name, out in tokens_of.items()}
     rate = {name: tokens[name] * len(s) / sum(s) for name, s in seconds.items()}
     cpu_per_token = {name: cpu[name] / (tokens[name] * rounds) for name in servers}
-    print(f"\n[server] 8 requests x 4 samples x max 32 tokens, 4 sessions, {tokens['batched']} sampled tokens a round")
+    print(f"\n[server, {label}] 8 requests x 4 samples x {'exactly' if stop == [] else 'max'} 32 tokens, 4 sessions, "
+          f"{tokens['batched']} sampled tokens a round")
     for name in servers:
         print(f"  {name:<12} {rate[name]:7.1f} sampled tokens/s, {cpu[name] / rounds:5.1f} server CPU s a round   "
               "rounds: " + " ".join(f"{s:.1f}s" for s in seconds[name]))
-    print(f"  same tokens from both decoders: {'yes' if outputs['serial'] == outputs['batched'] else 'NO'}")
-    print(f"  ratio batched / serial: {rate['batched'] / rate['serial']:.2f} (wall), "
-          f"{cpu_per_token['serial'] / cpu_per_token['batched']:.2f} (server CPU time per token)   target >= 5   "
-          f"({load_before} before, {load_line()} after)")
-    if bf16:
-        print(f"  ratio batched-bf16 / serial (fp32): {rate['batched-bf16'] / rate['serial']:.2f} (wall), "
-              f"{cpu_per_token['serial'] / cpu_per_token['batched-bf16']:.2f} (server CPU time per token)")
+    if baseline == "serial":
+        print(f"  same tokens from both decoders: {'yes' if tokens_of['serial'] == tokens_of['batched'] else 'NO'}")
+    else:
+        gaps = sessions["batched"].logprob_gap(outputs[baseline])
+        print(f"  {baseline} logprobs vs the batched server's compute_logprobs on its tokens: "
+              f"mean {statistics.mean(gaps):.1e}, max {max(gaps):.1e}")
+    print(f"  ratio batched / {baseline}: {rate['batched'] / rate[baseline]:.2f} (wall), "
+          f"{cpu_per_token[baseline] / cpu_per_token['batched']:.2f} (server CPU time per token)"
+          f"{'   target >= 5' if baseline == 'serial' else ''}   ({load_before} before, {load_line()} after)")
+    if "batched-bf16" in servers:
+        print(f"  ratio batched-bf16 / {baseline} (fp32): {rate['batched-bf16'] / rate[baseline]:.2f} (wall), "
+              f"{cpu_per_token[baseline] / cpu_per_token['batched-bf16']:.2f} (server CPU time per token)")
 
 
 # ---- generate: in-process against transformers + peft ------------------------------------------------
@@ -259,6 +332,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads in this process (0: torch's default)")
     parser.add_argument("--server-threads", type=int, default=0, help="OMP_NUM_THREADS for the servers (0: default)")
     parser.add_argument("--bf16", action="store_true", help="server part: also a batched server with bf16 weights")
+    parser.add_argument("--sampler", choices=("serial", "vllm"), default="serial",
+                        help="server part: what the batched decoder is compared with (STEPWISE_SAMPLER of the other server)")
     args = parser.parse_args()
     if args.server_threads:
         SERVER_ENV["OMP_NUM_THREADS"] = str(args.server_threads)
@@ -266,7 +341,8 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    parts = {"server": lambda: bench_server(args.rounds, args.bf16), "generate": lambda: bench_generate(args.rounds),
+    parts = {"server": lambda: bench_server(args.rounds, args.bf16, args.sampler),
+             "generate": lambda: bench_generate(args.rounds),
              "recipes": bench_recipes}
     for part in args.parts.split(","):
         parts[part.strip()]()

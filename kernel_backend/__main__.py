@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--workers", type=int, default=None,
                        help="start a Ray head on loopback with this many engine workers (STEPWISE_WORKERS); "
                             "STEPWISE_RAY_ADDRESS joins an existing Ray cluster instead")
+    serve.add_argument("--exit-when-unused", action="store_true",
+                       help="stop once no live process has announced itself in $STEPWISE_HOME/runtime "
+                            "(how workbench.connect() starts the embedded backend; see kernel_backend/runtime.py)")
 
     keys_cmd = sub.add_parser("keys", help="manage API keys (stored hashed, one tenant each)")
     keys_sub = keys_cmd.add_subparsers(dest="action", required=True)
@@ -47,12 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "serve":
         if args.workers is not None:
             settings.workers = args.workers
-        import uvicorn
-
-        from kernel_backend.api.app import create_app
-
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+        serve_forever(settings, args.host, args.port, args.log_level, args.exit_when_unused)
         return
 
     from kernel_backend import keys
@@ -77,6 +75,61 @@ def main(argv: list[str] | None = None) -> None:
 
     export_checkpoint(store, settings, args.path, args.to, merged=args.merged)
     print(f"wrote {'a merged model' if args.merged else 'a PEFT adapter'} to {args.to}")
+
+
+def serve_forever(settings, host: str, port: int, log_level: str, exit_when_unused: bool) -> None:
+    """Serve until stopped, announced in $STEPWISE_HOME/runtime/backend.json so that other
+    processes of this home share this backend (kernel_backend/runtime.py)."""
+    import signal
+    import sys
+    import threading
+
+    import uvicorn
+
+    from kernel_backend import runtime
+    from kernel_backend.api.app import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from kernel_backend.service import HomeInUse
+
+    try:
+        app = create_app(settings)  # takes the home's lock: a second backend of this home stops here
+    except HomeInUse as error:
+        raise SystemExit(f"stepwise serve: {error}") from None
+    # The well-known local key only where nobody but this machine can reach the server.
+    loopback = runtime.is_loopback(host)
+    app.state.loopback_key = settings.loopback_key if loopback else ""
+    # It is a real key of tenant "local" while the server listens on loopback (so the SDK's JWT exchange
+    # works for it too), and revoked when the same home is served on any other address.
+    if settings.loopback_key:
+        from kernel_backend import keys
+
+        if loopback:
+            keys.create(app.state.service.store, keys.LOCAL_TENANT, settings.loopback_key)
+        else:
+            keys.revoke(app.state.service.store, settings.loopback_key)
+    url_host = "127.0.0.1" if loopback or host in ("0.0.0.0", "::", "") else host
+    base_url = f"http://{url_host}:{port}"
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+
+    def when_ready() -> None:
+        while not server.started and not server.should_exit:
+            threading.Event().wait(0.2)
+        if server.started:
+            logging.getLogger("stepwise.startup").info("ready at %s", base_url)
+            if exit_when_unused:
+                runtime.exit_when_unused(settings.home, base_url, stop=lambda: setattr(server, "should_exit", True))
+
+    announced = runtime.announce_backend(settings.home, base_url, settings.local_key, app.state.loopback_key,
+                                         os.environ.get("STEPWISE_LOG"), exit_when_unused)
+    threading.Thread(target=when_ready, name="stepwise-ready", daemon=True).start()
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the previous handler:
+    # make that one an exit that runs the `finally` below (the default would end the process first).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        server.run()
+    finally:
+        runtime.withdraw_backend(announced)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ counted here, when work is admitted (not when it finishes, so back-to-back reque
 slip past a limit while the first ones are still queued):
 
 - sampling sizes: num_samples, max_tokens, prompt + max_tokens within the model's context, seeds
-  that fit in 64 bits (checked before a future is stored or a job queued);
+  that fit in 64 bits, and what a request asks besides its samples (SampleOptions.check: top-k
+  widths, prompt_alt_tokens_k and target ids per position at most MAX_TOPK_LOGPROBS, so their cost
+  is at most that many values per prompt or sampled token; prompt_logprobs_last_n within the
+  prompt), all checked before a future is stored or a job queued;
 - tokens per minute (STEPWISE_TOKENS_PER_MINUTE): a request's tokens are counted when it is
   admitted; sampling counts its upper bound (prompt + num_samples * max_tokens) and is settled to
   what it really produced when it finishes; a failed request counts nothing once it has failed;
@@ -29,11 +32,10 @@ from sqlalchemy import select
 
 from kernel_backend.config import Settings
 from kernel_backend.store import CheckpointRow, ModelRow, SamplerRow, SessionRow, Store
-from kernel_backend.types import SamplingParams, UserError
+from kernel_backend.types import SampleOptions, SamplingParams, UserError
 
 # What one request may ask of the sampler, before any limit: the engine agrees (engine._check_sampling).
 MAX_NUM_SAMPLES = 128
-MAX_TOPK_LOGPROBS = 20
 # Seeds are 64-bit, as torch.Generator takes them.
 SEED_RANGE = (-(2**63), 2**64 - 1)
 WINDOW_S = 60.0
@@ -56,13 +58,12 @@ def check_seed(seed, where: str = "seed") -> None:
 
 
 def check_sampling(prompt_tokens: int, num_samples, params: SamplingParams, max_context: int, max_sample_tokens: int,
-                   topk: int = 0) -> int:
+                   options: SampleOptions | None = None) -> int:
     """Bound a sampling request before it is queued; fills in a missing max_tokens. Returns the most
     tokens it can process (prompt + every sample at max_tokens), which is what admission counts."""
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or not 1 <= num_samples <= MAX_NUM_SAMPLES:
         raise UserError(f"num_samples must be an integer from 1 to {MAX_NUM_SAMPLES}, got {num_samples!r}")
-    if not 0 <= topk <= MAX_TOPK_LOGPROBS:
-        raise UserError(f"top-k logprobs must be from 0 to {MAX_TOPK_LOGPROBS}, got {topk}")
+    (options or SampleOptions()).check(prompt_tokens)
     if prompt_tokens >= max_context:
         raise UserError(f"the prompt has {prompt_tokens} tokens; the model's context is {max_context}")
     if params.max_tokens is None:

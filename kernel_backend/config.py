@@ -44,6 +44,9 @@ class Settings:
     prices_path: str = field(default_factory=lambda: _env("PRICES", ""))
     # A key registered for tenant "local" at start-up (the embedded backend's own key).
     local_key: str = field(default_factory=lambda: _env("LOCAL_KEY", ""))
+    # The well-known key a server listening on loopback only accepts for tenant "local" (empty: none).
+    # A server on any other address never accepts it (kernel_backend/runtime.py).
+    loopback_key: str = field(default_factory=lambda: _env("LOOPBACK_KEY", "tml-local"))
     # Sessions whose client stops heart-beating for this long expire and free their adapters.
     session_timeout_s: float = field(default_factory=lambda: float(_env("SESSION_TIMEOUT_S", "300")))
     reap_interval_s: float = field(default_factory=lambda: float(_env("REAP_INTERVAL_S", "15")))

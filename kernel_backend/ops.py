@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from kernel_backend import crypto, lora
 from kernel_backend.config import Settings
 from kernel_backend.storage import CheckpointStorage, folder_size
-from kernel_backend.types import AdamParams, DimuonParams, LoraConfig, SamplingParams, UserError
+from kernel_backend.types import AdamParams, DimuonParams, LoraConfig, SampleOptions, SamplingParams, UserError
 
 
 @dataclass
@@ -39,9 +39,7 @@ class SampleOp:
     prompt: list[int]
     num_samples: int
     params: SamplingParams
-    prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = 0
-    topk_sample_logprobs: int = 0
+    options: SampleOptions = field(default_factory=SampleOptions)
     # Where the adapter's checkpoint is, when the engine does not hold it yet; `missing` is the error
     # when it neither holds it nor can load it (an in-memory snapshot no longer kept, a deleted checkpoint).
     location: str | None = None
@@ -160,8 +158,7 @@ def sample_request(engine, ctx: Context, op: SampleOp, on_token=None, cancel=Non
             raise UserError(op.missing)
         with ctx.storage.open(op.location, ctx.settings.encryption_key, op.path) as plain:
             engine.load_sampler(op.adapter_id, plain)
-    return engine.sample_request(op.adapter_id, op.prompt, op.num_samples, op.params, op.prompt_logprobs,
-                                 op.topk_prompt_logprobs, topk_sample_logprobs=op.topk_sample_logprobs,
+    return engine.sample_request(op.adapter_id, op.prompt, op.num_samples, op.params, op.options,
                                  on_token=on_token, cancel=cancel)
 
 

@@ -9,6 +9,9 @@ A `Decoder` holds the requests of every session, adapter and prompt at once. Eac
 Rows join when their prompt's prefill is done and leave when they stop, so a new request starts
 within a step or two, however long the generations already running. The `num_samples` rows of a
 request share its prompt's prefill (one forward, its keys and values copied to each row).
+What a request asks about its prompt (SampleOptions: prompt logprobs and top-k, target ids'
+logprobs, alternative tokens) comes from the logits of that prefill, chunk by chunk, computed only
+from the first prompt position it needs; top-k at sampled positions from each decode step's logits.
 
 What every path keeps, exactly:
 - each sampled token's logprob is the model's own, before temperature / top-k / top-p, and
@@ -33,11 +36,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from kernel_backend import lora
-from kernel_backend.types import SampledSequence, SampleResult, SamplingParams, UserError
+from kernel_backend.types import SampledSequence, SampleOptions, SampleResult, SamplingParams, UserError
 
 # Architectures whose modules the batched forward below calls (same layer structure as Llama).
 BATCHED_ARCHITECTURES = ("llama", "qwen2")
@@ -53,9 +57,7 @@ class SampleRequest:
     params: SamplingParams  # max_tokens is set
     stop_token_ids: set[int]
     stop_strings: list[str]
-    prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = 0
-    topk_sample_logprobs: int = 0
+    options: SampleOptions = field(default_factory=SampleOptions)  # validated against the prompt
     # on_token(row, token, logprob), called as each token is chosen (streaming). If it raises,
     # this request fails; the others in the batch go on.
     on_token: Callable[[int, int, float], None] | None = None
@@ -112,6 +114,10 @@ def row_generator(seed: int | None, row: int) -> torch.Generator:
     return generator.manual_seed((seed * 1_000_003 + row) % 2**63)
 
 
+# Draws of the prompt's alternative tokens (prompt_alt_tokens_k) use their own stream, apart from every row's.
+ALT_TOKENS_STREAM = -1
+
+
 def choose(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> torch.Tensor:
     """One token per row of `logits` (rows, vocab), row i drawing from generators[i].
 
@@ -120,19 +126,25 @@ def choose(logits: torch.Tensor, params: SamplingParams, generators: list[torch.
     """
     if params.temperature == 0:
         return logits.argmax(-1)
-    cdf = filter_logits(logits, params).softmax(-1).cumsum(-1)
-    u = torch.cat([torch.rand(1, generator=g) for g in generators]).to(cdf.device)
+    u = torch.cat([torch.rand(1, generator=g) for g in generators]).to(logits.device)
+    return draw(filter_logits(logits, params), u[:, None]).squeeze(-1)
+
+
+def draw(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Tokens (rows, k) from softmax(logits) (rows, vocab), one per uniform number in u (rows, k)."""
+    cdf = logits.softmax(-1).cumsum(-1)
     total = cdf[:, -1:]
     # Strictly below the total, so the pick is a token with non-zero probability.
-    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_max(logits.shape[-1] - 1)
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).clamp_max(logits.shape[-1] - 1)
 
 
 # ---- one request's progress ------------------------------------------------------------------
 
 
 class _Active:
-    """A request inside a decoder: its prompt's prefill, then its rows' tokens and logprobs."""
+    """A request inside a decoder: its prompt's prefill (and what it asks about the prompt), then its
+    rows' tokens and logprobs."""
 
     def __init__(self, request: SampleRequest, decode_text: Callable[[list[int]], str]) -> None:
         self.request = request
@@ -140,28 +152,59 @@ class _Active:
         self.prefilled = 0  # prompt tokens whose keys and values are computed
         self.keys: torch.Tensor | None = None  # (layers, kv_heads, prompt, head_dim) during prefill
         self.values: torch.Tensor | None = None
-        self.prompt_logprobs: list[float] = []
-        self.topk_prompt: list[list[tuple[int, float]]] = []
-        n = request.num_samples
+        n, options, scored = request.num_samples, request.options, len(request.prompt) - 1
+        # Prompt position p's logits predict prompt token p + 1. Logprobs and top-k: from position
+        # `logprobs_from` on (the last n tokens' with prompt_logprobs_last_n); None before it.
+        wants_logprobs = options.prompt_logprobs or options.topk_prompt_logprobs > 0
+        self.logprobs_from = scored - (options.prompt_logprobs_last_n or scored) if wants_logprobs else scored
+        self.prompt_logprobs: list[float | None] = [None] * scored
+        self.topk_prompt: list[list[tuple[int, float]] | None] = [None] * scored
+        targets = options.target_prompt_logprobs
+        self.target_logprobs = np.zeros(len(targets.ids), dtype=np.float32) if targets is not None else None
+        k = options.prompt_alt_tokens_k
+        self.alt_tokens = np.zeros((scored, k), dtype=np.int64)
+        self.alt_logprobs = np.zeros((scored, k), dtype=np.float32)
+        self.alt_generator = row_generator(request.params.seed, ALT_TOKENS_STREAM) if k else None
+        # The first position whose logits are needed: `scored` (the last one, to sample from) when
+        # the request asks nothing about its prompt.
+        self.logits_from = min(self.logprobs_from, 0 if k else scored,
+                               targets.first_row if targets is not None else scored)
         self.generators = [row_generator(request.params.seed, i) for i in range(n)]
-        self.sequences = [SampledSequence([], [], "length", [] if request.topk_sample_logprobs else None) for _ in range(n)]
+        self.sequences = [SampledSequence([], [], "length", [] if options.topk_sample_logprobs else None) for _ in range(n)]
         self.rows_left = n
 
-    @property
-    def wants_prompt_logits(self) -> bool:
-        return self.request.prompt_logprobs or self.request.topk_prompt_logprobs > 0
-
-    def add_prompt_logprobs(self, logits: torch.Tensor, start: int) -> None:
-        """Logits at prompt positions start.. (each predicts the next prompt token)."""
-        prompt = self.request.prompt
-        logprobs = logits[: max(0, len(prompt) - 1 - start)].float().log_softmax(-1)
-        if not len(logprobs):
+    def score_prompt(self, logits: torch.Tensor, start: int) -> None:
+        """What the request asks about its prompt, from the logits at positions start, start + 1, ...
+        (chunks come in order; the prompt's last position, which predicts no prompt token, is skipped)."""
+        prompt, options = self.request.prompt, self.request.options
+        end = min(start + len(logits), len(prompt) - 1)
+        if end <= start:
             return
-        following = torch.tensor(prompt[start + 1 : start + 1 + len(logprobs)], device=logprobs.device)
-        self.prompt_logprobs += logprobs.gather(-1, following[:, None]).squeeze(-1).tolist()
-        if self.request.topk_prompt_logprobs:
-            top = torch.topk(logprobs, self.request.topk_prompt_logprobs, dim=-1)
-            self.topk_prompt += [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+        logprobs = logits[: end - start].float().log_softmax(-1)
+        low = max(start, self.logprobs_from)
+        if low < end:
+            mine = logprobs[low - start :]
+            following = torch.tensor(prompt[low + 1 : end + 1], device=logprobs.device)
+            self.prompt_logprobs[low:end] = mine.gather(-1, following[:, None]).squeeze(-1).tolist()
+            if options.topk_prompt_logprobs:
+                top = torch.topk(mine, options.topk_prompt_logprobs, dim=-1)
+                self.topk_prompt[low:end] = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+        targets = options.target_prompt_logprobs
+        if targets is not None:
+            cells = np.flatnonzero((targets.rows >= start) & (targets.rows < end) & (targets.ids >= 0))
+            if cells.size:
+                rows = torch.from_numpy(targets.rows[cells] - start).to(logprobs.device)
+                ids = torch.from_numpy(targets.ids[cells]).to(logprobs.device)
+                self.target_logprobs[cells] = logprobs[rows, ids].cpu().numpy()
+        k = options.prompt_alt_tokens_k
+        if k:
+            # k draws at the request's temperature (no top-k / top-p), each position's from this
+            # request's own stream in position order, so however the prefill is chunked they are the same.
+            temperature = self.request.params.temperature
+            u = torch.rand((end - start, k), generator=self.alt_generator).to(logprobs.device)
+            drawn = logprobs.argmax(-1, keepdim=True).expand(-1, k) if temperature == 0 else draw(logprobs / temperature, u)
+            self.alt_tokens[start:end] = drawn.cpu().numpy()
+            self.alt_logprobs[start:end] = logprobs.gather(-1, drawn).cpu().numpy()
 
     def take(self, row: int, token: int, logprob: float, top: list[tuple[int, float]] | None) -> bool:
         """Record row's next token; True while the row goes on. Raises what on_token raises."""
@@ -181,11 +224,16 @@ class _Active:
         return False
 
     def finish(self) -> None:
+        options = self.request.options
         result = SampleResult(sequences=self.sequences)
-        if self.request.prompt_logprobs:
+        if options.prompt_logprobs:
             result.prompt_logprobs = [None] + self.prompt_logprobs
-        if self.request.topk_prompt_logprobs:
+        if options.topk_prompt_logprobs:
             result.topk_prompt_logprobs = [None] + self.topk_prompt
+        if options.target_prompt_logprobs is not None:
+            result.targets, result.target_prompt_logprobs = options.target_prompt_logprobs, self.target_logprobs
+        if options.prompt_alt_tokens_k:
+            result.prompt_alt_tokens, result.prompt_alt_logprobs = self.alt_tokens, self.alt_logprobs
         self.request.result = result
         self.keys = self.values = None
 
@@ -203,7 +251,7 @@ def _choose_for(actives: list[_Active], rows: list[int], logits: torch.Tensor):
         index = torch.tensor(members, device=logits.device)
         generators = [active.generators[rows[i]] for i in members]
         tokens[index] = choose(logits[index], active.request.params, generators)
-        k = active.request.topk_sample_logprobs
+        k = active.request.options.topk_sample_logprobs
         if k:
             best = torch.topk(logits[index], k, dim=-1)
             values = best.values - log_total[index]
@@ -363,25 +411,23 @@ class Decoder:
 
         with lora.route(self.model, adapters):
             hidden = self._forward(torch.tensor(ids, device=device), torch.tensor(positions, device=device), attend)
-        # lm_head only where logits are needed: every position for prompt logprobs, else a prompt's last.
+        # lm_head only where logits are needed: from each request's logits_from (what it asks about
+        # its prompt) to the end of its chunk; a prompt's last position always (it samples from it).
         wanted, firsts = [], []
         for (active, s, e), (lo, hi) in zip(segments, bounds):
             firsts.append(len(wanted))
-            if active.wants_prompt_logits:
-                wanted.extend(range(lo, hi))
-            elif e == len(active.request.prompt):
-                wanted.append(hi - 1)
+            wanted.extend(range(lo + max(0, active.logits_from - s), hi))
         logits = self._logits(hidden[wanted], [adapters[i] for i in wanted]) if wanted else None
         elapsed = time.perf_counter() - start_time
         for (active, s, e), first in zip(segments, firsts):
             active.request.compute_s += elapsed * (e - s) / len(ids)
             active.prefilled = e
-            if active.wants_prompt_logits:
-                active.add_prompt_logprobs(logits[first : first + e - s], s)
+            start = max(s, active.logits_from)
+            if start < e:
+                active.score_prompt(logits[first : first + e - start], start)
             if e == len(active.request.prompt):
                 self.waiting.remove(active)
-                last = first + (e - s - 1 if active.wants_prompt_logits else 0)
-                self._start_rows(active, logits[last], finished)
+                self._start_rows(active, logits[first + e - start - 1], finished)
 
     def _start_rows(self, active: _Active, last_logits: torch.Tensor, finished: list[SampleRequest]) -> None:
         """The prompt is in: every row's first token from its last logits; rows that go on join the batch."""
@@ -578,11 +624,10 @@ class SerialDecoder:
         request, model = active.request, self.model
         n = request.num_samples
         with lora.route(model, [request.adapter] * n):
-            # logits_to_keep=0 keeps every position (for prompt logprobs); 1 only the last.
+            # Logits of the last positions only, from the first the request's prompt options need.
             out = model(torch.tensor([request.prompt], device=model.device), use_cache=True,
-                        logits_to_keep=0 if active.wants_prompt_logits else 1)
-            if active.wants_prompt_logits:
-                active.add_prompt_logprobs(out.logits[0], 0)
+                        logits_to_keep=len(request.prompt) - active.logits_from)
+            active.score_prompt(out.logits[0], active.logits_from)
             cache = out.cache
             cache.batch_repeat_interleave(n)
             logits = out.logits[:, -1, :].float().expand(n, -1)

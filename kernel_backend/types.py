@@ -101,6 +101,74 @@ class SamplingParams:
     stop: list[str] | list[int] | None = None
 
 
+# The widest per-position answer a sample request may ask for: top-k logprobs (prompt or sampled),
+# prompt_alt_tokens_k draws, target_prompt_logprobs ids. Each costs len(prompt) (or max_tokens) x k.
+MAX_TOPK_LOGPROBS = 20
+
+
+@dataclass
+class TargetIds:
+    """`target_prompt_logprobs`: token ids to score at prompt positions, kept in the request's layout
+    (the answer has the same one). A cell is a cell of a dense [len(prompt) - 1, K] tensor, or a listed
+    cell of a sparse CSR one; cell (i, j) scores its id at prompt position i + 1."""
+
+    shape: tuple[int, int]
+    rows: np.ndarray  # int64, per cell: its row i
+    ids: np.ndarray  # int64, per cell: a token id, or -1 for none
+    crow_indices: list[int] | None = None  # the sparse layout as sent (None: dense)
+    col_indices: list[int] | None = None
+
+    @property
+    def first_row(self) -> int | None:
+        """The first row that names an id (None when none does)."""
+        named = self.rows[self.ids >= 0]
+        return int(named.min()) if named.size else None
+
+
+@dataclass
+class SampleOptions:
+    """What a sample request asks for besides its samples: Tinker's SampleRequest fields, same names.
+
+    Every prompt option is computed in the prompt's prefill. `prompt_logprobs_last_n` limits
+    prompt_logprobs and topk_prompt_logprobs to the prompt's last n tokens (earlier entries None).
+    """
+
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: TargetIds | None = None
+    prompt_alt_tokens_k: int = 0  # draws at every prompt position after the first
+    prompt_logprobs_last_n: int | None = None
+
+    def check(self, prompt_tokens: int) -> None:
+        """Bound the options for a prompt of this many tokens (token ids are the engine's to check)."""
+        for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+            k = getattr(self, name)
+            if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOPK_LOGPROBS:
+                raise UserError(f"{name} must be an integer from 0 to {MAX_TOPK_LOGPROBS}, got {k!r}")
+        n = self.prompt_logprobs_last_n
+        if n is not None:
+            if not self.prompt_logprobs:
+                raise UserError("prompt_logprobs_last_n limits prompt logprobs: set prompt_logprobs "
+                                "(include_prompt_logprobs=True in the SDK) too")
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= prompt_tokens - 1:
+                raise UserError(f"prompt_logprobs_last_n must be from 1 to len(prompt) - 1 = {prompt_tokens - 1} "
+                                f"(the first prompt token has no logprob), got {n!r}")
+        targets = self.target_prompt_logprobs
+        if targets is not None:
+            rows, width = targets.shape
+            if rows != prompt_tokens - 1:
+                raise UserError(f"target_prompt_logprobs must have len(prompt) - 1 = {prompt_tokens - 1} rows "
+                                f"(row i scores prompt position i + 1), got shape {list(targets.shape)}")
+            if not 1 <= width <= MAX_TOPK_LOGPROBS:
+                raise UserError(f"target_prompt_logprobs may name 1 to {MAX_TOPK_LOGPROBS} ids per prompt position "
+                                f"(its second dimension), got shape {list(targets.shape)}")
+            if targets.ids.size and targets.ids.min() < -1:
+                raise UserError(f"target_prompt_logprobs holds token ids, or -1 for none; got {int(targets.ids.min())}")
+            if targets.first_row is None:
+                raise UserError("target_prompt_logprobs names no token id (every cell is -1): name at least one")
+
+
 @dataclass
 class SampledSequence:
     tokens: list[int]
@@ -117,3 +185,10 @@ class SampleResult:
     prompt_logprobs: list[float | None] | None = None
     # Per prompt position, the k most likely (token, logprob) pairs; None at position 0.
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # target_prompt_logprobs' answer: the request's cells (the answer keeps their layout), and the
+    # logprob of each cell's id (float32; 0.0 for -1).
+    targets: TargetIds | None = None
+    target_prompt_logprobs: np.ndarray | None = None
+    # prompt_alt_tokens_k's draws, [len(prompt) - 1, k] each: token ids (int64) and their logprobs (float32).
+    prompt_alt_tokens: np.ndarray | None = None
+    prompt_alt_logprobs: np.ndarray | None = None

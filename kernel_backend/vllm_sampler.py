@@ -16,6 +16,11 @@ Three pieces, from the bottom up:
   sample) with vLLM, after the engine's own validation. So admission, metering, idempotency, tenancy
   and error categories are the service's, unchanged; only the sampling moved.
 
+Of the sampling options, vLLM serves prompt logprobs and top-k logprobs (prompt and sampled), and
+prompt_logprobs_last_n (its prompt logprobs, with the entries before the last n dropped here).
+target_prompt_logprobs and prompt_alt_tokens_k have no vLLM counterpart (vLLM's prompt logprobs name
+the top k ids, not given ones, and it draws no tokens at prompt positions): they are refused with a 400.
+
 CPU and GPU are one code path: `engine_args` is the only place they differ.
 """
 
@@ -41,7 +46,7 @@ from kernel_backend import engine as engine_module, models, ops, vllm_venv
 from kernel_backend.config import Settings
 from kernel_backend.metering import Usage
 from kernel_backend.scheduler import Job, log_failure
-from kernel_backend.types import SampledSequence, SampleResult, SamplingParams, UserError
+from kernel_backend.types import SampledSequence, SampleOptions, SampleResult, SamplingParams, UserError
 
 log = logging.getLogger("stepwise.vllm")
 
@@ -278,9 +283,11 @@ class VllmSampler:
     # ---- sampling ---------------------------------------------------------------------------------
 
     def sample(self, adapter_id: str | None, prompt: list[int], num_samples: int, params: SamplingParams,
-               stop_token_ids: set[int], stop_strings: list[str], prompt_logprobs: bool = False,
-               topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0, on_token=None) -> SampleResult:
-        """Sample on the worker; arguments as Engine.sample's, already validated (stop resolved to ids and strings)."""
+               stop_token_ids: set[int], stop_strings: list[str], options: SampleOptions | None = None,
+               on_token=None) -> SampleResult:
+        """Sample on the worker; arguments as Engine.sample_request's, already validated (stop resolved to ids
+        and strings; options without target_prompt_logprobs or prompt_alt_tokens_k, see VllmSampling.check_options)."""
+        options = options or SampleOptions()
         version = None
         if adapter_id is not None:
             with self._lock:
@@ -295,8 +302,8 @@ class VllmSampler:
                 "sample", on_tokens=on_tokens, adapter=version.name if version else None, prompt=list(prompt),
                 n=num_samples, max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k,
                 top_p=params.top_p, seed=params.seed, stop_token_ids=sorted(stop_token_ids),
-                stop_strings=list(stop_strings), prompt_logprobs=prompt_logprobs,
-                topk_prompt_logprobs=topk_prompt_logprobs, topk_sample_logprobs=topk_sample_logprobs,
+                stop_strings=list(stop_strings), prompt_logprobs=options.prompt_logprobs,
+                topk_prompt_logprobs=options.topk_prompt_logprobs, topk_sample_logprobs=options.topk_sample_logprobs,
                 stream=on_token is not None,
             ).result()
         finally:
@@ -306,7 +313,7 @@ class VllmSampler:
                     if not version.in_flight and version.name not in self._versions:  # unloaded meanwhile
                         self._release(version)
         pairs = lambda rows: [[(int(t), float(lp)) for t, lp in row] for row in rows]  # noqa: E731
-        return SampleResult(
+        result = SampleResult(
             sequences=[
                 SampledSequence(tokens=s["tokens"], logprobs=s["logprobs"], stop_reason=s["stop_reason"],
                                 top_logprobs=pairs(s["top_logprobs"]) if s["top_logprobs"] is not None else None)
@@ -315,6 +322,12 @@ class VllmSampler:
             prompt_logprobs=reply.get("prompt_logprobs"),
             topk_prompt_logprobs=[None] + pairs(reply["topk_prompt_logprobs"][1:]) if "topk_prompt_logprobs" in reply else None,
         )
+        if options.prompt_logprobs_last_n:  # vLLM scored the whole prompt: keep the last n
+            unscored = len(prompt) - options.prompt_logprobs_last_n
+            for entries in (result.prompt_logprobs, result.topk_prompt_logprobs):
+                if entries is not None:
+                    entries[:unscored] = [None] * unscored
+        return result
 
 
 class VllmSampling:
@@ -356,6 +369,15 @@ class VllmSampling:
 
     def stats(self) -> dict:
         return {name: {"startup_s": s.startup_s, "adapters": s.loaded_versions()} for name, s in self.samplers.items()}
+
+    @staticmethod
+    def check_options(options: SampleOptions) -> None:
+        """Refuse, before anything is queued, the sampling options vLLM cannot serve (module docstring)."""
+        for name in ("target_prompt_logprobs", "prompt_alt_tokens_k"):
+            if getattr(options, name):
+                raise UserError(f"{name} is not supported by this server's sampler (vLLM, STEPWISE_SAMPLER=vllm); "
+                                "use a server with the built-in sampler (STEPWISE_SAMPLER=batched, the default), "
+                                "or leave it out")
 
     # ---- adapters, from the service's jobs on the scheduler thread ----------------------------------
 
@@ -445,16 +467,17 @@ class _EngineView:
         self._vllm.add_adapter(adapter_id, Path(directory))
 
     def sample_request(self, adapter_id: str | None, prompt: list[int], num_samples: int = 1,
-                       params: SamplingParams | None = None, prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
-                       topk_sample_logprobs: int = 0, on_token=None, cancel=None) -> SampleResult:
+                       params: SamplingParams | None = None, options: SampleOptions | None = None, on_token=None,
+                       cancel=None) -> SampleResult:
         """Engine.sample_request's checks, then vLLM samples now: the result itself, not a decoder request
         (`cancel` is not watched: vLLM finishes the request)."""
         params = params or SamplingParams()
+        options = options or SampleOptions()
         # Engine.sample's own checks (they read the engine's fixed facts only: vocabulary, context, eos).
         prompt = engine_module._check_tokens(prompt, self._engine.vocab_size, "prompt")
-        stop_ids, stop_strings = self._engine._check_sampling(prompt, num_samples, params, topk_prompt_logprobs)
-        result = self._vllm.sample(adapter_id, prompt, num_samples, params, stop_ids, stop_strings, prompt_logprobs,
-                                   topk_prompt_logprobs, topk_sample_logprobs, on_token)
+        stop_ids, stop_strings = self._engine._check_sampling(prompt, num_samples, params, options)
+        VllmSampling.check_options(options)
+        result = self._vllm.sample(adapter_id, prompt, num_samples, params, stop_ids, stop_strings, options, on_token)
         if self._sampling.settings.vllm_check_logprobs:
             self.metrics = self._sampling.logprob_gap(self._base_model, adapter_id, prompt, result)
         return result

@@ -42,6 +42,9 @@ import pytest  # noqa: E402
 
 from helpers import default_tokenizer, new_id  # noqa: E402
 
+# JupyterLab + Chromium fixtures for the browser tests (tests/browser.py): one JupyterLab per run.
+pytest_plugins = ["browser"]
+
 SHARED_MODELS = Path.home() / ".cache" / "stepwise" / "models"
 
 

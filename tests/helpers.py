@@ -11,7 +11,7 @@ import uuid
 import numpy as np
 
 from kernel_backend import models
-from kernel_backend.types import AdamParams, Datum
+from kernel_backend.types import AdamParams, Datum, TargetIds
 
 
 @functools.lru_cache(maxsize=1)
@@ -75,3 +75,27 @@ def train(engine, adapter_id: str, data: list[Datum], steps: int, learning_rate:
 def forward_logprobs(engine, adapter_id: str, data: list[Datum]) -> list[np.ndarray]:
     """The target-token logprobs of each datum under `adapter_id` (no gradients)."""
     return [o["logprobs"] for o in engine.forward(adapter_id, data).loss_fn_outputs]
+
+
+def model_logprobs(engine, adapter_id: str | None, tokens: list[int]):
+    """A hand computation of the model's next-token distributions: log_softmax (float64) of the logits at
+    every position of `tokens`, through transformers' own forward, under `adapter_id` (None: the base model)."""
+    import torch
+
+    from kernel_backend import lora
+
+    adapter = engine._slot(adapter_id).adapter if adapter_id is not None else None
+    with torch.inference_mode(), lora.route(engine.model, [adapter]):
+        return engine.model(torch.tensor([tokens])).logits[0].double().log_softmax(-1)
+
+
+def target_ids(ids: np.ndarray, sparse: bool = False) -> TargetIds:
+    """target_prompt_logprobs from a [len(prompt) - 1, K] array of token ids (-1: none), dense, or sparse
+    CSR listing only the ids (as the SDK's TensorData.from_torch_sparse(ids, pad_value=-1) sends it)."""
+    rows, cols = ids.shape
+    if not sparse:
+        return TargetIds((rows, cols), np.repeat(np.arange(rows), cols), ids.reshape(-1).astype(np.int64))
+    listed_rows, listed_cols = np.nonzero(ids >= 0)
+    crow = np.concatenate([[0], np.cumsum(np.bincount(listed_rows, minlength=rows))])
+    return TargetIds((rows, cols), listed_rows, ids[listed_rows, listed_cols].astype(np.int64), crow.tolist(),
+                     listed_cols.tolist())

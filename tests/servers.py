@@ -50,7 +50,7 @@ class Server:
                 self.process.wait()
 
 
-def start_server(home: Path, env: dict[str, str] | None = None, timeout: float = 180) -> Server:
+def start_server(home: Path, env: dict[str, str] | None = None, timeout: float = 180, host: str = "127.0.0.1") -> Server:
     port = free_port()
     log_path = home / f"server-{port}.log"
     api_key = (env or {}).get("STEPWISE_LOCAL_KEY", "tml-test-key")
@@ -59,7 +59,7 @@ def start_server(home: Path, env: dict[str, str] | None = None, timeout: float =
                 "STEPWISE_EMBEDDED": "1", **(env or {})}
     log = open(log_path, "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "kernel_backend", "serve", "--port", str(port)],
+        [sys.executable, "-m", "kernel_backend", "serve", "--host", host, "--port", str(port)],
         cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT,
     )
     base_url = f"http://127.0.0.1:{port}"

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import chat_prompt, default_tokenizer, chat_tokens, forward_logprobs, new_id, sft_datum, shifted_datum, train
+from helpers import (chat_prompt, default_tokenizer, chat_tokens, forward_logprobs, model_logprobs, new_id, sft_datum,
+                     shifted_datum, target_ids, train)
 from kernel_backend.engine import Engine, Pass
-from kernel_backend.types import AdamParams, Datum, ForwardResult, LoraConfig, SamplingParams, UserError
+from kernel_backend.types import AdamParams, Datum, ForwardResult, LoraConfig, SampleOptions, SamplingParams, UserError
 
 FACTS = [
     ("What is the name of Zorblax's pet?", "Zorblax's pet is named Quibbleton."),
@@ -140,6 +141,69 @@ def test_prompt_logprobs_and_topk_are_consistent(engine, tokenizer, adapters):
     assert abs(greedy.sequences[0].logprobs[0] - topk[j][0][1]) < 1e-4
 
 
+def test_sampling_options_answer_what_the_model_computes(engine, tokenizer, pair):
+    """Each option against a hand computation, log_softmax (float64) of the logits of transformers' own
+    forward under the same adapter: the k most likely tokens at every sampled position; the logprobs
+    of named ids at named prompt positions, dense and sparse (0.0 where a cell names none); k draws
+    at every prompt position, from the model's distribution at the request's temperature, with their
+    logprobs; prompt logprobs and top-k for the last n prompt tokens only."""
+    a = pair[0]
+    _, prompt = chat_tokens(*PROBE, tokenizer)
+    n, k, last_n = len(prompt), 4, 7
+    named = np.full((n - 1, 3), -1)
+    named[5:, 0] = prompt[6:]  # each prompt token, from position 6 on
+    named[5::3, 1] = tokenizer.eos_token_id
+    named[-1, 2] = 0
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=5, stop=[])
+    options = dict(prompt_logprobs=True, topk_prompt_logprobs=3, prompt_logprobs_last_n=last_n, topk_sample_logprobs=k,
+                   prompt_alt_tokens_k=20)
+    dense = engine.sample(a, prompt, 2, params, target_prompt_logprobs=target_ids(named), **options)
+    sparse = engine.sample(a, prompt, 2, params, target_prompt_logprobs=target_ids(named, sparse=True), **options)
+    reference = model_logprobs(engine, a, prompt)  # row p: the distribution of the token after position p
+
+    # Targets: cell (i, j) is named[i, j]'s logprob at prompt position i + 1, predicted at position i.
+    expected = np.where(named >= 0, reference[np.arange(n - 1)[:, None], np.maximum(named, 0)].numpy(), 0.0)
+    np.testing.assert_allclose(dense.target_prompt_logprobs.reshape(n - 1, 3), expected, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(sparse.target_prompt_logprobs, expected[named >= 0], rtol=0, atol=1e-4)
+
+    # The last n prompt tokens' logprobs and top-k; None before them.
+    assert dense.prompt_logprobs[: n - last_n] == dense.topk_prompt_logprobs[: n - last_n] == [None] * (n - last_n)
+    scored = range(n - last_n, n)
+    np.testing.assert_allclose(dense.prompt_logprobs[n - last_n :], [reference[p - 1, prompt[p]] for p in scored],
+                               rtol=0, atol=1e-4)
+    for p in scored:
+        top = torch.topk(reference[p - 1], 3)
+        assert [t for t, _ in dense.topk_prompt_logprobs[p]] == top.indices.tolist()
+        np.testing.assert_allclose([lp for _, lp in dense.topk_prompt_logprobs[p]], top.values, rtol=0, atol=1e-4)
+
+    # The k most likely tokens at every sampled position, given the prompt and the tokens before.
+    for seq in dense.sequences:
+        continued = model_logprobs(engine, a, prompt + seq.tokens)
+        assert len(seq.top_logprobs) == len(seq.tokens)
+        for j, top in enumerate(seq.top_logprobs):
+            want = torch.topk(continued[n - 1 + j], k)
+            assert [t for t, _ in top] == want.indices.tolist()
+            np.testing.assert_allclose([lp for _, lp in top], want.values, rtol=0, atol=1e-4)
+
+    # Alternative tokens: 20 draws at each of the n - 1 positions, each with its model logprob (not the
+    # temperature's). Drawn at the request's temperature: the share of draws that are their position's
+    # most likely token is, on average, that token's probability at this temperature, not at the other.
+    alt = dense.prompt_alt_tokens
+    assert alt.shape == (n - 1, 20)
+    assert np.array_equal(sparse.prompt_alt_tokens, alt)  # the same seed, the same draws
+    best = reference[:-1].argmax(-1).numpy()[:, None]
+    at = {t: float((reference[:-1] / t).softmax(-1).max(-1).values.mean()) for t in (1.0, 0.5)}
+    cool = engine.sample(a, prompt, 1, SamplingParams(max_tokens=1, temperature=0.5, seed=1), prompt_alt_tokens_k=20)
+    for result, t, other in ((dense, 1.0, 0.5), (cool, 0.5, 1.0)):
+        drawn = result.prompt_alt_tokens
+        np.testing.assert_allclose(result.prompt_alt_logprobs, reference[np.arange(n - 1)[:, None], drawn].numpy(),
+                                   rtol=0, atol=1e-4)
+        share = float((drawn == best).mean())
+        assert abs(share - at[t]) < 0.05 < abs(share - at[other]), (t, share, at)
+    greedy = engine.sample(a, prompt, 1, SamplingParams(max_tokens=1, temperature=0.0), prompt_alt_tokens_k=3)
+    assert (greedy.prompt_alt_tokens == best).all()
+
+
 # ---- b2. one continuous batch: requests decode together, each as if alone --------------------------
 
 
@@ -161,30 +225,61 @@ def _decode_together(engine, first, later=(), join_after=3):
 
 
 def _assert_same_samples(got, expected):
+    """The same tokens, stop reasons and logprobs, and the same answer to every option the request asked."""
     assert [s.tokens for s in got.sequences] == [s.tokens for s in expected.sequences]
     assert [s.stop_reason for s in got.sequences] == [s.stop_reason for s in expected.sequences]
     for g, e in zip(got.sequences, expected.sequences):
         np.testing.assert_allclose(g.logprobs, e.logprobs, rtol=0, atol=1e-4)
+        _assert_same_topk(g.top_logprobs, e.top_logprobs)
+    assert (got.prompt_logprobs is None) == (expected.prompt_logprobs is None)
+    if got.prompt_logprobs is not None:
+        assert [lp is None for lp in got.prompt_logprobs] == [lp is None for lp in expected.prompt_logprobs]
+        np.testing.assert_allclose([lp for lp in got.prompt_logprobs if lp is not None],
+                                   [lp for lp in expected.prompt_logprobs if lp is not None], rtol=0, atol=1e-4)
+    _assert_same_topk(got.topk_prompt_logprobs, expected.topk_prompt_logprobs)
+    assert (got.targets is None) == (expected.targets is None)
+    if got.targets is not None:
+        np.testing.assert_allclose(got.target_prompt_logprobs, expected.target_prompt_logprobs, rtol=0, atol=1e-4)
+    assert (got.prompt_alt_tokens is None) == (expected.prompt_alt_tokens is None)
+    if got.prompt_alt_tokens is not None:
+        assert np.array_equal(got.prompt_alt_tokens, expected.prompt_alt_tokens)
+        np.testing.assert_allclose(got.prompt_alt_logprobs, expected.prompt_alt_logprobs, rtol=0, atol=1e-4)
+
+
+def _assert_same_topk(got, expected):
+    """Top-k lists per position (None where nothing was computed): the same ids, logprobs within 1e-4."""
+    assert (got is None) == (expected is None)
+    if got is not None:
+        assert [row and [t for t, _ in row] for row in got] == [row and [t for t, _ in row] for row in expected]
+        np.testing.assert_allclose([lp for row in got if row for _, lp in row],
+                                   [lp for row in expected if row for _, lp in row], rtol=0, atol=1e-4)
 
 
 def test_requests_decoded_together_equal_each_alone(engine, tokenizer, pair):
-    """Adapters, prompts, sample counts and sampling rules mixed in one batch, two requests joining
-    mid-decode: greedy and seeded rows give the tokens they give alone, every logprob equals
-    compute_logprobs, and each request's stop rule holds."""
+    """Adapters, prompts, sample counts, sampling rules and options mixed in one batch, two requests
+    joining mid-decode: greedy and seeded rows give the tokens they give alone, every logprob equals
+    compute_logprobs, each request's stop rule holds, and what a request asks besides its samples
+    (top-k logprobs, targets' logprobs, alternative prompt tokens, the last n prompt logprobs) is what
+    it gets alone."""
     a, b, _, _ = pair
     poem, probe = chat_prompt(POEM_PROMPT, tokenizer), chat_prompt(PROBE[0], tokenizer)
     greedy = engine.sample(None, poem, 1, SamplingParams(max_tokens=12, temperature=0.0, stop=[])).sequences[0].tokens
     stop_token = greedy[5]
-    specs = [  # (adapter, prompt, num_samples, params)
-        (None, poem, 1, SamplingParams(max_tokens=12, temperature=0.0, stop=[stop_token])),
-        (a, probe, 3, SamplingParams(max_tokens=10, temperature=1.0, seed=11, stop=[])),
-        (b, poem, 2, SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=12)),
-        (None, poem, 1, SamplingParams(max_tokens=16, temperature=0.0, stop=[","])),
+    named = np.full((len(probe) - 1, 2), -1)
+    named[len(probe) // 2 :, 0] = probe[len(probe) // 2 + 1 :]
+    named[-1, 1] = stop_token
+    specs = [  # (adapter, prompt, num_samples, params, options)
+        (None, poem, 1, SamplingParams(max_tokens=12, temperature=0.0, stop=[stop_token]), None),
+        (a, probe, 3, SamplingParams(max_tokens=10, temperature=1.0, seed=11, stop=[]),
+         SampleOptions(topk_sample_logprobs=3, prompt_alt_tokens_k=4, target_prompt_logprobs=target_ids(named))),
+        (b, poem, 2, SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=12),
+         SampleOptions(prompt_logprobs=True, topk_prompt_logprobs=2, prompt_logprobs_last_n=5, topk_sample_logprobs=1)),
+        (None, poem, 1, SamplingParams(max_tokens=16, temperature=0.0, stop=[","]), None),
     ]
-    alone = [engine.sample(*spec) for spec in specs]
+    alone = [engine.run_requests([engine.sample_request(*spec)])[0] for spec in specs]
     together = _decode_together(engine, [engine.sample_request(*spec) for spec in specs[:2]],
                                  [engine.sample_request(*spec) for spec in specs[2:]])
-    for (adapter, prompt, _, _), got, expected in zip(specs, together, alone):
+    for (adapter, prompt, *_), got, expected in zip(specs, together, alone):
         _assert_same_samples(got, expected)
         for seq in got.sequences:
             recomputed = engine.compute_logprobs(adapter, prompt + seq.tokens)[len(prompt) :]
@@ -235,18 +330,27 @@ def test_a_failing_or_cancelled_request_leaves_the_others_alone(engine, tokenize
 def test_chunked_prefill_a_full_cache_and_the_serial_loop_agree(engine, tokenizer, pair):
     """The same requests through a decoder that prefills 16 tokens a step and whose cache holds one
     request at a time, and through the serial loop (transformers' own forward): same tokens, same
-    logprobs, and prompt logprobs equal to the training path's."""
+    logprobs, the same answers to their options (alternative prompt tokens drawn chunk by chunk,
+    targets and the last n prompt logprobs starting mid-chunk), and prompt logprobs equal to the
+    training path's."""
     from kernel_backend import sampler
 
     a, _, _, _ = pair
     _, conversation = chat_tokens(*PROBE, tokenizer)
+    poem = chat_prompt(POEM_PROMPT, tokenizer)
+    # Targets from position 13 on, in the poem's second prefill chunk: its logits start mid-chunk.
+    named = np.full((len(poem) - 1, 2), -1)
+    named[12:, 0] = poem[13:]
+    named[12::5, 1] = 7
     specs = [
-        (a, conversation, 2, SamplingParams(max_tokens=8, temperature=1.0, seed=21)),
-        (None, chat_prompt(POEM_PROMPT, tokenizer), 2, SamplingParams(max_tokens=8, temperature=1.0, seed=22)),
+        (a, conversation, 2, SamplingParams(max_tokens=8, temperature=1.0, seed=21),
+         SampleOptions(prompt_logprobs=True, topk_prompt_logprobs=3, prompt_alt_tokens_k=3, topk_sample_logprobs=2)),
+        (None, poem, 2, SamplingParams(max_tokens=8, temperature=1.0, seed=22),
+         SampleOptions(prompt_logprobs=True, topk_prompt_logprobs=3, prompt_logprobs_last_n=len(poem) - 20,
+                       target_prompt_logprobs=target_ids(named, sparse=True))),
     ]
-    options = dict(prompt_logprobs=True, topk_prompt_logprobs=3)
-    default = engine.run_requests([engine.sample_request(*spec, **options) for spec in specs])
-    assert len(conversation) > 32  # at least three prefill chunks of 16
+    default = engine.run_requests([engine.sample_request(*spec) for spec in specs])
+    assert len(conversation) > 32 and len(poem) > 24  # at least three and two prefill chunks of 16
     one_at_a_time = max(engine.sample_request(*spec).kv_tokens for spec in specs)
     variants = {
         "chunked, full cache": sampler.Decoder(engine.model, tokenizer.decode, one_at_a_time, prefill_tokens=16),
@@ -256,7 +360,7 @@ def test_chunked_prefill_a_full_cache_and_the_serial_loop_agree(engine, tokenize
     try:
         for name, decoder in variants.items():
             engine.decoder = decoder
-            requests = [engine.sample_request(*spec, **options) for spec in specs]
+            requests = [engine.sample_request(*spec) for spec in specs]
             for request in requests:
                 decoder.admit(request)
             most_rows, left = 0, len(requests)
@@ -265,10 +369,7 @@ def test_chunked_prefill_a_full_cache_and_the_serial_loop_agree(engine, tokenize
                 most_rows = max(most_rows, len(getattr(decoder, "rows", [])))
             assert most_rows <= 2, name  # one request's rows at a time
             for request, expected in zip(requests, default):
-                _assert_same_samples(request.result, expected)
-                np.testing.assert_allclose(request.result.prompt_logprobs[1:], expected.prompt_logprobs[1:], atol=1e-4)
-                assert [[t for t, _ in top] for top in request.result.topk_prompt_logprobs[1:]] == \
-                    [[t for t, _ in top] for top in expected.topk_prompt_logprobs[1:]]
+                _assert_same_samples(request.result, expected)  # prompt logprobs, top-k, targets, draws too
     finally:
         engine.decoder = original
     training_path = forward_logprobs(engine, a, [shifted_datum(conversation)])[0]
@@ -325,7 +426,7 @@ def test_the_batched_forward_matches_transformers_on_each_architecture_it_claims
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from kernel_backend import lora, sampler
-    from kernel_backend.types import SamplingParams
+    from kernel_backend.types import SampleOptions, SamplingParams
 
     assert architecture in sampler.BATCHED_ARCHITECTURES
     config = AutoConfig.for_model(architecture, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -339,7 +440,7 @@ def test_the_batched_forward_matches_transformers_on_each_architecture_it_claims
     decoder = sampler.Decoder(model, lambda tokens: "", budget_tokens=10_000, prefill_tokens=8)
     prompt = torch.randint(0, 300, (21,), generator=torch.Generator().manual_seed(1)).tolist()
     request = sampler.SampleRequest(None, prompt, 2, SamplingParams(max_tokens=6, temperature=1.0, seed=3), set(), [],
-                                    prompt_logprobs=True)
+                                    SampleOptions(prompt_logprobs=True))
     decoder.admit(request)
     while not decoder.step():
         pass
@@ -709,6 +810,17 @@ BAD_SAMPLING = {
     "stop id outside vocab": ({}, dict(stop=[V]), "stop"),
     "num_samples = 0": (dict(num_samples=0), {}, "num_samples"),
     "too many topk": (dict(topk_prompt_logprobs=1000), {}, "topk_prompt_logprobs"),
+    "too many sampled topk": (dict(topk_sample_logprobs=21), {}, "topk_sample_logprobs"),
+    "negative alt tokens k": (dict(prompt_alt_tokens_k=-1), {}, "prompt_alt_tokens_k"),
+    "too many alt tokens": (dict(prompt_alt_tokens_k=21), {}, "prompt_alt_tokens_k"),
+    "last_n without prompt_logprobs": (dict(prompt_logprobs_last_n=3), {}, "set prompt_logprobs"),
+    "last_n = 0": (dict(prompt_logprobs=True, prompt_logprobs_last_n=0), {}, "prompt_logprobs_last_n"),
+    "last_n = len(prompt)": (dict(prompt_logprobs=True, prompt_logprobs_last_n=10), {}, "len(prompt) - 1 = 9"),
+    "targets, wrong rows": (dict(target_prompt_logprobs=target_ids(np.zeros((10, 1), int))), {}, "9 rows"),
+    "targets, too wide": (dict(target_prompt_logprobs=target_ids(np.zeros((9, 21), int))), {}, "1 to 20 ids"),
+    "targets, id outside vocab": (dict(target_prompt_logprobs=target_ids(np.full((9, 1), V))), {}, "vocabulary"),
+    "targets, id below -1": (dict(target_prompt_logprobs=target_ids(np.full((9, 1), -2))), {}, "-1 for none"),
+    "targets, none named": (dict(target_prompt_logprobs=target_ids(np.full((9, 1), -1))), {}, "names no token id"),
     "prompt id outside vocab": (dict(prompt=[1, 2, V]), {}, "prompt"),
     "empty prompt": (dict(prompt=[]), {}, "prompt"),
     "more rows than the cache holds": (dict(num_samples=128), dict(max_tokens=4096), "STEPWISE_SAMPLE_CACHE_MB"),

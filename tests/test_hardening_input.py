@@ -114,6 +114,27 @@ def test_malformed_requests_answer_4xx_and_change_nothing(api, tinker_server, tr
     refused(api.post("/asample", {"sampling_session_id": sampler, "seq_id": 0, "num_samples": 1, "prompt": prompt,
                                   "sampling_params": {"max_tokens": 2, "seed": 2**70}}), 400, "64 bits")
 
+    # Sampling options out of range, refused the same way (3 prompt tokens: 2 positions to score).
+    def target(data, shape, **sparse):
+        return {"target_prompt_logprobs": {"data": data, "dtype": "int64", "shape": shape, **sparse}}
+
+    for options, needle in [
+        ({"topk_sample_logprobs": 21}, "topk_sample_logprobs must be an integer from 0 to 20"),
+        ({"topk_prompt_logprobs": -1}, "topk_prompt_logprobs"),
+        ({"prompt_alt_tokens_k": 1000}, "prompt_alt_tokens_k"),
+        ({"prompt_logprobs": True, "prompt_logprobs_last_n": 3}, "from 1 to len(prompt) - 1 = 2"),
+        ({"prompt_logprobs": True, "prompt_logprobs_last_n": -1}, "prompt_logprobs_last_n"),
+        ({"prompt_logprobs_last_n": 1}, "set prompt_logprobs"),
+        (target([5, 6, 7], [3, 1]), "len(prompt) - 1 = 2 rows"),
+        (target([5] * 42, [2, 21]), "1 to 20 ids per prompt position"),
+        (target([-1, -1], [2, 1]), "names no token id"),
+        (target([5.5, 1], [2, 1]), "integer token ids"),
+        (target([5], [2, 10**6], sparse_crow_indices=[0, 1, 1], sparse_col_indices=[0]), "1 to 20 ids"),
+        (target([5], [2, 1], sparse_crow_indices=[0, 2, 1], sparse_col_indices=[0]), "inconsistent sparse CSR"),
+    ]:
+        refused(api.post("/asample", {"sampling_session_id": sampler, "seq_id": 1, "num_samples": 1, "prompt": prompt,
+                                      "sampling_params": {"max_tokens": 2}, **options}), 400, needle)
+
     before.check()
 
 

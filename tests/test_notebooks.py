@@ -1,105 +1,273 @@
-"""Every notebook runs top to bottom in a real kernel, with small step counts, and says what it should."""
+"""Every notebook as a researcher sees it: run in JupyterLab (the wheel's extension) in Debian's
+Chromium, with small step counts, and checked from the page itself, not from Python state.
+
+One JupyterLab and one local backend serve every test here (tests/browser.py): each notebook calls
+plain `workbench.connect()`, and the first one's backend is shared by the others, as a researcher's
+notebooks share it. Kernels stay alive until the end, so every session is still running when the
+next notebook's checks read the sidebar. For each notebook:
+
+- no output shows "Error displaying widget", a traceback, or stderr (ALLOWED_STDERR names the
+  warnings a user should see and act on; none today);
+- every plot has a title, labelled axes, and a trace with one point per step run; a panel with
+  nothing to show says so in words (plotly's own data in the page: `el.data`, `el.layout`);
+- the CostMeter, the dashboard's cost line, the sidebar's row and the status bar show the tokens
+  by kind and the cost of GET /api/v1/usage for the notebook's session, to their display precision;
+- the session is named after its notebook in the sidebar;
+- after a page reload no widget is broken and every plot draws again;
+- nothing is written next to the notebook (metrics and labels go to $STEPWISE_HOME/runs);
+- a screenshot lands in tests/_artifacts/notebook-<name>.png.
+
+The quickstart and the SFT notebook run at the same time, in two tabs: both train, and both
+sessions are in the sidebar under their notebooks' names.
+"""
 
 from __future__ import annotations
 
-import json
-import os
+import math
+import re
+import time
 from pathlib import Path
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
-from servers import Server
+from browser import (ARTIFACTS, NEEDS_CHROMIUM, backend_api, open_notebook, run_all, save, wait_for_kernel,
+                     wait_until_run, write_notebook)
+from workbench.widgets.cost import format_cost
+
+pytestmark = NEEDS_CHROMIUM
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+ALLOWED_STDERR: list[tuple[str, str]] = []  # (name, regex) of warnings a user should act on; none today
 
 
-def run_notebook(path: Path, parameters: dict, home: Path, server: Server | None = None) -> str:
-    """Execute with `parameters` replacing the cell tagged "parameters"; return all printed text.
+def format_tokens(tokens: int) -> str:
+    """extension/src/format.ts formatTokens, for reading the sidebar and the status bar."""
+    def trim(value: float) -> str:
+        return re.sub(r"\.0$", "", f"{value:.0f}" if value >= 100 else f"{value:.1f}")
 
-    The kernel runs in `home` with its own embedded backend, or, given `server`, binds to that one
-    (workbench.connect() honours $STEPWISE_BASE_URL), which saves a backend start per notebook."""
-    nb = nbformat.read(path, as_version=4)
-    for cell in nb.cells:
-        if "parameters" in cell.metadata.get("tags", []):
-            cell.source = "\n".join(f"{k} = {v!r}" for k, v in parameters.items())
-    env = {"STEPWISE_HOME": str(home)}  # the kernel inherits these
-    if server is not None:
-        env.update(STEPWISE_BASE_URL=server.base_url, STEPWISE_API_KEY=server.api_key)
-    previous = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(home)}}).execute()
-    finally:
-        for key, value in previous.items():
-            if value is None:
-                os.environ.pop(key)
-            else:
-                os.environ[key] = value
-    return "\n".join(
-        out.get("text", "") for cell in nb.cells if cell.cell_type == "code" for out in cell.get("outputs", [])
-    )
+    if tokens < 1000:
+        return str(round(tokens))
+    return f"{trim(tokens / 1000)}k" if tokens < 1_000_000 else f"{trim(tokens / 1_000_000)}M"
 
 
-@pytest.fixture
-def notebook_home(tmp_path, stepwise_home):
-    (tmp_path / "models").symlink_to(stepwise_home / "models")
-    return tmp_path
+def eventually(check, timeout: float = 30.0, what: str = ""):
+    """Call `check()` until it stops raising AssertionError (widgets poll every second or two)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return check()
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.5)
 
 
-def test_quickstart(notebook_home):
-    printed = run_notebook(NOTEBOOKS / "00_quickstart.ipynb", {"steps": 6}, notebook_home)
-    assert "Quibbleton" in printed
-    losses = eval(printed.split("loss per step:")[1].splitlines()[0])
-    assert len(losses) == 6 and losses[-1] < losses[0] / 4
-    assert "cost $" in printed
+# ---- what the page shows ----------------------------------------------------------------------------
 
 
-def number_after(printed: str, label: str) -> list[float]:
-    """The numbers on the line that starts with `label`: "eval_loss: 3.2 -> 1.1" gives [3.2, 1.1]."""
-    import re
-
-    line = next(l for l in printed.splitlines() if l.startswith(label))
-    return [float(x) for x in re.findall(r"-?\d+\.?\d*(?:e-?\d+)?", line[len(label):])]
-
-
-def test_sft_recipe_notebook(notebook_home, tinker_server):
-    printed = run_notebook(NOTEBOOKS / "01_sft.ipynb", {"steps": 3, "sample_questions": 2}, notebook_home, tinker_server)
-    before, after = number_after(printed, "eval_loss:")  # test_recipes checks how far it falls
-    assert after < before, printed
-    assert number_after(printed, "cost $")[0] > 0
-    assert (notebook_home / "sft-metrics.jsonl").exists()
+def problems(page) -> list[str]:
+    """Broken widgets, tracebacks and stderr in the notebook's outputs, minus the allowed warnings."""
+    found = []
+    text = page.locator(".jp-Notebook").text_content()
+    if "Error displaying widget" in text:
+        found.append("a broken widget: " + text[text.index("Error displaying widget"):][:200])
+    for output in page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr'],"
+                               ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.error']").all():
+        message = output.text_content().strip()
+        if not any(re.search(pattern, message) for _, pattern in ALLOWED_STDERR):
+            found.append(message[:600])
+    return found
 
 
-def test_rl_recipe_notebook(notebook_home, tinker_server):
-    printed = run_notebook(NOTEBOOKS / "02_rl.ipynb", {"steps": 1, "loss_fn": "ppo", "eval_prompts": 2, "inspect_prompts": 2},
-                           notebook_home, tinker_server)
-    before, after = number_after(printed, "held-out reward:")
-    assert 0 <= before <= 1 and 0 <= after <= 1
-    rollouts, mean_reward = number_after(printed, "rollouts:")
-    assert rollouts == 2 * 4 and 0 <= mean_reward <= 1
-    assert len((notebook_home / "rl-metrics.jsonl").read_text().splitlines()) == 1 + 1 + 1  # eval, a step, eval
+def plots(page) -> list[dict]:
+    """Every plotly plot in the notebook: its title, axis titles, traces' lengths, and whether it fits."""
+    return page.evaluate("""() => [...document.querySelectorAll('.jp-Notebook .js-plotly-plot')].map(el => {
+        const output = el.closest('.jp-OutputArea-output').getBoundingClientRect();
+        const box = el.getBoundingClientRect();
+        const title = t => (t && (t.text ?? t)) || '';
+        return {title: title(el.layout.title), x: title(el.layout.xaxis.title), y: title(el.layout.yaxis.title),
+                traces: el.data.map(t => ({name: t.name, points: (t.x || []).length})),
+                fits: box.right <= output.right + 1, drawn: el.querySelectorAll('.scatterlayer .trace').length};
+    })""")
 
 
-def test_preference_recipe_notebook(notebook_home, tinker_server):
-    printed = run_notebook(NOTEBOOKS / "03_preference.ipynb",
-                           {"steps": 2, "num_prompts": 5, "auto_label": True, "rule": "shorter"}, notebook_home,
-                           tinker_server)
-    labels = [json.loads(line) for line in (notebook_home / "labels.jsonl").read_text().splitlines()]
-    pairs = int(printed.split("-> ")[1].split(" preference pairs")[0])
-    preferred = [l for l in labels if l["choice"] in ("A", "B")]
-    assert pairs == len(preferred) and pairs >= 2
-    # The scripted labels went through the widget as clicks would, so the shorter answer (in tokens,
-    # which nearly always means in characters) is the chosen one; a swapped A/B mapping would invert it.
-    assert sum(len(l["chosen"]) < len(l["rejected"]) for l in preferred) > len(preferred) / 2
-    before, after = number_after(printed, "logprob margin:")
-    assert after > before, printed
+def check_plots(page, steps: int, expected_panels: set[str]) -> list[dict]:
+    shown = plots(page)
+    assert {p["title"] for p in shown} == expected_panels, shown
+    for plot in shown:
+        assert plot["title"] and plot["x"] == "step" and plot["y"], plot
+        assert any(t["points"] == steps for t in plot["traces"]), (steps, plot)
+        assert plot["drawn"] == len(plot["traces"]) and plot["fits"], plot
+    return shown
 
 
-def test_distillation_recipe_notebook(notebook_home, tinker_server):
-    printed = run_notebook(NOTEBOOKS / "04_distillation.ipynb", {"steps": 1, "prompts_per_step": 2}, notebook_home,
-                           tinker_server)
-    before, after = number_after(printed, "kl_teacher:")
-    assert before > 0 and after == after  # a number (the recipe test checks that it falls)
-    assert "student:" in printed
+def session_of(lab: dict, notebook: str) -> dict:
+    """The notebook's running session (named after it), and its usage totals from the usage API."""
+    api = backend_api(lab)
+    rows = [s for s in api.get("/api/v1/usage/sessions").json()["sessions"]
+            if s["display_name"] == notebook and s["status"] == "active"]
+    assert len(rows) == 1, [(s["display_name"], s["status"]) for s in api.get("/api/v1/usage/sessions").json()["sessions"]]
+    totals = api.get("/api/v1/usage", params={"session_id": rows[0]["session_id"], "limit": 1}).json()["totals"]
+    return {"id": rows[0]["session_id"], **totals}
+
+
+def check_costs(page, lab: dict, notebook: str) -> dict:
+    """CostMeter, dashboard cost line, sidebar row and status bar against GET /api/v1/usage."""
+    usage = session_of(lab, notebook)
+    assert usage["cost"] > 0 and usage["train_tokens"] > 0
+    kinds = ("prefill", "sample", "train")
+
+    def meter():
+        (table,) = page.locator(".wb-cost").all()
+        for kind in kinds:
+            row = table.locator(f"tr[data-kind='{kind}']")
+            assert row.locator(".wb-cost-tokens").text_content() == f"{usage[f'{kind}_tokens']:,}"
+        assert table.locator("tr[data-kind='total'] .wb-cost-cost").text_content() == format_cost(usage["cost"])
+        assert usage["id"] in table.text_content()
+
+    def dashboard():
+        line = page.locator(".wb-dashboard-cost").text_content()
+        for kind in kinds:
+            assert f"{kind} {usage[f'{kind}_tokens']:,}" in line, line
+        assert f"cost {format_cost(usage['cost'])}" in line and usage["id"] in line, line
+
+    def sidebar():
+        row = page.locator(f"li.jp-StepwiseSession[data-name='{notebook}']")
+        assert row.count() == 1 and row.get_attribute("data-status") == "active"
+        assert row.locator(".jp-StepwiseSession-title").text_content() == notebook
+        for kind in kinds:
+            assert row.get_attribute(f"data-{kind}-tokens") == str(usage[f"{kind}_tokens"])
+            assert row.locator(f".jp-StepwiseSession-{kind}").text_content() == \
+                f"{kind} {format_tokens(usage[f'{kind}_tokens'])}"
+        assert math.isclose(float(row.get_attribute("data-cost")), usage["cost"], rel_tol=1e-12)
+        assert row.locator(".jp-StepwiseSession-cost").text_content() == format_cost(usage["cost"])
+
+    def status_bar():
+        status = page.locator(".jp-StepwiseCost")
+        assert status.get_attribute("data-notebook") == notebook
+        for kind in kinds:
+            assert status.get_attribute(f"data-{kind}-tokens") == str(usage[f"{kind}_tokens"])
+        assert math.isclose(float(status.get_attribute("data-cost")), usage["cost"], rel_tol=1e-12)
+        tokens = sum(usage[f"{kind}_tokens"] for kind in kinds)
+        assert status.text_content().startswith(f"Stepwise {format_cost(usage['cost'])} · {format_tokens(tokens)} tok · lab $")
+        assert float(status.get_attribute("data-lab-cost")) >= usage["cost"]
+
+    open_sidebar(page)
+    for check in (meter, dashboard, sidebar, status_bar):
+        eventually(check, what=check.__name__)
+    return usage
+
+
+def open_sidebar(page) -> None:
+    tab = page.locator('.jp-SideBar [data-id="stepwise-sessions"]')
+    if tab.get_attribute("aria-selected") != "true":
+        tab.click()
+
+
+def check_reload(page, shown: list[dict]) -> None:
+    """Saved, then reloaded with the kernel still running (what a person does, or autosave): every
+    widget comes back from the kernel, none broken, every plot with all its points."""
+    save(page)
+    page.reload()
+    wait_for_kernel(page)
+
+    def restored():
+        assert not problems(page), problems(page)
+        assert page.locator(".wb-cost").count() == 1
+        assert plots(page) == shown
+    eventually(restored, timeout=60)
+
+
+def screenshot(page, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.locator(".wb-dashboard").first.scroll_into_view_if_needed()
+    page.screenshot(path=str(ARTIFACTS / f"notebook-{Path(name).stem}.png"))
+
+
+def check_notebook(page, lab: dict, name: str, steps: int, panels: set[str]) -> dict:
+    assert not problems(page), problems(page)
+    shown = check_plots(page, steps, panels)
+    usage = check_costs(page, lab, name)
+    screenshot(page, name)
+    check_reload(page, shown)
+    return usage
+
+
+def run_notebooks(lab: dict, browser, notebooks: list[tuple[str, dict]]) -> list:
+    pages = []
+    for name, parameters in notebooks:
+        write_notebook(lab, NOTEBOOKS / name, parameters)
+        page = browser.new_page()
+        open_notebook(page, lab, name)
+        run_all(page)
+        pages.append(page)
+    wait_until_run(pages, lab)
+    return pages
+
+
+@pytest.fixture(autouse=True)
+def nothing_written_next_to_the_notebooks(lab):
+    def listing() -> set[str]:  # JupyterLab's own folders (_settings, ...) and hidden files aside
+        return {p.name for p in lab["root"].iterdir() if not p.name.startswith(("_", "."))}
+
+    before = listing()
+    yield
+    written = listing() - before - {p.name for p in NOTEBOOKS.glob("*.ipynb")}
+    assert not written, f"the notebooks wrote {written} into their folder (outputs belong under STEPWISE_HOME)"
+
+
+# ---- the notebooks ---------------------------------------------------------------------------------------
+
+
+LOSS = "loss per step (loss:sum, summed over tokens)"
+
+
+def test_quickstart_and_sft_train_side_by_side(lab, browser):
+    quickstart, sft = run_notebooks(lab, browser, [("00_quickstart.ipynb", {"steps": 3}),
+                                                   ("01_sft.ipynb", {"steps": 3, "sample_questions": 2})])
+    assert "answer:" in quickstart.locator(".jp-Notebook").text_content()
+    # The quickstart logs no metrics of its own: the dashboard says so rather than drawing empty axes.
+    assert "Not plotted yet: metrics computed in the notebook" in \
+        quickstart.locator(".wb-dashboard-empty").text_content()
+    assert "eval_loss:" in sft.locator(".jp-Notebook").text_content()
+    for page, name, panels in ((quickstart, "00_quickstart.ipynb", {LOSS}),
+                               (sft, "01_sft.ipynb", {LOSS, "loss per assistant token"})):
+        page.bring_to_front()
+        usage = check_notebook(page, lab, name, 3, panels)
+        assert usage["sample_tokens"] > 0  # both sampled: the session scope includes sampling
+    # Both notebooks' sessions run at once, each under its notebook's name.
+    open_sidebar(sft)
+    names = {r.get_attribute("data-name") for r in sft.locator("li.jp-StepwiseSession[data-status='active']").all()}
+    assert {"00_quickstart.ipynb", "01_sft.ipynb"} <= names
+
+
+def test_rl_notebook(lab, browser):
+    (page,) = run_notebooks(lab, browser, [("02_rl.ipynb", {"steps": 2, "loss_fn": "ppo", "eval_prompts": 2,
+                                                            "inspect_prompts": 2})])
+    text = page.locator(".jp-Notebook").text_content()
+    assert "Snakes, following'" in text and "{'correct': 0.0, 'format': 0.0}" in text  # the strict verifier
+    assert re.search(r"held-out reward: \d\.\d\d -> \d\.\d\d", text)
+    check_notebook(page, lab, "02_rl.ipynb", 2, {LOSS, "reward", "kl_sampler"})
+
+
+def test_preference_notebook(lab, browser):
+    (page,) = run_notebooks(lab, browser, [("03_preference.ipynb", {"steps": 2, "num_prompts": 5, "auto_label": True,
+                                                                    "rule": "shorter"})])
+    margins = re.search(r"logprob margin: (-?[\d.]+) -> (-?[\d.]+)", page.locator(".jp-Notebook").text_content())
+    assert margins and float(margins[2]) > float(margins[1])
+    check_notebook(page, lab, "03_preference.ipynb", 2, {LOSS, "batch_logprob_margin", "accuracy"})
+    # The loss plotted is the DPO loss the notebook's function returned (about log 2 = 0.69 at the
+    # start), not the linear surrogate forward_backward_custom sends the server (about 0).
+    loss = next(p for p in page.evaluate("""() => [...document.querySelectorAll('.jp-Notebook .js-plotly-plot')]
+        .map(el => ({title: el.layout.title.text, y: [...el.data[0].y]}))""") if p["title"] == LOSS)
+    assert 0.3 < loss["y"][0] < 1.0, loss
+    (row,) = [s for s in backend_api(lab).get("/api/v1/usage/sessions").json()["sessions"]
+              if s["display_name"] == "03_preference.ipynb"]
+    assert 0.0 < row["last_loss"] < 1.0, row  # the sidebar's last loss: the DPO loss too
+
+
+def test_distillation_notebook(lab, browser):
+    (page,) = run_notebooks(lab, browser, [("04_distillation.ipynb", {"steps": 2, "prompts_per_step": 2})])
+    text = page.locator(".jp-Notebook").text_content()
+    assert "kl_teacher:" in text and "student:" in text
+    check_notebook(page, lab, "04_distillation.ipynb", 2, {LOSS, "kl_teacher"})

@@ -91,3 +91,20 @@ def test_errors_come_in_openai_shape(oai, tinker_server):
     with pytest.raises(openai.AuthenticationError) as denied:
         unauthenticated.models.list()
     assert denied.value.status_code == 401 and "error" in denied.value.response.json()
+
+
+def test_billing_counts_openai_requests_which_have_no_session(oai, tinker_server):
+    """The OpenAI endpoint's requests belong to no session: billing reports them with session_id None
+    (it once failed with a 500 sorting None among session ids, and the SDK retried for minutes)."""
+    import datetime as dt
+
+    oai.completions.create(model=BASE, prompt="One, two,", max_tokens=3, temperature=0)
+    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
+    sampler = client.create_sampling_client(base_model=BASE)  # and a request that has a session
+    sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2)).result()
+    hour = dt.datetime.now(dt.timezone.utc).replace(minute=0, second=0, microsecond=0)
+    rest = client.create_rest_client()
+    usage = rest.get_billing_usage(hour - dt.timedelta(hours=1), hour + dt.timedelta(hours=1)).result()
+    sessionless = [e for e in usage.data if e.session_id is None and e.base_model == BASE]
+    assert {e.event_info.type for e in sessionless} >= {"sampling_sample"}
+    assert all(e.event_info.token_count > 0 for e in sessionless)

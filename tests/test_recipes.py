@@ -35,8 +35,10 @@ def usage(server: Server, **filters) -> dict:
     return response.json()["totals"]
 
 
-def check_summary(summary: common.Summary, server: Server, recipe: str, metric: str) -> list[dict]:
-    """The summary matches the metrics file and the usage API; returns the file's rows."""
+def check_summary(summary: common.Summary, server: Server, recipe: str, metric: str,
+                  session_went_on: bool = False) -> list[dict]:
+    """The summary matches the metrics file and the usage API; returns the file's rows.
+    `session_went_on`: the session did more after this recipe (the demo's RL run follows its SFT)."""
     assert summary.recipe == recipe and summary.metric == metric
     rows = rows_of(summary.metrics_path)
     steps = [r["step"] for r in rows]
@@ -49,7 +51,10 @@ def check_summary(summary: common.Summary, server: Server, recipe: str, metric: 
     assert summary.tokens == run["prefill_tokens"] + run["sample_tokens"] + run["train_tokens"]
     assert run["train_tokens"] > 0
     session = usage(server, session_id=summary.session_id)
-    assert summary.session_cost == pytest.approx(session["cost"], rel=1e-9)
+    if session_went_on:
+        assert summary.session_cost < session["cost"]
+    else:
+        assert summary.session_cost == pytest.approx(session["cost"], rel=1e-9)
     assert summary.session_cost >= summary.cost and summary.session_tokens >= summary.tokens
     text = str(summary)
     assert f"{summary.steps} steps" in text and f"${summary.cost:.6f}" in text
@@ -89,11 +94,18 @@ def test_lr_schedules():
 
 
 def test_rl_reward_and_preference_labels():
-    problem = rl.Problem("What is 3 plus 4?", "7", (3, 4))
-    assert rl.AdditionTask.reward("3 + 4 = 7.", problem) == 1.0
-    assert rl.AdditionTask.reward("It is 17", problem) == 0.0
-    assert rl.AdditionTask.reward("The answer is 7", problem) == 1.0
-    assert rl.AdditionTask.reward("3 + 4 equals 3 + 7", problem) == 0.0
+    problem = rl.Problem("What is 3 plus 4? Reply with only the number.", "7", (3, 4))
+    grade = rl.AdditionTask.grade
+    assert grade("7", problem) == {"correct": 1.0, "format": 1.0}
+    assert grade(" 7.\n", problem) == {"correct": 1.0, "format": 1.0}
+    # Restating the question is allowed; anything after the number is not (the prompt said "only").
+    assert grade("3 + 4 = 7.", problem) == grade("3 plus 4 equals 7", problem) == {"correct": 1.0, "format": 0.0}
+    assert grade("The answer is 7", problem)["correct"] == 1.0
+    assert grade("3 + 4 = 7 Snakes, following", problem) == {"correct": 0.0, "format": 0.0}
+    assert grade("It is 17", problem)["correct"] == grade("3 + 4 equals 3 + 7", problem)["correct"] == 0.0
+    assert grade("8", problem) == {"correct": 0.0, "format": 1.0}
+    assert rl.AdditionTask().reward("3 + 4 = 7", problem) == 1.0
+    assert rl.AdditionTask(format_weight=0.5).reward("7", problem) == 1.5
     assert preference.label("shorter", ([1, 2], "ab"), ([1, 2, 3], "abc")) == 1
     assert preference.label("longer", ([1, 2], "ab"), ([1, 2, 3], "abc")) == -1
     assert preference.label("keyword:sun", ([1], "no"), ([2], "The Sun")) == -1
@@ -106,40 +118,51 @@ def test_rl_reward_and_preference_labels():
 # The recipes against the backend
 
 
-def test_sft_teaches_made_up_facts(endpoint, tinker_server, tmp_path):
-    config = sft.Config(**endpoint, steps=12, batch_size=8, learning_rate=2e-3, eval_every=6, save_every=12,
-                        sample_questions=4,
-                        sample_max_tokens=20, metrics_path=str(tmp_path / "sft.jsonl"))
-    summary = sft.run(config)
-    rows = check_summary(summary, tinker_server, "sft", "eval_loss")
+def test_stepwise_demo_teaches_an_answer_then_raises_a_reward(tinker_server, capsys):
+    """`stepwise demo` as a person runs it (its defaults), against the test backend: the SFT recipe
+    teaches made-up facts (held-out phrasings get them back), the RL recipe raises the held-out
+    reward of a strict verifier; both runs' files, summaries and costs agree with the usage API."""
+    from workbench import cli
+
+    result = cli.main(["demo", "--base-url", tinker_server.base_url, "--api-key", tinker_server.api_key,
+                       "--progress", "false"])
+    printed = capsys.readouterr().out
+    assert "1/2 SFT" in printed and "2/2 RL" in printed
+
+    # SFT: the eval loss at least halves, the taught answers come back and are printed.
+    summary = result["sft"]
+    rows = check_summary(summary, tinker_server, "sft", "eval_loss", session_went_on=True)
     assert summary.final < summary.initial / 2, (summary.initial, summary.final)
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
     assert evals[0] == summary.initial and evals[-1] == summary.final and len(evals) == 3
     lrs = [r["lr"] for r in rows if "lr" in r]
-    assert lrs[0] == config.learning_rate and all(a > b for a, b in zip(lrs, lrs[1:]))  # linear decay
+    assert lrs[0] == 2e-3 and all(a > b for a, b in zip(lrs, lrs[1:]))  # linear decay
     answers = summary.extra["samples"]
-    assert sum(a["correct"] for a in answers) >= len(answers) / 2, answers
+    taught = [a for a in answers if a["correct"]]
+    assert len(taught) >= len(answers) / 2, answers
+    assert f"✓ {taught[0]['question']}\n      -> {taught[0]['answer']}" in printed
     assert summary.checkpoints == [rows[-1]["checkpoint"]] and summary.checkpoints[0].endswith("/weights/sft-12")
     assert summary.sampler_path.endswith("/sampler_weights/sft-final")
 
-
-def test_rl_raises_the_reward(endpoint, tinker_server, tmp_path):
-    # A fixed held-out set scored before and after training (the same problems and seeds) is the
+    # RL: a fixed held-out set scored before and after training (the same problems and seeds) is the
     # acceptance figure; the per-step training reward is noisier (fresh problems every step).
-    config = rl.Config(**endpoint, steps=5, groups_per_batch=4, group_size=6, max_tokens=10, eval_prompts=8,
-                       eval_samples=4, metrics_path=str(tmp_path / "rl.jsonl"))
-    summary = rl.run(config)
+    summary = result["rl"]
     rows = check_summary(summary, tinker_server, "rl", "eval_reward")
     assert rows[0] == {"step": 0, "time": rows[0]["time"], "eval_reward": summary.initial}
-    assert rows[-1]["eval_reward"] == summary.final and rows[-1]["step"] == config.steps
+    assert rows[-1]["eval_reward"] == summary.final and rows[-1]["step"] == summary.steps
     assert summary.final > summary.initial + 0.2, (summary.initial, summary.final)
     steps = [r for r in rows if "reward" in r]
-    assert [r["step"] for r in steps] == list(range(1, config.steps + 1))
-    assert summary.extra["reward_last_steps"] > steps[0]["reward"], [r["reward"] for r in steps]
+    assert [r["step"] for r in steps] == list(range(1, summary.steps + 1))
+    assert all(0 <= r["format"] <= 1 for r in steps)
     trained = [r for r in steps if r["train_tokens"] > 0]
     assert trained and all(abs(r["kl_sampler"]) < 0.05 for r in trained)  # on-policy: sampler == learner
     assert all(0 <= r["logprob_gap_mean"] <= r["logprob_gap_max"] < 1e-3 for r in trained)  # and their numbers agree
-    assert all(r["sample_tokens"] > 0 and 0 <= r["groups_used"] <= config.groups_per_batch for r in steps)
+    assert all(r["sample_tokens"] > 0 and 0 <= r["groups_used"] <= 4 for r in steps)
+
+    done = next(line for line in printed.splitlines() if line.startswith("demo done"))
+    assert f"SFT taught {len(taught)}/{len(answers)} held-out answers" in done
+    assert f"RL held-out reward {summary.initial:.2f} -> {summary.final:.2f} (rose)" in done
+    assert float(printed.split("cost $")[-1].split()[0]) == pytest.approx(result["usage"]["cost"], abs=1e-6)
 
 
 def test_preference_raises_the_margin(endpoint, tinker_server, tmp_path):
@@ -165,21 +188,3 @@ def test_distillation_lowers_the_kl_to_the_teacher(endpoint, tinker_server, tmp_
     assert summary.final < summary.initial * 0.7, kls
     # the teacher's compute_logprobs is billed to the session, not to the training run
     assert summary.session_tokens > summary.tokens
-
-
-def test_stepwise_demo_runs_sft_then_rl_and_prints_the_cost(tinker_server, tmp_path):
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-m", "workbench.cli", "demo", "--sft-steps", "2", "--rl-steps", "1", "--rl-eval-prompts", "2", "--out", str(tmp_path),
-         "--base-url", tinker_server.base_url, "--api-key", tinker_server.api_key],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "1/2 SFT" in out.stdout and "2/2 RL" in out.stdout
-    done = next(line for line in out.stdout.splitlines() if line.startswith("demo done"))
-    assert "SFT eval loss" in done and "RL eval_reward" in done
-    cost = float(out.stdout.split("cost $")[-1].split()[0])
-    assert cost > 0
-    assert len(rows_of(tmp_path / "sft.jsonl")) == 3 and len(rows_of(tmp_path / "rl.jsonl")) == 3  # with the evals

@@ -34,7 +34,7 @@ from tinker.lib.api_future_impl import QueueState
 from tinker.lib.public_interfaces.api_future import APIFuture
 from tinker.lib.telemetry import Telemetry
 
-from helpers import chat_prompt, sft_datum
+from helpers import chat_prompt, model_logprobs, sft_datum
 from servers import Server
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -184,6 +184,7 @@ class World:
     other: tinker.ServiceClient  # another tenant
     other_rest: tinker.RestClient
     elsewhere_run: str  # a run of this tenant in another project
+    engine: object = None  # an engine in this process, on the base model: hand computations of what samplers answer
 
     def client(self, cls: str):
         """The world's own client of a class."""
@@ -220,7 +221,7 @@ GREEDY = types.SamplingParams(max_tokens=4, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def world(tinker_server: Server, tokenizer) -> World:
+def world(tinker_server: Server, tokenizer, engine) -> World:
     url, key = tinker_server.base_url, tinker_server.api_key
     service = tinker.ServiceClient({"suite": "surface"}, PROJECT, display_name="Surface walk", base_url=url, api_key=key)
     tc = service.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
@@ -246,6 +247,7 @@ def world(tinker_server: Server, tokenizer) -> World:
     w.other_rest = tinker.RestClient(base_url=url, api_key=other_key)
     elsewhere = tinker.ServiceClient(project_id="surface-elsewhere", base_url=url, api_key=key)
     w.elsewhere_run = elsewhere.create_lora_training_client(base_model=BASE, rank=2).result().model_id
+    w.engine = engine
     return w
 
 
@@ -463,6 +465,43 @@ def _(w: World, cls: str, method: str):
     scored = sampler.compute_logprobs(types.ModelInput.from_ints(w.prompt.to_ints() + seq.tokens)).result()
     assert scored[-len(seq.tokens):] == pytest.approx(seq.logprobs, abs=1e-4)
 
+    # Every option at once, on the base model, against a hand computation: log_softmax of the model's
+    # logits (transformers' forward, float64) in this process.
+    base = w.service.create_sampling_client(base_model=BASE).result()
+    prompt = w.prompt.to_ints()
+    n, k, last_n = len(prompt), 4, 3
+    reference = model_logprobs(w.engine, None, prompt)  # row p: the distribution of the token after position p
+    named = torch.full((n - 1, 2), -1, dtype=torch.int64)
+    named[n // 2 :, 0] = torch.tensor(prompt[n // 2 + 1 :])  # each prompt token of the second half
+    named[-1, 1] = 42
+    target = types.TensorData.from_torch_sparse(named, pad_value=-1)
+    result = w.call(base, method, w.prompt, 2, types.SamplingParams(max_tokens=3, temperature=1.0, seed=7),
+                    include_prompt_logprobs=True, topk_prompt_logprobs=2, topk_sample_logprobs=k,
+                    target_prompt_logprobs=target, prompt_alt_tokens_k=3, prompt_logprobs_last_n=last_n)
+    # target_prompt_logprobs: each named id's logprob at its position, in the request's sparse layout.
+    answer = result.target_prompt_logprobs
+    assert answer.sparse_crow_indices == target.sparse_crow_indices and answer.shape == [n - 1, 2]
+    expected = torch.where(named >= 0, reference[torch.arange(n - 1)[:, None], named.clamp(min=0)], 0.0)
+    np.testing.assert_allclose(answer.to_numpy(), expected.numpy(), rtol=0, atol=1e-4)
+    # prompt_logprobs_last_n: the last n prompt tokens scored (and their top-k), None before them.
+    assert result.prompt_logprobs[: n - last_n] == result.topk_prompt_logprobs[: n - last_n] == [None] * (n - last_n)
+    assert result.prompt_logprobs[n - last_n :] == pytest.approx(
+        [float(reference[p - 1, prompt[p]]) for p in range(n - last_n, n)], abs=1e-4)
+    assert [[t for t, _ in top] for top in result.topk_prompt_logprobs[n - last_n :]] == \
+        [torch.topk(reference[p - 1], 2).indices.tolist() for p in range(n - last_n, n)]
+    # topk_sample_logprobs: at every sampled position, the k most likely tokens given what came before.
+    for seq in result.sequences:
+        continued = model_logprobs(w.engine, None, prompt + seq.tokens)
+        for j, top in enumerate(seq.topk_logprobs):
+            want = torch.topk(continued[n - 1 + j], k)
+            assert [t for t, _ in top] == want.indices.tolist()
+            assert [lp for _, lp in top] == pytest.approx(want.values.tolist(), abs=1e-4)
+    # prompt_alt_tokens_k: 3 draws at every prompt position after the first, with their model logprobs.
+    drawn = result.prompt_alt_tokens.tokens.to_torch()
+    assert list(drawn.shape) == [n - 1, 3]
+    np.testing.assert_allclose(result.prompt_alt_tokens.logprobs.to_numpy(),
+                               reference[torch.arange(n - 1)[:, None], drawn].numpy(), rtol=0, atol=1e-4)
+
 
 @row(*both("SamplingClient", "compute_logprobs"))
 def _(w: World, cls: str, method: str):
@@ -472,6 +511,11 @@ def _(w: World, cls: str, method: str):
     assert logprobs[0] is None and len(logprobs) == len(tokens)
     base = w.fresh.forward(w.data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
     assert logprobs[1:] == pytest.approx(base, abs=1e-4)
+    # The last n tokens only: None before them, the same numbers for them.
+    last = w.call(sampler, method, types.ModelInput.from_ints(tokens), prompt_logprobs_last_n=4)
+    assert last[:-4] == [None] * (len(tokens) - 4) and last[-4:] == pytest.approx(logprobs[-4:], abs=1e-5)
+    with pytest.raises(tinker.BadRequestError, match="prompt_logprobs_last_n must be from 1 to len"):
+        w.call(sampler, method, types.ModelInput.from_ints(tokens), prompt_logprobs_last_n=len(tokens))
 
 
 @row("SamplingClient.create", "SamplingClient.get_sampler_handle", "SamplingClient.from_sampler_handle")

@@ -91,6 +91,23 @@ def test_sampling_options_through_the_sdk_match_the_builtin_sampler(client, tink
     recomputed = ours.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
     assert np.allclose(recomputed[prompt.length:], a.sequences[0].logprobs, atol=GAP)
 
+    # Top-k logprobs at every sampled position, and prompt logprobs of the last n tokens only, as there.
+    vllm_top, builtin_top = (
+        s.sample(prompt, 1, GREEDY, include_prompt_logprobs=True, topk_sample_logprobs=4, prompt_logprobs_last_n=3).result()
+        for s in (ours, theirs))
+    tops = [[[t for t, _ in top] for top in r.sequences[0].topk_logprobs] for r in (vllm_top, builtin_top)]
+    values = [[[lp for _, lp in top] for top in r.sequences[0].topk_logprobs] for r in (vllm_top, builtin_top)]
+    assert tops[0] == tops[1] and np.allclose(values[0], values[1], atol=GAP)
+    scored = vllm_top.prompt_logprobs
+    assert scored[:-3] == [None] * (prompt.length - 3) and np.allclose(scored[-3:], builtin_top.prompt_logprobs[-3:], atol=GAP)
+    last = ours.compute_logprobs(prompt, prompt_logprobs_last_n=2).result()
+    assert last[:-2] == [None] * (prompt.length - 2) and np.allclose(last[-2:], builtin_top.prompt_logprobs[-2:], atol=GAP)
+    # Targets and alternative prompt tokens have no vLLM counterpart: refused, naming the sampler that has them.
+    targets = types.TensorData.from_numpy(np.full((prompt.length - 1, 1), 5, dtype=np.int64))
+    for option in (dict(target_prompt_logprobs=targets), dict(prompt_alt_tokens_k=2)):
+        with pytest.raises(tinker.BadRequestError, match="not supported by this server's sampler.*STEPWISE_SAMPLER=batched"):
+            ours.sample(prompt, 1, GREEDY, **option).result()
+
     # Stop strings, stop tokens and stop=[] mean what they mean on the built-in sampler.
     for stop in (["Paris"], [b.sequences[0].tokens[2]], []):
         params = types.SamplingParams(max_tokens=24, temperature=0.0, stop=stop)

@@ -15,6 +15,7 @@ import torch
 import zstandard
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
+from tinker.lib.public_interfaces.sampling_client import _tensor_data_to_model
 from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
 from tinker.resources.training import AsyncTrainingResource
 from tinker.types._pydantic_types.datum import Datum as JsonDatum
@@ -29,9 +30,11 @@ from kernel_backend.api.wire import (
     encode_forward_backward_output,
     encode_sample_response,
     model_input_tokens,
+    sample_options,
     sampling_params_from_json,
+    target_ids_from_json,
 )
-from kernel_backend.types import ForwardResult, SampledSequence, SampleResult, UserError
+from kernel_backend.types import ForwardResult, SampledSequence, SampleResult, TargetIds, UserError
 
 
 def sdk_body(data, loss_fn="cross_entropy", loss_fn_config=None, forward_only=False, compress=False, seq_id=7):
@@ -300,3 +303,71 @@ def test_sample_response_decodes_with_sdk():
 
     with pytest.raises(ValueError, match="stop_reason"):
         encode_sample_response(SampleResult([SampledSequence([1], [-0.5], "eos")]))
+
+
+def test_sampling_options_travel_as_the_sdk_sends_and_reads_them():
+    """asample's options, from the body the SDK builds (a SampleRequest dumped to JSON), and their answers
+    in a SampleResponse the SDK decodes: top-k per sampled token, target logprobs in the request's own
+    layout (dense, or sparse with the same CSR indices), alternative tokens as two [N - 1, k] tensors."""
+    ids = torch.full((4, 2), -1, dtype=torch.int64)
+    ids[1, 0], ids[3, 1] = 17, 99
+    for target in (types.TensorData.from_torch(ids), types.TensorData.from_torch_sparse(ids, pad_value=-1)):
+        request = types.SampleRequest(
+            sampling_session_id="s:sample:0", seq_id=0, prompt=types.ModelInput.from_ints([1, 2, 3, 4, 5]),
+            sampling_params=types.SamplingParams(max_tokens=2), prompt_logprobs=True, topk_sample_logprobs=3,
+            prompt_alt_tokens_k=2, prompt_logprobs_last_n=2, target_prompt_logprobs=_tensor_data_to_model(target))
+        body = types.SampleRequest.model_validate(request.model_dump(exclude_none=True, mode="json"))
+        options = sample_options(body)
+        assert (options.prompt_logprobs, options.topk_sample_logprobs, options.prompt_alt_tokens_k,
+                options.prompt_logprobs_last_n) == (True, 3, 2, 2)
+        targets = options.target_prompt_logprobs
+        sparse = target.sparse_crow_indices is not None
+        assert targets.shape == (4, 2) and (targets.crow_indices is not None) == sparse
+        # Each cell's row, and its id: every cell of a dense tensor, only the named ones of a sparse one.
+        assert targets.first_row == 1
+        assert targets.ids[targets.ids >= 0].tolist() == [17, 99] and targets.rows[targets.ids >= 0].tolist() == [1, 3]
+        assert len(targets.ids) == (2 if sparse else 8)
+
+        answer = np.where(targets.ids >= 0, -1.5 - targets.rows, 0.0).astype(np.float32)
+        alt_tokens, alt_logprobs = np.arange(8).reshape(4, 2), -np.arange(8, dtype=np.float32).reshape(4, 2)
+        result = SampleResult(
+            [SampledSequence([5, 6], [-0.5, -1.0], "length", top_logprobs=[[(5, -0.5), (9, -1.25)], [(7, -0.75), (6, -1.0)]])],
+            targets=targets, target_prompt_logprobs=answer, prompt_alt_tokens=alt_tokens, prompt_alt_logprobs=alt_logprobs)
+        resp = deserialize_sample_response(encode_sample_response(result))
+        assert resp.sequences[0].topk_logprobs == [[(5, -0.5), (9, -1.25)], [(7, -0.75), (6, -1.0)]]
+        got = resp.target_prompt_logprobs
+        assert got.shape == [4, 2] and got.sparse_crow_indices == target.sparse_crow_indices
+        dense = np.zeros((4, 2), dtype=np.float32)
+        dense[1, 0], dense[3, 1] = -2.5, -4.5
+        assert got.to_numpy().tolist() == dense.tolist()
+        assert resp.prompt_alt_tokens.tokens.to_numpy().tolist() == alt_tokens.tolist()
+        assert resp.prompt_alt_tokens.tokens.dtype == "int64"
+        assert resp.prompt_alt_tokens.logprobs.to_numpy().tolist() == alt_logprobs.tolist()
+    # A one-token prompt has no position to draw alternatives at: empty [0, k] tensors.
+    empty = deserialize_sample_response(encode_sample_response(SampleResult(
+        [SampledSequence([1], [-0.5], "length")], prompt_alt_tokens=np.zeros((0, 3), np.int64),
+        prompt_alt_logprobs=np.zeros((0, 3), np.float32))))
+    assert empty.prompt_alt_tokens.tokens.to_numpy().shape == (0, 3)
+
+
+@pytest.mark.parametrize("tensor, message", [
+    ({"data": [1.5], "dtype": "float32", "shape": [1, 1]}, "int64"),
+    ({"data": [1, 2], "dtype": "int64", "shape": [2]}, "2-D shape"),
+    ({"data": [1, 2, 3], "dtype": "int64", "shape": [2, 2]}, "3 values but shape"),
+    ({"data": [1.5, 2], "dtype": "int64", "shape": [1, 2]}, "integer token ids"),
+    ({"data": [1], "dtype": "int64", "shape": [2, 2], "sparse_crow_indices": [0, 1, 1]}, "both sparse"),
+    ({"data": [1], "dtype": "int64", "shape": [2, 2], "sparse_crow_indices": [0, 1, 2], "sparse_col_indices": [0]},
+     "inconsistent sparse CSR"),
+    ({"data": [1], "dtype": "int64", "shape": [2, 2], "sparse_crow_indices": [0, 1, 1], "sparse_col_indices": [5]},
+     "inconsistent sparse CSR"),
+])
+def test_malformed_target_prompt_logprobs_are_user_errors(tensor, message):
+    with pytest.raises(UserError, match=message):
+        target_ids_from_json(tensor)
+
+
+def test_a_sparse_target_keeps_its_layout():
+    got = target_ids_from_json({"data": [4, 5], "dtype": "int64", "shape": [3, 4], "sparse_crow_indices": [0, 0, 2, 2],
+                                "sparse_col_indices": [1, 3]})
+    assert isinstance(got, TargetIds) and got.rows.tolist() == [1, 1] and got.ids.tolist() == [4, 5]
+    assert (got.crow_indices, got.col_indices) == ([0, 0, 2, 2], [1, 3])

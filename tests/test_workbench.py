@@ -25,6 +25,7 @@ from tinker import types
 
 import workbench
 from workbench.dpo import add_reference_logprobs, dpo_loss
+from workbench.widgets.cost import format_cost
 from workbench.widgets.reprs import forward_backward_html, sample_html
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -38,6 +39,7 @@ def service(stepwise_home):
     (home / "models").symlink_to(stepwise_home / "models", target_is_directory=True)
     previous = os.environ["STEPWISE_HOME"]
     os.environ["STEPWISE_HOME"] = str(home)
+    os.environ["STEPWISE_REAP_INTERVAL_S"] = "1"  # the backend inherits it: dead processes' sessions end fast
     try:
         client = workbench.connect(progress=False)
         conn = workbench.current()
@@ -49,6 +51,7 @@ def service(stepwise_home):
     finally:
         workbench.disconnect()
         os.environ["STEPWISE_HOME"] = previous
+        os.environ.pop("STEPWISE_REAP_INTERVAL_S")
 
 
 def chat_datum(tokenizer, question: str, answer: str) -> types.Datum:
@@ -128,9 +131,49 @@ def test_connect_binds_to_a_running_backend_and_explains_failures(service, monke
     assert workbench.current() is embedded
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux only")
+SECOND_PROCESS = """
+import sys, time, workbench
+client = workbench.connect(name=sys.argv[1])
+tc = client.create_lora_training_client(base_model="HuggingFaceTB/SmolLM2-135M-Instruct", rank=4).result()
+print(workbench.current().base_url, tc.model_id.split(":")[0], flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def session_row(session_id: str) -> dict:
+    return next(s for s in workbench.current().http.get("/api/v1/usage/sessions").json()["sessions"]
+                if s["session_id"] == session_id)
+
+
+def test_other_processes_share_the_backend_and_their_sessions_end_with_them(service):
+    """A second notebook, `stepwise demo` or a script in the same STEPWISE_HOME binds the running
+    backend (no second start, no lock error); its session carries its name and ends when it exits,
+    or, killed, when the backend notices its pid is gone."""
+    ours = workbench.current()
+    repo = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", SECOND_PROCESS, "second process", "0"], capture_output=True,
+                          text=True, timeout=120, cwd=repo)
+    base_url, session_id = done.stdout.split()
+    assert base_url == ours.base_url, done.stderr  # shared, not another backend
+    assert "Using the Stepwise backend at" in done.stderr  # it says so
+    row = session_row(session_id)
+    assert row["display_name"] == "second process" and row["status"] == "finished"  # ended at its exit
+
+    killed = subprocess.Popen([sys.executable, "-c", SECOND_PROCESS, "killed process", "600"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=repo)
+    try:
+        base_url, session_id = killed.stdout.readline().split()
+        assert session_row(session_id)["status"] == "active"
+    finally:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+    assert wait_for(lambda: session_row(session_id)["status"] == "finished", 20)  # no atexit ran: the backend saw
+    assert ours.healthy() and ours.process.poll() is None  # and it keeps serving us
+
+
 def test_the_embedded_backend_dies_with_a_killed_kernel(stepwise_home):
-    """A kernel killed with SIGKILL runs no atexit: the child must still go (PR_SET_PDEATHSIG)."""
+    """A kernel killed with SIGKILL runs no atexit: the backend, which no live process uses any
+    more, must still go (serve --exit-when-unused watches the runtime folder)."""
     home = stepwise_home / "orphan"
     home.mkdir()
     (home / "models").symlink_to(stepwise_home / "models", target_is_directory=True)
@@ -177,7 +220,7 @@ def test_dashboard_follows_a_5_step_sft_loop_live_and_its_cost_matches_the_usage
     data = [chat_datum(tokenizer, "What is Zorblax's pet called?", "Quibbleton.")] * 2
     dash = workbench.Dashboard(training_run_id=tc, poll_interval=0.2)  # polls while the loop runs
     losses = []
-    for step in range(5):
+    for step in range(1, 6):  # steps count from 1: the first optimizer step is step 1
         fb = tc.forward_backward(data, "cross_entropy")
         tc.optim_step(ADAM).result()
         losses.append(fb.result().metrics["loss:sum"])
@@ -188,19 +231,24 @@ def test_dashboard_follows_a_5_step_sft_loop_live_and_its_cost_matches_the_usage
     dash.refresh()  # the last optim_step's row may have landed after the poller's last look
     assert dash.refresh() == 0  # the cursor is at the end: nothing new
 
-    assert dash.loss_steps == [0, 1, 2, 3, 4] and dash.loss_runs == [tc.model_id] * 5
+    assert dash.loss_steps == [1, 2, 3, 4, 5] and dash.loss_runs == [tc.model_id] * 5
     assert dash.loss_values == pytest.approx(losses, rel=1e-5)
     assert losses[-1] < losses[0]
     usage = workbench.current().usage(training_run_id=tc.model_id)
     assert dash.cost > 0 and dash.cost == pytest.approx(usage["totals"]["cost"], rel=1e-12)
     assert dash.tokens["train"] == usage["totals"]["train_tokens"] > 0
     assert dash.metrics["reward"]["values"] == pytest.approx([-x for x in losses])
-    assert dash.metrics["kl"]["steps"] == [0, 1, 2, 3, 4]
+    assert dash.metrics["kl"]["steps"] == [1, 2, 3, 4, 5]
 
-    dash.flush()  # the plotted traces are the traitlets' points
-    assert list(dash.loss_fig.data[0].y) == pytest.approx(losses, rel=1e-5)
-    assert {trace.name: len(trace.y) for trace in dash.metrics_fig.data} == {"reward": 5, "kl": 5}
-    assert f"{dash.cost:.6f}" in dash.stats.value
+    dash.flush()  # the plotted traces are the traitlets' points, one panel each, titled, axes named
+    figures = dash.figures
+    loss = figures["loss per step (loss:sum, summed over tokens)"]
+    assert list(loss.data[0].x) == [1, 2, 3, 4, 5] and list(loss.data[0].y) == pytest.approx(losses, rel=1e-5)
+    assert {title: [len(t.y) for t in f.data] for title, f in figures.items() if title != loss.layout.title.text} \
+        == {"reward": [5], "kl": [5]}
+    assert all(f.layout.xaxis.title.text == "step" and f.layout.yaxis.title.text for f in figures.values())
+    assert dash.note.value == ""  # nothing left to announce in words
+    assert f"cost {format_cost(dash.cost)}" in dash.stats.value and tc.model_id in dash.stats.value
 
     # A session-wide dashboard (given the ServiceClient) shows this run among the session's runs.
     session_dash = workbench.Dashboard(session=service, poll_interval=None)
@@ -214,7 +262,10 @@ def test_dashboard_follows_a_5_step_sft_loop_live_and_its_cost_matches_the_usage
     sessions = workbench.current().session_ids()
     assert kernel.scope == "kernel" and len(sessions) == 1
     assert kernel.cost == pytest.approx(workbench.current().usage(session_id=sessions[0])["totals"]["cost"])
-    assert kernel.cost >= run_meter.cost and kernel.get_state()["cost"] == kernel.cost  # synced to the browser
+    assert kernel.cost >= run_meter.cost
+    # What the browser gets: the table formatted here, like the extension formats it.
+    assert kernel.get_state()["rows"][-1] == ["total", f"{kernel.requests:,} requests", format_cost(kernel.cost)]
+    assert [row[0] for row in kernel.get_state()["rows"]] == ["prefill", "sample", "train", "total"]
 
     # An estimate before the call equals what the ledger billed for one such forward_backward.
     estimate = workbench.estimate_cost(datums=data)
@@ -260,6 +311,17 @@ def test_labeler_presses_become_a_real_dpo_step(service, tokenizer, tmp_path):
     assert {"dpo_loss:mean", "accuracy:mean", "margin:mean"} <= set(first.metrics)
     second = tc.forward_backward_custom(data, dpo_loss).result()
     assert second.metrics["loss:sum"] < first.metrics["loss:sum"]  # the step moved towards the labels
+
+    # The ledger (so the sidebar and the dashboard) has the loss the function returned, not the
+    # linear surrogate the SDK sent the server; the surrogate stays beside it.
+    def ledger_losses():
+        rows = workbench.current().usage(training_run_id=tc.model_id)["series"]
+        return [r["metrics"] for r in rows if r["request_type"] == "ForwardBackward"]
+    assert wait_for(lambda: all("surrogate_loss:sum" in m for m in ledger_losses()), 10), ledger_losses()
+    recorded = ledger_losses()
+    assert [m["loss:sum"] for m in recorded] == pytest.approx([first.metrics["loss:sum"], second.metrics["loss:sum"]])
+    assert recorded[0]["surrogate_loss:sum"] == pytest.approx(first.metrics["surrogate_loss:sum"], rel=1e-5)
+    assert recorded[0]["accuracy:mean"] == first.metrics["accuracy:mean"]
 
 
 # ---- undo a step ---------------------------------------------------------------------------------------
@@ -343,8 +405,10 @@ def test_in_a_notebook_kernel_results_render_as_html_and_widgets_display(service
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     NotebookClient(nb, timeout=300, kernel_name="python3").execute()
     runtime = Path(os.environ["STEPWISE_HOME"]) / "runtime"
-    # The kernel has exited: its registry file went with it; ours (pytest's) stays.
-    assert wait_for(lambda: {p.name for p in runtime.glob("*.json")} == {f"{os.getpid()}.json"}, 15)
+    # The kernel has exited: its registry file went with it; ours (pytest's) stays (a killed
+    # process's file, from an earlier test, stays too, marked stale by its dead pid).
+    assert wait_for(lambda: {int(p.stem) for p in runtime.glob("[0-9]*.json") if alive(int(p.stem))}
+                    == {os.getpid()}, 15)
     outputs = [cell.outputs for cell in nb.cells]
     fb_html = outputs[2][0]["data"]["text/html"]
     assert "ForwardBackwardOutput" in fb_html and "loss:sum" in fb_html

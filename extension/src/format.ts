@@ -5,7 +5,7 @@
  * whole training run: below a cent we keep three significant digits instead.
  */
 
-import { IRunning, ISession, Kind } from './types';
+import { ILab, ISession, ITotals, Kind } from './types';
 
 export function formatCost(cost: number, symbol = '$'): string {
   if (!Number.isFinite(cost) || cost <= 0) {
@@ -75,19 +75,68 @@ export function plural(n: number, word: string): string {
   return `${n} ${word}${n === 1 ? '' : 's'}`;
 }
 
-/** The status item's text: cost and tokens of the running sessions. */
-export function statusText(running: IRunning, symbol = '$'): string {
-  const tokens = running.prefill_tokens + running.sample_tokens + running.train_tokens;
-  return `Stepwise ${formatCost(running.cost, symbol)} · ${formatTokens(tokens)} tok`;
+/** Tokens of every kind. */
+export function totalTokens(totals: ITotals): number {
+  return totals.prefill_tokens + totals.sample_tokens + totals.train_tokens;
 }
 
-/** The status item's tooltip: the split by kind. */
-export function statusTooltip(running: IRunning, symbol = '$'): string {
+/** The file name of a path: "00_quickstart.ipynb" from "notebooks/00_quickstart.ipynb". */
+export function baseName(path: string): string {
+  return path.split('/').pop() || path;
+}
+
+/**
+ * The running sessions of the notebook at `path`, added up. workbench.connect() names a session
+ * after its notebook's file (Jupyter tells the kernel its notebook's path), so they match by name.
+ * Null when no running session has that name.
+ */
+export function notebookTotals(sessions: ISession[], path: string | null): ITotals | null {
+  if (!path) {
+    return null;
+  }
+  const name = baseName(path);
+  const mine = sessions.filter(s => s.status === 'active' && s.display_name === name);
+  if (mine.length === 0) {
+    return null;
+  }
+  const totals: ITotals = { sessions: mine.length, prefill_tokens: 0, sample_tokens: 0, train_tokens: 0, cost: 0 };
+  for (const s of mine) {
+    totals.prefill_tokens += s.prefill_tokens;
+    totals.sample_tokens += s.sample_tokens;
+    totals.train_tokens += s.train_tokens;
+    totals.cost += s.cost;
+  }
+  return totals;
+}
+
+/**
+ * The status item's text: the current notebook's running session (cost and tokens), then what the
+ * whole lab spent; only the lab's total when the current tab has no running session.
+ */
+export function statusText(notebook: ITotals | null, lab: ILab, symbol = '$'): string {
+  const spent = `lab ${formatCost(lab.cost, symbol)}`;
+  if (!notebook) {
+    return `Stepwise ${spent} · ${formatTokens(totalTokens(lab))} tok`;
+  }
+  return `Stepwise ${formatCost(notebook.cost, symbol)} · ${formatTokens(totalTokens(notebook))} tok · ${spent}`;
+}
+
+function kindsLine(totals: ITotals): string {
   const kinds: Kind[] = ['prefill', 'sample', 'train'];
-  const lines = kinds.map(kind => {
-    const part = running.by_kind[kind];
-    return `${kind}: ${formatTokens(part.tokens)} tokens, ${formatCost(part.cost, symbol)}`;
-  });
-  const head = `${plural(running.sessions, 'running session')}, ${formatCost(running.cost, symbol)}`;
-  return [head, ...lines].join('\n');
+  return kinds.map(kind => `${kind} ${formatTokens(totals[`${kind}_tokens`])}`).join(' · ') + ' tokens';
+}
+
+/** The status item's tooltip: the split by kind, for the notebook and for the lab. */
+export function statusTooltip(name: string | null, notebook: ITotals | null, lab: ILab, symbol = '$'): string {
+  const lines: string[] = [];
+  if (name && notebook) {
+    lines.push(`${name}: ${plural(notebook.sessions, 'running session')}, ${formatCost(notebook.cost, symbol)}`);
+    lines.push(`  ${kindsLine(notebook)}`);
+  } else if (name) {
+    lines.push(`${name}: no running session (workbench.connect() in it starts one)`);
+  }
+  const since = lab.since ? lab.since.replace('T', ' ').slice(0, 16) + ' UTC' : 'the server started';
+  lines.push(`This lab since ${since}: ${plural(lab.sessions, 'session')}, ${formatCost(lab.cost, symbol)}`);
+  lines.push(`  ${kindsLine(lab)}`);
+  return lines.join('\n');
 }

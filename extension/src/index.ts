@@ -1,12 +1,14 @@
 /**
  * Stepwise for JupyterLab: the sessions sidebar (left area) and the status-bar cost meter, both
- * drawn from one model that polls the server extension's GET /stepwise/sessions.
+ * drawn from one model that polls the server extension's GET /stepwise/sessions. The status item
+ * shows the current notebook's session and what the whole lab spent.
  *
  * Settings (schema/plugin.json): refreshInterval (seconds), currencySymbol, showStatusItem.
  * The settings registry and the status bar are optional: without them the sidebar still works.
  */
 
 import {
+  ILabShell,
   ILayoutRestorer,
   JupyterFrontEnd,
   JupyterFrontEndPlugin
@@ -27,12 +29,13 @@ const plugin: JupyterFrontEndPlugin<void> = {
   description:
     'Stepwise training sessions in a sidebar, and their running cost in the status bar.',
   autoStart: true,
-  optional: [ILayoutRestorer, ISettingRegistry, IStatusBar],
+  optional: [ILayoutRestorer, ISettingRegistry, IStatusBar, ILabShell],
   activate: (
     app: JupyterFrontEnd,
     restorer: ILayoutRestorer | null,
     settingRegistry: ISettingRegistry | null,
-    statusBar: IStatusBar | null
+    statusBar: IStatusBar | null,
+    labShell: ILabShell | null
   ) => {
     const model = new SessionsModel({
       fetch: () => fetchReport(app.serviceManager.serverSettings)
@@ -53,6 +56,13 @@ const plugin: JupyterFrontEndPlugin<void> = {
         isActive: () => showStatus,
         activeStateChanged: statusToggled
       });
+      // The status item follows the notebook in the current tab (any document with a path).
+      const follow = () => {
+        const current = labShell?.currentWidget as { context?: { path?: string } } | null;
+        status.notebookPath = current?.context?.path ?? null;
+      };
+      labShell?.currentChanged.connect(follow);
+      follow();
     }
 
     const apply = (settings: ISettingRegistry.ISettings) => {

@@ -11,7 +11,7 @@ import { IDisposable } from '@lumino/disposable';
 import { Poll } from '@lumino/polling';
 import { ISignal, Signal } from '@lumino/signaling';
 
-import { IReport, IRunning, ISession } from './types';
+import { ILab, IReport, IRunning, ISession } from './types';
 
 export const DEFAULT_INTERVAL_MS = 2000;
 
@@ -33,6 +33,10 @@ export function emptyRunning(): IRunning {
       train: { tokens: 0, cost: 0 }
     }
   };
+}
+
+export function emptyLab(): ILab {
+  return { since: '', sessions: 0, prefill_tokens: 0, sample_tokens: 0, train_tokens: 0, cost: 0 };
 }
 
 /** Active sessions first, then newest first. */

@@ -56,7 +56,8 @@ export class SessionsSidebar extends Widget {
     const sessions = model.sessions;
     const running = model.running;
     this._summary.textContent = report
-      ? `${plural(sessions.length, 'session')} · ${running.sessions} running · ${formatCost(running.cost, this._symbol)}`
+      ? `${plural(sessions.length, 'session')} · ${running.sessions} running · ${formatCost(running.cost, this._symbol)}` +
+        ` · lab ${formatCost(report.lab?.cost ?? 0, this._symbol)}`
       : 'Loading…';
 
     const message = model.error ?? report?.message ?? emptyMessage(report);
@@ -123,6 +124,10 @@ class SessionRow {
     this.node.dataset.status = session.status;
     this.node.dataset.steps = String(session.steps);
     this.node.dataset.cost = String(session.cost);
+    this.node.dataset.name = session.display_name ?? '';
+    this.node.dataset.prefillTokens = String(session.prefill_tokens);
+    this.node.dataset.sampleTokens = String(session.sample_tokens);
+    this.node.dataset.trainTokens = String(session.train_tokens);
     this._header.setAttribute('aria-expanded', String(expanded));
     this._header.title = `${session.session_id} on ${session.backend}`;
     setText(this._title, sessionTitle(session));

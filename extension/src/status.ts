@@ -1,13 +1,14 @@
 /**
- * The status-bar cost meter: cost and tokens of the running sessions of every backend, with the
- * prefill / sample / train split in its tooltip. It reads the shared model, which polls the Jupyter
- * server rather than a kernel, so it moves while a training cell is still running.
+ * The status-bar cost meter: the current notebook's running session (cost and tokens), then what
+ * the whole lab spent since the Jupyter server started; the tooltip splits prefill / sample / train.
+ * It reads the shared model, which polls the Jupyter server rather than a kernel, so it moves while
+ * a training cell is still running.
  */
 
 import { Widget } from '@lumino/widgets';
 
-import { statusText, statusTooltip } from './format';
-import { SessionsModel } from './model';
+import { baseName, notebookTotals, statusText, statusTooltip } from './format';
+import { emptyLab, SessionsModel } from './model';
 
 export class CostStatus extends Widget {
   constructor(model: SessionsModel) {
@@ -26,15 +27,32 @@ export class CostStatus extends Widget {
     this.render();
   }
 
+  /** The path of the notebook in the current tab, or null (the plugin follows the shell). */
+  get notebookPath(): string | null {
+    return this._path;
+  }
+  set notebookPath(path: string | null) {
+    this._path = path;
+    this.render();
+  }
+
   render(): void {
-    const running = this._model.running;
-    this.node.textContent = statusText(running, this._symbol);
+    const lab = this._model.report?.lab ?? emptyLab();
+    const notebook = notebookTotals(this._model.sessions, this._path);
+    const name = this._path ? baseName(this._path) : null;
+    this.node.textContent = statusText(notebook, lab, this._symbol);
     this.node.title = this._model.error
       ? `Stepwise: ${this._model.error}`
-      : statusTooltip(running, this._symbol);
+      : statusTooltip(name, notebook, lab, this._symbol);
     // The exact figures, for tests and for anyone inspecting the page.
-    this.node.dataset.cost = String(running.cost);
-    this.node.dataset.sessions = String(running.sessions);
+    const data = this.node.dataset;
+    data.notebook = notebook && name ? name : '';
+    data.cost = String(notebook?.cost ?? 0);
+    data.prefillTokens = String(notebook?.prefill_tokens ?? 0);
+    data.sampleTokens = String(notebook?.sample_tokens ?? 0);
+    data.trainTokens = String(notebook?.train_tokens ?? 0);
+    data.labCost = String(lab.cost);
+    data.labSessions = String(lab.sessions);
   }
 
   dispose(): void {
@@ -44,4 +62,5 @@ export class CostStatus extends Widget {
 
   private _model: SessionsModel;
   private _symbol = '$';
+  private _path: string | null = null;
 }

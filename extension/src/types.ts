@@ -33,13 +33,23 @@ export interface ISession {
   worker?: string | null;
 }
 
-export interface IRunning {
+/** Sessions counted, their tokens by kind and their cost. */
+export interface ITotals {
   sessions: number;
   prefill_tokens: number;
   sample_tokens: number;
   train_tokens: number;
   cost: number;
+}
+
+/** The active sessions of every backend, with the cost of each kind of token. */
+export interface IRunning extends ITotals {
   by_kind: Record<Kind, { tokens: number; cost: number }>;
+}
+
+/** Every session created since the Jupyter server started, ended or not: it never falls. */
+export interface ILab extends ITotals {
+  since: string;
 }
 
 export interface IBackend {
@@ -54,6 +64,7 @@ export interface IBackend {
 export interface IReport {
   sessions: ISession[];
   running: IRunning;
+  lab: ILab;
   backends: IBackend[];
   currency: string;
   runtime_dir: string;

@@ -10,6 +10,8 @@ with `WWW-Authenticate: Bearer error="invalid_token"`, on which the SDK exchange
 Operator routes (/admin/...) take only a credential of the operator's tenant, "local": the key the
 server was started with (STEPWISE_LOCAL_KEY), or one made with `stepwise keys create --tenant local`;
 any other answers 403.
+A server listening on loopback only also accepts the well-known `tml-local` from loopback clients,
+for tenant "local" (`serve` registers it then; kernel_backend/runtime.py); any other server refuses it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 from fastapi import HTTPException, Request
 
-from kernel_backend import keys, signing
+from kernel_backend import keys, runtime, signing
 from kernel_backend.keys import LOCAL_TENANT
 
 
@@ -54,6 +56,12 @@ def caller_of(request: Request) -> Caller:
         return Caller(row.tenant, row.id)
     if not key.startswith("tml-"):
         raise HTTPException(401, "malformed API key: keys start with 'tml-'")
+    loopback_key = service.settings.loopback_key
+    if loopback_key and key == loopback_key and not (
+        getattr(request.app.state, "loopback_key", "") and request.client and runtime.is_loopback(request.client.host)
+    ):
+        raise HTTPException(401, f"{key!r} is accepted only by a backend that listens on loopback (127.0.0.1), "
+                                 "from this machine; this one needs a key made with `stepwise keys create --tenant NAME`")
     row = keys.live_key(service.store, key)
     if row is None:
         raise HTTPException(401, "unknown or revoked API key; create one with `stepwise keys create --tenant NAME`")

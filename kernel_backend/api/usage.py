@@ -3,6 +3,7 @@
     GET  /api/v1/usage?session_id=&training_run_id=&since=&until=&after=&limit=
     GET  /api/v1/usage/sessions?active_only=&limit=   one summary row per session (the JupyterLab sidebar)
     POST /api/v1/usage/estimate   price a batch before sending it
+    POST /api/v1/usage/custom_loss   the loss a forward_backward_custom's function returned (workbench/sdk_hooks.py)
 
 Widgets and the JupyterLab extension poll `series` incrementally: pass the last answer's
 `cursor` as `after` to get only the new rows.
@@ -71,3 +72,14 @@ def estimate(body: EstimateRequest, tenant: str = Depends(tenant_of), svc: Servi
         "prices_per_million": price,
         "currency": "USD",
     }
+
+
+class CustomLossReport(BaseModel):
+    training_run_id: str = Field(max_length=128)
+    surrogate_loss: float  # the loss:sum the server recorded for the surrogate (the SDK returns it)
+    metrics: dict[str, float] = Field(max_length=64)  # the user's function's metrics, with its "loss:sum"
+
+
+@router.post("/custom_loss")
+def custom_loss(body: CustomLossReport, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    return accounts.record_custom_loss(svc, tenant, body.training_run_id, body.surrogate_loss, body.metrics)

@@ -28,7 +28,17 @@ import zstandard
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
-from kernel_backend.types import AdamParams, Datum, DimuonParams, ForwardResult, SampleResult, SamplingParams, UserError
+from kernel_backend.types import (
+    AdamParams,
+    Datum,
+    DimuonParams,
+    ForwardResult,
+    SampleOptions,
+    SampleResult,
+    SamplingParams,
+    TargetIds,
+    UserError,
+)
 
 MAX_DECOMPRESSED_BYTES = 64 << 20  # a zstd body may not expand past this (or the server's body limit)
 MAX_TARGET_K = 1024  # the most targets per position, (N, K) tensors (top-k distillation uses tens)
@@ -203,7 +213,14 @@ def _densify(values: np.ndarray, shape: list[int], crow: np.ndarray, col: np.nda
     if not 1 <= cols <= MAX_TARGET_K:
         raise UserError(f"{where} has K = {cols} (shape {shape}); K must be from 1 to {MAX_TARGET_K}")
     budget.take(rows * cols, where)
-    nnz = len(values)
+    out = np.zeros((rows, cols), dtype=values.dtype)
+    out[_csr_rows(len(values), shape, crow, col, where), col] = values
+    return out
+
+
+def _csr_rows(nnz: int, shape: list[int], crow: np.ndarray, col: np.ndarray, where: str) -> np.ndarray:
+    """The row of each of a CSR tensor's `nnz` listed cells, once its indices are checked against its shape."""
+    rows, cols = shape
     if (
         len(crow) != rows + 1
         or crow[0] != 0
@@ -216,9 +233,7 @@ def _densify(values: np.ndarray, shape: list[int], crow: np.ndarray, col: np.nda
             f"{where} has inconsistent sparse CSR indices for shape {shape}: need {rows + 1} non-decreasing "
             f"crow_indices from 0 to {nnz} and {nnz} col_indices below {cols}"
         )
-    out = np.zeros((rows, cols), dtype=values.dtype)
-    out[np.repeat(np.arange(rows), np.diff(crow)), col] = values
-    return out
+    return np.repeat(np.arange(rows), np.diff(crow))
 
 
 def _tensor_from_json(obj: Any, where: str, rows: int, budget: _DenseBudget) -> np.ndarray:
@@ -344,6 +359,43 @@ def sampling_params_from_json(obj: Any) -> SamplingParams:
     )
 
 
+def sample_options(body: Any) -> SampleOptions:
+    """What an asample body (the SDK's SampleRequest) asks for besides its samples. Bounded against
+    the prompt by SampleOptions.check, at admission."""
+    target = body.target_prompt_logprobs
+    return SampleOptions(
+        prompt_logprobs=bool(body.prompt_logprobs),
+        topk_prompt_logprobs=body.topk_prompt_logprobs,
+        topk_sample_logprobs=body.topk_sample_logprobs,
+        target_prompt_logprobs=target_ids_from_json(target.model_dump(mode="json")) if target is not None else None,
+        prompt_alt_tokens_k=body.prompt_alt_tokens_k,
+        prompt_logprobs_last_n=body.prompt_logprobs_last_n,
+    )
+
+
+def target_ids_from_json(obj: Any, where: str = "target_prompt_logprobs") -> TargetIds:
+    """A JSON TensorData of int64 token ids, [len(prompt) - 1, K], dense or sparse CSR, as its cells in
+    its own layout (the answer keeps it). Every array here is as long as what was sent."""
+    if not isinstance(obj, dict) or obj.get("dtype") != "int64":
+        raise UserError(f"{where} must be an int64 TensorData of token ids, shape [len(prompt) - 1, K]")
+    shape = obj.get("shape")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise UserError(f"{where} needs a 2-D shape [len(prompt) - 1, K], got {shape!r}")
+    data = obj.get("data")
+    if not isinstance(data, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in data):
+        raise UserError(f"{where}.data must be a flat list of integer token ids (-1 for none)")
+    ids = np.asarray(data, dtype=np.int64)
+    crow, col = obj.get("sparse_crow_indices"), obj.get("sparse_col_indices")
+    if crow is None and col is None:
+        if len(ids) != shape[0] * shape[1]:
+            raise UserError(f"{where} has {len(ids)} values but shape {shape}")
+        return TargetIds((shape[0], shape[1]), np.repeat(np.arange(shape[0]), shape[1]), ids)
+    if crow is None or col is None:
+        raise UserError(f"{where} needs both sparse_crow_indices and sparse_col_indices")
+    rows = _csr_rows(len(ids), shape, np.asarray(crow, dtype=np.int64), np.asarray(col, dtype=np.int64), where)
+    return TargetIds((shape[0], shape[1]), rows, ids, list(crow), list(col))
+
+
 def optim_params(params: Any) -> AdamParams | DimuonParams:
     """optim_step's params as the SDK sends them: `adam_params` {learning_rate, beta1, beta2, eps,
     weight_decay, grad_clip_norm} (parsed by the SDK's AdamParams), or `optimizer_params` {type:
@@ -413,9 +465,11 @@ def _proto_dtype(arr: np.ndarray, name: str) -> int:
 def encode_sample_response(result: SampleResult) -> bytes:
     """A SampleResult as the protobuf SampleResponse the SDK decodes.
 
-    Sampled logprobs are always sent. Prompt logprobs are float32 with NaN where None
-    (position 0). Top-k prompt logprobs are an N x K row-major matrix, K the longest row;
-    empty cells are token 0 / logprob -99999.0, which the SDK reads back as None.
+    Sampled logprobs are always sent. Prompt logprobs are float32 with NaN where None (position 0,
+    and before the last n with prompt_logprobs_last_n). Top-k logprobs (prompt, and each sequence's
+    sampled) are N x K row-major matrices, K the longest row; empty cells are token 0 / logprob
+    -99999.0, which the SDK reads back as None. Target logprobs are a float32 tensor in the request's
+    layout (dense, or sparse with its CSR indices); alternative prompt tokens two dense [N - 1, k] tensors.
     """
     msg = pb.SampleResponse()
     for i, seq in enumerate(result.sequences):
@@ -423,23 +477,46 @@ def encode_sample_response(result: SampleResult) -> bytes:
             raise ValueError(f"sequences[{i}].stop_reason is {seq.stop_reason!r}; expected 'stop' or 'length'")
         if len(seq.logprobs) != len(seq.tokens):
             raise ValueError(f"sequences[{i}] has {len(seq.tokens)} tokens but {len(seq.logprobs)} logprobs")
-        msg.sequences.add(
+        sequence = msg.sequences.add(
             stop_reason=_STOP_REASONS[seq.stop_reason],
             tokens=np.asarray(seq.tokens, dtype="<i4").tobytes(),
             logprobs=np.asarray(seq.logprobs, dtype="<f4").tobytes(),
         )
+        if seq.top_logprobs is not None:
+            if len(seq.top_logprobs) != len(seq.tokens):
+                raise ValueError(f"sequences[{i}] has {len(seq.tokens)} tokens but {len(seq.top_logprobs)} top-k rows")
+            sequence.topk_sampled_logprobs.CopyFrom(_topk_matrix(seq.top_logprobs))
     if result.prompt_logprobs is not None:
         lps = [math.nan if lp is None else lp for lp in result.prompt_logprobs]
         msg.prompt_logprobs = np.asarray(lps, dtype="<f4").tobytes()
     if result.topk_prompt_logprobs is not None:
-        rows = result.topk_prompt_logprobs
-        n, k = len(rows), max((len(r) for r in rows if r), default=0)
-        ids = np.zeros((n, k), dtype="<i4")
-        lps = np.full((n, k), TOPK_EMPTY_LOGPROB, dtype="<f4")
-        for i, row in enumerate(rows):
-            for j, (token, lp) in enumerate(row or ()):
-                ids[i, j], lps[i, j] = token, lp
-        msg.topk_prompt_logprobs.CopyFrom(
-            pb.TopkLogprobs(length=n, k=k, token_ids=ids.tobytes(), logprobs=lps.tobytes())
-        )
+        msg.topk_prompt_logprobs.CopyFrom(_topk_matrix(result.topk_prompt_logprobs))
+    if result.targets is not None:
+        targets = result.targets
+        values = np.asarray(result.target_prompt_logprobs, dtype="<f4").tobytes()
+        tensor = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=targets.shape)
+        if targets.crow_indices is None:
+            tensor.dense = values
+        else:
+            tensor.sparse_csr.CopyFrom(pb.SparseCsr(
+                values=values, crow_indices=np.asarray(targets.crow_indices, dtype="<i8").tobytes(),
+                col_indices=np.asarray(targets.col_indices, dtype="<i8").tobytes()))
+        msg.target_prompt_logprobs.CopyFrom(tensor)
+    if result.prompt_alt_tokens is not None:
+        tokens, logprobs = result.prompt_alt_tokens, result.prompt_alt_logprobs
+        msg.prompt_alt_tokens.CopyFrom(pb.PromptAltTokens(
+            tokens=pb.Tensor(dtype=pb.DTYPE_INT64, shape=tokens.shape, dense=tokens.astype("<i8").tobytes()),
+            logprobs=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=logprobs.shape, dense=logprobs.astype("<f4").tobytes()),
+        ))
     return msg.SerializeToString()
+
+
+def _topk_matrix(rows: list[list[tuple[int, float]] | None]) -> pb.TopkLogprobs:
+    """Per position, up to k (token, logprob) pairs (None: nothing there) as the SDK's TopkLogprobs."""
+    n, k = len(rows), max((len(r) for r in rows if r), default=0)
+    ids = np.zeros((n, k), dtype="<i4")
+    lps = np.full((n, k), TOPK_EMPTY_LOGPROB, dtype="<f4")
+    for i, row in enumerate(rows):
+        for j, (token, lp) in enumerate(row or ()):
+            ids[i, j], lps[i, j] = token, lp
+    return pb.TopkLogprobs(length=n, k=k, token_ids=ids.tobytes(), logprobs=lps.tobytes())

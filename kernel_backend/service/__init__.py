@@ -21,6 +21,6 @@ Each concern module is plain functions that take the `Service` first: `training.
 """
 
 from kernel_backend.admission import RateLimited
-from kernel_backend.service.core import Gone, NotFound, Service
+from kernel_backend.service.core import Gone, HomeInUse, NotFound, Service
 
-__all__ = ["Gone", "NotFound", "RateLimited", "Service"]
+__all__ = ["Gone", "HomeInUse", "NotFound", "RateLimited", "Service"]

@@ -16,13 +16,14 @@ A tenant is one user and one organisation here: `user_urn(tenant)`, org id = ten
 from __future__ import annotations
 
 import datetime as dt
+import math
 
 from sqlalchemy import func, select
 
 from kernel_backend import signing
 from kernel_backend.service import sessions
 from kernel_backend.service.checkpoints import checkpoint_json
-from kernel_backend.service.core import Service, iso, user_urn
+from kernel_backend.service.core import NotFound, Service, iso, user_urn
 from kernel_backend.store import AuditRow, CheckpointRow, ModelRow, SessionRow, UsageRow, now, utc
 from kernel_backend.types import UserError
 
@@ -69,6 +70,26 @@ def usage_report(svc: Service, tenant: str, session_id: str | None = None, train
         "cursor": rows[-1].id if rows else after,
         "currency": "USD",
     }
+
+
+def record_custom_loss(svc: Service, tenant: str, training_run_id: str, surrogate_loss: float,
+                       metrics: dict[str, float]) -> dict:
+    """forward_backward_custom runs the user's loss in the client and sends a linear surrogate: the
+    client reports the loss its function returned (metrics["loss:sum"]) for the ForwardBackward row
+    that carried the surrogate, which the row then keeps as "surrogate_loss:sum"."""
+    if "loss:sum" not in metrics or not all(math.isfinite(v) for v in metrics.values()):
+        raise UserError("metrics must hold a finite 'loss:sum' (the custom loss), and only finite numbers")
+    with svc.store.session.begin() as s:
+        recent = s.scalars(select(UsageRow).where(
+            UsageRow.tenant == tenant, UsageRow.model_id == training_run_id, UsageRow.request_type == "ForwardBackward",
+        ).order_by(UsageRow.id.desc()).limit(8))
+        for row in recent:
+            loss = (row.metrics or {}).get("loss:sum")
+            if (loss is not None and "surrogate_loss:sum" not in row.metrics
+                    and math.isclose(loss, surrogate_loss, rel_tol=1e-5, abs_tol=1e-9)):
+                row.metrics = {**row.metrics, **metrics, "surrogate_loss:sum": loss}
+                return {"usage_id": row.id}
+    raise NotFound(f"no recent forward_backward of {training_run_id!r} has the surrogate loss {surrogate_loss}")
 
 
 def _ledger_sums(group, *where):
@@ -200,7 +221,7 @@ def billing_usage(svc: Service, tenant: str, starting_on: dt.datetime, ending_be
         key = (utc(created).replace(minute=0, second=0, microsecond=0), str(details.get("model_id", "")).split(":")[0])
         checkpoints[key] = checkpoints.get(key, 0) + 1
     session_rows = {r.id: r for r in svc.store.list(SessionRow, SessionRow.tenant == tenant, SessionRow.id.in_(
-        sorted(({k[2] for k in tokens} | {k[1] for k in checkpoints}) - {None})))}  # OpenAI rows have no session
+        sorted({k[2] for k in tokens if k[2]} | {k[1] for k in checkpoints if k[1]})))}
 
     def envelope(hour, base_model, session_id) -> dict:
         session = session_rows.get(session_id)

@@ -26,7 +26,7 @@ import logging
 import threading
 import uuid
 
-from kernel_backend import keys, lora, models, ops, signing
+from kernel_backend import keys, lora, models, ops, runtime, signing
 from kernel_backend.admission import Admission
 from kernel_backend.config import Settings
 from kernel_backend.engine import Engine
@@ -63,6 +63,10 @@ DEFAULT_PROJECT = "default"
 
 class NotFound(LookupError):
     pass
+
+
+class HomeInUse(RuntimeError):
+    """Another backend already serves this SQLite home; the message names it."""
 
 
 class Gone(Exception):
@@ -152,9 +156,12 @@ class Service:
         try:
             fcntl.flock(self._home_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RuntimeError(
-                f"another Stepwise backend already uses {self.settings.home}; connect to it (workbench.connect() "
-                "finds it through the files in its runtime/ folder) or set STEPWISE_HOME to another folder"
+            holder = runtime.running_backend(self.settings.home) or {}
+            where = f" at {holder['base_url']} (pid {holder['pid']})" if holder else ""
+            raise HomeInUse(
+                f"another Stepwise backend already serves {self.settings.home}{where}: use that one "
+                "(workbench.connect() and `stepwise demo` in this home share it by themselves), or give this "
+                "backend its own folder with STEPWISE_HOME=..."
             ) from None
 
     def start(self, preload: list[str] | None = None) -> None:
@@ -208,6 +215,12 @@ class Service:
         for session in self.store.list(SessionRow, SessionRow.status == "active", SessionRow.last_heartbeat < cutoff):
             self.end_session(session.id, "expired")
             self.store.add(audit(session.tenant, "session_expired", None, session_id=session.id))
+        # A session opened by a process on this machine (workbench.connect() puts its pid in the
+        # metadata) ends with that process: a shut-down kernel's session is over, not idle.
+        for session in self.store.list(SessionRow, SessionRow.status == "active"):
+            pid = str((session.user_metadata or {}).get("local_pid", ""))
+            if pid.isdigit() and not runtime.pid_alive(int(pid)):
+                self.end_session(session.id, "finished")
         for checkpoint in self.store.list(CheckpointRow, CheckpointRow.expires_at.is_not(None), CheckpointRow.expires_at < now()):
             self.store.delete_checkpoint(checkpoint)
             self.store.add(audit(checkpoint.tenant, "checkpoint_expired", None, tinker_path=checkpoint.tinker_path,

@@ -18,7 +18,7 @@ from kernel_backend.service.checkpoints import SNAPSHOTS_PER_RUN, loadable
 from kernel_backend.service.core import PROTO_TYPE, NotFound, Service, json_result, new_id
 from kernel_backend.scheduler import Job
 from kernel_backend.store import CheckpointRow, FutureRow, ModelRow, SamplerRow
-from kernel_backend.types import SamplingParams, UserError
+from kernel_backend.types import SampleOptions, SamplingParams, UserError
 
 
 def create_sampling_session(svc: Service, tenant: str, session_id: str, seq: int, base_model: str | None,
@@ -46,12 +46,14 @@ def get_sampler(svc: Service, tenant: str, sampler_id: str) -> dict:
 
 
 def sample(svc: Service, tenant: str, sampler_id: str, seq_id: int, prompt: list[int], num_samples: int,
-           params: SamplingParams, prompt_logprobs: bool, topk_prompt_logprobs: int, encode) -> FutureRow:
+           params: SamplingParams, options: SampleOptions, encode) -> FutureRow:
     sampler = svc.sampler(tenant, sampler_id)
     check_still_published(svc, tenant, sampler)
-    tokens = check_sampling(svc, sampler.base_model, prompt, num_samples, params, topk_prompt_logprobs)
+    tokens = check_sampling(svc, sampler.base_model, prompt, num_samples, params, options)
+    if svc.vllm is not None:
+        svc.vllm.check_options(options)
     request_id = new_id()
-    op = sampler_op(svc, sampler, prompt, num_samples, params, prompt_logprobs, topk_prompt_logprobs)
+    op = sampler_op(svc, sampler, prompt, num_samples, params, options)
     job = Job(request_id, sampler_id, sampler.base_model, seq=None, sample=op,
               encode=lambda result: (encode(result), PROTO_TYPE), tokens=len(prompt))
     ids = [f"{request_id}:{i}" for i in range(num_samples)]
@@ -67,19 +69,19 @@ def check_still_published(svc: Service, tenant: str, sampler: SamplerRow) -> Non
 
 
 def check_sampling(svc: Service, base_model: str, prompt: list[int], num_samples, params: SamplingParams,
-                   topk: int = 0) -> int:
+                   options: SampleOptions) -> int:
     """Bound a sampling request before it is queued (admission.check_sampling); returns its most tokens."""
     facts = svc.model_facts().get(base_model)
     max_context = facts["max_context"] if facts is not None else len(prompt) + svc.settings.max_sample_tokens
     return admission.check_sampling(len(prompt), num_samples, params, max_context, svc.settings.max_sample_tokens,
-                                    topk)
+                                    options)
 
 
 def sampler_op(svc: Service, sampler: SamplerRow, prompt: list[int], num_samples: int, params: SamplingParams,
-               prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> SampleOp:
+               options: SampleOptions) -> SampleOp:
     """A sample from what the sampler samples: the base model, an in-memory snapshot the engine holds, or a
     checkpoint the engine loads (from the store) the first time."""
-    op = SampleOp(None, prompt, num_samples, params, prompt_logprobs, topk_prompt_logprobs)
+    op = SampleOp(None, prompt, num_samples, params, options)
     if sampler.source_model_id is None and sampler.model_path is None:
         return op
     op.adapter_id = sampler.id
@@ -142,12 +144,13 @@ def generate(svc: Service, tenant: str, request_type: str, base_model: str, path
              num_samples: int, params: SamplingParams, topk_sample_logprobs: int = 0, on_token=None):
     """Sample on the scheduler thread, metered like any request. Bounds and admits the request now
     (raising UserError or RateLimited before anything streams); await the result for the SampleResult."""
-    tokens = check_sampling(svc, base_model, prompt, num_samples, params, topk_sample_logprobs)
+    options = SampleOptions(topk_sample_logprobs=topk_sample_logprobs)
+    tokens = check_sampling(svc, base_model, prompt, num_samples, params, options)
     lane = f"oai:{tenant}:{path or base_model}"
     request_id = new_id()
     output = {}
     cancel = threading.Event()  # set when the caller goes away (a closed stream)
-    op = SampleOp(None, prompt, num_samples, params, topk_sample_logprobs=topk_sample_logprobs)
+    op = SampleOp(None, prompt, num_samples, params, options)
     if path is not None:
         op.adapter_id = lane
         locate(svc, op, path)

@@ -10,6 +10,7 @@ merges the answers into the one report the sidebar and the status bar draw:
     {"sessions": [... each row of the usage API, plus "backend": base_url],
      "running": {"sessions", "prefill_tokens", "sample_tokens", "train_tokens", "cost",
                  "by_kind": {"prefill"|"sample"|"train": {"tokens", "cost"}}},
+     "lab": {"since", "sessions", "prefill_tokens", "sample_tokens", "train_tokens", "cost"},
      "backends": [{"base_url", "embedded", "kernel_pids", "started", "sessions", "error"}],
      "currency": "USD", "runtime_dir": str, "message": str | None}
 
@@ -20,13 +21,14 @@ fix, why there is nothing to show. Keys stay on this side: nothing here returns 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
+from kernel_backend.runtime import pid_alive
 from workbench.connect import stepwise_home
 
 SESSIONS_PATH = "/api/v1/usage/sessions"
@@ -54,12 +56,14 @@ def find_backends(home: Path | None = None) -> list[Backend]:
     """The backends announced under `home`/runtime by kernels that are still alive, oldest first."""
     found: dict[tuple[str, str], Backend] = {}
     for path in sorted(runtime_dir(home).glob("*.json")):
+        if not path.stem.isdigit():
+            continue  # backend.json: the backend's own file, not a client's
         try:
             record = json.loads(path.read_text())
             pid, base_url, api_key = int(record["pid"]), str(record["base_url"]).rstrip("/"), str(record["api_key"])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # unreadable, or not one of ours; connect() writes atomically, so not half-written
-        if not _alive(pid):
+        if not pid_alive(pid):
             continue  # the kernel was killed before it could remove its file
         backend = found.setdefault((base_url, api_key), Backend(
             base_url=base_url, api_key=api_key, embedded=bool(record.get("embedded")),
@@ -68,19 +72,40 @@ def find_backends(home: Path | None = None) -> list[Backend]:
     return sorted(found.values(), key=lambda b: b.started)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # alive, but another user's
-    return True
+class LabTotals:
+    """What was spent in this lab: every session created since this Jupyter server started, at its
+    last known tokens and cost, kept after the session ends or its backend goes away. "running"
+    falls when sessions end; this never does."""
+
+    def __init__(self, since: dt.datetime | None = None):
+        self.since = since or dt.datetime.now(dt.timezone.utc)
+        self._sessions: dict[tuple[str, str], dict] = {}  # (backend, session id) -> its latest numbers
+
+    def update(self, sessions: list[dict]) -> None:
+        for row in sessions:
+            try:
+                created = dt.datetime.fromisoformat(row["created_at"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            if created.tzinfo is None:
+                created = created.replace(tzinfo=dt.timezone.utc)
+            if created >= self.since:
+                self._sessions[(row["backend"], row["session_id"])] = {
+                    key: row.get(key, 0) for key in ("prefill_tokens", "sample_tokens", "train_tokens", "cost")}
+
+    def totals(self) -> dict:
+        totals = {"since": self.since.isoformat(), "sessions": len(self._sessions), "prefill_tokens": 0,
+                  "sample_tokens": 0, "train_tokens": 0, "cost": 0.0}
+        for numbers in self._sessions.values():
+            for key, value in numbers.items():
+                totals[key] += value
+        return totals
 
 
 async def read_report(backends: list[Backend], limit: int = 50, active_only: bool = False,
-                      home: Path | None = None) -> dict:
-    """Ask every backend for its sessions and merge the answers (see the module docstring)."""
+                      home: Path | None = None, lab: LabTotals | None = None) -> dict:
+    """Ask every backend for its sessions and merge the answers (see the module docstring); `lab`
+    (the server's LabTotals) learns the sessions seen and adds the lab's totals."""
     async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
         answers = await asyncio.gather(*(_read_one(client, b, limit, active_only) for b in backends))
     running = {"sessions": 0, "prefill_tokens": 0, "sample_tokens": 0, "train_tokens": 0, "cost": 0.0,
@@ -101,7 +126,9 @@ async def read_report(backends: list[Backend], limit: int = 50, active_only: boo
             part = theirs.get("by_kind", {}).get(kind, {})
             running["by_kind"][kind]["tokens"] += part.get("tokens", 0)
             running["by_kind"][kind]["cost"] += part.get("cost", 0.0)
-    return {"sessions": sessions, "running": running, "backends": listed, "currency": currency,
+    lab = lab or LabTotals(dt.datetime.min.replace(tzinfo=dt.timezone.utc))
+    lab.update(sessions)
+    return {"sessions": sessions, "running": running, "lab": lab.totals(), "backends": listed, "currency": currency,
             "runtime_dir": str(runtime_dir(home)), "message": _message(listed, home)}
 
 

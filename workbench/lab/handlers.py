@@ -1,7 +1,8 @@
 """The server extension's HTTP surface: one authenticated route the JupyterLab frontend polls.
 
     GET /stepwise/sessions?limit=50&active_only=false
-        -> the merged report of every running backend (workbench/lab/backends.py)
+        -> the merged report of every running backend, and what this lab spent since the server
+           started (workbench/lab/backends.py)
 
 It runs in the Jupyter server, not in a kernel, so it answers while a kernel is busy training, and
 it holds the backends' keys so the browser never sees one. Jupyter's own login guards it: a call
@@ -16,7 +17,7 @@ import tornado.web
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 
-from workbench.lab.backends import find_backends, read_report
+from workbench.lab.backends import LabTotals, find_backends, read_report
 
 MAX_LIMIT = 1000  # the usage API's own bound
 
@@ -31,11 +32,13 @@ class SessionsHandler(APIHandler):
         except ValueError:
             raise tornado.web.HTTPError(400, reason=f"limit must be an integer from 1 to {MAX_LIMIT}")
         active_only = self.get_argument("active_only", "false").lower() in ("1", "true", "yes")
-        report = await read_report(find_backends(), limit=limit, active_only=active_only)
+        report = await read_report(find_backends(), limit=limit, active_only=active_only,
+                                   lab=self.settings["stepwise_lab_totals"])
         self.set_header("Cache-Control", "no-store")
         self.finish(json.dumps(report))
 
 
 def setup_handlers(web_app) -> None:
+    web_app.settings["stepwise_lab_totals"] = LabTotals()  # what this server's lab spent, since now
     base_url = web_app.settings["base_url"]
     web_app.add_handlers(".*$", [(url_path_join(base_url, "stepwise", "sessions"), SessionsHandler)])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import math
 import sys
 import time
@@ -43,26 +42,15 @@ class BaseConfig:
     rank: int = 8
     seed: int = 0
     learning_rate: float = 1e-3
-    metrics_path: str | None = None  # JSONL, one line per step; None: <recipe>-<time>.jsonl in the cwd
+    metrics_path: str | None = None  # JSONL, one line per step; None: $STEPWISE_HOME/runs/<recipe>-<time>.jsonl
     progress: bool = True            # a tqdm bar (tqdm.auto: a widget in notebooks)
     verbose: bool = True             # print the summary at the end
 
 
-class _NoTryAgain(logging.Filter):
-    """The SDK warns "Retrying request ... because of try_again" each time a long poll for a
-    result ends before the result is ready: routine on a slow CPU, noise under a progress bar."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "because of try_again" not in record.getMessage()
-
-
-_POLL_FILTER = _NoTryAgain()
-
-
 def service_client_for(config: BaseConfig, service_client: tinker.ServiceClient | None) -> tinker.ServiceClient:
-    poll_logger = logging.getLogger("tinker.lib.api_future_impl")
-    if _POLL_FILTER not in poll_logger.filters:
-        poll_logger.addFilter(_POLL_FILTER)
+    from workbench.connect import quiet_long_polls
+
+    quiet_long_polls()  # the SDK's routine "Retrying request ... try_again" lines, under a progress bar
     if service_client is not None:
         return service_client
     if not config.base_url or not config.api_key:
@@ -90,10 +78,18 @@ def session_id_of(service_client: tinker.ServiceClient) -> str | None:
         return None
 
 
+def runs_dir() -> Path:
+    """Where recipes and notebooks write what they record (metrics, labels): $STEPWISE_HOME/runs,
+    not the current folder, which for a notebook may be a source checkout."""
+    from workbench.connect import stepwise_home
+
+    return stepwise_home() / "runs"
+
+
 def metrics_path_for(config: BaseConfig, recipe: str) -> Path:
     if config.metrics_path:
         return Path(config.metrics_path)
-    return Path.cwd() / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    return runs_dir() / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,18 +107,10 @@ def read_prompts(path: str | None, default: list[str]) -> list[str]:
 
 
 def local_tokenizer(base_model: str = DEFAULT_MODEL):
-    """The base model's tokenizer from this machine's model store (where the embedded backend keeps it).
+    """The base model's tokenizer from this machine's model store (workbench.widgets.tokens.local_tokenizer)."""
+    from workbench.widgets.tokens import local_tokenizer as load
 
-    TrainingClient.get_tokenizer() asks the backend where its tokenizer is; SamplingClient.get_tokenizer()
-    looks the name up in the Hugging Face hub cache (where the backend places it), which answers at once
-    offline only with HF_HUB_OFFLINE=1; this needs neither."""
-    from transformers import AutoTokenizer
-
-    from kernel_backend import models
-    from kernel_backend.config import Settings
-
-    settings = Settings()
-    return AutoTokenizer.from_pretrained(models.resolve(base_model, settings.models_dir, settings.base_models)[1])
+    return load(base_model)
 
 
 def token_ids(encoded) -> list[int]:
@@ -412,7 +400,7 @@ def main(config_cls, run, argv: list[str] | None = None) -> Summary:
     module = sys.modules[run.__module__]
     name = module.__spec__.name if module.__spec__ else run.__module__
     parser = argparse.ArgumentParser(prog=f"python -m {name}", description=(module.__doc__ or "").split("\n\n")[0],
-                                     epilog="Without --base-url the embedded backend starts (workbench.connect()).")
+                                     epilog="Without --base-url it uses the local backend (workbench.connect()), started if none runs.")
     for f in dataclasses.fields(config_cls):
         kind = _arg_type(f.type)
         flag = "--" + f.name.replace("_", "-")

@@ -76,7 +76,7 @@ def label(rule: str, a: tuple[list[int], str], b: tuple[list[int], str]) -> int:
 
 
 def sample_candidates(sampler, tokenizer, prompts: list[str], config: Config) -> list[dict]:
-    """Two samples per prompt, unlabeled: [{id, prompt, prompt_tokens, completions, completion_tokens}].
+    """Two samples per prompt, unlabeled: [{id, prompt, prompt_tokens, completions, completion_tokens, truncated}].
 
     The records are the Labeler widget's items as they are (`id`, `prompt`, two `completions`)."""
     rendered = [common.user_prompt(tokenizer, p) for p in prompts]
@@ -88,11 +88,13 @@ def sample_candidates(sampler, tokenizer, prompts: list[str], config: Config) ->
     ]
     candidates = []
     for i, (prompt, tokens, future) in enumerate(zip(prompts, rendered, futures)):
-        sequences = [list(s.tokens) for s in future.result().sequences]
+        samples = future.result().sequences
+        sequences = [list(s.tokens) for s in samples]
         if not all(sequences):
             continue  # an empty answer (end of turn at once) has nothing to prefer or train on
         candidates.append({"id": f"p{i}", "prompt": prompt, "prompt_tokens": tokens, "completion_tokens": sequences,
-                           "completions": [tokenizer.decode(t, skip_special_tokens=True) for t in sequences]})
+                           "completions": [tokenizer.decode(t, skip_special_tokens=True) for t in sequences],
+                           "truncated": [s.stop_reason == "length" for s in samples]})
     return candidates
 
 

@@ -5,10 +5,12 @@
 
     python -m workbench.recipes.rl [--steps 16 --group-size 8 --loss-fn cispo ...]
 
-The base model (SmolLM2-135M-Instruct) gets about a fifth of these right at temperature 1 (it
-often answers a wrong sum, or says "4 + 3 = 7" instead of the number, which still counts), so
-most groups have both outcomes and the advantages are not all zero (a task the base model never
-solves gives no signal).
+The verifier is strict (AdditionTask): the reply must be the sum and nothing else, a restatement
+of the question before it allowed. The base model (SmolLM2-135M-Instruct) gets about one in ten
+right at temperature 1 (it often answers a wrong sum, or adds words after the number), so most
+groups have both outcomes and the advantages are not all zero (a task the base model never solves
+gives no signal: "only the bare number" alone is about 0 at the start, which is why it is a separate
+`format` check, logged, and rewarded only with format_weight > 0).
 
 Each step (GRPO-style, as the tinker cookbook does it):
 1. save the current weights for sampling and sample `group_size` answers to each of
@@ -17,20 +19,21 @@ Each step (GRPO-style, as the tinker cookbook does it):
    groups where every answer got the same reward carry no signal and are dropped;
 3. one forward_backward with `loss_fn` (importance_sampling, ppo, cispo or dro; the sampler's
    logprobs ride along in loss_fn_inputs["logprobs"]) and one optim_step.
-Logged per step: reward (mean over all samples), kl_sampler (mean over completion tokens of
-sampler logprob - learner logprob, from the forward_backward's output logprobs: how far the
-learner is from the policy that sampled, about 0 when on-policy), logprob_gap_mean / logprob_gap_max
-(mean and max |sampler logprob - learner logprob|: on-policy, the numerical gap between the sampler,
-say vLLM, and the trainer on the same weights), sample/train tokens, loss.
+Logged per step: reward (mean over all samples), format (the share of replies that are only a
+number), kl_sampler (mean over completion tokens of sampler logprob - learner logprob, from the
+forward_backward's output logprobs: how far the learner is from the policy that sampled, about 0
+when on-policy), logprob_gap_mean / logprob_gap_max (mean and max |sampler logprob - learner
+logprob|: on-policy, the numerical gap between the sampler, say vLLM, and the trainer on the same
+weights), sample/train tokens, loss.
 With `eval_prompts` > 0, a held-out set of prompts is scored before and after training.
 
 Measured with `python -m workbench.recipes.rl` (defaults: operands 1..5, 12 steps of 4 prompts x 8
-samples, importance_sampling, lr 1e-3, rank 8; embedded backend, 2 shared CPU cores, 9 minutes):
-held-out eval_reward (16 problems x 4 samples, the same before and after) 0.22 -> 1.00; per-step
-training reward 0.19 at the first step, 0.875 over the last three; 19,154 tokens, $0.0005.
-With operands up to 9 and lr 2e-3 the policy first rose (0.78 at step 2), then collapsed onto wrong
-sums (eval 0.20 -> 0.09): a 135M model does not learn those sums in a few steps, and the high
-learning rate killed exploration.
+samples, importance_sampling, lr 1e-3, rank 8; local backend, 2 shared CPU cores, 2.5 minutes):
+held-out eval_reward (16 problems x 4 samples, the same before and after) 0.125 -> 0.72; per-step
+training reward 0.09 at the first step, 0.71 over the last three; `format` stays about 0 (the model
+learns "4 + 3 = 7", correct, not the bare number); 13,510 tokens, $0.00033. With operands up to 9
+and lr 2e-3 the policy first rose, then collapsed onto wrong sums: a 135M model does not learn
+those sums in a few steps, and the high learning rate killed exploration.
 """
 
 from __future__ import annotations
@@ -63,12 +66,18 @@ class Problem:
 class AdditionTask:
     """Questions "What is a plus b? Reply with only the number." for a, b in [low, high].
 
-    Reward 1 when the answer's first number is the sum, after skipping an echo of the question
-    ("6 + 5 equals 11" counts, "1 + 8 equals 1 + 9" does not), else 0.
+    The verifier is strict: a reply is correct when it is the sum and nothing else, allowing only a
+    restatement of the question before it ("4 + 3 = 7", "4 plus 3 equals 7.", "The answer is 7")
+    and a final full stop. "5 + 5 = 10 Snakes, following" is wrong: the prompt asked for the
+    number only. A second, separate check, `format`, is 1 when the reply is exactly a number (right
+    or wrong): the instruction followed to the letter. The training reward is
+    `correct + format_weight * format` (format_weight 0 by default: the format is logged, not
+    trained on); the held-out eval counts `correct` only.
     """
 
-    def __init__(self, low: int = 1, high: int = 9, template: str = "What is {a} plus {b}? Reply with only the number."):
-        self.low, self.high, self.template = low, high, template
+    def __init__(self, low: int = 1, high: int = 9, template: str = "What is {a} plus {b}? Reply with only the number.",
+                 format_weight: float = 0.0):
+        self.low, self.high, self.template, self.format_weight = low, high, template, format_weight
 
     def problems(self, n: int, rng: np.random.Generator) -> list[Problem]:
         out = []
@@ -78,12 +87,18 @@ class AdditionTask:
         return out
 
     @staticmethod
-    def reward(text: str, problem: Problem) -> float:
-        numbers = re.findall(r"-?\d+", text)
-        echo = [str(x) for x in problem.operands]
-        if echo and numbers[: len(echo)] == echo:
-            numbers = numbers[len(echo) :]
-        return 1.0 if numbers and numbers[0] == problem.answer else 0.0
+    def grade(text: str, problem: Problem) -> dict[str, float]:
+        """{"correct": 0 or 1, "format": 0 or 1} for one reply (see the class docstring)."""
+        a, b = (re.escape(str(x)) for x in problem.operands) if problem.operands else ("", "")
+        restated = rf"(?:the answer is|{a}\s*(?:\+|plus)\s*{b}\s*(?:=|is|equals))\s*" if a else r"(?:the answer is)\s*"
+        answer = re.fullmatch(rf"\s*(?:{restated})?(-?\d+)\s*\.?\s*", text, flags=re.IGNORECASE)
+        only_number = re.fullmatch(r"\s*-?\d+\s*\.?\s*", text) is not None
+        return {"correct": float(answer is not None and answer.group(1) == problem.answer),
+                "format": float(only_number)}
+
+    def reward(self, text: str, problem: Problem) -> float:
+        grade = self.grade(text, problem)
+        return grade["correct"] + self.format_weight * grade["format"]
 
 
 TASKS = {"addition": AdditionTask}
@@ -96,6 +111,7 @@ TASKS = {"addition": AdditionTask}
 class Config(BaseConfig):
     task: str = "addition"
     max_operand: int = 5             # operands are drawn from 1..max_operand
+    format_weight: float = 0.0       # reward += this x "the reply is only a number" (logged as `format` either way)
     steps: int = 12
     groups_per_batch: int = 4        # prompts per step
     group_size: int = 8              # samples per prompt
@@ -115,6 +131,8 @@ class Config(BaseConfig):
 class Rollouts:
     data: list[types.Datum] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
+    formats: list[float] = field(default_factory=list)  # per sample: the reply is only a number
+    correct: list[float] = field(default_factory=list)  # per sample: the verifier's verdict
     sample_tokens: int = 0
     groups_used: int = 0
     starts: list[int] = field(default_factory=list)  # per datum: the first completion position
@@ -135,14 +153,18 @@ def sample_groups(sampler, tokenizer, task, problems: list[Problem], group_size:
     for problem, prompt, future in zip(problems, prompts, futures):
         sequences = future.result().sequences
         texts = [tokenizer.decode(s.tokens, skip_special_tokens=True) for s in sequences]
+        grades = [task.grade(t, problem) for t in texts]
         rewards = np.array([task.reward(t, problem) for t in texts])
         out.rewards.extend(rewards.tolist())
+        out.correct.extend(g["correct"] for g in grades)
+        out.formats.extend(g["format"] for g in grades)
         out.sample_tokens += sum(len(s.tokens) for s in sequences)
         out.examples.append({"question": problem.question, "answer": texts[0], "reward": float(rewards[0])})
         advantages = rewards - rewards.mean()
-        out.table.extend({"prompt": problem.question, "completion": text, "reward": float(r), "advantage": float(a),
-                          "tokens": list(seq.tokens), "logprobs": list(seq.logprobs)}
-                         for seq, text, r, a in zip(sequences, texts, rewards, advantages))
+        out.table.extend({"prompt": problem.question, "completion": text, "reward": float(r), "correct": g["correct"],
+                          "format": g["format"], "advantage": float(a), "tokens": list(seq.tokens),
+                          "logprobs": list(seq.logprobs)}
+                         for seq, text, r, g, a in zip(sequences, texts, rewards, grades, advantages))
         if np.all(advantages == 0):
             continue
         out.groups_used += 1
@@ -155,8 +177,8 @@ def sample_groups(sampler, tokenizer, task, problems: list[Problem], group_size:
 
 def evaluate(sampler, tokenizer, task, problems: list[Problem], samples: int, max_tokens: int,
              temperature: float, seed: int) -> float:
-    """Mean reward over `samples` answers to each problem."""
-    return float(np.mean(sample_groups(sampler, tokenizer, task, problems, samples, max_tokens, temperature, seed).rewards))
+    """The share of correct answers over `samples` answers to each problem (the format not counted)."""
+    return float(np.mean(sample_groups(sampler, tokenizer, task, problems, samples, max_tokens, temperature, seed).correct))
 
 
 def sampler_vs_learner(data: list[types.Datum], outputs: list[dict], starts: list[int]) -> dict[str, float]:
@@ -176,7 +198,7 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
     if config.loss_fn not in LOSSES:
         raise ValueError(f"loss_fn must be one of {', '.join(LOSSES)}, not {config.loss_fn!r}")
     loss_fn_config = json.loads(config.loss_fn_config) if isinstance(config.loss_fn_config, str) else config.loss_fn_config
-    task = TASKS[config.task](high=config.max_operand)
+    task = TASKS[config.task](high=config.max_operand, format_weight=config.format_weight)
     service_client = common.service_client_for(config, service_client)
     rng = np.random.default_rng(config.seed)
     eval_problems = task.problems(config.eval_prompts, np.random.default_rng(config.seed + 10_000))
@@ -200,7 +222,8 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
             rollouts = sample_groups(sampler, tokenizer, task, problems, config.group_size, config.max_tokens,
                                      config.temperature, seed=config.seed * 100_000 + step)
             lr = common.lr_at(step - 1, config.steps, config.learning_rate, config.lr_schedule)
-            row = {"reward": float(np.mean(rollouts.rewards)), "groups_used": rollouts.groups_used,
+            row = {"reward": float(np.mean(rollouts.rewards)), "format": float(np.mean(rollouts.formats)),
+                   "groups_used": rollouts.groups_used,
                    "sample_tokens": rollouts.sample_tokens, "lr": lr}
             if rollouts.data:
                 fb = tc.forward_backward(rollouts.data, config.loss_fn, loss_fn_config=loss_fn_config)

@@ -11,35 +11,33 @@ the single source of truth: nothing is counted on the client.
 
 from __future__ import annotations
 
+import math
+
 import anywidget
 import traitlets as t
 
 from workbench.widgets.polling import Poller
 
 _ESM = """
-const money = (x, cur) => (cur === "USD" ? "$" : "") + Number(x || 0).toFixed(x < 0.01 ? 6 : 4) + (cur === "USD" ? "" : " " + cur);
-const num = (n) => Number(n || 0).toLocaleString();
 const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c]));
-const FIELDS = ["scope", "prefill_tokens", "sample_tokens", "train_tokens", "requests", "cost", "by_kind", "currency", "error"];
+const FIELDS = ["scope", "rows", "error"];
 
 export default {
   render({ model, el }) {
     el.classList.add("wb-cost");
     const draw = () => {
-      const cur = model.get("currency"), kinds = model.get("by_kind") || {};
-      const row = (label, key, kind) =>
-        `<tr><td>${label}</td><td style="text-align:right">${num(model.get(key))}</td>` +
-        `<td style="text-align:right">${money((kinds[kind] || {}).cost, cur)}</td></tr>`;
+      const rows = model.get("rows") || [];
       const error = model.get("error");
+      const cell = (text, cls) => `<td class="${cls}" style="padding:2px 10px;text-align:right">${esc(text)}</td>`;
       el.innerHTML =
         `<div style="font:12px sans-serif"><b>Cost · ${esc(model.get("scope"))}</b>` +
         `<table style="border-collapse:collapse">` +
-        `<tr><th></th><th style="text-align:right">tokens</th><th style="text-align:right">cost</th></tr>` +
-        row("prefill", "prefill_tokens", "prefill") + row("sample", "sample_tokens", "sample") +
-        row("train", "train_tokens", "train") +
-        `<tr><td><b>total</b></td><td style="text-align:right">${num(model.get("requests"))} req</td>` +
-        `<td style="text-align:right"><b>${money(model.get("cost"), cur)}</b></td></tr></table>` +
-        (error ? `<div style="color:#b00">${esc(error)}</div>` : "") + `</div>`;
+        `<tr><th></th><th style="padding:2px 10px;text-align:right">tokens</th>` +
+        `<th style="padding:2px 10px;text-align:right">cost</th></tr>` +
+        rows.map(([label, tokens, cost]) =>
+          `<tr data-kind="${esc(label)}"><td style="padding:2px 10px 2px 0">${label === "total" ? "<b>total</b>" : esc(label)}</td>` +
+          cell(tokens, "wb-cost-tokens") + cell(cost, "wb-cost-cost") + `</tr>`).join("") +
+        `</table>` + (error ? `<div style="color:#b00">${esc(error)}</div>` : "") + `</div>`;
     };
     draw();
     for (const f of FIELDS) model.on(`change:${f}`, draw);
@@ -47,6 +45,20 @@ export default {
   },
 };
 """
+
+KINDS = ("prefill", "sample", "train")
+
+
+def format_cost(cost: float, symbol: str = "$") -> str:
+    """A cost as the JupyterLab extension writes it (extension/src/format.ts, formatCost): below a
+    cent three significant digits, so a small model's fractions of a cent do not all read $0.00."""
+    if not math.isfinite(cost) or cost <= 0:
+        return f"{symbol}0.00"
+    if cost >= 1:
+        return f"{symbol}{cost:.2f}"
+    if cost >= 0.01:
+        return f"{symbol}{cost:.4f}"
+    return f"{symbol}{cost:.{min(20, 2 - math.floor(math.log10(cost)))}f}"
 
 
 def session_id_of(session) -> str | None:
@@ -69,22 +81,27 @@ def usage_scope(connection, session=None, training_run_id=None):
     session_id, run_id = session_id_of(session), run_id_of(training_run_id)
     if session_id is None and run_id is None:
         return "kernel", lambda after=0: connection.kernel_usage()
-    label = f"run {run_id}" if run_id else f"session {session_id}"
+    name = getattr(session, "_display_name", None)  # a ServiceClient knows its session's name
+    label = f"run {run_id}" if run_id else f"session {session_id}" + (f" ({name})" if name else "")
     return label, lambda after=0: connection.usage(session_id=session_id, training_run_id=run_id, after=after)
 
 
 class CostMeter(anywidget.AnyWidget):
-    """Tokens and money for a scope, refreshed every `poll_interval` seconds (None: only on refresh())."""
+    """Tokens and money for a scope, refreshed every `poll_interval` seconds (None: only on refresh()).
+
+    The numbers are traitlets (prefill_tokens, ..., cost, by_kind); `rows` is the table as the
+    browser shows it, formatted here once ([label, tokens, cost] per kind, then the total)."""
 
     _esm = _ESM
     scope = t.Unicode("kernel").tag(sync=True)
-    prefill_tokens = t.Int(0).tag(sync=True)
-    sample_tokens = t.Int(0).tag(sync=True)
-    train_tokens = t.Int(0).tag(sync=True)
-    requests = t.Int(0).tag(sync=True)
-    cost = t.Float(0.0).tag(sync=True)
-    by_kind = t.Dict().tag(sync=True)
-    currency = t.Unicode("USD").tag(sync=True)
+    prefill_tokens = t.Int(0)
+    sample_tokens = t.Int(0)
+    train_tokens = t.Int(0)
+    requests = t.Int(0)
+    cost = t.Float(0.0)
+    by_kind = t.Dict()
+    currency = t.Unicode("USD")
+    rows = t.List().tag(sync=True)
     error = t.Unicode("").tag(sync=True)
 
     def __init__(self, session=None, training_run_id=None, *, connection=None, poll_interval: float | None = 2.0):
@@ -100,14 +117,19 @@ class CostMeter(anywidget.AnyWidget):
 
     def refresh(self) -> dict:
         """Read the totals now; returns them (the usage API's `totals`)."""
-        totals = self._fetch(after=0)["totals"]
-        with self.hold_sync():  # one message to the browser, not nine
+        report = self._fetch(after=0)
+        totals = report["totals"]
+        symbol = "$" if report.get("currency", "USD") == "USD" else report["currency"] + " "
+        with self.hold_sync():  # one message to the browser
             self.prefill_tokens = totals["prefill_tokens"]
             self.sample_tokens = totals["sample_tokens"]
             self.train_tokens = totals["train_tokens"]
             self.requests = totals["requests"]
             self.cost = totals["cost"]
             self.by_kind = totals["by_kind"]
+            self.rows = [[kind, f"{totals[f'{kind}_tokens']:,}", format_cost(totals["by_kind"][kind]["cost"], symbol)]
+                         for kind in KINDS] + [["total", f"{totals['requests']:,} requests",
+                                                 format_cost(totals["cost"], symbol)]]
             self.error = ""
         return totals
 

@@ -1,10 +1,15 @@
-"""The training dashboard: loss per step from the usage ledger, locally logged metrics, tokens, cost.
+"""The training dashboard: loss per step from the usage ledger, metrics logged in the notebook,
+tokens and cost.
 
-    dash = workbench.Dashboard(training_run_id=tc.model_id)   # or session=service_client
+    dash = workbench.Dashboard(session=service_client)          # or training_run_id=tc
     display(dash)
-    for step in range(n):
+    for step in range(1, n + 1):
         fb = tc.forward_backward(batch, "cross_entropy"); tc.optim_step(adam).result()
-        dash.log(step, reward=mean_reward, kl=kl)              # anything computed in the notebook
+        dash.log(step, reward=mean_reward, kl=kl)                # anything computed in the notebook
+
+Steps count from 1: step k is the k-th optimizer step, and its loss is the forward_backward that
+came before it (the ledger's `step`, the optimizer steps taken so far, plus one). Metrics logged
+at step 0 are measurements of the initial weights (a held-out eval before training).
 
 Loss comes from the backend: every ForwardBackward row of the usage API's series carries
 metrics["loss:sum"] and the run's optimizer `step`. Rows are read incrementally (the API's cursor)
@@ -12,33 +17,61 @@ by refresh(), which a background poller calls every `poll_interval` seconds, so 
 while the training cell is still running. Several ForwardBackward rows at one step (gradient
 accumulation) are summed, as losses are sums over tokens.
 
+Each panel is one plotly figure with a title and labelled axes: the loss, then one per logged
+metric (`panels={"reward": ["reward", "eval_reward"]}` puts several metrics on one panel). A panel
+is drawn once it has a point; until then the dashboard says in words what will appear. The panels
+wrap to the notebook's width. A panel's figure is drawn anew whenever its points change (see
+_draw_now for why), at most a few times a second.
+
 State is plain traitlets (loss_steps, loss_values, metrics, cost, tokens), so tests read it
 without a browser; redraws are throttled (a few per second) because plotly re-sends whole traces.
 """
 
 from __future__ import annotations
 
+import copy
 import html
+import math
 import threading
 
 import ipywidgets as w
 import plotly.graph_objects as go
 import traitlets as t
 
-from workbench.widgets.cost import run_id_of, session_id_of
+from workbench import sdk_hooks
+from workbench.widgets.cost import format_cost, run_id_of, session_id_of
 from workbench.widgets.polling import Poller
 from workbench.widgets.throttle import Throttle
 
 LOSS_TYPE = "ForwardBackward"
+LOSS_PANEL = "loss per step (loss:sum, summed over tokens)"
 PAGE = 1000
+PANEL_WIDTH, PANEL_HEIGHT = 440, 250
 
 
-def _figure(title: str, y_title: str) -> go.FigureWidget:
-    fig = go.FigureWidget(layout=go.Layout(
-        title=title, height=280, margin=dict(l=50, r=10, t=40, b=40),
-        xaxis_title="step", yaxis_title=y_title, legend=dict(orientation="h", y=-0.25),
-    ))
-    return fig
+def _figure(title: str, y_title: str, series: dict[str, tuple[list, list]]) -> go.Figure:
+    last = max((max(xs) for xs, _ in series.values() if xs), default=1)
+    return go.Figure(
+        data=[go.Scatter(x=xs, y=ys, mode="lines+markers", name=name) for name, (xs, ys) in series.items()],
+        layout=go.Layout(
+            title=dict(text=title, font=dict(size=14)), width=PANEL_WIDTH, height=PANEL_HEIGHT,
+            margin=dict(l=60, r=15, t=40, b=45), showlegend=len(series) > 1,
+            legend=dict(orientation="h", y=-0.3), xaxis=dict(title=dict(text="step"), dtick=_dtick(last)),
+            yaxis=dict(title=dict(text=y_title)),
+        ),
+    )
+
+
+def _as_output(figure: go.Figure) -> dict:
+    """The figure as one display_data output, drawn by JupyterLab's plotly renderer (jupyterlab-plotly)."""
+    return {"output_type": "display_data", "metadata": {},
+            "data": {"application/vnd.plotly.v1+json": {**figure.to_plotly_json(), "config": {"displaylogo": False}},
+                     "text/plain": f"<plotly figure: {figure.layout.title.text}>"}}
+
+
+def _dtick(last_step: int) -> int:
+    """Whole steps on the x axis, at most about eight ticks."""
+    return max(1, math.ceil(last_step / 8))
 
 
 class Dashboard(w.VBox):
@@ -55,20 +88,26 @@ class Dashboard(w.VBox):
     cursor = t.Int(0)
     error = t.Unicode("")
 
-    def __init__(self, training_run_id=None, session=None, *, connection=None, poll_interval: float | None = 1.0,
-                 redraw_interval: float = 0.3):
+    def __init__(self, training_run_id=None, session=None, *, panels: dict[str, list[str]] | None = None,
+                 connection=None, poll_interval: float | None = 1.0, redraw_interval: float = 0.3):
         from workbench.connect import current
 
         self.connection = connection or current()
         run_id, session_id = run_id_of(training_run_id), session_id_of(session)
         if run_id is None and session_id is None:
             raise ValueError("Dashboard needs training_run_id= (an id or a TrainingClient) or session=")
-        self.loss_fig = _figure("loss per step (sum over tokens)", "loss")
-        self.metrics_fig = _figure("logged metrics", "value")
+        self.scope = f"run {run_id}" if run_id else f"session {session_id}"
+        self.panel_of = {name: title for title, names in (panels or {}).items() for name in names}
+        self.slots: dict[str, w.Output] = {}  # panel title -> the output that shows it, in drawing order
+        self.figures: dict[str, go.Figure] = {}  # panel title -> the figure it shows
+        self._drawn: dict[str, dict] = {}  # panel title -> the series its figure shows
+        self.panels = w.Box(layout=w.Layout(display="flex", flex_flow="row wrap", width="100%"))
+        self.note = w.HTML()  # what is not drawn yet, in words
         self.stats = w.HTML()
-        super().__init__([w.HBox([self.loss_fig, self.metrics_fig]), self.stats])
+        super().__init__([self.note, self.panels, self.stats])
+        self.add_class("wb-dashboard")
         self.training_run_id, self.session_id = run_id, session_id
-        self._losses: dict[tuple[str, int], float] = {}  # (run, step) -> summed loss, insertion-ordered
+        self._losses: dict[tuple[str, int], list[float]] = {}  # (run, step) -> its losses, insertion-ordered
         self._lock = threading.Lock()  # refresh() runs on the poller thread and on demand
         self._draw_lock = threading.Lock()  # so do redraws (the throttle's timer and the caller)
         self._redraw = Throttle(self._draw, redraw_interval)
@@ -95,14 +134,16 @@ class Dashboard(w.VBox):
             for row in rows:
                 loss = (row.get("metrics") or {}).get("loss:sum")
                 if row["request_type"] == LOSS_TYPE and loss is not None and row.get("step") is not None:
-                    key = (row["training_run_id"], int(row["step"]))
-                    self._losses[key] = self._losses.get(key, 0.0) + float(loss)
+                    key = (row["training_run_id"], int(row["step"]) + 1)  # the optimizer step it leads to
+                    self._losses.setdefault(key, []).append(float(loss))
             totals = report["totals"]
+            # A custom loss's surrogate becomes the user's loss once this process has its result.
+            values = [sum(sdk_hooks.user_loss(run, loss) for loss in losses) for (run, _), losses in self._losses.items()]
             with self.hold_trait_notifications():
-                if rows:
+                if values != self.loss_values:
                     self.loss_runs = [run for run, _ in self._losses]
                     self.loss_steps = [step for _, step in self._losses]
-                    self.loss_values = list(self._losses.values())
+                    self.loss_values = values
                 self.cursor = report["cursor"]
                 self.cost = totals["cost"]
                 self.requests = totals["requests"]
@@ -113,7 +154,7 @@ class Dashboard(w.VBox):
                 return new
 
     def log(self, step: int, **values: float) -> None:
-        """Record metrics computed in the notebook (reward=..., kl=...) at `step`."""
+        """Record metrics computed in the notebook (reward=..., kl=...) at `step` (see the module doc)."""
         metrics = {name: {"steps": list(m["steps"]), "values": list(m["values"])} for name, m in self.metrics.items()}
         for name, value in values.items():
             series = metrics.setdefault(name, {"steps": [], "values": []})
@@ -132,21 +173,55 @@ class Dashboard(w.VBox):
         with self._draw_lock:
             self._draw_now()
 
-    def _draw_now(self) -> None:
+    def panel_series(self) -> dict[str, tuple[str, dict[str, tuple[list, list]]]]:
+        """What each panel shows: title -> (y-axis title, {trace name: (steps, values)})."""
         by_run: dict[str, tuple[list, list]] = {}
         for run, step, value in zip(self.loss_runs, self.loss_steps, self.loss_values):
-            xs, ys = by_run.setdefault(run, ([], []))
+            xs, ys = by_run.setdefault(run or "loss", ([], []))
             xs.append(step)
             ys.append(value)
-        _set_traces(self.loss_fig, {run or "loss": xy for run, xy in by_run.items()})
-        _set_traces(self.metrics_fig, {name: (m["steps"], m["values"]) for name, m in self.metrics.items()})
+        panels = {LOSS_PANEL: ("loss:sum", by_run)} if by_run else {}
+        for name, m in self.metrics.items():
+            title = self.panel_of.get(name, name)
+            panels.setdefault(title, (title, {}))[1][name] = (m["steps"], m["values"])
+        return panels
+
+    def _draw_now(self) -> None:
+        panels = self.panel_series()
+        for title, (y_title, series) in panels.items():
+            if self._drawn.get(title) == series:
+                continue
+            # Each panel is an Output showing the figure as data (plotly's mimetype), replaced whole
+            # when its points change. Not a plotly FigureWidget: each of those carries plotly.js
+            # (5 MB) in its synced state, so a page reload that restores a few of them from the
+            # kernel fails ("model not found" for every widget), and its in-place edits are
+            # messages that a view still drawing misses.
+            if title not in self.slots:
+                self.slots[title] = w.Output(layout=w.Layout(width=f"{PANEL_WIDTH + 10}px"))
+                self.panels.children = (*self.panels.children, self.slots[title])
+            self.figures[title] = _figure(title, y_title, series)
+            self.slots[title].outputs = (_as_output(self.figures[title]),)
+            self._drawn[title] = copy.deepcopy(series)
+        self.note.value = self._note(panels)
         tok = self.tokens
         error = f" · <span style='color:#b00'>{html.escape(self.error)}</span>" if self.error else ""
         self.stats.value = (
-            f"<span style='font:12px sans-serif'>tokens: prefill {tok.get('prefill', 0):,} · "
-            f"sample {tok.get('sample', 0):,} · train {tok.get('train', 0):,} · {self.requests} requests · "
-            f"<b>cost ${self.cost:.6f}</b>{error}</span>"
+            f"<span class='wb-dashboard-cost' style='font:12px sans-serif' data-cost='{self.cost!r}'>"
+            f"{html.escape(self.scope)} · tokens: prefill {tok.get('prefill', 0):,} · sample {tok.get('sample', 0):,} · "
+            f"train {tok.get('train', 0):,} · {self.requests} requests · <b>cost {format_cost(self.cost)}</b>"
+            f"{error}</span>"
         )
+
+    def _note(self, panels: dict) -> str:
+        waiting = []
+        if LOSS_PANEL not in panels:
+            waiting.append("the loss of each forward_backward (none has run yet)")
+        if not self.metrics:
+            waiting.append("metrics computed in the notebook (none logged yet: dashboard.log(step, reward=...))")
+        if not waiting:
+            return ""
+        return ("<div class='wb-dashboard-empty' style='font:12px sans-serif;color:#666'>Not plotted yet: "
+                + "; ".join(waiting) + ".</div>")
 
     def _show_error(self, error: Exception) -> None:
         self.error = str(error)
@@ -163,17 +238,6 @@ class Dashboard(w.VBox):
 
     def close(self) -> None:
         self.stop()
-        for child in (self.loss_fig, self.metrics_fig, self.stats):
+        for child in (*self.slots.values(), self.panels, self.note, self.stats):
             child.close()
         super().close()
-
-
-def _set_traces(fig: go.FigureWidget, series: dict[str, tuple[list, list]]) -> None:
-    """Make `fig` show exactly `series` (name -> (x, y)), in one message to the browser."""
-    with fig.batch_update():
-        existing = {trace.name: trace for trace in fig.data}
-        for name, (xs, ys) in series.items():
-            if name in existing:
-                existing[name].x, existing[name].y = xs, ys
-            else:
-                fig.add_scatter(x=xs, y=ys, mode="lines+markers", name=name)

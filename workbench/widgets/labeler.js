@@ -29,6 +29,7 @@ const CSS = `
 .wb-lab .wb-buttons{display:flex;gap:6px;flex-wrap:wrap;margin:8px 0}
 .wb-lab textarea{width:100%;box-sizing:border-box}
 .wb-lab .wb-muted{color:#666}
+.wb-lab .wb-cut{color:#666;font-style:italic}
 `;
 
 const BUTTONS = [
@@ -46,8 +47,8 @@ export default {
       <div class="wb-progress"><progress></progress> <span class="wb-count"></span> <span class="wb-muted wb-last"></span></div>
       <div class="wb-prompt"></div>
       <div class="wb-pair">
-        <div class="wb-side"><h4>A</h4><div class="wb-a"></div></div>
-        <div class="wb-side"><h4>B</h4><div class="wb-b"></div></div>
+        <div class="wb-side"><h4>A</h4><span class="wb-a"></span><span class="wb-cut wb-cut-a"> … (cut off: the sample reached its token limit)</span></div>
+        <div class="wb-side"><h4>B</h4><span class="wb-b"></span><span class="wb-cut wb-cut-b"> … (cut off: the sample reached its token limit)</span></div>
       </div>
       <div class="wb-buttons"></div>
       <textarea rows="2" placeholder="optional rationale (shortcuts are off while typing here; Esc to leave)"></textarea>
@@ -88,13 +89,15 @@ export default {
       $(".wb-prompt").textContent = model.get("prompt");
       $(".wb-a").textContent = model.get("text_a");
       $(".wb-b").textContent = model.get("text_b");
+      $(".wb-cut-a").style.display = model.get("cut_a") ? "inline" : "none";
+      $(".wb-cut-b").style.display = model.get("cut_b") ? "inline" : "none";
       $(".wb-pair").style.display = finished ? "none" : "flex";
       $(".wb-prompt").style.display = finished ? "none" : "block";
       $(".wb-done").style.display = finished ? "block" : "none";
       root.querySelector('[data-action="undo"]').disabled = !model.get("can_undo");
     };
     const newItem = () => { shownAt = Date.now(); rationale.value = model.get("rationale"); draw(); };
-    const fields = ["done", "total", "finished", "last_action", "prompt", "text_a", "text_b", "can_undo"];
+    const fields = ["done", "total", "finished", "last_action", "prompt", "text_a", "text_b", "cut_a", "cut_b", "can_undo"];
     for (const f of fields) model.on(`change:${f}`, draw);
     model.on("change:item_id", newItem);
     newItem();

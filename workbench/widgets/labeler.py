@@ -14,7 +14,8 @@ nothing: a new Labeler on the same file replays it and resumes at the first unla
 The browser sends choices as anywidget custom messages ({"type": "label", "choice": "A", ...} or
 {"type": "undo"}), handled by `_on_message`; `choose()` / `undo()` are the same actions from
 Python. Items accepted: dicts with `prompt` and `completions` (two), or `a` and `b`, optionally
-`models` (two) or `model_a`/`model_b` and an `id`; (prompt, a, b) tuples; or a DataFrame of those.
+`models` (two) or `model_a`/`model_b`, an `id`, and `truncated` (two booleans: the sample stopped
+at its token limit, mid-sentence; the labeler marks it so); (prompt, a, b) tuples; or a DataFrame.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def _normalize(item, position: int) -> dict:
     models = item.get("models") or [item.get("model_a"), item.get("model_b")]
     key = json.dumps([item["prompt"], *completions], ensure_ascii=False)
     item_id = str(item.get("id") or hashlib.sha1(key.encode()).hexdigest()[:12])  # stable across restarts
+    truncated = [bool(x) for x in (item.get("truncated") or [False, False])]
     return {"id": item_id, "prompt": str(item["prompt"]), "completions": [str(c) for c in completions],
-            "models": list(models)}
+            "models": list(models), "truncated": truncated}
 
 
 def read_labels(path: str | Path) -> list[dict]:
@@ -80,6 +82,8 @@ class Labeler(anywidget.AnyWidget):
     prompt = t.Unicode("").tag(sync=True)
     text_a = t.Unicode("").tag(sync=True)
     text_b = t.Unicode("").tag(sync=True)
+    cut_a = t.Bool(False).tag(sync=True)  # the completion shown as A was cut at its token limit
+    cut_b = t.Bool(False).tag(sync=True)
     rationale = t.Unicode("").tag(sync=True)  # pre-filled after an undo
     done = t.Int(0).tag(sync=True)
     total = t.Int(0).tag(sync=True)
@@ -229,6 +233,7 @@ class Labeler(anywidget.AnyWidget):
             self.finished = item_id is None
             if item_id is None:
                 self.item_id = self.prompt = self.text_a = self.text_b = self.rationale = ""
+                self.cut_a = self.cut_b = False
                 return
             item = self._by_id[item_id]
             if item_id not in self._sides:  # the coin for this item, tossed once
@@ -236,6 +241,7 @@ class Labeler(anywidget.AnyWidget):
             left, right = self._sides[item_id]
             self.prompt = item["prompt"]
             self.text_a, self.text_b = item["completions"][left], item["completions"][right]
+            self.cut_a, self.cut_b = item["truncated"][left], item["truncated"][right]
             self.rationale = rationale
             self.item_id = item_id  # last: the browser resets its timer on this change
             self._shown_at = time.monotonic()

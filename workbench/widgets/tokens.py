@@ -9,12 +9,28 @@ so they are easy to test and work in any front end that renders text/html.
 
 from __future__ import annotations
 
+import functools
 import html
 import math
 from typing import Sequence
 
 MAX_ALPHA = 0.85  # keep the text readable on the strongest colour
 RED, GREEN = (220, 40, 40), (30, 160, 60)
+
+
+@functools.lru_cache(maxsize=4)
+def local_tokenizer(base_model: str | None = None):
+    """The base model's tokenizer from this machine's model store (where the local backend keeps it).
+
+    TrainingClient.get_tokenizer() asks the backend where its tokenizer is; SamplingClient.get_tokenizer()
+    looks the name up on the Hugging Face hub, which fails offline, so use this with a sampling client.
+    Raises for a model this machine does not have."""
+    from transformers import AutoTokenizer
+
+    from kernel_backend import models
+    from kernel_backend.config import Settings
+
+    return AutoTokenizer.from_pretrained(models.resolve(base_model or models.DEFAULT_MODEL, Settings().models_dir)[1])
 
 
 def token_pieces(token_ids: Sequence[int], tokenizer=None) -> list[str]:
@@ -37,10 +53,12 @@ def token_color(value: float | None, mode: str = "logprob", scale: float = 1.0) 
     return f"rgba({rgb[0]},{rgb[1]},{rgb[2]},{alpha * MAX_ALPHA:.3f})"
 
 
-def token_html(tokens: Sequence[str], values: Sequence[float | None] | None, mode: str = "logprob") -> str:
+def token_html(tokens: Sequence[str], values: Sequence[float | None] | None, mode: str = "logprob",
+               muted: Sequence[bool] | None = None) -> str:
     """`tokens` as <span>s coloured by `values` (one per token; None leaves a token plain).
 
     Each span's title shows the value, so hovering a token tells its logprob or advantage.
+    `muted` tokens (e.g. a prompt's, of weight 0) are drawn faded.
     """
     values = list(values) if values is not None else [None] * len(tokens)
     if len(values) != len(tokens):
@@ -48,9 +66,11 @@ def token_html(tokens: Sequence[str], values: Sequence[float | None] | None, mod
     finite = [abs(v) for v in values if v is not None and math.isfinite(v)]
     scale = max(finite, default=1.0) or 1.0  # advantage: the largest magnitude is full colour
     spans = []
-    for text, value in zip(tokens, values):
+    muted = list(muted) if muted is not None else [False] * len(tokens)
+    for text, value, faded in zip(tokens, values, muted + [False] * (len(tokens) - len(muted))):
         color = token_color(value, mode, scale)
-        style = f' style="background-color:{color}"' if color else ""
+        css = (f"background-color:{color};" if color else "") + ("opacity:0.45;" if faded else "")
+        style = f' style="{css}"' if css else ""
         title = f' title="{mode} {value:.4f}"' if value is not None and math.isfinite(value) else ""
         spans.append(f'<span class="wb-tok"{style}{title}>{html.escape(text)}</span>')
     return ('<div class="wb-tokens" style="white-space:pre-wrap;font-family:monospace;line-height:1.6">'

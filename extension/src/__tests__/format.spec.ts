@@ -5,10 +5,12 @@ import {
   formatTokens,
   plural,
   shortModel,
+  notebookTotals,
   statusText,
-  statusTooltip
+  statusTooltip,
+  totalTokens
 } from '../format';
-import { IRunning } from '../types';
+import { ILab, ISession } from '../types';
 
 describe('formatCost', () => {
   it('keeps three significant digits below a cent', () => {
@@ -66,27 +68,39 @@ describe('small labels', () => {
 });
 
 describe('status item', () => {
-  const running: IRunning = {
-    sessions: 2,
-    prefill_tokens: 100,
-    sample_tokens: 50,
-    train_tokens: 1850,
-    cost: 0.000456,
-    by_kind: {
-      prefill: { tokens: 100, cost: 0.00001 },
-      sample: { tokens: 50, cost: 0.000046 },
-      train: { tokens: 1850, cost: 0.0004 }
-    }
-  };
-  it('shows the running cost and all tokens', () => {
-    expect(statusText(running)).toBe('Stepwise $0.000456 · 2k tok');
+  const sessions: ISession[] = [
+    { session_id: 'a', status: 'active', created_at: '2026-01-01T00:00:00Z', age_s: 5,
+      display_name: '00_quickstart.ipynb', base_model: null, lora_rank: null, training_run_ids: [], steps: 3,
+      last_loss: null, prefill_tokens: 100, sample_tokens: 50, train_tokens: 1850, cost: 0.000456,
+      checkpoints: [], backend: 'http://127.0.0.1:1' },
+    { session_id: 'b', status: 'finished', created_at: '2026-01-01T00:00:00Z', age_s: 5,
+      display_name: '00_quickstart.ipynb', base_model: null, lora_rank: null, training_run_ids: [], steps: 3,
+      last_loss: null, prefill_tokens: 9, sample_tokens: 9, train_tokens: 9, cost: 0.9,
+      checkpoints: [], backend: 'http://127.0.0.1:1' }
+  ];
+  const lab: ILab = { since: '2026-01-01T09:30:00+00:00', sessions: 4, prefill_tokens: 1000, sample_tokens: 500,
+    train_tokens: 12000, cost: 0.0123 };
+
+  it("adds up the current notebook's running sessions, matched by its file name", () => {
+    const mine = notebookTotals(sessions, 'notebooks/00_quickstart.ipynb')!;
+    expect(mine.sessions).toBe(1); // the finished one no longer runs
+    expect(mine.cost).toBe(0.000456);
+    expect(totalTokens(mine)).toBe(2000);
+    expect(notebookTotals(sessions, 'other.ipynb')).toBeNull();
+    expect(notebookTotals(sessions, null)).toBeNull();
+  });
+  it("shows the notebook's cost and tokens, then the lab's; the lab's alone elsewhere", () => {
+    const mine = notebookTotals(sessions, '00_quickstart.ipynb');
+    expect(statusText(mine, lab)).toBe('Stepwise $0.000456 · 2k tok · lab $0.0123');
+    expect(statusText(null, lab)).toBe('Stepwise lab $0.0123 · 13.5k tok');
   });
   it('splits prefill, sample and train in the tooltip', () => {
-    expect(statusTooltip(running, '€').split('\n')).toEqual([
-      '2 running sessions, €0.000456',
-      'prefill: 100 tokens, €0.0000100',
-      'sample: 50 tokens, €0.0000460',
-      'train: 1.9k tokens, €0.000400'
+    const mine = notebookTotals(sessions, '00_quickstart.ipynb');
+    expect(statusTooltip('00_quickstart.ipynb', mine, lab, '€').split('\n')).toEqual([
+      '00_quickstart.ipynb: 1 running session, €0.000456',
+      '  prefill 100 · sample 50 · train 1.9k tokens',
+      'This lab since 2026-01-01 09:30 UTC: 4 sessions, €0.0123',
+      '  prefill 1k · sample 500 · train 12k tokens'
     ]);
   });
 });

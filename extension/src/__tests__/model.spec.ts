@@ -1,4 +1,4 @@
-import { emptyRunning, SessionsModel, sortSessions } from '../model';
+import { emptyLab, emptyRunning, SessionsModel, sortSessions } from '../model';
 import { IReport, ISession } from '../types';
 
 function session(id: string, status: string, created_at: string, extra: Partial<ISession> = {}): ISession {
@@ -27,6 +27,7 @@ function report(sessions: ISession[], cost = 0): IReport {
   return {
     sessions,
     running: { ...emptyRunning(), sessions: sessions.length, cost },
+    lab: emptyLab(),
     backends: [],
     currency: 'USD',
     runtime_dir: '/tmp/runtime',

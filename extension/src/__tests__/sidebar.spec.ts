@@ -6,7 +6,7 @@
 
 import './jsdom-shims';
 
-import { emptyRunning, SessionsModel } from '../model';
+import { emptyLab, emptyRunning, SessionsModel } from '../model';
 import { SessionsSidebar } from '../sidebar';
 import { IReport, ISession } from '../types';
 
@@ -42,6 +42,7 @@ function report(sessions: ISession[], extra: Partial<IReport> = {}): IReport {
   return {
     sessions,
     running: { ...emptyRunning(), sessions: 1, cost: 0.000123 },
+    lab: { ...emptyLab(), sessions: 2, cost: 0.000456 },
     backends: [
       { base_url: 'http://127.0.0.1:1', embedded: true, started: '', kernel_pids: [1], sessions: 1, error: null }
     ],
@@ -75,7 +76,7 @@ describe('SessionsSidebar', () => {
     expect(text(row, 'train')).toBe('train 1.5k');
     expect(text(row, 'cost')).toBe('$0.000123');
     expect(text(row, 'age')).toBe('1m 15s');
-    expect(node.querySelector('.jp-StepwiseSidebar-summary')!.textContent).toBe('1 session · 1 running · $0.000123');
+    expect(node.querySelector('.jp-StepwiseSidebar-summary')!.textContent).toBe('1 session · 1 running · $0.000123 · lab $0.000456');
     model.dispose();
   });
 

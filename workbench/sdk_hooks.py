@@ -1,0 +1,128 @@
+"""What connect() adds to the official tinker SDK's clients, all in this file.
+
+The SDK's results carry numbers, not what produced them, and a custom loss never reaches the server:
+
+1. A ForwardBackwardOutput has one logprob per target position, but neither the tokens nor the
+   weights; a SampleResponse has token ids but no tokenizer. So `forward`, `forward_backward` and
+   `sample` are wrapped to remember what each call was given (the datums, the client), in a short
+   list of recent calls. The step-through reprs (widgets/reprs.py) find the call a result came from
+   by its shape and show token text, the weights, and the weighted sum that makes `loss:sum`.
+2. `forward_backward_custom` computes the user's loss in this process and sends the server a
+   linear surrogate whose gradient matches; the server's ledger, and so the sidebar and the
+   dashboard, would show the surrogate (about 0). The wrapper reports the loss the user's
+   function returned (POST /api/v1/usage/custom_loss) once the result is in, and keeps it here for
+   this process's dashboards (`user_loss`), which may have read the row before the report.
+
+Each wrapper calls the SDK's own method and changes nothing it returns. `install()` is idempotent.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+import threading
+from dataclasses import dataclass
+
+RECENT = 32  # calls remembered; a repr looks for its result's call among them
+
+_lock = threading.Lock()
+_recent: collections.deque = collections.deque(maxlen=RECENT)
+_custom_losses: dict[str, list[tuple[float, float]]] = {}  # run id -> [(surrogate loss, the user's loss)]
+
+
+@dataclass
+class Call:
+    """One recorded SDK call: `kind` is "forward_backward" (forward too) or "sample"."""
+
+    kind: str
+    client: object
+    data: list | None = None  # forward / forward_backward: the datums
+    num_samples: int = 0      # sample
+
+
+def recent_calls(kind: str) -> list[Call]:
+    """The remembered calls of one kind, newest first."""
+    with _lock:
+        return [call for call in reversed(_recent) if call.kind == kind]
+
+
+def user_loss(training_run_id: str, loss: float) -> float:
+    """The user's loss for a ledger loss that is a custom loss's surrogate (from this process), else `loss`."""
+    with _lock:
+        pairs = list(_custom_losses.get(training_run_id, ()))
+    for surrogate, mine in reversed(pairs):
+        if math.isclose(surrogate, loss, rel_tol=1e-5, abs_tol=1e-9):
+            return mine
+    return loss
+
+
+def _remember(call: Call) -> None:
+    with _lock:
+        _recent.append(call)
+
+
+def install() -> None:
+    from tinker import SamplingClient, TrainingClient
+
+    for cls, name, wrapper in ((TrainingClient, "forward", _wrap_forward),
+                               (TrainingClient, "forward_backward", _wrap_forward),
+                               (TrainingClient, "forward_backward_custom", _wrap_custom),
+                               (SamplingClient, "sample", _wrap_sample)):
+        method = getattr(cls, name)
+        if not getattr(method, "_stepwise_wrapped", False):
+            wrapped = functools.wraps(method)(wrapper(method))
+            wrapped._stepwise_wrapped = True
+            setattr(cls, name, wrapped)
+
+
+def _wrap_forward(method):
+    def forward(self, data, *args, **kwargs):
+        _remember(Call("forward_backward", self, data=list(data)))
+        return method(self, data, *args, **kwargs)
+
+    return forward
+
+
+def _wrap_sample(method):
+    def sample(self, prompt, num_samples, *args, **kwargs):
+        _remember(Call("sample", self, num_samples=int(num_samples)))
+        return method(self, prompt, num_samples, *args, **kwargs)
+
+    return sample
+
+
+def _wrap_custom(method):
+    def forward_backward_custom(self, data, loss_fn, *args, **kwargs):
+        _remember(Call("forward_backward", self, data=list(data)))
+        future = method(self, data, loss_fn, *args, **kwargs)
+        inner = future.future() if hasattr(future, "future") else None
+        if inner is not None:
+            inner.add_done_callback(lambda done: _report_custom_loss(self, done))
+        return future
+
+    return forward_backward_custom
+
+
+def _report_custom_loss(training_client, done) -> None:
+    """Tell the ledger what the user's loss was for the surrogate forward_backward it recorded."""
+    if done.cancelled() or done.exception() is not None:
+        return
+    metrics = dict(done.result().metrics)
+    if "surrogate_loss:sum" not in metrics:
+        return  # a loss the server ran itself (a LossHandle with a loss_id): the ledger has it
+    with _lock:
+        _custom_losses.setdefault(training_client.model_id, []).append(
+            (float(metrics["surrogate_loss:sum"]), float(metrics["loss:sum"])))
+    from workbench.connect import _connections
+
+    base_url = getattr(training_client.holder, "_base_url", None) or ""
+    for conn in list(_connections):
+        if conn.base_url.rstrip("/") == base_url.rstrip("/"):
+            try:
+                conn.http.post("/api/v1/usage/custom_loss", timeout=10, json={
+                    "training_run_id": training_client.model_id, "surrogate_loss": metrics["surrogate_loss:sum"],
+                    "metrics": {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}})
+            except Exception:  # noqa: BLE001 - a display nicety; training goes on without it
+                pass
+            return
