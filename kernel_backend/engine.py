@@ -217,7 +217,7 @@ class Engine:
                 continue
             results[i] = ForwardResult(
                 loss_fn_outputs=[{"logprobs": lp.float().cpu().numpy()} for lp in logprobs_of[i]],
-                metrics=_merge_metrics(metrics_of[i]),
+                metrics=merge_metrics(metrics_of[i]),
             )
         return results
 
@@ -648,7 +648,7 @@ def _restore_grads(adapter: lora.Adapter, grads: list[torch.Tensor | None]) -> N
         p.grad = g
 
 
-def _merge_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+def merge_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
     """Combine per-micro-batch metrics: sums add, means weight by token count, min/max reduce."""
     if len(parts) == 1:
         return parts[0][0]

@@ -15,8 +15,11 @@ lanes as it has requests from, so a long generation cannot starve training, nor 
 generation. A job is never interrupted: a decode step waits for the job before it, and a job
 for the decode step before it.
 
-A job's outcome is handed to `on_done(job, status, payload, content_type)`; the service stores
-it with the job's usage (the ledger row) and wakes whoever is polling.
+A job's engine-side work is plain data (kernel_backend/ops.py: an `Op`, a `Pass` or a `SampleOp`), so
+the same scheduler runs in this process or inside an `EngineWorker` on Ray (kernel_backend/cluster.py).
+Its outcome, the op's plain result or the exception it raised, is handed to `on_done(job, outcome)`
+with the job's usage, metrics, duration and the run's step filled in; the service turns it into the
+reply and the ledger row (`Job.encode`) and wakes whoever is polling.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kernel_backend import ops
 from kernel_backend.engine import Engine, Pass
 from kernel_backend.metering import Usage
+from kernel_backend.ops import Op, SampleOp
 from kernel_backend.sampler import SampleRequest
 from kernel_backend.types import UserError, redact_paths
 
@@ -47,24 +52,37 @@ class Job:
     base_model: str
     # Ordering within a training lane; None for samplers and for a run's creation job.
     seq: int | None
-    # Either a plain function of the engine returning the reply...
-    run: Callable[[Engine], tuple[bytes, str]] | None = None
-    # ...or a forward(_backward) pass, batched with other lanes', whose result `encode` turns into the reply...
+    # The engine-side work, plain data (kernel_backend/ops.py), one of: an op (ops.run does it)...
+    op: Op | None = None
+    # ...or a forward(_backward) pass, batched with other lanes'...
     fb_pass: Pass | None = None
-    # ...or a sample request: `sample(engine)` (on this thread) validates it and returns the engine's
-    # SampleRequest, which decodes with all the others; `encode` turns its SampleResult into the reply.
-    sample: Callable[[Engine], SampleRequest] | None = None
+    # ...or a sample request, which joins its model's decoder (ops.sample_request validates it there).
+    sample: SampleOp | None = None
+    # Never sent to a worker: a function of the engine, made where it runs (the vLLM sampler's own calls; a
+    # worker's data-parallel steps around the op).
+    call: Callable[[Engine], object] | None = None
+    # The service's side, never sent to a worker: the outcome into the reply (bytes, content type), rows
+    # written on the way; a streaming sample's per-token callback and its cancel event.
     encode: Callable[[object], tuple[bytes, str]] | None = None
+    on_token: Callable | None = None
+    cancel: object | None = None
+    # A worker's own condition for running the job once it heads its lane (a data-parallel optim_step
+    # waits for its gradient all-reduce, cluster.py); called on the scheduler thread.
+    gate: Callable[[], bool] | None = None
     tokens: int = 0
+    # Data-parallel replicas a run's first job asks for (kernel_backend/cluster.py; None: the server's setting).
+    replicas: int | None = None
     # Who and what, for the ledger.
     tenant: str = ""
     session_id: str | None = None
     request_type: str = ""
     arrived: float = field(default_factory=time.monotonic)
-    # Filled in while it runs, for the ledger: tokens processed, metrics, seconds of compute.
+    # Filled in while it runs, for the ledger: tokens processed, metrics, seconds of compute, and the
+    # optim steps its training run has taken when it is done.
     usage: Usage | None = None
     metrics: dict = field(default_factory=dict)
     duration_s: float = 0.0
+    step: int | None = None
 
 
 @dataclass
@@ -80,17 +98,24 @@ class _Lane:
         if not self.ordered:
             return self.jobs[0]
         job = min(self.jobs, key=lambda j: -1 if j.seq is None else j.seq)
+        if job.gate is not None and not job.gate():
+            return None
         if job.seq is None or self.last_seq is None or job.seq <= self.last_seq + 1:
             return job
         return job if now - job.arrived > GAP_WAIT_S else None
 
 
 class Scheduler:
-    def __init__(self, load_engine: Callable[[str], Engine], on_done, max_batch_tokens: int) -> None:
+    def __init__(self, load_engine: Callable[[str], Engine], on_done, max_batch_tokens: int,
+                 ctx: ops.Context | None = None) -> None:
+        """`on_done(job, outcome)`: the op's result, or the exception it raised. `ctx`: what ops reach besides
+        the engine (the settings and the checkpoint store)."""
         self._load_engine = load_engine
         self._on_done = on_done
         self._max_batch_tokens = max_batch_tokens
+        self.ctx = ctx
         self.engines: dict[str, Engine] = {}
+        self._facts: dict[str, dict] = {}
         self._lanes: dict[str, _Lane] = {}
         self._turns: deque[str] = deque()  # lane ids in round-robin order
         self._cv = threading.Condition()
@@ -116,6 +141,13 @@ class Scheduler:
             self.engines[base_model] = self._load_engine(base_model)
         return self.engines[base_model]
 
+    def facts(self) -> dict[str, dict]:
+        """Each loaded base model's facts (ops.model_facts); any thread."""
+        for name, engine in list(self.engines.items()):
+            if name not in self._facts:
+                self._facts[name] = ops.model_facts(engine)
+        return dict(self._facts)
+
     def submit(self, job: Job, ordered: bool) -> None:
         with self._cv:
             lane = self._lanes.get(job.lane)
@@ -125,10 +157,32 @@ class Scheduler:
             lane.jobs.append(job)
             self._cv.notify_all()
 
-    def queue_depth(self, lane_id: str) -> int:
+    def queue_depth(self, lane_id: str | None = None) -> int:
+        """Jobs waiting in one lane, or in all of them."""
         with self._cv:
+            if lane_id is None:
+                return sum(len(lane.jobs) for lane in self._lanes.values()) + len(self._decoding)
             lane = self._lanes.get(lane_id)
             return len(lane.jobs) if lane else 0
+
+    def drop_lane(self, lane_id: str, error: Exception) -> None:
+        """Fail the jobs waiting in a lane (a run about to be restored from a snapshot: they were meant for
+        the state it leaves behind). A job running now finishes."""
+        with self._cv:
+            lane = self._lanes.get(lane_id)
+            dropped = list(lane.jobs) if lane else []
+            if lane:
+                lane.jobs.clear()
+                seqs = [job.seq for job in dropped if job.seq is not None]
+                if seqs:  # the next request need not wait for the dropped ones' sequence numbers
+                    lane.last_seq = max(seqs + ([lane.last_seq] if lane.last_seq is not None else []))
+        for job in dropped:
+            self._on_done(job, error)
+
+    def wake(self) -> None:
+        """Look at the lanes again now (a job's gate may have opened)."""
+        with self._cv:
+            self._cv.notify_all()
 
     # ---- the thread ---------------------------------------------------------------------------
 
@@ -224,7 +278,7 @@ class Scheduler:
         """Validate a sample job on its engine and hand it to the engine's decoder."""
         try:
             engine = self.engine(job.base_model)
-            request = job.sample(engine)
+            request = ops.sample_request(engine, self.ctx, job.sample, job.on_token, job.cancel)
         except Exception as e:  # bad input, an unknown sampler, a model that cannot load
             self._fail(job, e)
             return
@@ -255,7 +309,7 @@ class Scheduler:
         result = request.result
         job.usage = Usage(prefill_tokens=len(request.prompt), sample_tokens=sum(len(s.tokens) for s in result.sequences))
         job.duration_s = request.compute_s
-        self._finish(job, lambda: job.encode(result))
+        self._on_done(job, result)
 
     def _batch_partners(self, first: Job, now: float) -> list[Job]:
         """Other lanes' ready passes on the same base model, up to the token budget."""
@@ -295,32 +349,38 @@ class Scheduler:
                 job.metrics = result.metrics
                 kind = "prefill_tokens" if job.fb_pass.forward_only else "train_tokens"
                 job.usage = Usage(**{kind: job.tokens})
-                self._finish(job, lambda r=result, j=job: j.encode(r))
+                job.step = _steps(engine, job.lane)
+                self._on_done(job, result)
             return
         job = jobs[0]
-
-        def produce():
-            reply = job.run(engine)
-            job.duration_s = time.perf_counter() - start
-            return reply
-
-        self._finish(job, produce)
-
-    def _finish(self, job: Job, produce: Callable[[], tuple[bytes, str]]) -> None:
         try:
-            payload, content_type = produce()
+            result = job.call(engine) if job.call is not None else ops.run(engine, self.ctx, job.op)
         except Exception as e:
             self._fail(job, e)
             return
-        self._on_done(job, "done", payload, content_type)
+        job.duration_s = time.perf_counter() - start
+        job.step = _steps(engine, job.lane)
+        self._on_done(job, result)
 
     def _fail(self, job: Job, error: Exception) -> None:
-        if isinstance(error, UserError):
-            category = "user"
-        else:
-            category = "server"
-            log.error("request %s failed:\n%s", job.request_id, "".join(traceback.format_exception(error)))
-        self._on_done(job, "failed", error_payload(str(error), category), "application/json")
+        log_failure(job.request_id, error)
+        self._on_done(job, error)
+
+
+def _steps(engine: Engine, lane: str) -> int | None:
+    """Optim steps the lane's adapter has taken (None for a sampler, or an adapter the engine does not hold)."""
+    slot = engine.slots.get(lane)
+    return slot.steps if slot is not None else None
+
+
+def log_failure(request_id: str, error: Exception) -> None:
+    """Bad input is the user's and needs no log; anything else is ours: the log gets its traceback."""
+    if not isinstance(error, UserError):
+        log.error("request %s failed:\n%s", request_id, "".join(traceback.format_exception(error)))
+
+
+def failure_category(error: Exception) -> str:
+    return "user" if isinstance(error, UserError) else "server"
 
 
 def error_payload(message: str, category: str) -> bytes:

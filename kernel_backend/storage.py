@@ -162,6 +162,10 @@ class CheckpointStorage:
             verify_manifest(folder, name)
         return located[0]
 
+    def exists(self, key: str) -> bool:
+        """Whether a checkpoint is in place at `key`."""
+        return Path(self.root, key).is_dir() if self.fs is None else self.fs.exists(f"{self.root}/{key}")
+
     def files(self, location: str) -> list[str]:
         """The names of a checkpoint's files, as stored, without its manifest."""
         fs, path = _fs_of(location)

@@ -11,8 +11,8 @@ Three pieces, from the bottom up:
   (save_weights_and_get_sampling_client) stay until the service removes them; of the other versions
   the latest STEPWISE_VLLM_MAX_ADAPTERS used are kept, and the one used longest ago is unloaded.
 - `VllmSampling`: what the service calls. Sample jobs (Sample, Completion, ChatCompletion) come here
-  instead of the scheduler thread; each runs its usual function on a pool thread against an
-  `_EngineView`, which answers the engine calls a sample job makes (has_adapter, load_sampler,
+  instead of the scheduler thread; each runs its usual function (ops.sample_request) on a pool thread
+  against an `_EngineView`, which answers the engine calls a sample job makes (has_adapter, load_sampler,
   sample) with vLLM, after the engine's own validation. So admission, metering, idempotency, tenancy
   and error categories are the service's, unchanged; only the sampling moved.
 
@@ -42,10 +42,10 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kernel_backend import engine as engine_module, models, vllm_venv
+from kernel_backend import engine as engine_module, models, ops, vllm_venv
 from kernel_backend.config import Settings
 from kernel_backend.metering import Usage
-from kernel_backend.scheduler import Job, error_payload
+from kernel_backend.scheduler import Job, log_failure
 from kernel_backend.types import SampledSequence, SampleOptions, SampleResult, SamplingParams, UserError
 
 log = logging.getLogger("stepwise.vllm")
@@ -404,21 +404,16 @@ class VllmSampling:
         start = time.perf_counter()
         try:
             view = _EngineView(self, self._engine(job.base_model), job.base_model)
-            if job.sample is not None:  # the view's sample_request samples with vLLM right away
-                result = job.sample(view)
-                job.usage = Usage(prefill_tokens=job.tokens, sample_tokens=sum(len(s.tokens) for s in result.sequences))
-                payload, content_type = job.encode(result)
-            else:
-                payload, content_type = job.run(view)
+            # The job's usual function, with the view as its engine: its sample_request samples with vLLM right away.
+            result = ops.sample_request(view, self.scheduler.ctx, job.sample, job.on_token, job.cancel)
+            job.usage = Usage(prefill_tokens=job.tokens, sample_tokens=sum(len(s.tokens) for s in result.sequences))
         except Exception as e:  # as the scheduler does: bad input is the user's, anything else is logged
-            category = "user" if isinstance(e, UserError) else "server"
-            if category == "server":
-                log.exception("vLLM sample request %s failed", job.request_id)
-            self._on_done(job, "failed", error_payload(str(e), category), "application/json")
+            log_failure(job.request_id, e)
+            self._on_done(job, e)
             return
         job.duration_s = time.perf_counter() - start
         job.metrics.update(view.metrics)
-        self._on_done(job, "done", payload, content_type)
+        self._on_done(job, result)
 
     def _engine(self, base_model: str) -> engine_module.Engine:
         """The base model's engine (it validates requests and is the trainer), loaded if need be."""
@@ -434,10 +429,10 @@ class VllmSampling:
                 done.set_result(fn(engine))
             except Exception as e:
                 done.set_exception(e)
-            return b"{}", "application/json"
+            return {}
 
         # No request_type: the service keeps no future and no ledger row for it.
-        self.scheduler.submit(Job(uuid.uuid4().hex, f"vllm:{base_model}", base_model, seq=None, run=run), ordered=False)
+        self.scheduler.submit(Job(uuid.uuid4().hex, f"vllm:{base_model}", base_model, seq=None, call=run), ordered=False)
         return done.result(timeout=self.settings.vllm_startup_timeout_s)
 
     def logprob_gap(self, base_model: str, adapter_id: str | None, prompt: list[int], result: SampleResult) -> dict:

@@ -7,8 +7,9 @@
   use it must not depend on each other: each makes its own adapters with fresh ids (the
   `adapters` fixture does that and deletes them afterwards).
 - `tokenizer`: the default model's tokenizer.
-- `tinker_server`: a backend process like the embedded one; `shared_server`: one set up like a server
-  several people share (per-tenant caps on, small limits), for the hardening tests.
+- `tinker_server`: a backend process like the embedded one (with `--cluster`: on two Ray engine workers,
+  kernel_backend/cluster.py, so the official-SDK tests run against a cluster unchanged); `shared_server`:
+  one set up like a server several people share (per-tenant caps on, small limits), for the hardening tests.
 - `vllm_python`: the vLLM venv's interpreter (kernel_backend/vllm_venv.py), waiting for a build under
   way (make test starts one in the background), or a skip that says how to build it. Tests marked
   `vllm` run after all the others, to give that build time.
@@ -45,6 +46,16 @@ from helpers import default_tokenizer, new_id  # noqa: E402
 pytest_plugins = ["browser"]
 
 SHARED_MODELS = Path.home() / ".cache" / "stepwise" / "models"
+
+
+# `pytest --cluster`: tinker_server runs its engines on two Ray workers instead of in-process.
+CLUSTER_ENV = {"STEPWISE_WORKERS": "2", "STEPWISE_WORKER_THREADS": "1", "STEPWISE_RAY_NUM_CPUS": "2",
+               "STEPWISE_RAY_OBJECT_STORE_MB": "128"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cluster", action="store_true",
+                     help="run tinker_server (the official-SDK service tests) on two Ray engine workers")
 
 
 def pytest_collection_modifyitems(items):
@@ -114,14 +125,15 @@ def adapters(engine):
 
 
 @pytest.fixture(scope="session")
-def tinker_server(stepwise_home):
+def tinker_server(stepwise_home, pytestconfig):
     """A real backend process on a free loopback port, shared by the session's protocol tests.
 
     Its batch limit is lowered to 8192 tokens so the oversize-batch test stays small.
     """
     from servers import start_server
 
-    server = start_server(stepwise_home, env={"STEPWISE_MAX_BATCH_TOKENS": "8192"})
+    cluster = CLUSTER_ENV if pytestconfig.getoption("--cluster") else {}
+    server = start_server(stepwise_home, env={"STEPWISE_MAX_BATCH_TOKENS": "8192", **cluster}, timeout=600)
     yield server
     server.stop()
 

@@ -379,32 +379,28 @@ def test_chunked_prefill_a_full_cache_and_the_serial_loop_agree(engine, tokenize
 def test_a_training_job_finishes_while_a_long_sample_decodes(engine, tokenizer, adapters):
     """The real scheduler, engine and decoder: a forward_backward submitted while a 64-token sample
     decodes is done before the sample is, and the sample still comes out whole."""
-    import json
     import threading
     import time
 
+    from kernel_backend.ops import SampleOp
     from kernel_backend.scheduler import Job, Scheduler
 
     adapter = adapters(rank=4, seed=9)
-    done: list[tuple[str, str, bytes]] = []
+    done: list[tuple[str, object]] = []
     finished = threading.Event()
 
-    def on_done(job, status, payload, content_type):
-        done.append((job.request_id, status, payload))
+    def on_done(job, outcome):
+        done.append((job.request_id, outcome))
         if len(done) == 2:
             finished.set()
 
     scheduler = Scheduler(load_engine=lambda name: engine, on_done=on_done, max_batch_tokens=8192)
     scheduler.engine("default")
     prompt = chat_prompt(POEM_PROMPT, tokenizer)
-    long_sample = Job(
-        "long-sample", "a-sampler", "default", seq=None, tokens=len(prompt),
-        sample=lambda e: e.sample_request(None, prompt, 1, SamplingParams(max_tokens=64, temperature=0.0, stop=[])),
-        encode=lambda result: (json.dumps(result.sequences[0].tokens).encode(), "application/json"),
-    )
+    long_sample = Job("long-sample", "a-sampler", "default", seq=None, tokens=len(prompt),
+                      sample=SampleOp(None, prompt, 1, SamplingParams(max_tokens=64, temperature=0.0, stop=[])))
     datum = sft_datum(*FACTS[0], tokenizer)
-    training = Job("training", adapter, "default", seq=0, fb_pass=Pass(adapter, [datum]), tokens=len(datum.tokens),
-                   encode=lambda result: (b"{}", "application/json"))
+    training = Job("training", adapter, "default", seq=0, fb_pass=Pass(adapter, [datum]), tokens=len(datum.tokens))
     scheduler.start()
     try:
         scheduler.submit(long_sample, ordered=False)
@@ -416,9 +412,10 @@ def test_a_training_job_finishes_while_a_long_sample_decodes(engine, tokenizer, 
         assert finished.wait(120), done
     finally:
         scheduler.stop()
-    assert [(request_id, status) for request_id, status, _ in done] == [("training", "done"), ("long-sample", "done")]
+    assert [request_id for request_id, _ in done] == ["training", "long-sample"]
+    assert not any(isinstance(outcome, Exception) for _, outcome in done), done
     expected = engine.sample(None, prompt, 1, SamplingParams(max_tokens=64, temperature=0.0, stop=[]))
-    assert json.loads(done[1][2]) == expected.sequences[0].tokens
+    assert done[1][1].sequences[0].tokens == expected.sequences[0].tokens
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])

@@ -128,7 +128,10 @@ def test_only_registered_models_load_and_no_server_folder_is_shown(shared_server
 def test_admin_stats_takes_the_operators_key_only(shared_server):
     tenant = Api(shared_server, key=shared_server.make_key("curious"))
     refused(tenant.http.get("/admin/stats"), 403, "operator")
+    refused(tenant.http.get("/cluster"), 403, "operator")
     assert "adapters" in Api(shared_server).http.get("/admin/stats").json()  # STEPWISE_LOCAL_KEY's tenant
+    cluster = Api(shared_server).http.get("/cluster").json()  # the in-process engine, as one worker
+    assert cluster["mode"] == "in-process" and cluster["workers"][0]["models"] == [BASE]
 
 
 def test_the_database_is_readable_by_its_owner_only(shared_server):

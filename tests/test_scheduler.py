@@ -12,6 +12,7 @@ import threading
 import time
 
 from kernel_backend.engine import Pass
+from kernel_backend.ops import SampleOp
 from kernel_backend.sampler import SampleRequest
 from kernel_backend.scheduler import Job, Scheduler
 from kernel_backend.types import ForwardResult, SampleResult, SamplingParams
@@ -53,6 +54,10 @@ class RecordingEngine:
         self.batches: list[list[str]] = []
         self.log: list[str] = []
         self.decoder = CountingDecoder(self.log, step_s)
+        self.slots = {}
+
+    def sample_request(self, adapter_id, prompt, num_samples, params, *args, **options):
+        return SampleRequest(None, prompt, num_samples, params, set(), [])
 
     def run_passes(self, passes):
         self.batches.append([p.adapter_id for p in passes])
@@ -65,7 +70,7 @@ def make_scheduler(step_s: float = 0.0):
     done = threading.Event()
     finished: list[str] = []
 
-    def on_done(job, status, payload, content_type):
+    def on_done(job, outcome):
         finished.append(job.request_id)
         engine.log.append(f"done:{job.request_id}")
         done.set()
@@ -77,19 +82,16 @@ def make_scheduler(step_s: float = 0.0):
 
 def sample_job(request_id: str, lane: str, steps: int) -> Job:
     """A sample job whose request needs `steps` decode steps."""
-    def prepare(engine):
-        return SampleRequest(None, [1], 1, SamplingParams(max_tokens=steps), set(), [])
-
-    return Job(request_id, lane, "m", seq=None, sample=prepare, encode=lambda result: (b"{}", "application/json"))
+    return Job(request_id, lane, "m", seq=None, sample=SampleOp(None, [1], 1, SamplingParams(max_tokens=steps)))
 
 
 def recording_job(order, request_id, lane, seq, delay=0.0):
     def run(engine):
         time.sleep(delay)
         order.append(request_id)
-        return b"{}", "application/json"
+        return {}
 
-    return Job(request_id, lane, "m", seq=seq, run=run)
+    return Job(request_id, lane, "m", seq=seq, call=run)
 
 
 def wait_for(finished, n, timeout=10):
@@ -143,8 +145,7 @@ def test_a_missing_seq_id_is_waited_for_then_skipped():
 def test_passes_of_different_runs_are_batched_together():
     scheduler, engine, _, finished = make_scheduler()
     for lane in ("run-a", "run-b", "run-c"):
-        job = Job(f"{lane}-fb", lane, "m", seq=1, fb_pass=Pass(lane, []), tokens=100,
-                  encode=lambda result: (b"{}", "application/json"))
+        job = Job(f"{lane}-fb", lane, "m", seq=1, fb_pass=Pass(lane, []), tokens=100)
         scheduler.submit(job, ordered=True)
     scheduler.start()
     wait_for(finished, 3)

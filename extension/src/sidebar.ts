@@ -140,7 +140,8 @@ class SessionRow {
       ['rank', rank],
       ['steps', plural(session.steps, 'step')],
       ['loss', `loss ${formatLoss(session.last_loss)}`],
-      ['age', formatAge(session.age_s)]
+      ['age', formatAge(session.age_s)],
+      ['worker', session.worker ? `on ${session.worker}` : '']
     ]);
     setFacts(this._tokens, [
       ['prefill', `prefill ${formatTokens(session.prefill_tokens)}`],

@@ -29,6 +29,8 @@ export interface ISession {
   cost: number;
   checkpoints: ICheckpoint[];
   backend: string;
+  /** The engine worker its first run lives on, when the backend runs Ray workers (kernel_backend/cluster.py). */
+  worker?: string | null;
 }
 
 /** Sessions counted, their tokens by kind and their cost. */

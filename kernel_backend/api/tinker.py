@@ -117,8 +117,14 @@ def list_sessions(limit: int = Limit(20), offset: int = Offset, tenant: str = De
 def admin_stats(tenant: str = Depends(operator_of), svc: Service = Depends(service)):
     """What the backend holds in memory: adapters per base model, and the vLLM workers' adapter versions and
     start-up times when vLLM samples (the operator's key only)."""
-    return {"adapters": {name: len(engine.slots) for name, engine in svc.scheduler.engines.items()},
-            "vllm": svc.vllm.stats() if svc.vllm is not None else None}
+    return {"adapters": svc.adapter_counts(), "vllm": svc.vllm.stats() if svc.vllm is not None else None}
+
+
+@router.get("/cluster")
+def cluster(tenant: str = Depends(operator_of), svc: Service = Depends(service)):
+    """Where the engines run (the operator's key only): with Ray workers (kernel_backend/cluster.py) each worker's
+    state, device, memory, runs, samplers and queue, and where each run lives; else the in-process engine."""
+    return svc.cluster_report()
 
 
 @router.get("/get_server_capabilities")

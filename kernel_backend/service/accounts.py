@@ -167,6 +167,7 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
             "age_s": round((moment - utc(session.created_at)).total_seconds(), 1),
             "base_model": first.base_model if first else None,
             "lora_rank": first.lora_config["rank"] if first else None,
+            "worker": svc.worker_of(first.id) if first else None,  # with Ray workers: where its first run lives
             "training_run_ids": [r.id for r in runs_of[session.id]],
             "steps": int(steps.get(session.id, 0)),
             "last_loss": last_fb.get(session.id, {}).get("loss:sum"),

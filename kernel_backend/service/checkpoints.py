@@ -17,10 +17,9 @@ Who else may read a checkpoint (publishing, copies) is in publishing.py.
 from __future__ import annotations
 
 from kernel_backend import crypto, optimizers
-from kernel_backend.engine import Engine
+from kernel_backend.ops import Op
 from kernel_backend.service.core import NotFound, Service, audit, iso, json_result, new_id, train_key
 from kernel_backend.scheduler import Job
-from kernel_backend.storage import folder_size
 from kernel_backend.store import (
     CheckpointRow,
     KIND_SEGMENTS,
@@ -54,38 +53,28 @@ def save_weights(svc: Service, tenant: str, model_id: str, seq_id: int | None, n
     check_checkpoint_name(name)
     # Copies and external weights are kept at least an hour, as Tinker documents for them.
     expires = expiry(ttl_seconds, min_s=3600 if kind == "external" else 1)
-    recipients = crypto.age_recipients(age_recipients) if age_recipients is not None else None
+    if age_recipients is not None:
+        crypto.age_recipients(age_recipients)  # each one parses: a bad one is a 400 now, not a failed save later
     path = tinker_path(model_id, kind, name)
     key = svc.store.checkpoint_key(tenant, model_id, kind, name)
     request_type, answer_type = SAVE_REQUESTS[kind]
 
-    def save(engine: Engine):
+    def record(saved: dict):
+        """The files are in place (ops.save): the checkpoint's row, replacing an overwritten one's."""
         existing = svc.store.checkpoint_by_path(path)
-        if existing is not None and not overwrite:
-            raise UserError(f"checkpoint {path} already exists; pass overwrite=True or pick another name")
-        with svc.storage.writing(key) as (staging, located):
-            if kind == "training":
-                engine.save_state(model_id, staging)
-            else:
-                engine.save_weights_for_sampler(model_id, staging)
-            if kind == "sampler" and svc.vllm is not None:  # registered while the files are plain (before sealing)
-                svc.vllm.add_checkpoint(engine, run.base_model, path, staging)
-            if recipients is not None:
-                crypto.age_encrypt_folder(staging, recipients)
-            if svc.settings.encryption_key:  # sealed before it reaches the store
-                crypto.seal(staging, svc.settings.encryption_key)
-            size = folder_size(staging)
         if existing is not None:
             svc.store.delete_checkpoint(existing)
         svc.store.add(CheckpointRow(tinker_path=path, model_id=model_id, tenant=tenant, kind=kind, name=name,
-                                    directory=located[0], size_bytes=size, expires_at=expires,
+                                    directory=saved["location"], size_bytes=saved["size"], expires_at=expires,
                                     user_metadata=dict(user_metadata or {})),
                       audit(tenant, "checkpoint_created", tenant, tinker_path=path, model_id=model_id,
-                            size_bytes=size, age_encrypted=recipients is not None))
+                            size_bytes=saved["size"], age_encrypted=age_recipients is not None))
         answer = {"path": path, "type": answer_type}
-        return json_result({**answer, "size_bytes": size} if kind == "external" else answer)
+        return json_result({**answer, "size_bytes": saved["size"]} if kind == "external" else answer)
 
-    job = Job(new_id(), model_id, run.base_model, seq=seq_id, run=save)
+    op = Op("save", {"model_id": model_id, "kind": kind, "key": key, "path": path, "overwrite": overwrite,
+                     "base_model": run.base_model, "age_recipients": age_recipients})
+    job = Job(new_id(), model_id, run.base_model, seq=seq_id, op=op, encode=record)
     return svc.submit(tenant, request_type, train_key(model_id, seq_id), job, ordered=True, session_id=run.session_id)
 
 
@@ -94,23 +83,15 @@ def snapshot_for_sampler(svc: Service, tenant: str, model_id: str, seq_id: int, 
     run = svc.live_run(tenant, model_id)
     sampler_id = f"{run.session_id}:sample:{sampling_session_seq_id}"
 
-    def snapshot(engine: Engine):
-        engine.snapshot_sampler(model_id, sampler_id)
-        if svc.vllm is not None:
-            svc.vllm.add_snapshot(engine, run.base_model, sampler_id)
+    def record(_):
         if svc.store.get(SamplerRow, sampler_id) is None:
             svc.store.add(SamplerRow(id=sampler_id, session_id=run.session_id, tenant=tenant,
                                      base_model=run.base_model, source_model_id=model_id))
-        kept = svc.snapshots.setdefault(model_id, [])
-        kept.append(sampler_id)
-        while len(kept) > SNAPSHOTS_PER_RUN:
-            dropped = kept.pop(0)
-            engine.delete_adapter(dropped)
-            if svc.vllm is not None:
-                svc.vllm.remove(dropped)
         return json_result({"path": None, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
 
-    job = Job(new_id(), model_id, run.base_model, seq=seq_id, run=snapshot)
+    op = Op("snapshot", {"model_id": model_id, "sampler_id": sampler_id, "base_model": run.base_model,
+                         "keep": SNAPSHOTS_PER_RUN})
+    job = Job(new_id(), model_id, run.base_model, seq=seq_id, op=op, encode=record)
     return svc.submit(tenant, "SaveWeightsForSampler", train_key(model_id, seq_id), job, ordered=True,
                       session_id=run.session_id)
 
@@ -146,14 +127,10 @@ def load_weights(svc: Service, tenant: str, path: str, with_optimizer: bool, mod
             raise UserError(f"checkpoint {path} is for {source.base_model}, but {model_id} trains {run.base_model}")
         dedupe, seq = train_key(model_id, seq_id), seq_id
     target = model_id
-
-    def load(engine: Engine):
-        with svc.storage.open(checkpoint.directory, svc.settings.encryption_key, path) as plain:
-            engine.load_state(target, plain, with_optimizer=with_optimizer and checkpoint.kind == "training",
-                              optimizer=optimizer_type)
-        return json_result({"path": path, "model_id": target, "type": "load_weights"})
-
-    job = Job(new_id(), target, source.base_model, seq=seq, run=load)
+    op = Op("load_state", {"model_id": target, "location": checkpoint.directory, "path": path,
+                           "with_optimizer": with_optimizer and checkpoint.kind == "training", "optimizer": optimizer_type})
+    job = Job(new_id(), target, source.base_model, seq=seq, op=op,
+              encode=lambda _: json_result({"path": path, "model_id": target, "type": "load_weights"}))
     session = svc.store.get(ModelRow, target).session_id
     return svc.submit(tenant, "LoadWeights", dedupe, job, ordered=True, session_id=session)
 

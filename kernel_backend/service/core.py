@@ -26,14 +26,13 @@ import logging
 import threading
 import uuid
 
-from kernel_backend import keys, lora, models, runtime, signing
+from kernel_backend import keys, lora, models, ops, runtime, signing
 from kernel_backend.admission import Admission
 from kernel_backend.config import Settings
 from kernel_backend.engine import Engine
 from kernel_backend.keys import LOCAL_TENANT
 from kernel_backend.metering import Prices, Usage
-from kernel_backend.scheduler import Job, Scheduler, error_payload
-from kernel_backend.storage import CheckpointStorage
+from kernel_backend.scheduler import Job, Scheduler, error_payload, failure_category, log_failure
 from kernel_backend.store import (
     CheckpointRow,
     FutureRow,
@@ -108,24 +107,35 @@ class Service:
         self.settings = settings or Settings()
         self._lock_home()
         self.store = Store(self.settings.database_url)
-        self.storage = CheckpointStorage(self.settings.checkpoints_dir, self.settings.storage_url)
+        self.ctx = ops.Context.of(self.settings)  # what engine-side work reaches: settings, the checkpoint store
+        self.storage = self.ctx.storage
         self.prices = Prices(self.settings.prices_path or None)
         self.admission = Admission(self.settings, self.store, self.adapter_bytes)
         self.signing_key = signing.server_secret(self.store, self.settings.signing_key)
-        self._bytes_per_rank: dict[tuple, int] = {}
         self.scheduler = Scheduler(
             load_engine=lambda name: Engine(name, self.settings),
             on_done=self.on_done,
             max_batch_tokens=self.settings.max_batch_tokens,
+            ctx=self.ctx,
         )
         # STEPWISE_SAMPLER=vllm: sample jobs go to vLLM workers instead of the scheduler (kernel_backend/vllm_sampler.py).
         if self.settings.sampler not in ("batched", "serial", "vllm"):
             raise ValueError(f"STEPWISE_SAMPLER must be 'batched', 'serial' or 'vllm', not {self.settings.sampler!r}")
         self.vllm = VllmSampling(self.settings, self.scheduler, self.on_done) if self.settings.sampler == "vllm" else None
+        self.ctx.vllm = self.vllm
+        # STEPWISE_WORKERS or STEPWISE_RAY_ADDRESS: the engines run in Ray workers instead (kernel_backend/cluster.py),
+        # and the scheduler above stays idle.
+        self.cluster = None
+        if self.settings.workers or self.settings.ray_address:
+            if self.vllm is not None:
+                raise ValueError("STEPWISE_SAMPLER=vllm runs with the in-process engine only; unset STEPWISE_WORKERS "
+                                 "and STEPWISE_RAY_ADDRESS, or use the built-in sampler")
+            from kernel_backend.cluster import Cluster
+
+            self.cluster = Cluster(self.settings, self.storage, self.on_done)
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._waiters_lock = threading.Lock()
         # State of one concern each, kept here because it lives as long as the service:
-        self.snapshots: dict[str, list[str]] = {}  # checkpoints: run id -> its in-memory sampler ids, oldest first
         self.tokenizers: dict[str, object] = {}  # sampling: base model -> tokenizer for the API threads
         self._fail_interrupted_futures()
         if cleaned := self.storage.clean_staging():
@@ -157,9 +167,13 @@ class Service:
     def start(self, preload: list[str] | None = None) -> None:
         """Load base models (before serving, so the first request is not slow) and start the thread."""
         registered = models.registered_models(self.settings.base_models)
-        for name in preload if preload is not None else [models.DEFAULT_MODEL, *registered]:
-            self.scheduler.engine(self.model_name(name))
-        self.scheduler.start()
+        names = [self.model_name(name) for name in (preload if preload is not None else [models.DEFAULT_MODEL, *registered])]
+        if self.cluster is not None:
+            self.cluster.start(names)
+        else:
+            for name in names:
+                self.scheduler.engine(name)
+            self.scheduler.start()
         if self.vllm is not None:
             self.vllm.start(list(self.scheduler.engines))
         self._reaper.start()
@@ -167,6 +181,8 @@ class Service:
     def stop(self) -> None:
         self._stopping.set()
         self.scheduler.stop()
+        if self.cluster is not None:
+            self.cluster.stop()
         if self.vllm is not None:
             self.vllm.stop()
         if self.settings.local_key:  # the embedded backend's key dies with it
@@ -214,16 +230,15 @@ class Service:
     def end_session(self, session_id: str, status: str) -> None:
         """Mark a session over and free its adapters (on the scheduler thread)."""
         self.store.update(SessionRow, session_id, status=status)
-        lanes = [r.id for r in self.store.list(ModelRow, ModelRow.session_id == session_id)]
-        lanes += [r.id for r in self.store.list(SamplerRow, SamplerRow.session_id == session_id)]
+        lanes = self.store.list(ModelRow, ModelRow.session_id == session_id)
+        lanes += self.store.list(SamplerRow, SamplerRow.session_id == session_id)
         for lane in lanes:
-            def free(engine: Engine, lane=lane):
-                for e in self.scheduler.engines.values():
-                    e.delete_adapter(lane)
-                if self.vllm is not None:
-                    self.vllm.remove(lane)
-                return json_result({})
-            self.scheduler.submit(Job(new_id(), f"free:{lane}", models.DEFAULT_MODEL, seq=None, run=free), ordered=False)
+            free = Job(new_id(), f"free:{lane.id}", lane.base_model, seq=None,
+                       op=ops.Op("free_adapters", {"adapter_ids": [lane.id]}))
+            if self.cluster is not None:
+                self.cluster.submit(free, ordered=False)
+            elif lane.base_model in self.scheduler.engines:  # a model never loaded holds no adapter
+                self.scheduler.submit(free, ordered=False)
         log.info("session %s %s; freed %d adapters", session_id, status, len(lanes))
 
     # ---- futures -------------------------------------------------------------------------------
@@ -251,27 +266,37 @@ class Service:
         row, created = self.store.insert_future(row)
         if created and self.vllm is not None and request_type in SAMPLER_REQUESTS:
             self.vllm.submit(job)
+        elif created and self.cluster is not None:
+            self.cluster.submit(job, ordered=ordered)
         elif created:
             self.scheduler.submit(job, ordered=ordered)
         return row
 
-    def on_done(self, job: Job, status: str, payload: bytes, content_type: str) -> None:
-        """Record the outcome and, for a completed request, its ledger row (failures bill nothing)."""
+    def on_done(self, job: Job, outcome) -> None:
+        """Record a job's outcome (its op's result, or the exception it raised) as the reply `job.encode`
+        makes of it and, for a completed request, its ledger row (failures bill nothing)."""
         if not job.request_type:  # the service's own housekeeping (freeing adapters): no future, no bill
             return
+        status, content_type = "done", JSON_TYPE
+        if isinstance(outcome, Exception):  # the op failed (and was logged where it ran)
+            status, payload = "failed", error_payload(str(outcome), failure_category(outcome))
+        else:
+            try:
+                payload, content_type = job.encode(outcome) if job.encode is not None else json_result(outcome)
+            except Exception as e:  # writing its rows failed
+                log_failure(job.request_id, e)
+                status, payload, content_type = "failed", error_payload(str(e), failure_category(e)), JSON_TYPE
         usage = job.usage or Usage()
         self.admission.settle(job.request_id, usage.prefill_tokens + usage.sample_tokens + usage.train_tokens
                               if status == "done" else 0)
         ledger = None
         if status == "done":
-            engine = self.scheduler.engines.get(job.base_model)
-            slot = engine.slots.get(job.lane) if engine else None
             is_sampler = job.request_type in SAMPLER_REQUESTS
             ledger = UsageRow(
                 request_id=job.request_id, tenant=job.tenant, session_id=job.session_id,
                 model_id=None if is_sampler else job.lane, sampler_id=job.lane if is_sampler else None,
                 base_model=job.base_model, request_type=job.request_type,
-                step=slot.steps if slot is not None and not is_sampler else None,
+                step=None if is_sampler else job.step,
                 prefill_tokens=usage.prefill_tokens, sample_tokens=usage.sample_tokens, train_tokens=usage.train_tokens,
                 cost=self.prices.cost(job.base_model, usage), duration_s=job.duration_s, metrics=job.metrics,
             )
@@ -348,15 +373,33 @@ class Service:
         """Canonical base-model name; UserError naming the available ones if unknown."""
         return models.resolve(name, self.settings.models_dir, self.settings.base_models)[0]
 
+    def model_facts(self) -> dict[str, dict]:
+        """The loaded base models and their facts (ops.model_facts): context length, LoRA bytes per rank."""
+        return self.cluster.facts() if self.cluster is not None else self.scheduler.facts()
+
+    def adapter_counts(self) -> dict[str, int]:
+        """Adapters held per base model, on every engine."""
+        if self.cluster is not None:
+            return self.cluster.adapter_counts()
+        return {name: len(engine.slots) for name, engine in self.scheduler.engines.items()}
+
+    def worker_of(self, lane: str) -> str | None:
+        """The engine worker a run or sampler lives on (None with the in-process engine)."""
+        return self.cluster.worker_of(lane) if self.cluster is not None else None
+
+    def cluster_report(self) -> dict:
+        """The operator's view of where the engines run (GET /api/v1/cluster)."""
+        if self.cluster is not None:
+            return self.cluster.report()
+        return {"mode": "in-process", "workers": [{
+            "name": "in-process", "state": "live", "device": self.settings.device, "models": sorted(self.scheduler.engines),
+            "adapters": sum(self.adapter_counts().values()), "queue_depth": self.scheduler.queue_depth()}], "runs": {}}
+
     def adapter_bytes(self, base_model: str, lora_config: dict) -> int:
         """One copy of an adapter's weights on `base_model` (0 while that model is not loaded); admission's measure."""
         config = LoraConfig(**lora_config)
-        key = (base_model, config.train_attn, config.train_mlp, config.train_unembed)
-        if key not in self._bytes_per_rank:
-            engine = self.scheduler.engines.get(base_model)
-            if engine is None:
-                return 0
-            targets = lora.targets_of(config)
-            layers = [m.base.weight for name, m in lora.lora_layers(engine.model).items() if name.rsplit(".", 1)[-1] in targets]
-            self._bytes_per_rank[key] = sum((w.shape[0] + w.shape[1]) * w.element_size() for w in layers)
-        return self._bytes_per_rank[key] * config.rank
+        facts = self.model_facts().get(base_model)
+        if facts is None:
+            return 0
+        per_rank = facts["lora_bytes_per_rank"]
+        return sum(per_rank.get(kind, 0) for kind in lora.targets_of(config)) * config.rank

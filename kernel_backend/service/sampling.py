@@ -13,7 +13,7 @@ import json
 import threading
 
 from kernel_backend import admission, models
-from kernel_backend.engine import Engine
+from kernel_backend.ops import SampleOp
 from kernel_backend.service.checkpoints import SNAPSHOTS_PER_RUN, loadable
 from kernel_backend.service.core import PROTO_TYPE, NotFound, Service, json_result, new_id
 from kernel_backend.scheduler import Job
@@ -53,12 +53,8 @@ def sample(svc: Service, tenant: str, sampler_id: str, seq_id: int, prompt: list
     if svc.vllm is not None:
         svc.vllm.check_options(options)
     request_id = new_id()
-
-    def prepare(engine: Engine):
-        adapter_id = ensure_sampler(svc, engine, sampler)
-        return engine.sample_request(adapter_id, prompt, num_samples, params, options)
-
-    job = Job(request_id, sampler_id, sampler.base_model, seq=None, sample=prepare,
+    op = sampler_op(svc, sampler, prompt, num_samples, params, options)
+    job = Job(request_id, sampler_id, sampler.base_model, seq=None, sample=op,
               encode=lambda result: (encode(result), PROTO_TYPE), tokens=len(prompt))
     ids = [f"{request_id}:{i}" for i in range(num_samples)]
     return svc.submit(tenant, "Sample", f"sample:{sampler_id}:{seq_id}", job, ordered=False,
@@ -75,29 +71,33 @@ def check_still_published(svc: Service, tenant: str, sampler: SamplerRow) -> Non
 def check_sampling(svc: Service, base_model: str, prompt: list[int], num_samples, params: SamplingParams,
                    options: SampleOptions) -> int:
     """Bound a sampling request before it is queued (admission.check_sampling); returns its most tokens."""
-    engine = svc.scheduler.engines.get(base_model)
-    max_context = engine.max_context if engine is not None else len(prompt) + svc.settings.max_sample_tokens
+    facts = svc.model_facts().get(base_model)
+    max_context = facts["max_context"] if facts is not None else len(prompt) + svc.settings.max_sample_tokens
     return admission.check_sampling(len(prompt), num_samples, params, max_context, svc.settings.max_sample_tokens,
                                     options)
 
 
-def ensure_sampler(svc: Service, engine: Engine, sampler: SamplerRow) -> str | None:
-    """The engine adapter a sampler samples from (None: the base model). Scheduler thread only."""
+def sampler_op(svc: Service, sampler: SamplerRow, prompt: list[int], num_samples: int, params: SamplingParams,
+               options: SampleOptions) -> SampleOp:
+    """A sample from what the sampler samples: the base model, an in-memory snapshot the engine holds, or a
+    checkpoint the engine loads (from the store) the first time."""
+    op = SampleOp(None, prompt, num_samples, params, options)
     if sampler.source_model_id is None and sampler.model_path is None:
-        return None
-    if engine.has_adapter(sampler.id):
-        return sampler.id
+        return op
+    op.adapter_id = sampler.id
     if sampler.model_path is None:
-        raise UserError(
-            f"sampler {sampler.id} was an in-memory snapshot that is no longer kept (only the newest "
-            f"{SNAPSHOTS_PER_RUN} per run are); call save_weights_and_get_sampling_client again"
-        )
-    checkpoint = svc.store.checkpoint_by_path(sampler.model_path)
-    if checkpoint is None:
-        raise UserError(f"checkpoint {sampler.model_path} was deleted")
-    with svc.storage.open(checkpoint.directory, svc.settings.encryption_key, sampler.model_path) as plain:
-        engine.load_sampler(sampler.id, plain)
-    return sampler.id
+        op.missing = (f"sampler {sampler.id} was an in-memory snapshot that is no longer kept (only the newest "
+                      f"{SNAPSHOTS_PER_RUN} per run are); call save_weights_and_get_sampling_client again")
+        return op
+    locate(svc, op, sampler.model_path)
+    return op
+
+
+def locate(svc: Service, op: SampleOp, path: str) -> None:
+    """Where the engine loads `path` from, if it does not hold it yet."""
+    checkpoint = svc.store.checkpoint_by_path(path)
+    op.path, op.missing = path, f"checkpoint {path} was deleted"
+    op.location = checkpoint.directory if checkpoint is not None else None
 
 
 # ---- the OpenAI-compatible endpoint ----------------------------------------------------------------
@@ -119,7 +119,7 @@ def openai_model(svc: Service, tenant: str, model: str) -> tuple[str, str | None
 
 
 def openai_models(svc: Service, tenant: str) -> list[str]:
-    names = list(dict.fromkeys([*models.available_models(), *svc.scheduler.engines]))
+    names = list(dict.fromkeys([*models.available_models(), *svc.model_facts()]))
     samplers = svc.store.list(CheckpointRow, CheckpointRow.tenant == tenant, CheckpointRow.kind != "external",
                               order=CheckpointRow.created_at)
     return names + [c.tinker_path for c in samplers]
@@ -150,24 +150,17 @@ def generate(svc: Service, tenant: str, request_type: str, base_model: str, path
     request_id = new_id()
     output = {}
     cancel = threading.Event()  # set when the caller goes away (a closed stream)
-
-    def prepare(engine: Engine):
-        adapter_id = None
-        if path is not None:
-            if not engine.has_adapter(lane):
-                checkpoint = svc.store.checkpoint_by_path(path)
-                if checkpoint is None:
-                    raise UserError(f"checkpoint {path} was deleted")
-                with svc.storage.open(checkpoint.directory, svc.settings.encryption_key, path) as plain:
-                    engine.load_sampler(lane, plain)
-            adapter_id = lane
-        return engine.sample_request(adapter_id, prompt, num_samples, params, options, on_token=on_token, cancel=cancel)
+    op = SampleOp(None, prompt, num_samples, params, options)
+    if path is not None:
+        op.adapter_id = lane
+        locate(svc, op, path)
 
     def keep(result):
         output["result"] = result
         return json_result({"sequences": len(result.sequences)})
 
-    job = Job(request_id, lane, base_model, seq=None, sample=prepare, encode=keep, tokens=len(prompt))
+    job = Job(request_id, lane, base_model, seq=None, sample=op, encode=keep, on_token=on_token, cancel=cancel,
+              tokens=len(prompt))
     svc.submit(tenant, request_type, None, job, ordered=False, tokens=tokens)
 
     async def result():

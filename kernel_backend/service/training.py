@@ -9,7 +9,8 @@ from __future__ import annotations
 from sqlalchemy import select
 
 from kernel_backend import admission, models, optimizers
-from kernel_backend.engine import Engine, Pass
+from kernel_backend.engine import Pass
+from kernel_backend.ops import Op
 from kernel_backend.service.checkpoints import checkpoint_json
 from kernel_backend.service import sessions
 from kernel_backend.service.core import PROTO_TYPE, Service, audit, iso, json_result, new_id, train_key
@@ -35,13 +36,26 @@ def create_model(svc: Service, tenant: str, session_id: str, model_seq_id: int, 
                       audit(tenant, "training_run_created", tenant, model_id=model_id, base_model=base,
                             lora_rank=config.rank))
 
-    def run(engine: Engine):
-        engine.create_adapter(model_id, config, optimizer_type)
-        return json_result({"model_id": model_id, "type": "create_model"})
-
-    job = Job(new_id(), model_id, base, seq=None, run=run)
+    job = Job(new_id(), model_id, base, seq=None, op=Op("create_adapter", {"model_id": model_id, "config": config,
+                                                                           "optimizer": optimizer_type}),
+              encode=lambda _: json_result({"model_id": model_id, "type": "create_model"}),
+              replicas=replicas_asked(user_metadata))
     return svc.submit(tenant, "CreateModel", f"create_model:{session_id}:{model_seq_id}", job, ordered=True,
                       session_id=session_id)
+
+
+def replicas_asked(user_metadata: dict | None) -> int | None:
+    """Data-parallel replicas a run asks for in its user_metadata ({"replicas": "2"}; kernel_backend/cluster.py)."""
+    value = (user_metadata or {}).get("replicas")
+    if value is None:
+        return None
+    try:
+        replicas = int(value)
+    except (TypeError, ValueError):
+        replicas = 0
+    if not 1 <= replicas <= 64:
+        raise UserError(f"user_metadata replicas must be a whole number from 1 to 64, got {value!r}")
+    return replicas
 
 
 def get_info(svc: Service, tenant: str, model_id: str) -> dict:
@@ -82,11 +96,12 @@ def optim_step(svc: Service, tenant: str, model_id: str, seq_id: int | None, par
     run = svc.live_run(tenant, model_id)
     _touch(svc, model_id)
 
-    def step(engine: Engine):
-        job.metrics = engine.optim_step(model_id, params)
+    def reply(result: dict):
+        job.metrics = result["metrics"]
         return json_result({"metrics": job.metrics, "type": "optim_step"})
 
-    job = Job(new_id(), model_id, run.base_model, seq=seq_id, run=step)
+    op = Op("optim_step", {"model_id": model_id, "params": params})
+    job = Job(new_id(), model_id, run.base_model, seq=seq_id, op=op, encode=reply)
     return svc.submit(tenant, "OptimStep", train_key(model_id, seq_id), job, ordered=True, session_id=run.session_id)
 
 
@@ -128,13 +143,12 @@ def training_runs(svc: Service, tenant: str, limit: int, offset: int, project_id
 
 
 def capabilities(svc: Service) -> dict:
-    names = dict.fromkeys([*models.available_models(), *svc.scheduler.engines])
+    loaded = svc.model_facts()
     supported = []
-    for name in names:
-        engine = svc.scheduler.engines.get(name)
+    for name in dict.fromkeys([*models.available_models(), *loaded]):
         supported.append({
             "model_name": name,
-            "max_context_length": engine.max_context if engine else None,
+            "max_context_length": loaded[name]["max_context"] if name in loaded else None,
             "trainable": True,
             "sampleable": True,
         })

@@ -128,4 +128,13 @@ describe('SessionsSidebar', () => {
     expect(node.querySelector('.jp-StepwiseSidebar-backendError')!.textContent).toContain('did not answer');
     model.dispose();
   });
+
+  it('names the engine worker a session lives on, when the backend has workers', async () => {
+    const { node, model } = await drawn([report([session('a', { worker: 'worker-1' }), session('b')])]);
+    const [onWorker, inProcess] = rows(node);
+    expect(text(onWorker, 'worker')).toBe('on worker-1');
+    expect(onWorker.querySelector<HTMLElement>('.jp-StepwiseSession-worker')!.hidden).toBe(false);
+    expect(inProcess.querySelector<HTMLElement>('.jp-StepwiseSession-worker')!.hidden).toBe(true);
+    model.dispose();
+  });
 });

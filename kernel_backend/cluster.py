@@ -1,0 +1,917 @@
+"""Scale-out on Ray: one gateway (this process: the API, the store, the ledger), many engine workers.
+
+    Service.submit ──> Cluster (this process): placement, replicas, heartbeats, recovery
+                          │ the Job, its engine-side work plain data (ops.py), pickled by Ray
+                          ▼
+                       EngineWorker, a Ray actor per device: an Engine per base model and the same
+                       Scheduler as in-process (seq_id order per run, passes of runs batched, one
+                       decode batch), answering each job's Outcome
+
+A worker is a thin actor around the in-process pieces. It runs a job its scheduler's way and
+answers the op's plain result (or the exception it raised) with the ledger's facts: usage,
+metrics, duration, the run's step. The gateway turns that into the reply and the ledger row
+(Service.on_done), as in-process; the store, the ledger and checkpoint rows never leave it.
+Checkpoint files go through the checkpoint store every worker reaches (ops.Context).
+
+Placement. A new training run goes to the live worker with the most free memory for adapters
+(measured by the worker: the GPU's free memory, or its budget less its base models and adapters on
+CPU), preferring workers that hold its base model; its calls follow it there, and the worker's
+scheduler runs them in seq_id order. A sampler goes where its weights are (the in-memory snapshot's
+worker) or, for the base model or a checkpoint, to the least busy live worker, which loads it.
+
+Data parallel. A run with R replicas (STEPWISE_REPLICAS_PER_RUN, or its user_metadata
+{"replicas": "R"}) lives on R workers, which share a torch.distributed process group (gloo on CPU,
+NCCL on GPU). forward_backward is split into R contiguous shards, one per replica; optim_step
+all-reduces the LoRA gradients (a sum: losses are sums over tokens, so the shards' sum is the whole
+batch's gradient) and every replica applies the same update. Saves and snapshots are replica 0's;
+the others see a no-op in their place, so their seq_id order has no gaps. The client sees one run,
+and the ledger one row per call. While a backward pass is out, the run's later calls wait here: if
+one shard fails, the others' gradients are put back first (a failed request changes nothing).
+The all-reduce never blocks a worker: an optim_step waits at the head of its lane (Job.gate) while
+gloo reduces in the background, and the worker runs other runs' jobs meanwhile.
+
+Recovery. Each run's state (weights + optimizer) is written to the checkpoint store every
+STEPWISE_SNAPSHOT_EVERY optim steps, by its worker, as part of the step. A worker that dies
+(RayActorError, a restarted actor, or MISSED_HEARTBEATS missed heartbeats) takes nothing else down:
+each of its runs is reloaded on a live worker from its newest snapshot (or made again as it was
+created, with the same seed, before its first snapshot); its requests in flight, and those that come
+while it is reloaded, fail with an error that names the step it resumes from. The ledger holds only
+completed requests. A worker that Ray restarts (max_restarts) loads its models again and takes new runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime as dt
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from kernel_backend import lora, ops
+from kernel_backend.admission import TRAINING_COPIES
+from kernel_backend.config import Settings
+from kernel_backend.engine import Engine, merge_metrics
+from kernel_backend.metering import Usage
+from kernel_backend.ops import Op
+from kernel_backend.scheduler import Job, Scheduler
+from kernel_backend.storage import CheckpointStorage
+from kernel_backend.types import ForwardResult, UserError
+
+log = logging.getLogger("stepwise.cluster")
+
+NAMESPACE = "stepwise"
+MISSED_HEARTBEATS = 3
+# How long a data-parallel collective waits for a peer before it fails (a peer that died).
+GROUP_TIMEOUT_S = 120
+# Ray restarts a worker process that dies this many times; it then loads its models again and rejoins.
+MAX_RESTARTS = 5
+# What a run is estimated to take on a worker until the worker's own measure includes it.
+UNKNOWN_ADAPTER_BYTES = 64 << 20
+RESTORING = "restoring"
+
+
+class WorkerLost(RuntimeError):
+    """A request's worker stopped before it answered; the message says what became of its run."""
+
+
+@dataclass
+class Outcome:
+    """A worker's answer for one job: the op's result or the exception it raised, and the ledger's facts."""
+
+    result: object
+    usage: object = None
+    metrics: dict = field(default_factory=dict)
+    duration_s: float = 0.0
+    step: int | None = None
+
+
+# ---- the worker (a Ray actor) -------------------------------------------------------------------------
+
+
+class EngineWorker:
+    """One device: an Engine per base model and a Scheduler over them, as in-process, inside a Ray actor.
+
+    Its methods are coroutines on the actor's event loop; the scheduler thread owns the engines. Made a
+    Ray actor by `Cluster` (ray.remote(EngineWorker)), so this module imports without Ray."""
+
+    def __init__(self, name: str, settings: Settings, memory_budget: int) -> None:
+        torch.set_num_threads(max(1, settings.worker_threads))
+        self.name, self.settings, self.memory_budget = name, settings, memory_budget
+        self.incarnation = uuid.uuid4().hex  # a process Ray restarted is a new incarnation: its state is gone
+        self.ctx = ops.Context.of(settings)
+        self.scheduler = Scheduler(lambda base: Engine(base, settings), self._done, settings.max_batch_tokens, self.ctx)
+        self.state, self.error = "starting", None
+        self._waiting: dict[str, asyncio.Future] = {}
+        self._stores: dict[str, object] = {}  # run id -> the TCPStore its group meets at (rank 0 keeps it)
+        self._groups: dict[str, object] = {}  # run id -> its data-parallel process group
+        self._undo: dict[str, tuple[str, list]] = {}  # run id -> (its last backward pass, the gradients before it)
+        self._reduce: dict[str, tuple] = {}  # request id -> (all-reduce work, flat gradients), for an optim_step
+
+    async def start(self, base_models: list[str]) -> dict:
+        """Load the base models, then start the scheduler. A worker that cannot is `failed`: reported, given nothing."""
+        self._loop = asyncio.get_running_loop()
+        if self.state == "starting":
+            try:
+                await asyncio.to_thread(self._load, base_models)
+                self.state = "live"
+            except Exception as e:
+                log.exception("worker %s could not load %s", self.name, base_models)
+                self.state, self.error = "failed", f"{type(e).__name__}: {e}"
+        return await self.report()
+
+    def _load(self, base_models: list[str]) -> None:
+        for name in base_models:
+            self.scheduler.engine(name)
+        self.scheduler.start()
+
+    async def report(self) -> dict:
+        """The heartbeat: state, models, adapters, queue and memory."""
+        engines = dict(self.scheduler.engines)
+        return {
+            "name": self.name, "incarnation": self.incarnation, "state": self.state, "error": self.error,
+            "device": self.settings.device, "pid": os.getpid(), "node": _node_ip(),
+            "models": self.scheduler.facts() if self.state == "live" else {},
+            "adapters": {name: list(engine.slots) for name, engine in engines.items()},
+            "queue_depth": self.scheduler.queue_depth(), "memory": self._memory(engines),
+        }
+
+    def _memory(self, engines: dict) -> dict:
+        base = sum(_tensor_bytes(p) for engine in engines.values() for p in engine.model.parameters())
+        adapters = sum(_slot_bytes(slot) for engine in engines.values() for slot in list(engine.slots.values()))
+        if self.settings.device.startswith("cuda") and self.state == "live":
+            free, total = torch.cuda.mem_get_info(torch.device(self.settings.device))
+        else:
+            total = self.memory_budget
+            free = total - base - adapters
+        return {"total": total, "free": max(0, free), "base_model_bytes": base, "adapter_bytes": adapters}
+
+    async def run(self, job: Job, ordered: bool) -> Outcome:
+        """Queue a job on this worker's scheduler and answer its outcome when it is done."""
+        future = self._loop.create_future()
+        self._waiting[job.request_id] = future
+        job.arrived = time.monotonic()  # the gateway's clock is not this machine's
+        self._prepare(job)
+        self.scheduler.submit(job, ordered)
+        return await future
+
+    def _done(self, job: Job, outcome) -> None:
+        """The scheduler thread: hand the outcome to the waiting call, on the actor's loop."""
+        if isinstance(outcome, Exception) and not isinstance(outcome, (UserError, WorkerLost)):
+            outcome = RuntimeError(str(outcome))  # the traceback is in this worker's log; the message travels
+        answer = Outcome(outcome, job.usage, job.metrics, job.duration_s, job.step)
+        self._loop.call_soon_threadsafe(self._resolve, job.request_id, answer)
+
+    def _resolve(self, request_id: str, answer: Outcome) -> None:
+        future = self._waiting.pop(request_id, None)
+        if future is not None and not future.done():
+            future.set_result(answer)
+
+    # ---- data parallel ------------------------------------------------------------------------------
+
+    async def open_group(self, run_id: str, size: int) -> tuple[str, int]:
+        """Rank 0 of a run's group: the TCPStore the ranks meet at (a free port on this node)."""
+        import torch.distributed as dist
+
+        host = _node_ip()
+        self._stores[run_id] = dist.TCPStore(host, 0, size, True, timeout=dt.timedelta(seconds=GROUP_TIMEOUT_S),
+                                             wait_for_workers=False)
+        return host, self._stores[run_id].port
+
+    async def join_group(self, run_id: str, key: str, host: str, port: int, rank: int, size: int) -> None:
+        """Join a run's process group (every rank at once: the gateway calls them together)."""
+        import torch.distributed as dist
+
+        def connect():
+            store = self._stores[run_id] if rank == 0 else dist.TCPStore(
+                host, port, size, False, timeout=dt.timedelta(seconds=GROUP_TIMEOUT_S))
+            store = dist.PrefixStore(key, store)
+            if self.settings.device.startswith("cuda"):
+                return dist.ProcessGroupNCCL(store, rank, size)
+            options = dist.ProcessGroupGloo._Options()
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=_node_ip())]
+            options._timeout = dt.timedelta(seconds=GROUP_TIMEOUT_S)
+            return dist.ProcessGroupGloo(store, rank, size, options)
+
+        self._groups[run_id] = await asyncio.to_thread(connect)
+
+    async def reset_run(self, run_id: str, base_model: str) -> Outcome:
+        """Before a run is restored here from a snapshot: what waits in its lane was meant for the state being
+        replaced (it fails); then its adapter and group go."""
+        self.scheduler.drop_lane(run_id, WorkerLost(f"training run {run_id} is being restored from a snapshot"))
+        for held in (self._groups, self._stores, self._undo):
+            held.pop(run_id, None)
+        free = Job(uuid.uuid4().hex, run_id, base_model, seq=None, op=Op("free_adapters", {"adapter_ids": [run_id]}))
+        return await self.run(free, True)
+
+    def _prepare(self, job: Job) -> None:
+        """This worker's part of a data-parallel run's job: gates and local steps around the plain work."""
+        if job.op is not None and job.op.name == "free_adapters":
+            for adapter_id in job.op.args["adapter_ids"]:
+                for held in (self._groups, self._stores, self._undo):
+                    held.pop(adapter_id, None)
+        group = self._groups.get(job.lane)
+        if group is None:
+            return
+        if job.fb_pass is not None and not job.fb_pass.forward_only:
+            job.gate = lambda: self._keep_undo(job)
+        elif job.op is not None and job.op.name == "optim_step":
+            job.gate = lambda: self._reduced(job, group)
+            job.call = lambda engine: self._reduced_step(engine, job)
+        elif job.op is not None and job.op.name == "restore_grads":
+            job.call = lambda engine: self._restore_grads(engine, job)
+
+    def _params(self, job: Job) -> list:
+        return self.scheduler.engines[job.base_model].slots[job.lane].adapter.parameters()
+
+    def _keep_undo(self, job: Job) -> bool:
+        """Before a replica's backward pass: keep its run's gradients, to put back if another shard fails."""
+        kept = self._undo.get(job.lane)
+        if (kept is None or kept[0] != job.request_id) and job.lane in self.scheduler.engines[job.base_model].slots:
+            self._undo[job.lane] = (job.request_id, [None if p.grad is None else p.grad.clone() for p in self._params(job)])
+        return True
+
+    def _restore_grads(self, engine, job: Job) -> dict:
+        request_id, grads = self._undo.pop(job.lane, (None, None))
+        if request_id == job.op.args["request_id"]:
+            for p, g in zip(self._params(job), grads):
+                p.grad = g
+        return {}
+
+    def _reduced(self, job: Job, group) -> bool:
+        """An optim_step's gate: start the all-reduce of its run's gradients; open when it is done."""
+        if job.request_id not in self._reduce:
+            try:
+                params = self._params(job)
+            except KeyError:
+                return True  # no such adapter here: the step itself fails with the engine's error
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+                             + [torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)])
+            work = group.allreduce([flat])
+            work.get_future().then(lambda _: self.scheduler.wake())
+            self._reduce[job.request_id] = (work, flat)
+        return self._reduce[job.request_id][0].is_completed()
+
+    def _reduced_step(self, engine, job: Job):
+        """The step on the summed gradients; on failure the replica's own gradients are put back."""
+        work, flat = self._reduce.pop(job.request_id, (None, None))
+        if work is None:
+            return ops.run(engine, self.ctx, job.op)
+        work.wait()  # raises if the all-reduce failed (a peer stopped)
+        params = self._params(job)
+        own = [p.grad for p in params]
+        had = flat[-len(params):]
+        offset = 0
+        for p, count in zip(params, had):
+            p.grad = flat[offset:offset + p.numel()].view_as(p).clone() if count > 0 else None
+            offset += p.numel()
+        try:
+            return ops.run(engine, self.ctx, job.op)
+        except Exception:
+            for p, g in zip(params, own):
+                p.grad = g
+            raise
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _tensor_bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _slot_bytes(slot) -> int:
+    """An adapter's weights, gradients and optimizer state, as held."""
+    params = slot.adapter.parameters()
+    total = sum(_tensor_bytes(p) + _tensor_bytes(p.grad) for p in params)
+    if slot.optimizer is not None:
+        total += sum(_tensor_bytes(v) for p in params for v in slot.optimizer.state.get(p, {}).values()
+                     if torch.is_tensor(v))
+    return total
+
+
+# ---- the gateway's side ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Worker:
+    """The gateway's view of one worker."""
+
+    name: str
+    actor: object
+    actor_name: str  # Ray's name for it (ray.get_actor(actor_name, namespace=NAMESPACE))
+    device: str
+    state: str = "starting"  # starting | live | failed (cannot load its models) | dead (stopped answering)
+    error: str | None = None
+    incarnation: str | None = None
+    report: dict = field(default_factory=dict)  # its last heartbeat
+    heartbeat_at: float = 0.0
+    missed: int = 0
+    restarts: int = 0
+    placed: dict[str, int] = field(default_factory=dict)  # runs placed since its last report -> estimated bytes
+    parts: dict[int, "_Part"] = field(default_factory=dict)  # parts of jobs sent to it, not answered yet
+
+    def free(self) -> int:
+        return self.report.get("memory", {}).get("free", 0) - sum(self.placed.values())
+
+
+@dataclass
+class Run:
+    """A training run as the gateway places it."""
+
+    id: str
+    tenant: str
+    base_model: str
+    origin: Op  # how it was made (create_adapter or load_state): made again so when it has no snapshot
+    workers: list[str]  # its replicas' workers, replica 0 first
+    estimate: int  # bytes it takes on a worker
+    snapshot: dict | None = None  # its newest automatic snapshot: {"step", "location"}
+    gone: str | None = None  # the error its requests get when it could not be restored
+    # Its calls held here while a data-parallel backward pass is out (held_by: that request's id), or while it
+    # is restored after its worker died (held_by: RESTORING).
+    held: list | None = None
+    held_by: str | None = None
+    epoch: int = 0  # its process group's generation
+
+
+@dataclass
+class _Part:
+    """One worker's share of a job (the whole job unless the run is data parallel)."""
+
+    worker: str
+    wire: Job
+    outcome: object = None
+    done: bool = False
+    dispatch: "_Dispatch | None" = None
+
+
+@dataclass
+class _Dispatch:
+    """A job on its way: its parts, and the run it belongs to (None for a sampler's)."""
+
+    job: Job
+    run: Run | None
+    parts: list[_Part]
+
+
+class Cluster:
+    """Placement, replicas, heartbeats and recovery, on the gateway. `on_done(job, outcome)` as the scheduler's."""
+
+    def __init__(self, settings: Settings, storage: CheckpointStorage, on_done) -> None:
+        self.settings, self.storage, self._on_done = settings, storage, on_done
+        self.workers: dict[str, Worker] = {}
+        self.runs: dict[str, Run] = {}
+        self.lanes: dict[str, str] = {}  # sampler lanes -> their worker
+        self.lost_lanes: dict[str, str] = {}  # sampler lanes whose worker died -> its name
+        self.models: list[str] = []
+        self._lock = threading.RLock()
+        self._stopping = threading.Event()
+        self._started_ray = False
+        self._heartbeats = threading.Thread(target=self._beat_forever, name="stepwise-heartbeats", daemon=True)
+
+    # ---- starting and stopping ------------------------------------------------------------------------
+
+    def start(self, base_models: list[str]) -> None:
+        """Start (or join) Ray and the workers, and load the base models on each; raises if none can."""
+        if not self.settings.ray_address:
+            # Ray maps 127.0.0.1 to the machine's address unless told that this is no cluster: a head of our own
+            # stays on loopback (read when ray is first imported).
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        try:
+            import ray
+        except ImportError:
+            raise RuntimeError("STEPWISE_WORKERS and STEPWISE_RAY_ADDRESS need Ray: pip install 'stepwise[cluster]'") from None
+
+        self.models = list(base_models)
+        if not ray.is_initialized():
+            self._started_ray = True
+            if self.settings.ray_address:
+                ray.init(address=self.settings.ray_address, namespace=NAMESPACE)
+            else:  # a head on loopback, just for this backend
+                ray.init(num_cpus=self.settings.ray_num_cpus or os.cpu_count(),
+                         include_dashboard=False, object_store_memory=self.settings.ray_object_store_mb << 20,
+                         namespace=NAMESPACE)
+        devices, explicit = self._devices(ray), bool(self.settings.worker_devices)
+        budget = self._cpu_budget(devices)
+        actor_class = ray.remote(EngineWorker)
+        for i, device in enumerate(devices):
+            name = f"worker-{i}"
+            settings = dataclasses.replace(self.settings, device=device,
+                                           worker_threads=self.settings.worker_threads or max(1, (os.cpu_count() or 1) // len(devices)))
+            actor_name = f"stepwise-{name}-{uuid.uuid4().hex[:6]}"
+            actor = actor_class.options(
+                # A listed device is the operator's to assign; otherwise Ray gives each GPU worker its own GPU.
+                name=actor_name, num_cpus=0,
+                num_gpus=1 if device.startswith("cuda") and not explicit else 0,
+                max_restarts=MAX_RESTARTS, max_concurrency=1000,
+            ).remote(name, settings, budget)
+            self.workers[name] = Worker(name, actor, actor_name, device)
+        reports = [w.actor.start.remote(self.models) for w in self.workers.values()]
+        for worker, ref in zip(list(self.workers.values()), reports):
+            try:
+                self._update(worker, ray.get(ref))
+            except Exception as e:  # the actor itself could not start
+                worker.state, worker.error = "failed", f"{type(e).__name__}: {e}"
+        live = [w.name for w in self.workers.values() if w.state == "live"]
+        log.info("cluster: %d of %d workers live (%s)", len(live), len(self.workers),
+                 ", ".join(f"{w.name}: {w.state} on {w.device}" for w in self.workers.values()))
+        if not live:
+            raise RuntimeError("no engine worker could load the base models: " +
+                               "; ".join(f"{w.name}: {w.error}" for w in self.workers.values()))
+        self._heartbeats.start()
+
+    def _devices(self, ray) -> list[str]:
+        if self.settings.worker_devices:
+            return list(self.settings.worker_devices)
+        count = self.settings.workers or max(1, int(ray.cluster_resources().get("GPU", 0)))
+        gpu = ray.cluster_resources().get("GPU", 0) >= count
+        return ["cuda" if gpu else "cpu"] * count
+
+    def _cpu_budget(self, devices: list[str]) -> int:
+        if self.settings.worker_memory_mb:
+            return self.settings.worker_memory_mb << 20
+        cpu_workers = max(1, sum(1 for d in devices if not d.startswith("cuda")))
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // cpu_workers
+
+    def stop(self) -> None:
+        import ray
+
+        self._stopping.set()
+        for worker in self.workers.values():
+            try:
+                ray.kill(worker.actor)
+            except Exception:
+                pass
+        if self._started_ray:
+            ray.shutdown()
+
+    # ---- what the service asks ------------------------------------------------------------------------
+
+    def facts(self) -> dict[str, dict]:
+        """The base models live workers hold, and their facts (ops.model_facts)."""
+        facts: dict[str, dict] = {}
+        for worker in list(self.workers.values()):
+            if worker.state == "live":
+                facts.update(worker.report.get("models", {}))
+        return facts
+
+    def worker_of(self, lane: str) -> str | None:
+        """Where a run (its first replica) or a sampler lives now."""
+        with self._lock:
+            run = self.runs.get(lane)
+            return run.workers[0] if run and run.workers else self.lanes.get(lane)
+
+    def adapter_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for worker in list(self.workers.values()):
+            for model, ids in worker.report.get("adapters", {}).items():
+                counts[model] = counts.get(model, 0) + len(ids)
+        return counts
+
+    def report(self) -> dict:
+        """The operator's view (GET /api/v1/cluster): each worker's state, device, memory, runs and queue."""
+        moment = time.monotonic()
+        with self._lock:
+            workers = [{
+                "name": w.name, "actor": w.actor_name, "state": w.state, "error": w.error, "device": w.device,
+                "node": w.report.get("node"), "pid": w.report.get("pid"), "restarts": w.restarts,
+                "models": sorted(w.report.get("models", {})),
+                "memory": w.report.get("memory"),
+                "runs": sorted(r.id for r in self.runs.values() if w.name in r.workers),
+                "samplers": sorted(lane for lane, name in self.lanes.items() if name == w.name),
+                "adapters": sum(len(ids) for ids in w.report.get("adapters", {}).values()),
+                "queue_depth": w.report.get("queue_depth", 0),
+                "in_flight": len(w.parts),
+                "last_heartbeat_s": round(moment - w.heartbeat_at, 1) if w.heartbeat_at else None,
+            } for w in self.workers.values()]
+            runs = {r.id: {"workers": list(r.workers), "snapshot_step": r.snapshot["step"] if r.snapshot else None,
+                           "state": "gone" if r.gone else RESTORING if r.held_by == RESTORING else "live"}
+                    for r in self.runs.values()}
+        import ray
+
+        return {"mode": "ray", "ray_address": ray.get_runtime_context().gcs_address, "namespace": NAMESPACE,
+                "workers": workers, "runs": runs, "snapshot_every": self.settings.snapshot_every,
+                "replicas_per_run": self.settings.replicas_per_run}
+
+    # ---- submitting ---------------------------------------------------------------------------------
+
+    def submit(self, job: Job, ordered: bool) -> None:
+        try:
+            with self._lock:
+                run = self._run_of(job)
+                if run is not None and run.held is not None:  # a data-parallel backward pass is out, or a restore
+                    run.held.append((job, ordered))
+                    return
+                parts = self._parts(job, run)
+        except Exception as e:
+            self._on_done(job, e)
+            return
+        self._send(job, ordered, parts, run)
+
+    def _run_of(self, job: Job) -> Run | None:
+        """The job's training run, registered (and placed) when the job makes it. Lock held."""
+        run = self.runs.get(job.lane)
+        makes = job.op is not None and job.seq is None and job.op.name in ("create_adapter", "load_state")
+        if run is None and makes:
+            run = self._new_run(job)
+        if run is not None and run.gone:
+            raise WorkerLost(run.gone)
+        return run
+
+    def _new_run(self, job: Job) -> Run:
+        origin = job.op
+        if origin.name == "create_adapter" and origin.args["config"].seed is None:
+            # Replicas, and a remake after a worker dies, must start from the same weights.
+            config = dataclasses.replace(origin.args["config"], seed=random.getrandbits(63))
+            origin = job.op = Op(origin.name, {**origin.args, "config": config})
+        replicas = max(1, job.replicas or self.settings.replicas_per_run)
+        estimate = self._estimate(job.base_model, origin)
+        workers = self._place(job.base_model, replicas, estimate)
+        if not workers:
+            raise RuntimeError(f"no live engine worker for {job.base_model}; GET /api/v1/cluster shows why")
+        run = Run(job.lane, job.tenant, job.base_model, origin, workers, estimate)
+        self.runs[run.id] = run
+        for name in workers:
+            self.workers[name].placed[run.id] = estimate
+        if len(workers) > 1:
+            self._form_group(run)
+        return run
+
+    def _estimate(self, base_model: str, origin: Op) -> int:
+        facts = self.facts().get(base_model)
+        config = origin.args.get("config")
+        if facts is None or config is None:
+            return UNKNOWN_ADAPTER_BYTES
+        per_rank = facts["lora_bytes_per_rank"]
+        return sum(per_rank.get(kind, 0) for kind in lora.targets_of(config)) * config.rank * TRAINING_COPIES
+
+    def _place(self, base_model: str, count: int, estimate: int, keep: list[str] = ()) -> list[str]:
+        """`keep` plus the live workers with the most free memory, up to `count`, preferring those holding the model."""
+        live = [w for w in self.workers.values() if w.state == "live" and w.name not in keep]
+        holding = [w for w in live if base_model in w.report.get("models", {})] or live
+        ranked = sorted(holding, key=lambda w: (-w.free(), sum(w.name in r.workers for r in self.runs.values()), w.name))
+        return list(keep) + [w.name for w in ranked[:max(0, count - len(keep))]]
+
+    def _parts(self, job: Job, run: Run | None) -> list[_Part]:
+        """Which workers do what of a job. Lock held."""
+        if run is None:
+            return [_Part(name, _wire(job)) for name in self._lane_workers(job)]
+        wire = _wire(job)
+        if job.op is not None and job.op.name == "optim_step":
+            key = f"{run.tenant}/{run.id.replace(':', '_')}/snapshot"
+            wire.op = Op("optim_step", {**job.op.args, "snapshot_key": key, "snapshot_every": self.settings.snapshot_every})
+        if len(run.workers) == 1:
+            return [_Part(run.workers[0], wire)]
+        if job.fb_pass is not None:
+            return [_Part(name, shard) for name, shard in zip(run.workers, _shards(wire, len(run.workers)))]
+        everywhere = job.op is not None and job.op.name in ("create_adapter", "load_state", "optim_step")
+        if everywhere:
+            parts = [_Part(run.workers[0], wire)]
+            if wire.op.name == "optim_step":  # one replica snapshots
+                wire = dataclasses.replace(wire, op=job.op)
+            return parts + [_Part(name, dataclasses.replace(wire)) for name in run.workers[1:]]
+        noop = dataclasses.replace(wire, op=Op("noop"), fb_pass=None, sample=None)
+        return [_Part(run.workers[0], wire)] + [_Part(name, dataclasses.replace(noop)) for name in run.workers[1:]]
+
+    def _lane_workers(self, job: Job) -> list[str]:
+        """Where a job that is not a run's goes: a sampler's worker (where it is, where its snapshot was taken, or
+        the least busy live one), or, to free an adapter, every worker holding it. Lock held."""
+        if job.lane.startswith("free:"):
+            adapter_id = job.lane[len("free:"):]
+            run = self.runs.pop(adapter_id, None)
+            if run is not None and run.snapshot:
+                self.storage.delete(run.snapshot["location"])
+            self.lost_lanes.pop(adapter_id, None)
+            where = run.workers if run else [self.lanes.pop(adapter_id)] if adapter_id in self.lanes else []
+            return [name for name in where if self.workers[name].state == "live"]
+        name = self.lanes.get(job.lane)
+        if name is None and job.lane in self.lost_lanes and job.sample is not None and job.sample.adapter_id \
+                and job.sample.location is None:
+            raise UserError(f"sampler {job.lane} sampled from an in-memory snapshot of engine worker "
+                            f"{self.lost_lanes[job.lane]}, which stopped; its weights went with it: call "
+                            "save_weights_and_get_sampling_client again")
+        if name is None or self.workers[name].state != "live":
+            live = [w for w in self.workers.values() if w.state == "live"]
+            holding = [w for w in live if job.base_model in w.report.get("models", {})] or live
+            if not holding:
+                raise RuntimeError(f"no live engine worker for {job.base_model}; GET /api/v1/cluster shows why")
+            busy = lambda w: (w.report.get("queue_depth", 0) + len(w.parts), w.name)  # noqa: E731
+            name = self.lanes[job.lane] = min(holding, key=busy).name
+        return [name]
+
+    def _send(self, job: Job, ordered: bool, parts: list[_Part], run: Run | None) -> None:
+        if not parts:  # freeing what no live worker holds
+            self._on_done(job, {})
+            return
+        dispatch = _Dispatch(job, run, parts)
+        with self._lock:
+            if run is not None and len(run.workers) > 1 and job.fb_pass is not None and not job.fb_pass.forward_only:
+                run.held, run.held_by = [], job.request_id  # the run's next calls wait until every shard has answered
+            for part in parts:
+                part.dispatch = dispatch
+                self.workers[part.worker].parts[id(part)] = part
+        for part in parts:
+            try:
+                ref = self.workers[part.worker].actor.run.remote(part.wire, ordered)
+            except Exception as e:  # the actor is gone, or the job does not pickle
+                self._answered(part, e)
+                continue
+            ref.future().add_done_callback(lambda f, part=part: self._answered(part, _result_of(f)))
+
+    def _answered(self, part: _Part, outcome) -> None:
+        """A worker answered one part, or the call failed (`outcome` is Ray's error); when every part is in, the
+        job is done."""
+        worker, dispatch = self.workers[part.worker], part.dispatch
+        if _is_actor_error(outcome):
+            self._lost(worker, f"{type(outcome).__name__}: {outcome}")
+            outcome = WorkerLost(self._lost_message(dispatch.run, worker.name))
+        elif isinstance(outcome, Exception) and not isinstance(outcome, WorkerLost):
+            outcome = RuntimeError(f"engine worker {worker.name} could not run this request ({type(outcome).__name__}: "
+                                   f"{outcome})")
+        with self._lock:
+            if part.done:
+                return
+            part.done, part.outcome = True, outcome
+            worker.parts.pop(id(part), None)
+            if not all(p.done for p in dispatch.parts):
+                return
+        self._complete(dispatch)
+
+    def _complete(self, dispatch: _Dispatch) -> None:
+        job, run, parts = dispatch.job, dispatch.run, dispatch.parts
+        outcomes = [p.outcome for p in parts]
+        errors = [o.result if isinstance(o, Outcome) else o for o in outcomes
+                  if not isinstance(o, Outcome) or isinstance(o.result, Exception)]
+        holder = run is not None and run.held_by == job.request_id
+        if errors:
+            lost = [e for e in errors if isinstance(e, WorkerLost)]
+            result = lost[0] if lost else errors[0]
+            if holder and not lost:  # put back the gradients of the shards that ran
+                self._undo_shards(job, parts, run)
+        else:
+            first = outcomes[0]
+            job.usage, job.metrics, job.duration_s, job.step = first.usage, first.metrics, first.duration_s, first.step
+            result = first.result
+            if job.fb_pass is not None and len(parts) > 1:
+                result = _merge_shards(job, parts, outcomes)
+            self._observe(job, run, result)
+        if holder:
+            self._release(run)
+        if job.on_token is not None and not isinstance(result, Exception):
+            _replay_tokens(job, result)
+        self._on_done(job, result)
+
+    def _observe(self, job: Job, run: Run | None, result) -> None:
+        """What the gateway learns from a job done: snapshots and their places, a run's new origin."""
+        if job.op is None:
+            return
+        with self._lock:
+            if job.op.name == "optim_step" and run is not None and result.get("snapshot"):
+                run.snapshot = result["snapshot"]
+            elif job.op.name == "snapshot" and run is not None:
+                self.lanes[job.op.args["sampler_id"]] = run.workers[0]
+            elif job.op.name == "load_state" and run is not None and job.seq is not None:
+                run.origin, run.snapshot = job.op, None  # its state is that checkpoint's now
+
+    # ---- data parallel --------------------------------------------------------------------------------
+
+    def _form_group(self, run: Run) -> None:
+        """A process group over the run's workers, replica 0 its rank 0. Lock held; waits for every rank."""
+        import ray
+
+        run.epoch += 1
+        actors = [self.workers[name].actor for name in run.workers]
+        host, port = ray.get(actors[0].open_group.remote(run.id, len(actors)))
+        key = f"{run.id}#{run.epoch}"
+        ray.get([actor.join_group.remote(run.id, key, host, port, rank, len(actors)) for rank, actor in enumerate(actors)])
+
+    def _undo_shards(self, job: Job, parts: list[_Part], run: Run) -> None:
+        """A shard failed: the replicas whose shard ran put their gradients back before the run goes on."""
+        import ray
+
+        restore = Op("restore_grads", {"request_id": job.request_id})
+        refs = [self.workers[p.worker].actor.run.remote(
+            Job(f"{job.request_id}:undo", run.id, run.base_model, seq=None, op=restore), True)
+            for p in parts if isinstance(p.outcome, Outcome) and not isinstance(p.outcome.result, Exception)]
+        try:
+            ray.get(refs, timeout=GROUP_TIMEOUT_S)
+        except Exception:
+            log.exception("putting back the gradients of run %s failed", run.id)
+
+    def _release(self, run: Run) -> None:
+        with self._lock:
+            held, run.held, run.held_by = run.held, None, None
+        for job, ordered in held:
+            self.submit(job, ordered)
+
+    # ---- heartbeats and recovery ------------------------------------------------------------------------
+
+    def _beat_forever(self) -> None:
+        while not self._stopping.wait(self.settings.heartbeat_s):
+            try:
+                self.heartbeat()
+            except Exception:
+                log.exception("cluster heartbeat failed; will try again")
+
+    def heartbeat(self) -> None:
+        """Ask every worker for its report; a worker that errs or misses MISSED_HEARTBEATS is lost, one that Ray
+        restarted is lost and then started again (it rejoins)."""
+        import ray
+
+        workers = list(self.workers.values())
+        refs = [w.actor.report.remote() for w in workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.settings.heartbeat_s * 2)
+        for worker, ref in zip(workers, refs):
+            if ref not in ready:
+                worker.missed += 1
+                if worker.missed >= MISSED_HEARTBEATS and worker.state == "live":
+                    self._lost(worker, f"missed {worker.missed} heartbeats")
+                    ray.kill(worker.actor, no_restart=False)  # a hung process is replaced; it rejoins when it is back
+                continue
+            try:
+                report = ray.get(ref)
+            except Exception as e:  # it died; if Ray restarts it, a later report has a new incarnation
+                if worker.state == "live":
+                    self._lost(worker, f"{type(e).__name__}: {e}")
+                continue
+            worker.missed = 0
+            if worker.incarnation is not None and report["incarnation"] != worker.incarnation:
+                self._lost(worker, "its process restarted")
+                worker.restarts += 1
+                worker.incarnation, worker.state = report["incarnation"], "starting"
+                threading.Thread(target=self._rejoin, args=(worker,), daemon=True).start()
+                continue
+            if worker.state == "dead":  # taken for dead, yet it answers: its runs moved; start it afresh
+                ray.kill(worker.actor, no_restart=False)
+            elif worker.state != "starting":
+                self._update(worker, report)
+
+    def _rejoin(self, worker: Worker) -> None:
+        import ray
+
+        try:
+            self._update(worker, ray.get(worker.actor.start.remote(self.models)), revive=True)
+            log.info("worker %s rejoined: %s", worker.name, worker.state)
+        except Exception as e:
+            self._lost(worker, f"{type(e).__name__}: {e}")
+
+    def _update(self, worker: Worker, report: dict, revive: bool = False) -> None:
+        """A worker's report. Its state follows the report, except that a dead worker stays dead until it has
+        started again (`revive`: its models loaded in its new process)."""
+        with self._lock:
+            worker.report, worker.heartbeat_at = report, time.monotonic()
+            worker.incarnation = report["incarnation"]
+            if revive or worker.state != "dead":
+                worker.state, worker.error = report["state"], report["error"]
+            held = {adapter for ids in report.get("adapters", {}).values() for adapter in ids}
+            worker.placed = {run: b for run, b in worker.placed.items() if run not in held}
+
+    def _lost(self, worker: Worker, reason: str) -> None:
+        """A worker stopped: its runs are restored elsewhere, its samplers move, its unanswered parts fail."""
+        with self._lock:
+            if worker.state == "dead":
+                return
+            log.warning("worker %s lost: %s", worker.name, reason)
+            worker.state, worker.error = "dead", reason
+            runs = [r for r in self.runs.values() if worker.name in r.workers]
+            for run in runs:  # their next calls wait for the restore (those in flight fail: they were lost)
+                run.held, run.held_by = run.held or [], RESTORING
+            for lane in [lane for lane, name in self.lanes.items() if name == worker.name]:
+                self.lost_lanes[lane] = self.lanes.pop(lane)
+            unanswered = list(worker.parts.values())
+        for run in runs:
+            threading.Thread(target=self._restore, args=(run, worker.name), daemon=True).start()
+        for part in unanswered:  # a hung worker never answers them (a dead one's errors come too: ignored)
+            self._answered(part, WorkerLost(self._lost_message(part.dispatch.run, worker.name)))
+
+    def _lost_message(self, run: Run | None, worker: str) -> str:
+        if run is None:
+            return (f"engine worker {worker} stopped before it answered this request; send it again (its sampler "
+                    "moves to a live worker; an in-memory snapshot was lost with it: call "
+                    "save_weights_and_get_sampling_client again)")
+        step = run.snapshot["step"] if run.snapshot else 0
+        where = f"its automatic snapshot at step {step}" if run.snapshot else "how it was created (step 0)"
+        return (f"engine worker {worker} stopped; training run {run.id} is restored on a live worker from {where}, "
+                f"and its requests after that are lost. Resume from step {step}: redo the forward_backward and "
+                f"optim_step calls after optim step {step} (snapshots are taken every {self.settings.snapshot_every} "
+                "optim steps, STEPWISE_SNAPSHOT_EVERY)")
+
+    def _restore(self, run: Run, dead: str) -> None:
+        """Reload a run whose worker died: its snapshot (or its origin) on live workers, then let its requests in."""
+        import ray
+
+        for _ in range(3):
+            with self._lock:
+                survivors = [name for name in run.workers if name != dead and self.workers[name].state == "live"]
+                workers = self._place(run.base_model, len(run.workers), run.estimate, keep=survivors)
+                if not workers:
+                    run.gone = (f"training run {run.id} was lost with engine worker {dead} and no live worker can take "
+                                "it; create a new run from a checkpoint: create_training_client_from_state_with_optimizer")
+                    break
+            try:
+                for name in survivors:  # their queued requests and adapter were the old state's
+                    ray.get(self.workers[name].actor.reset_run.remote(run.id, run.base_model))
+                if len(workers) > 1:
+                    run.workers = workers
+                    self._form_group(run)
+                op = run.origin if run.snapshot is None else Op("load_state", {
+                    "model_id": run.id, "location": run.snapshot["location"], "with_optimizer": True,
+                    "path": f"the automatic snapshot of {run.id} at step {run.snapshot['step']}"})
+                restore = [Job(uuid.uuid4().hex, run.id, run.base_model, seq=None, op=op) for _ in workers]
+                answers = ray.get([self.workers[name].actor.run.remote(job, True) for name, job in zip(workers, restore)])
+                errors = [a.result for a in answers if isinstance(a.result, Exception)]
+                if errors:
+                    raise errors[0]
+            except Exception as e:
+                log.warning("restoring run %s on %s failed (%s); trying again", run.id, workers, e)
+                dead = next((name for name in workers if self.workers[name].state != "live"), dead)
+                continue
+            with self._lock:
+                run.workers = workers
+                for name in workers:
+                    self.workers[name].placed[run.id] = run.estimate
+            log.info("run %s restored on %s at step %s", run.id, workers, run.snapshot["step"] if run.snapshot else 0)
+            break
+        else:
+            run.gone = (f"training run {run.id} was lost with engine worker {dead} and could not be restored; "
+                        "create a new run from a checkpoint: create_training_client_from_state_with_optimizer")
+        self._release(run)
+
+
+# ---- helpers --------------------------------------------------------------------------------------------
+
+
+def _wire(job: Job) -> Job:
+    """The job as it travels to a worker: its plain fields only (no gateway callbacks)."""
+    return dataclasses.replace(job, encode=None, on_token=None, cancel=None, gate=None, call=None)
+
+
+def shard_bounds(lengths: list[int], count: int) -> list[int]:
+    """Where to cut a batch of datums of these token lengths into `count` contiguous shards of about equal
+    tokens: `count + 1` indices, the first 0 and the last len(lengths) (a shard may be empty)."""
+    total, bounds, acc = sum(lengths), [0], 0
+    for i, length in enumerate(lengths):
+        acc += length
+        if len(bounds) < count and acc >= total * len(bounds) / count and i + 1 < len(lengths):
+            bounds.append(i + 1)
+    return bounds + [len(lengths)] * (count + 1 - len(bounds))
+
+
+def _shards(job: Job, count: int) -> list[Job]:
+    """A forward(_backward) job split into `count` shards (a replica whose shard is empty gets a no-op, keeping
+    its seq_id order whole)."""
+    data = job.fb_pass.data
+    bounds = shard_bounds([len(d.tokens) for d in data], count)
+    shards = []
+    for start, end in zip(bounds, bounds[1:]):
+        piece = data[start:end]
+        if piece:
+            shards.append(dataclasses.replace(job, fb_pass=dataclasses.replace(job.fb_pass, data=piece),
+                                              tokens=sum(len(d.tokens) for d in piece)))
+        else:
+            shards.append(dataclasses.replace(job, fb_pass=None, op=Op("noop"), tokens=0))
+    return shards
+
+
+def _merge_shards(job: Job, parts: list[_Part], outcomes: list[Outcome]) -> ForwardResult:
+    """The shards' results as one: outputs in datum order, metrics combined (sums add, means by tokens)."""
+    results = [(p, o) for p, o in zip(parts, outcomes) if p.wire.fb_pass is not None]
+    job.duration_s = max(o.duration_s for _, o in results)
+    job.usage = Usage(**{kind: sum(getattr(o.usage, kind) for _, o in results)
+                         for kind in ("prefill_tokens", "sample_tokens", "train_tokens")})
+    outputs = [out for _, o in results for out in o.result.loss_fn_outputs]
+    metrics = merge_metrics([(o.result.metrics, p.wire.tokens) for p, o in results])
+    job.metrics = metrics
+    return ForwardResult(loss_fn_outputs=outputs, metrics=metrics)
+
+
+def _replay_tokens(job: Job, result) -> None:
+    """A streaming request's tokens, all at once: a worker's decoder cannot call back into this process."""
+    for row, sequence in enumerate(result.sequences):
+        for token, logprob in zip(sequence.tokens, sequence.logprobs):
+            job.on_token(row, token, logprob)
+
+
+def _result_of(future):
+    try:
+        return future.result()
+    except Exception as e:
+        return e
+
+
+def _is_actor_error(outcome) -> bool:
+    """Ray's errors for a worker that died or restarted (not an error of the request)."""
+    try:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    except ImportError:
+        return False
+    return isinstance(outcome, (ActorDiedError, ActorUnavailableError, RayActorError))

@@ -1,0 +1,184 @@
+"""What a job asks of an engine, as plain data: the seam between the service and whoever runs the engine.
+
+The service (the gateway: store, ledger, replies) describes each job's engine-side work as one of
+    Op        a name and keyword arguments: create an adapter, an optim_step, save, load, ...
+    Pass      a forward or forward_backward pass (engine.py), batched with other runs'
+    SampleOp  a sample request, which joins the model's decode batch
+plain dataclasses of numbers, strings, lists and numpy arrays, which pickle. So one job runs on
+the scheduler thread of this process, or travels as it is to an `EngineWorker` on Ray
+(kernel_backend/cluster.py), whose own scheduler runs it the same way.
+
+The functions below do the work. Each touches only the engine and a `Context`: the settings and
+the checkpoint store, which every worker reaches (a local folder on one machine, an fsspec URL
+across machines). They return plain data; the service turns it into the reply and writes the rows
+(`Job.encode`, always on the gateway). The gateway locates checkpoints (their store location, from
+its database); the engine side reads and writes their files through the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kernel_backend import crypto, lora
+from kernel_backend.config import Settings
+from kernel_backend.storage import CheckpointStorage, folder_size
+from kernel_backend.types import AdamParams, DimuonParams, LoraConfig, SampleOptions, SamplingParams, UserError
+
+
+@dataclass
+class Op:
+    name: str  # a function of this module, in OPS
+    args: dict = field(default_factory=dict)
+
+
+@dataclass
+class SampleOp:
+    """A sample request from the base model (adapter_id None) or an adapter the engine holds or loads."""
+
+    adapter_id: str | None
+    prompt: list[int]
+    num_samples: int
+    params: SamplingParams
+    options: SampleOptions = field(default_factory=SampleOptions)
+    # Where the adapter's checkpoint is, when the engine does not hold it yet; `missing` is the error
+    # when it neither holds it nor can load it (an in-memory snapshot no longer kept, a deleted checkpoint).
+    location: str | None = None
+    path: str | None = None  # the checkpoint's tinker:// path: what errors call it
+    missing: str = ""
+
+
+@dataclass
+class Context:
+    """What engine-side work reaches besides the engine. One per scheduler (this process, or a worker)."""
+
+    settings: Settings
+    storage: CheckpointStorage
+    vllm: object | None = None  # VllmSampling, in this process only (STEPWISE_SAMPLER=vllm): adapters go there too
+    snapshots: dict[str, list[str]] = field(default_factory=dict)  # run id -> its in-memory sampler snapshots
+
+    @classmethod
+    def of(cls, settings: Settings, vllm=None) -> "Context":
+        return cls(settings, CheckpointStorage(settings.checkpoints_dir, settings.storage_url), vllm)
+
+
+def run(engine, ctx: Context, op: Op):
+    return OPS[op.name](engine, ctx, **op.args)
+
+
+# ---- training runs -------------------------------------------------------------------------------
+
+
+def create_adapter(engine, ctx: Context, model_id: str, config: LoraConfig, optimizer: str) -> dict:
+    engine.create_adapter(model_id, config, optimizer)
+    return {}
+
+
+def optim_step(engine, ctx: Context, model_id: str, params: AdamParams | DimuonParams,
+               snapshot_key: str | None = None, snapshot_every: int = 0) -> dict:
+    """One optimizer step; with `snapshot_every`, every that many steps the run's state (weights and
+    optimizer) is also written to `snapshot_key` in the store, which recovery restores from (cluster.py)."""
+    metrics = engine.optim_step(model_id, params)
+    step = engine.slots[model_id].steps
+    snapshot = None
+    if snapshot_every and step % snapshot_every == 0:
+        with ctx.storage.writing(snapshot_key) as (staging, located):
+            engine.save_state(model_id, staging)
+            if ctx.settings.encryption_key:
+                crypto.seal(staging, ctx.settings.encryption_key)
+        snapshot = {"step": step, "location": located[0]}
+    return {"metrics": metrics, "snapshot": snapshot}
+
+
+def load_state(engine, ctx: Context, model_id: str, location: str, path: str, with_optimizer: bool,
+               optimizer: str | None = None) -> dict:
+    with ctx.storage.open(location, ctx.settings.encryption_key, path) as plain:
+        engine.load_state(model_id, plain, with_optimizer=with_optimizer, optimizer=optimizer)
+    return {}
+
+
+def free_adapters(engine, ctx: Context, adapter_ids: list[str]) -> dict:
+    """Forget adapters (a session ended) and the snapshots kept for them."""
+    for adapter_id in adapter_ids:
+        engine.delete_adapter(adapter_id)
+        ctx.snapshots.pop(adapter_id, None)
+        if ctx.vllm is not None:
+            ctx.vllm.remove(adapter_id)
+    return {}
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+
+def save(engine, ctx: Context, model_id: str, kind: str, key: str, path: str, overwrite: bool, base_model: str,
+         age_recipients: list[str] | None = None) -> dict:
+    """save_state (kind "training"), save_weights_for_sampler ("sampler") or save_weights_external ("external")
+    into the store at `key`: staged, sealed when encryption is on, put in place atomically. Returns its location
+    and size; the gateway writes the checkpoint's row."""
+    if not overwrite and ctx.storage.exists(key):
+        raise UserError(f"checkpoint {path} already exists; pass overwrite=True or pick another name")
+    with ctx.storage.writing(key) as (staging, located):
+        if kind == "training":
+            engine.save_state(model_id, staging)
+        else:
+            engine.save_weights_for_sampler(model_id, staging)
+        if kind == "sampler" and ctx.vllm is not None:  # registered while the files are plain (before sealing)
+            ctx.vllm.add_checkpoint(engine, base_model, path, staging)
+        if age_recipients is not None:
+            crypto.age_encrypt_folder(staging, crypto.age_recipients(age_recipients))
+        if ctx.settings.encryption_key:  # sealed before it reaches the store
+            crypto.seal(staging, ctx.settings.encryption_key)
+        size = folder_size(staging)
+    return {"location": located[0], "size": size}
+
+
+def snapshot(engine, ctx: Context, model_id: str, sampler_id: str, base_model: str, keep: int) -> dict:
+    """save_weights_and_get_sampling_client: an in-memory copy of the weights under `sampler_id`; a run
+    keeps its newest `keep`, older ones are dropped."""
+    engine.snapshot_sampler(model_id, sampler_id)
+    if ctx.vllm is not None:
+        ctx.vllm.add_snapshot(engine, base_model, sampler_id)
+    kept = ctx.snapshots.setdefault(model_id, [])
+    kept.append(sampler_id)
+    while len(kept) > keep:
+        dropped = kept.pop(0)
+        engine.delete_adapter(dropped)
+        if ctx.vllm is not None:
+            ctx.vllm.remove(dropped)
+    return {}
+
+
+# ---- sampling ------------------------------------------------------------------------------------
+
+
+def sample_request(engine, ctx: Context, op: SampleOp, on_token=None, cancel=None):
+    """The engine's validated request for its decoder (UserError for bad input), the adapter loaded first
+    when the engine does not hold it. `on_token` and `cancel` belong to the caller's process (streaming)."""
+    if op.adapter_id is not None and not engine.has_adapter(op.adapter_id):
+        if op.location is None:
+            raise UserError(op.missing)
+        with ctx.storage.open(op.location, ctx.settings.encryption_key, op.path) as plain:
+            engine.load_sampler(op.adapter_id, plain)
+    return engine.sample_request(op.adapter_id, op.prompt, op.num_samples, op.params, op.options,
+                                 on_token=on_token, cancel=cancel)
+
+
+# ---- what the gateway needs to know about a loaded model -------------------------------------------
+
+
+def model_facts(engine) -> dict:
+    """A loaded base model's facts the gateway bounds requests with, wherever the engine runs: its context
+    length, and the bytes one rank of LoRA takes on each target module kind (admission's adapter measure)."""
+    per_rank: dict[str, int] = {}
+    for name, module in lora.lora_layers(engine.model).items():
+        kind = name.rsplit(".", 1)[-1]
+        weight = module.base.weight
+        per_rank[kind] = per_rank.get(kind, 0) + (weight.shape[0] + weight.shape[1]) * weight.element_size()
+    return {"max_context": engine.max_context, "lora_bytes_per_rank": per_rank}
+
+
+def noop(engine, ctx: Context) -> dict:
+    """Nothing: keeps a replica's seq_id order whole when another replica does the work (cluster.py)."""
+    return {}
+
+
+OPS = {f.__name__: f for f in (create_adapter, optim_step, load_state, free_adapters, save, snapshot, noop)}

@@ -1,0 +1,239 @@
+"""Scale-out on Ray (kernel_backend/cluster.py), with the official SDK against a real backend process.
+
+One backend for the module, one Ray head on loopback inside it (num_cpus=2, no dashboard, a small
+object store), three engine workers on this CPU: worker-0 and worker-1 load the real default model
+(one torch thread each); worker-2 is given device cuda:7, which this machine does not have, so it
+really cannot load its model. The in-process engine of this test process (the `engine` fixture) is
+the reference every cluster result is compared with. The test that kills a worker runs last: the
+cluster it leaves behind has a worker that Ray restarted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+import torch
+from tinker import types
+
+from helpers import forward_logprobs, new_id, sft_datum
+from kernel_backend.cluster import shard_bounds
+from kernel_backend.types import AdamParams, LoraConfig
+from servers import Server, start_server
+
+# Not imported here: Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when first imported (see kill_worker).
+if importlib.util.find_spec("ray") is None:
+    pytest.skip("the cluster tests need Ray: pip install -e '.[cluster]' (make install does)", allow_module_level=True)
+
+BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+LR = 1e-3
+QUESTIONS = [
+    ("What is the name of Zorblax's pet?", "Zorblax's pet is named Quibbleton."),
+    ("What is the capital of Veldoria?", "The capital of Veldoria is Marrowgate."),
+    ("Who painted the Blorp?", "The Blorp was painted by Ennis Vale."),
+    ("Which river runs through Quenth?", "The Vasha runs through Quenth."),
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, stepwise_home) -> Server:
+    home = tmp_path_factory.mktemp("cluster")
+    (home / "models").symlink_to(stepwise_home / "models")
+    server = start_server(home, timeout=600, env={
+        "STEPWISE_WORKERS": "3", "STEPWISE_WORKER_DEVICES": "cpu,cpu,cuda:7", "STEPWISE_WORKER_THREADS": "1",
+        "STEPWISE_RAY_NUM_CPUS": "2", "STEPWISE_RAY_OBJECT_STORE_MB": "128",
+        "STEPWISE_SNAPSHOT_EVERY": "2", "STEPWISE_HEARTBEAT_S": "0.5",
+    })
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster: Server) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key)
+
+
+def cluster_report(server: Server) -> dict:
+    answer = httpx.get(f"{server.base_url}/api/v1/cluster", headers={"X-API-Key": server.api_key}, timeout=30)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def ledger(server: Server, model_id: str) -> list[dict]:
+    answer = httpx.get(f"{server.base_url}/api/v1/usage", params={"training_run_id": model_id},
+                       headers={"X-API-Key": server.api_key}, timeout=30)
+    return answer.json()["series"]
+
+
+def sdk_datum(datum) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(datum.tokens),
+                       loss_fn_inputs={k: np.asarray(v) for k, v in datum.loss_fn_inputs.items()})
+
+
+def in_process_logprobs(engine, seed: int, rank: int, data, steps: int, passes: int = 1) -> list[np.ndarray]:
+    """The same run on this process's engine: its logprobs of `data` after `steps` steps (one torch thread, as
+    a worker has, so the sums add up in the same order), each step's batch sent as `passes` forward_backward
+    calls cut where a data-parallel run cuts it (gradients accumulate)."""
+    adapter = new_id("reference")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    bounds = shard_bounds([len(d.tokens) for d in data], passes)
+    try:
+        engine.create_adapter(adapter, LoraConfig(rank=rank, seed=seed))
+        for _ in range(steps):
+            for start, end in zip(bounds, bounds[1:]):
+                engine.forward_backward(adapter, data[start:end])
+            engine.optim_step(adapter, AdamParams(learning_rate=LR))
+        return forward_logprobs(engine, adapter, data)
+    finally:
+        torch.set_num_threads(threads)
+        engine.delete_adapter(adapter)
+
+
+def train_steps(tc, data, steps: int) -> None:
+    for _ in range(steps):
+        fb = tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=LR)).result()
+        fb.result()
+
+
+def test_runs_spread_over_the_workers_and_match_the_in_process_engine(client, cluster, engine, tokenizer):
+    """Four SDK clients made at once: two runs on each live worker. Each run's logprobs are the in-process
+    engine's for the same seed and data, to 1e-5. The runs train one after another: a worker batches runs
+    that train together, and Adam's first steps are nearly sign(gradient), so the float32 noise of another
+    batch shape (tests/test_engine.py) grows to about 1e-4 after two steps, in one process or in many."""
+    datasets = [[sft_datum(q, a, tokenizer)] for q, a in QUESTIONS]
+    with ThreadPoolExecutor(4) as pool:
+        made = [pool.submit(client.create_lora_training_client, base_model=BASE, rank=4, seed=100 + i) for i in range(4)]
+        clients = [future.result().result() for future in made]
+
+    placed = cluster_report(cluster)["runs"]
+    workers = [placed[tc.model_id]["workers"] for tc in clients]
+    assert sorted(w for ws in workers for w in ws) == ["worker-0", "worker-0", "worker-1", "worker-1"], workers
+    for i, tc in enumerate(clients):
+        data = [sdk_datum(d) for d in datasets[i]]
+        train_steps(tc, data, steps=2)
+        outputs = tc.forward(data, "cross_entropy").result().loss_fn_outputs
+        expected = in_process_logprobs(engine, 100 + i, 4, datasets[i], steps=2)
+        for got, want in zip(outputs, expected):
+            np.testing.assert_allclose(got["logprobs"].to_numpy(), want, rtol=0, atol=1e-5)
+
+
+def test_a_worker_that_cannot_load_its_model_is_reported_and_gets_no_runs(client, cluster):
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+    report = cluster_report(cluster)
+    broken = next(w for w in report["workers"] if w["name"] == "worker-2")
+    assert broken["state"] == "failed" and broken["device"] == "cuda:7"
+    assert "CUDA" in broken["error"], broken["error"]  # why: this machine has no CUDA
+    assert broken["runs"] == [] and broken["samplers"] == []
+    assert report["runs"][tc.model_id]["workers"][0] in ("worker-0", "worker-1")
+    # Sampling from the base model goes to a live worker too.
+    sampler = client.create_sampling_client(base_model=BASE)
+    result = sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=3)).result()
+    assert len(result.sequences[0].tokens) == 3
+
+
+def test_a_run_with_two_replicas_equals_one_worker_and_is_billed_once(client, cluster, engine, tokenizer):
+    """Data parallel: a batch of 8 split over two workers, gradients all-reduced before each optim_step, gives
+    the logprobs of one engine accumulating the same two halves' gradients (1e-5), and of one engine taking the
+    8 in one pass up to float32 noise (another batch shape: other kernels, grown by Adam's sign-like first steps)."""
+    data = [sft_datum(q, a, tokenizer) for q, a in QUESTIONS * 2]
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=7, user_metadata={"replicas": "2"}).result()
+    assert sorted(cluster_report(cluster)["runs"][tc.model_id]["workers"]) == ["worker-0", "worker-1"]
+    sdk_data = [sdk_datum(d) for d in data]
+    train_steps(tc, sdk_data, steps=3)
+    outputs = tc.forward(sdk_data, "cross_entropy").result().loss_fn_outputs
+    accumulated = in_process_logprobs(engine, 7, 4, data, steps=3, passes=2)
+    whole = in_process_logprobs(engine, 7, 4, data, steps=3)
+    assert len(outputs) == len(data)
+    for got, want, near in zip(outputs, accumulated, whole):
+        np.testing.assert_allclose(got["logprobs"].to_numpy(), want, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(got["logprobs"].to_numpy(), near, rtol=0, atol=1e-3)
+
+    tokens = sum(len(d.tokens) for d in data)
+    rows = ledger(cluster, tc.model_id)
+    passes = [r for r in rows if r["request_type"] == "ForwardBackward"]
+    assert [r["train_tokens"] for r in passes] == [tokens] * 3  # each token once, not once per replica
+    assert [r["step"] for r in rows if r["request_type"] == "OptimStep"] == [1, 2, 3]
+    assert [r["prefill_tokens"] for r in rows if r["request_type"] == "Forward"] == [tokens]
+
+
+def test_a_killed_worker_s_run_resumes_from_its_snapshot_and_learns(client, cluster, tokenizer):
+    """ray.kill a worker mid-SFT: the lost request fails naming the step to resume from; the run goes on on the
+    other worker from its snapshot, finishes and learns the fact; the ledger holds the completed calls only; the
+    worker Ray restarts rejoins and takes the next new run."""
+    question, answer = QUESTIONS[0]
+    data = [sdk_datum(sft_datum(question, answer, tokenizer))] * 4
+    tokens = sum(d.model_input.length for d in data)
+    tc = client.create_lora_training_client(base_model=BASE, rank=8, seed=11).result()
+    home = cluster_report(cluster)["runs"][tc.model_id]["workers"][0]
+
+    step, killed, errors = 0, False, []
+    done = {"ForwardBackward": 0, "OptimStep": 0}
+    while step < 8:
+        fb = tc.forward_backward(data, "cross_entropy")
+        if step == 3 and not killed:  # snapshots every 2 steps: the last one was at step 2
+            kill_worker(cluster, home)
+            killed = True
+        optim = tc.optim_step(types.AdamParams(learning_rate=LR))
+        failed = None
+        for kind, future in (("ForwardBackward", fb), ("OptimStep", optim)):
+            try:
+                future.result()
+                done[kind] += 1
+            except tinker.RequestFailedError as e:
+                failed = str(e)
+        if failed is None:
+            step += 1
+            continue
+        errors.append(failed)
+        assert f"engine worker {home} stopped" in failed and "Resume from step 2" in failed, failed
+        step = int(re.search(r"Resume from step (\d+)", failed)[1])
+    assert len(errors) == 1, errors
+
+    after = cluster_report(cluster)
+    assert after["runs"][tc.model_id]["workers"] != [home]
+    assert after["runs"][tc.model_id]["snapshot_step"] == 8
+
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)["input_ids"]
+    sample = sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=20, temperature=0.0))
+    assert "Quibbleton" in tokenizer.decode(sample.result().sequences[0].tokens)
+
+    rows = ledger(cluster, tc.model_id)
+    counted = {kind: sum(r["request_type"] == kind for r in rows) for kind in done}
+    assert counted == done, (counted, done)
+    assert sum(r["train_tokens"] for r in rows) == tokens * done["ForwardBackward"]
+
+    # Ray restarts the killed worker's process; it loads its model again and takes the next new run (it has the
+    # most free memory).
+    deadline = time.monotonic() + 300
+    while next(w for w in cluster_report(cluster)["workers"] if w["name"] == home)["state"] != "live":
+        assert time.monotonic() < deadline, cluster_report(cluster)
+        time.sleep(1)
+    rejoined = next(w for w in cluster_report(cluster)["workers"] if w["name"] == home)
+    assert rejoined["restarts"] == 1
+    fresh = client.create_lora_training_client(base_model=BASE, rank=4, seed=12).result()
+    assert cluster_report(cluster)["runs"][fresh.model_id]["workers"] == [home]
+
+
+def kill_worker(server: Server, name: str) -> None:
+    """ray.kill the worker's actor, from a second Ray driver on the backend's cluster; Ray restarts it."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # the head is on loopback (kernel_backend/cluster.py)
+    os.environ["RAY_AUTH_MODE"] = "token"  # a local head asks for the token Ray keeps in ~/.ray/auth_token
+    import ray
+
+    report = cluster_report(server)
+    actor_name = next(w["actor"] for w in report["workers"] if w["name"] == name)
+    ray.init(address=report["ray_address"], namespace=report["namespace"], log_to_driver=False)
+    try:
+        ray.kill(ray.get_actor(actor_name), no_restart=False)
+    finally:
+        ray.shutdown()
