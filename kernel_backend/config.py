@@ -70,6 +70,9 @@ class Settings:
     # Where checkpoints go: unset, the folder <home>/checkpoints; else any fsspec URL (kernel_backend/storage.py).
     storage_url: str = field(default_factory=lambda: _env("STORAGE_URL", ""))
     max_sample_tokens: int = field(default_factory=lambda: int(_env("MAX_SAMPLE_TOKENS", "4096")))
+    # The most tokens (prompt + sampled, per sequence) of stability info one session may hold recorded for
+    # stable_reinforce (about 12 bytes each in the database); counted when a sample request is admitted.
+    max_stability_tokens: int = field(default_factory=lambda: int(_env("MAX_STABILITY_TOKENS", str(32 << 20))))
     # The secret that signs auth JWTs and download URLs (kernel_backend/signing.py); unset, the server makes
     # one and keeps it in the database. How long an auth JWT and a signed download URL stay valid.
     signing_key: str = field(default_factory=lambda: _env("SIGNING_KEY", ""))

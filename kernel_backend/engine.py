@@ -38,7 +38,8 @@ from kernel_backend.types import (
 )
 
 # loss_fn_inputs names the engine understands (Tinker's); others are rejected by name.
-KNOWN_INPUTS = ("target_tokens", "weights", "advantages", "logprobs", "sequence_ratio_mask")
+# sampled_mask is stable_reinforce's, filled by the service from the datum's provenance (service/stability.py).
+KNOWN_INPUTS = ("target_tokens", "weights", "advantages", "logprobs", "sequence_ratio_mask", "sampled_mask")
 
 
 @dataclass

@@ -1,10 +1,10 @@
 """The built-in loss functions, with Tinker's semantics.
 
 This module owns the loss definitions the engine applies to the model's log-probabilities of
-the target tokens: cross_entropy, importance_sampling, ppo, cispo, dro and gspo. It also owns
-their inputs (which `loss_fn_inputs` each needs), their `loss_fn_config` keys and defaults, and
-the metrics they report. (stable_reinforce, the SDK's other built-in, is not here: Tinker does not
-publish its objective, and it needs stability info the sampler records; docs/tinker-surface.md.)
+the target tokens: cross_entropy, importance_sampling, ppo, cispo, dro, gspo and stable_reinforce.
+It also owns their inputs (which `loss_fn_inputs` each needs), their `loss_fn_config` keys and
+defaults, and the metrics they report. stable_reinforce's sampler logprobs and sampled-token mask
+are not the client's: the service fills them from what the sampler recorded (service/stability.py).
 
 Every loss is a SUM over tokens, never a mean: Tinker does no length normalisation, so a
 client that wants a mean puts it into `weights` or `advantages` (see
@@ -145,6 +145,32 @@ def gspo(logprobs, inputs, config):
     }
 
 
+def stable_reinforce(logprobs, inputs, config):
+    """L = -sum(m * sg[min(r, C)] * A * lp): REINFORCE with a truncated importance weight (OUR objective).
+
+    Tinker names this loss but does not publish its formula, so this one is ours: truncated
+    importance sampling (TIS, Yao et al. 2025; the truncated weights of IMPALA / V-trace). q is the
+    logprob the sampler computed for the token when it drew it, recorded by the server at sampling
+    time (`record_stability_info`), not sent by the client; r = exp(lp - q) corrects for the learner
+    having moved (async RL) or computing differently (other numerics); truncating it at C
+    (`clip_high_threshold`, default 2) bounds the variance of one token's step, and the weight is a
+    stop-gradient, so the gradient is the REINFORCE one, A * grad(lp), scaled. m (`sampled_mask`,
+    from the datum's provenance) is 1 on sampled tokens: only they have a sampler logprob.
+    """
+    limit = config["clip_high_threshold"]
+    sampled = inputs["sampled_mask"] != 0
+    ratio = torch.exp((logprobs.detach() - inputs["logprobs"]) * sampled)  # 1 off the sampled tokens
+    weight = ratio.clamp(max=limit)
+    loss = -(sampled * weight * inputs["advantages"] * logprobs).sum()
+    on = ratio[sampled]
+    return loss, {
+        "importance_ratio:mean": _mean(on),
+        "importance_ratio:max": float(on.max()) if on.numel() else 0.0,
+        "truncated_fraction:mean": _mean((on > limit).float()),
+        "kl_sample_train:mean": _mean((inputs["logprobs"] - logprobs)[sampled]),
+    }
+
+
 LOSS_FNS: dict[str, LossFn] = {
     "cross_entropy": cross_entropy,
     "importance_sampling": importance_sampling,
@@ -152,6 +178,7 @@ LOSS_FNS: dict[str, LossFn] = {
     "cispo": cispo,
     "dro": dro,
     "gspo": gspo,
+    "stable_reinforce": stable_reinforce,
 }
 
 _RL_INPUTS = ("logprobs", "advantages")
@@ -164,6 +191,7 @@ _REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "cispo": _RL_INPUTS,
     "dro": _RL_INPUTS,
     "gspo": (*_RL_INPUTS, "sequence_ratio_mask"),
+    "stable_reinforce": (*_RL_INPUTS, "sampled_mask"),  # logprobs and sampled_mask: filled from provenance
 }
 
 # Inputs a caller may leave out, and the value that stands in for them.
@@ -174,6 +202,7 @@ _OPTIONAL_INPUTS: dict[str, dict[str, float]] = {
     "cispo": {},
     "dro": {},
     "gspo": {},
+    "stable_reinforce": {},
 }
 
 # loss_fn_config keys and their defaults. ppo and cispo defaults are Tinker's documented ones.
@@ -181,6 +210,8 @@ _OPTIONAL_INPUTS: dict[str, dict[str, float]] = {
 # clients that care should pass beta explicitly. gspo's are the GSPO paper's clip range
 # (1 - 3e-4, 1 + 4e-4): a sequence ratio moves far less than a token's, so PPO's 0.8 / 1.2
 # would almost never clip. Tinker's page gives gspo's formula but no defaults: pass them to be sure.
+# stable_reinforce's truncation C = 2 is ours (TIS uses a small constant; 2 lets the learner double a
+# token's probability before its weight stops growing).
 _DEFAULT_CONFIGS: dict[str, dict[str, float]] = {
     "cross_entropy": {},
     "importance_sampling": {},
@@ -188,6 +219,7 @@ _DEFAULT_CONFIGS: dict[str, dict[str, float]] = {
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     "dro": {"beta": 0.05},
     "gspo": {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},
+    "stable_reinforce": {"clip_high_threshold": 2.0},
 }
 
 
@@ -195,18 +227,9 @@ _DEFAULT_CONFIGS: dict[str, dict[str, float]] = {
 # What the engine calls
 
 
-# In the SDK's LossFnType but not here: why, and what to use instead.
-_UNSUPPORTED = {
-    "stable_reinforce": "Tinker does not publish its objective; for off-policy data train with ppo or cispo",
-}
-
-
 def _check_name(loss_fn: str) -> None:
     if loss_fn not in LOSS_FNS:
-        supported = ", ".join(sorted(LOSS_FNS))
-        if loss_fn in _UNSUPPORTED:
-            raise UserError(f"loss_fn {loss_fn!r} is not supported here: {_UNSUPPORTED[loss_fn]}; supported: {supported}")
-        raise UserError(f"unknown loss_fn {loss_fn!r}; supported: {supported}")
+        raise UserError(f"unknown loss_fn {loss_fn!r}; supported: {', '.join(sorted(LOSS_FNS))}")
 
 
 def required_inputs(loss_fn: str) -> tuple[str, ...]:
@@ -241,6 +264,9 @@ def check_config(loss_fn: str, config: dict | None) -> dict[str, float]:
             f"loss_fn_config clip_low_threshold ({merged['clip_low_threshold']}) must not exceed "
             f"clip_high_threshold ({merged['clip_high_threshold']})"
         )
+    if loss_fn == "stable_reinforce" and merged["clip_high_threshold"] <= 0:
+        raise UserError(f"loss_fn_config clip_high_threshold must be positive for stable_reinforce (it truncates the "
+                        f"importance weight), got {merged['clip_high_threshold']}")
     return merged
 
 

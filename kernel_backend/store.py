@@ -1,7 +1,7 @@
 """The service's durable record: SQLAlchemy tables and the checkpoint folder.
 
 Tables: sessions, training runs (models), samplers, futures, checkpoints, the usage ledger, API
-keys, the audit log and the server's secrets. SQLite under
+keys, the audit log, the server's secrets and the sampler's recorded stability info (stable_reinforce). SQLite under
 $STEPWISE_HOME by default; any SQLAlchemy URL (PostgreSQL) through STEPWISE_DATABASE_URL.
 Every row carries its tenant. Futures are keyed by a `dedupe_key` built from the client's
 sequence numbers, so a retried submission finds the original future instead of running twice.
@@ -179,6 +179,22 @@ class SecretRow(Base):
     value: Mapped[str] = mapped_column(String(256))
 
 
+class StabilityRow(Base):
+    """One sampled sequence as the sampler recorded it (record_stability_info), for stable_reinforce:
+    the request's prompt, the sampled tokens and the sampler's logprob of each (little-endian int32,
+    int32, float32). kernel_backend/service/stability.py reads and bounds them."""
+
+    __tablename__ = "stability_info"
+    sequence_id: Mapped[str] = mapped_column(String(80), primary_key=True)  # the SampledSequence.sequence_id
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    session_id: Mapped[str] = mapped_column(String(64), index=True)
+    prompt: Mapped[bytes] = mapped_column(LargeBinary)
+    tokens: Mapped[bytes] = mapped_column(LargeBinary)
+    logprobs: Mapped[bytes] = mapped_column(LargeBinary)
+    size: Mapped[int] = mapped_column(Integer)  # prompt + sampled tokens: what the session's cap counts
+    expires_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), index=True)
+
+
 KIND_SEGMENTS = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
 # Checkpoint names: a path segment on every filesystem and object store, readable in a tinker:// path.
 CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
@@ -303,6 +319,36 @@ class Store:
 
         with self.session.begin() as s:
             return s.execute(delete(FutureRow).where(FutureRow.status != "pending", FutureRow.expires_at < now())).rowcount
+
+    # ---- stability info (stable_reinforce) ------------------------------------------------------
+
+    def stability_tokens(self, session_id: str) -> int:
+        """Tokens a session's unexpired recorded sequences hold (what its cap counts)."""
+        from sqlalchemy import func
+
+        with self.session() as s:
+            return s.scalar(select(func.coalesce(func.sum(StabilityRow.size), 0)).where(
+                StabilityRow.session_id == session_id, StabilityRow.expires_at >= now())) or 0
+
+    def stability_rows(self, sequence_ids) -> dict[str, StabilityRow]:
+        """The unexpired recorded sequences among `sequence_ids`, by id."""
+        with self.session() as s:
+            rows = s.scalars(select(StabilityRow).where(StabilityRow.sequence_id.in_(list(sequence_ids)),
+                                                        StabilityRow.expires_at >= now()))
+            return {row.sequence_id: row for row in rows}
+
+    def keep_stability(self, sequence_ids, until: dt.datetime) -> None:
+        from sqlalchemy import update
+
+        with self.session.begin() as s:
+            s.execute(update(StabilityRow).where(StabilityRow.sequence_id.in_(list(sequence_ids))).values(expires_at=until))
+
+    def delete_stability(self, *where) -> int:
+        """Delete recorded sequences (expired ones, or an ended session's). Returns how many."""
+        from sqlalchemy import delete
+
+        with self.session.begin() as s:
+            return s.execute(delete(StabilityRow).where(*where)).rowcount
 
     # ---- checkpoints ----------------------------------------------------------------------------
 

@@ -30,16 +30,32 @@ def redact_paths(message: str) -> str:
     return _ABSOLUTE_PATH.sub("<server path>", message)
 
 
+@dataclass(frozen=True)
+class Span:
+    """A run of a datum's positions and where its tokens came from (tinker's ProvenanceSpan): positions
+    [offset, offset + length) of sequence `sequence_id`'s sampled tokens (sampled) or of the prompt of
+    the request that sampled it (not sampled)."""
+
+    sampled: bool
+    sequence_id: str
+    offset: int
+    length: int
+
+
 @dataclass
 class Datum:
     """One training example: input tokens and the loss function's per-position inputs.
 
     Input position i predicts target i (`target_tokens[i]` is usually `tokens[i + 1]`).
     Every array in `loss_fn_inputs` has first dimension len(tokens): shape (N,) or (N, K).
+    Provenance, when the client sends it: runs tiling the input tokens and the targets, in order
+    (stable_reinforce reads the sampler's recorded logprobs through it; service/stability.py).
     """
 
     tokens: list[int]
     loss_fn_inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    model_input_spans: list[Span] | None = None
+    loss_fn_input_spans: list[Span] | None = None
 
 
 @dataclass

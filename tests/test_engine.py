@@ -586,6 +586,38 @@ def test_bad_pass_in_a_batch_fails_alone(engine, two_adapters):
         assert engine.weights_digest(b) == digest_b
 
 
+def test_stable_reinforce_against_a_float64_reference(engine, tokenizer, adapters):
+    """stable_reinforce on the real model: its value against a float64 hand computation from transformers' own
+    logits, and its gradient exactly cross_entropy's with weights m * min(r, C) * A (the truncated importance
+    weight is a constant, so the step is a weighted REINFORCE one)."""
+    a = adapters(rank=8, seed=3)
+    d = sft_datum(*FACTS[0], tokenizer)
+    n, targets = len(d.tokens), d.loss_fn_inputs["target_tokens"]
+    sampled = d.loss_fn_inputs["weights"]  # the answer's positions play the sampled tokens
+    exact = model_logprobs(engine, a, d.tokens)[torch.arange(n), torch.as_tensor(targets)].numpy()
+    rng = np.random.default_rng(0)
+    on = sampled != 0
+    q = np.where(on, exact + rng.uniform(-1.5, 0.5, n), 0.0).astype(np.float32)  # ratios ~0.6 to ~4.5
+    adv = np.where(on, rng.normal(size=n), 0.0).astype(np.float32)
+    datum = Datum(d.tokens, {"target_tokens": targets, "logprobs": q, "advantages": adv, "sampled_mask": sampled})
+    result = engine.forward_backward(a, [datum], "stable_reinforce")
+    grads = _grads(engine, a)
+    _zero_grads(engine, a)
+
+    ratio = np.exp(exact[on] - q[on].astype(np.float64))
+    weight = np.minimum(ratio, 2.0)
+    assert result.metrics["loss:sum"] == pytest.approx(-float((weight * adv[on] * exact[on]).sum()), rel=1e-4, abs=1e-4)
+    assert 0 < result.metrics["truncated_fraction:mean"] < 1
+    assert result.metrics["truncated_fraction:mean"] == pytest.approx(float((ratio > 2.0).mean()))
+    assert result.metrics["importance_ratio:max"] == pytest.approx(float(ratio.max()), rel=1e-3)
+
+    weights = np.zeros(n, dtype=np.float32)
+    weights[on] = weight * adv[on]
+    engine.forward_backward(a, [Datum(d.tokens, {"target_tokens": targets, "weights": weights})])
+    _assert_grads_close(_grads(engine, a), grads)
+    _zero_grads(engine, a)
+
+
 def _rl_datum(datum: Datum, advantage: float, sampler_logprob: float | None = None) -> Datum:
     n = len(datum.tokens)
     return Datum(

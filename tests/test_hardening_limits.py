@@ -139,3 +139,32 @@ def test_the_database_is_readable_by_its_owner_only(shared_server):
         path = shared_server.home / name
         if path.exists():
             assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, name
+
+
+def test_recorded_stability_info_is_capped_per_session_when_admitted(tmp_path):
+    """A session's recorded tokens (stable_reinforce) are capped: a sample request counts at its most when admitted,
+    against what is recorded plus what requests in flight reserved; other sessions have their own cap; what
+    a request really recorded replaces its reservation; expired rows no longer count."""
+    import datetime as dt
+    from types import SimpleNamespace
+
+    from kernel_backend.service import stability
+    from kernel_backend.store import StabilityRow, Store
+    from kernel_backend.types import SampledSequence, SampleResult, UserError
+
+    store = Store(f"sqlite:///{tmp_path}/db.sqlite")
+    recorder = stability.Recorder(SimpleNamespace(max_stability_tokens=100), store)
+    recorder.admit("s1", "r1", stability.most_tokens(prompt_tokens=10, num_samples=2, max_tokens=20))  # 60
+    with pytest.raises(UserError, match="holds 60 of its 100 .*STEPWISE_MAX_STABILITY_TOKENS"):
+        recorder.admit("s1", "r2", 50)
+    recorder.admit("s2", "r3", 100)
+    result = SampleResult([SampledSequence([5, 6], [-0.5, -1.0], "stop"), SampledSequence([7], [-2.0], "stop")])
+    stability.record(store, "t", "s1", ["r1:0", "r1:1"], list(range(10)), result)
+    recorder.settle("r1")
+    assert store.stability_tokens("s1") == 23  # two sequences, each with its 10-token prompt
+    recorder.admit("s1", "r2", 77)
+    with pytest.raises(UserError, match="holds 100 of its 100"):
+        recorder.admit("s1", "r4", 1)
+    store.keep_stability(["r1:0", "r1:1"], dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=1))
+    assert store.stability_tokens("s1") == 0 and store.stability_rows(["r1:0"]) == {}
+    assert store.delete_stability(StabilityRow.session_id == "s1") == 2

@@ -19,7 +19,7 @@ from kernel_backend.losses import (
 from kernel_backend.types import UserError
 
 TOL = 1e-10
-SUPPORTED = "cispo, cross_entropy, dro, gspo, importance_sampling, ppo"
+SUPPORTED = "cispo, cross_entropy, dro, gspo, importance_sampling, ppo, stable_reinforce"
 
 
 def make_batch(seed, shape=(64,)):
@@ -31,7 +31,10 @@ def make_batch(seed, shape=(64,)):
     weights = torch.rand(shape, generator=g, dtype=torch.float64)
     mask = (torch.rand(shape, generator=g) < 0.7).double()  # gspo's sequence_ratio_mask
     mask.view(-1)[0] = 1.0
-    return lp, {"logprobs": q, "advantages": adv, "weights": weights, "sequence_ratio_mask": mask}
+    sampled = (torch.rand(shape, generator=g) < 0.8).double()  # stable_reinforce's sampled_mask
+    sampled.view(-1)[0] = 1.0
+    return lp, {"logprobs": q, "advantages": adv, "weights": weights, "sequence_ratio_mask": mask,
+                "sampled_mask": sampled}
 
 
 def run(loss_fn, lp, inputs, config=None, lengths=None):
@@ -119,6 +122,16 @@ def ref_gspo(lp, q, adv, mask, lengths, lo, hi):
                 value -= unclipped
                 grad.append(-s * adv[i])
         start += n
+    return value, grad
+
+
+def ref_stable_reinforce(lp, q, adv, sampled, limit):
+    """Per sampled token: -min(exp(lp - q), C) * A * lp with the weight a constant; others count nothing."""
+    value, grad = 0.0, []
+    for l, qt, a, m in zip(lp, q, adv, sampled):
+        w = min(math.exp(l - qt), limit) if m else 0.0
+        value -= w * a * l
+        grad.append(-w * a)
     return value, grad
 
 
@@ -228,6 +241,26 @@ def test_dro_default_and_override():
     assert_close(value, grad, ref_dro(*args, 0.7))
 
 
+def test_stable_reinforce_truncates_a_detached_weight():
+    # Ratios from about 0.6 to 1.65 with C = 1.2 truncate some tokens; as in cispo the weight is a
+    # constant, so a truncated token keeps a gradient (-C * A) instead of losing it.
+    lp, inputs = make_batch(15)
+    args = flat(lp, inputs["logprobs"], inputs["advantages"], inputs["sampled_mask"])
+    value, grad, metrics = run("stable_reinforce", lp, inputs)
+    assert_close(value, grad, ref_stable_reinforce(*args, 2.0))
+    value, grad, metrics = run("stable_reinforce", lp, inputs, {"clip_high_threshold": 1.2})
+    assert_close(value, grad, ref_stable_reinforce(*args, 1.2))
+    on = inputs["sampled_mask"] != 0
+    ratio = torch.exp(lp - inputs["logprobs"])[on]
+    assert 0 < metrics["truncated_fraction:mean"] < 1
+    assert metrics["truncated_fraction:mean"] == pytest.approx((ratio > 1.2).double().mean().item())
+    assert metrics["importance_ratio:mean"] == pytest.approx(ratio.mean().item(), abs=TOL)
+    assert metrics["importance_ratio:max"] == pytest.approx(ratio.max().item(), abs=TOL)
+    assert all(g == 0.0 for g, m in zip(grad, on.tolist()) if not m)  # only sampled tokens train
+    with pytest.raises(UserError, match="positive"):
+        check_config("stable_reinforce", {"clip_high_threshold": 0.0})
+
+
 def gspo_args(lp, inputs):
     return flat(lp, inputs["logprobs"], inputs["advantages"], inputs["sequence_ratio_mask"])
 
@@ -297,7 +330,8 @@ def test_metrics(loss_fn):
         assert key.split(":")[1] in {"mean", "sum", "min", "max"}, key
         assert isinstance(value, float) and math.isfinite(value)
     if loss_fn != "cross_entropy":
-        kl = (inputs["logprobs"] - lp).mean().item()
+        on = inputs["sampled_mask"] != 0 if loss_fn == "stable_reinforce" else torch.ones_like(lp, dtype=torch.bool)
+        kl = (inputs["logprobs"] - lp)[on].mean().item()
         assert metrics["kl_sample_train:mean"] == pytest.approx(kl, abs=TOL)
 
 
@@ -311,6 +345,7 @@ def test_required_inputs():
         assert set(required_inputs(name)) == {"logprobs", "advantages"}
         assert optional_inputs(name) == {}
     assert set(required_inputs("gspo")) == {"logprobs", "advantages", "sequence_ratio_mask"}
+    assert set(required_inputs("stable_reinforce")) == {"logprobs", "advantages", "sampled_mask"}
 
 
 @pytest.mark.parametrize(
@@ -328,17 +363,12 @@ def test_unknown_loss(call):
     assert "'foo'" in str(e.value) and SUPPORTED in str(e.value)
 
 
-def test_stable_reinforce_is_refused_with_the_reason():
-    with pytest.raises(UserError) as e:
-        required_inputs("stable_reinforce")
-    assert "does not publish its objective" in str(e.value) and SUPPORTED in str(e.value)
-
-
 def test_check_config_defaults():
     assert check_config("ppo", None) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
     assert check_config("cispo", {}) == {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
     assert check_config("dro", None) == {"beta": 0.05}
     assert check_config("gspo", None) == {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4}
+    assert check_config("stable_reinforce", None) == {"clip_high_threshold": 2.0}
     assert check_config("cross_entropy", None) == {}
     assert check_config("ppo", {"clip_high_threshold": 2}) == {"clip_low_threshold": 0.8, "clip_high_threshold": 2.0}
 

@@ -1,7 +1,7 @@
 """The whole tinker 0.38 surface through the unmodified SDK against a real server: every public
 method of ServiceClient, TrainingClient, SamplingClient, RestClient and AdminClient (their `_async`
-twins included) is a row of SURFACE with a check of the value it answers; plus the gspo loss and
-the Dimuon optimizer trained for real.
+twins included) is a row of SURFACE with a check of the value it answers; plus the gspo and
+stable_reinforce losses and the Dimuon optimizer trained for real.
 
 (docs/tinker-surface.md lists every public SDK method and what it does on this server.)
 """
@@ -94,6 +94,95 @@ def test_gspo_trains_through_the_sdk(client, tokenizer):
         tc.forward_backward(data, "gspo").result()
     tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     assert answer_logprob(pair[0][0]) - answer_logprob(pair[1][0]) == pytest.approx(after, abs=1e-5)
+
+
+def provenance_datum(prompt: list[int], seq, advantage: float, sid: str | None = None) -> types.Datum:
+    """The cookbook's RL Datum of one sampled sequence (input = prompt + sample minus its last token, targets
+    shifted by one, advantage on the sampled tokens only) with provenance naming `sid` (default: its own id)."""
+    sid = sid or seq.sequence_id
+    p, c = len(prompt), len(seq.tokens)
+    full = prompt + list(seq.tokens)
+    datum = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                        loss_fn_inputs={"target_tokens": full[1:], "advantages": [0.0] * (p - 1) + [advantage] * c})
+    return datum.with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id=sid, offset=0, length=p),
+                     types.SampledProvenanceSpan(sequence_id=sid, offset=0, length=c - 1)],
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=p - 1),
+                        types.SampledProvenanceSpan(sequence_id=sid, offset=0, length=c)])
+
+
+def test_stable_reinforce_trains_on_what_the_sampler_recorded(client, tinker_server, tokenizer):
+    """Sample with record_stability_info, train off-policy (a step after sampling) with stable_reinforce: the loss
+    is -sum(min(exp(lp - q), 2) * A * lp) over the sampled tokens, q the logprobs the sampler returned (and
+    recorded), lp the learner's now. Bad provenance is a 400 naming the problem, and changes nothing."""
+    tc = client.create_lora_training_client(base_model=BASE, rank=8, seed=7).result()
+    sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    prompt = chat_prompt("Name a colour.", tokenizer)
+    sequences = sampler.sample(types.ModelInput.from_ints(prompt), 2,
+                               types.SamplingParams(max_tokens=8, temperature=1.0, seed=3)).result().sequences
+    data = [provenance_datum(prompt, seq, advantage) for seq, advantage in zip(sequences, (1.0, -1.0))]
+    tc.forward_backward(data, "stable_reinforce").result()
+    tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()  # the learner moves: the data is off-policy now
+
+    def learner_logprobs() -> list[np.ndarray]:
+        return [o["logprobs"].to_numpy().astype(np.float64) for o in tc.forward(data, "cross_entropy").result().loss_fn_outputs]
+
+    expected, ratios = 0.0, []
+    for lp, seq, datum in zip(learner_logprobs(), sequences, data):
+        c = len(seq.tokens)
+        mine, q = lp[-c:], np.asarray(seq.logprobs, dtype=np.float64)
+        ratio = np.exp(mine - q)
+        ratios.extend(ratio)
+        expected -= float((np.minimum(ratio, 2.0) * datum.loss_fn_inputs["advantages"].to_numpy()[-c:] * mine).sum())
+    assert max(abs(r - 1.0) for r in ratios) > 1e-2  # truly off-policy
+    fb = tc.forward_backward(data, "stable_reinforce").result()
+    assert fb.metrics["loss:sum"] == pytest.approx(expected, rel=1e-3, abs=1e-3)
+    assert fb.metrics["importance_ratio:mean"] == pytest.approx(float(np.mean(ratios)), rel=1e-3)
+    tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+
+    # Bad provenance: a 400 naming it, and nothing changes (weights, optimizer, ledger).
+    other = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
+    elsewhere = other.create_sampling_client(base_model=BASE, record_stability_info=True).result().sample(
+        types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=4, seed=1)).result().sequences[0]
+    unrecorded = tc.save_weights_and_get_sampling_client().result().sample(
+        types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=4, seed=1)).result().sequences[0]
+    seq = sequences[0]
+    long_run = data[0].with_provenance(  # the sampled run claims one token more than was sampled
+        model_input=data[0].model_input_spans,
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=len(prompt) - 2),
+                        types.SampledProvenanceSpan(sequence_id=seq.sequence_id, offset=0, length=len(seq.tokens) + 1)])
+    shifted = data[0].with_provenance(  # in range, but the prompt run starts one token off
+        model_input=data[0].model_input_spans,
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=0, length=len(prompt) - 1),
+                        types.SampledProvenanceSpan(sequence_id=seq.sequence_id, offset=0, length=len(seq.tokens))])
+    on_prompt = types.Datum(model_input=data[0].model_input, loss_fn_inputs={
+        "target_tokens": data[0].loss_fn_inputs["target_tokens"], "advantages": [1.0] * data[0].model_input.length},
+        model_input_spans=data[0].model_input_spans, loss_fn_input_spans=data[0].loss_fn_input_spans)
+    bad = [
+        ([provenance_datum(prompt, seq, 1.0, sid="nope:0")], "'nope:0' has no recorded stability info"),
+        ([provenance_datum(prompt, elsewhere, 1.0)], "sampled in another session"),
+        ([provenance_datum(prompt, unrecorded, 1.0)], "has no recorded stability info"),
+        ([long_run], f"sampled tokens, which has {len(seq.tokens)} tokens"),
+        ([shifted], "the tokens differ"),
+        ([on_prompt], "nonzero at position 0, which its provenance says is a prompt token"),
+        ([types.Datum(model_input=data[0].model_input, loss_fn_inputs=data[0].loss_fn_inputs)], "has no provenance"),
+    ]
+    session_id = tc.model_id.split(":")[0]
+
+    def trained() -> int:
+        series = httpx.get(tinker_server.base_url + "/api/v1/usage", params={"session_id": session_id, "limit": 10000},
+                           headers={"X-API-Key": tinker_server.api_key}).json()["series"]
+        return sum(r["request_type"] == "ForwardBackward" for r in series)
+
+    before, rows = learner_logprobs(), trained()
+    for batch, message in bad:
+        with pytest.raises(tinker.BadRequestError) as e:
+            tc.forward_backward(batch, "stable_reinforce").result()
+        assert message in str(e.value)
+    assert trained() == rows  # no ledger row for rejected work
+    tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()  # no gradient was left behind to step on
+    for x, y in zip(learner_logprobs(), before):
+        np.testing.assert_allclose(x, y, atol=1e-5)
 
 
 def dimuon_steps(tc, data, steps: int) -> list[float]:

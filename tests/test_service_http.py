@@ -143,7 +143,7 @@ def test_bad_input_gets_a_clear_error_and_changes_nothing(api, tinker_server):
         return body["error"]
 
     assert "vocabulary" in failed([datum([1, 2, 10**6])])
-    assert "supported: cispo, cross_entropy, dro, gspo, importance_sampling, ppo" in failed(DATA, "kl_magic")
+    assert "supported: cispo, cross_entropy, dro, gspo, importance_sampling, ppo, stable_reinforce" in failed(DATA, "kl_magic")
     # Dimuon's params for an AdamW run: the run's optimizer was fixed when it was created.
     r = api.post("/optim_step", {"model_id": model_id, "seq_id": next(seq),
                                  "optimizer_params": {"type": "dimuon", "learning_rate": 0.1}})

@@ -224,7 +224,7 @@ def asample(body: T.SampleRequest, tenant: str = Depends(tenant_of), svc: Servic
     prompt = wire.model_input_tokens(body.prompt.model_dump(mode="json"))
     params = wire.sampling_params_from_json(body.sampling_params.model_dump(mode="json"))
     row = sampling.sample(svc, tenant, body.sampling_session_id, body.seq_id, prompt, body.num_samples, params,
-                          wire.sample_options(body), wire.encode_sample_response)
+                          wire.sample_options(body), wire.encode_sample_response, bool(body.record_stability_info))
     return _future(row)
 
 

@@ -36,6 +36,7 @@ from kernel_backend.types import (
     SampleOptions,
     SampleResult,
     SamplingParams,
+    Span,
     TargetIds,
     UserError,
 )
@@ -138,7 +139,34 @@ def _datum_from_proto(msg: pb.Datum, where: str, budget: _DenseBudget) -> Datum:
         tokens.extend(np.frombuffer(raw, dtype="<i4").tolist())
     inputs = {name: _tensor_from_proto(t, f"{where}.loss_fn_inputs[{name!r}]", len(tokens), budget)
               for name, t in msg.loss_fn_inputs.items()}
-    return Datum(tokens=tokens, loss_fn_inputs=inputs)
+    if bool(msg.model_input_spans) != bool(msg.loss_fn_input_spans):
+        raise UserError(f"{where} has provenance for only one of model_input and loss_fn_inputs; send both "
+                        "(Datum.with_provenance) or neither")
+    if not msg.model_input_spans:
+        return Datum(tokens=tokens, loss_fn_inputs=inputs)
+    return Datum(tokens=tokens, loss_fn_inputs=inputs,
+                 model_input_spans=_spans_from_proto(msg.model_input_spans, f"{where}.model_input_spans", len(tokens)),
+                 loss_fn_input_spans=_spans_from_proto(msg.loss_fn_input_spans, f"{where}.loss_fn_input_spans",
+                                                       len(tokens)))
+
+
+def _spans_from_proto(msgs, where: str, positions: int) -> list[Span]:
+    """Provenance runs as Spans. What they claim (ids, ranges, tokens) is checked against the recorded
+    sequences by service/stability.py; here only their shape: at most one run per position, each
+    nonnegative (that bounds the work of checking them by the datum's size)."""
+    if len(msgs) > max(positions, 1):
+        raise UserError(f"{where} has {len(msgs)} runs for {positions} positions; give at most one run per position")
+    spans = []
+    for j, msg in enumerate(msgs):
+        kind = msg.WhichOneof("span")
+        if kind is None:
+            raise UserError(f"{where}[{j}] is empty; give a PromptProvenanceSpan or a SampledProvenanceSpan")
+        run = getattr(msg, kind)
+        if run.offset < 0 or run.length < 0 or not run.sequence_id:
+            raise UserError(f"{where}[{j}] needs a sequence_id, offset >= 0 and length >= 0; got "
+                            f"({run.sequence_id!r}, {run.offset}, {run.length})")
+        spans.append(Span(kind == "sampled_tokens", run.sequence_id, run.offset, run.length))
+    return spans
 
 
 def _tensor_from_proto(msg: pb.Tensor, where: str, rows: int, budget: _DenseBudget) -> np.ndarray:

@@ -14,6 +14,8 @@ plain dicts; queued work returns a `FutureRow` whose result the client polls wit
     publishing.py   who else may read a checkpoint: publish / unpublish, copy_weights into a project
     downloads.py    signed download URLs: external weights' files, session traces
     sampling.py     sampling sessions and sample; `generate` for the OpenAI-compatible endpoint
+    stability.py    stable_reinforce's stability info: recorded at sampling (capped per session), read
+                    back through a training Datum's provenance
     accounts.py     the ledger and the audit log: usage and per-session reports, billing, storage usage,
                     the audit log; the auth JWTs (whoami)
 

@@ -33,6 +33,7 @@ from kernel_backend.engine import Engine
 from kernel_backend.keys import LOCAL_TENANT
 from kernel_backend.metering import Prices, Usage
 from kernel_backend.scheduler import Job, Scheduler, error_payload, failure_category, log_failure
+from kernel_backend.service import stability
 from kernel_backend.store import (
     CheckpointRow,
     FutureRow,
@@ -40,6 +41,7 @@ from kernel_backend.store import (
     AuditRow,
     SamplerRow,
     SessionRow,
+    StabilityRow,
     Store,
     UsageRow,
     now,
@@ -137,6 +139,7 @@ class Service:
         self._waiters_lock = threading.Lock()
         # State of one concern each, kept here because it lives as long as the service:
         self.tokenizers: dict[str, object] = {}  # sampling: base model -> tokenizer for the API threads
+        self.stability = stability.Recorder(self.settings, self.store)  # stable_reinforce: the recording cap
         self._fail_interrupted_futures()
         if cleaned := self.storage.clean_staging():
             log.info("removed %d scratch folders of interrupted checkpoint writes", cleaned)
@@ -209,8 +212,9 @@ class Service:
 
     def reap(self) -> None:
         """Expire sessions that stopped heart-beating (freeing their adapters), expired checkpoints and
-        expired results of finished requests."""
+        expired results of finished requests and expired stability info."""
         self.store.delete_expired_futures()
+        self.store.delete_stability(StabilityRow.expires_at < now())
         cutoff = now() - dt.timedelta(seconds=self.settings.session_timeout_s)
         for session in self.store.list(SessionRow, SessionRow.status == "active", SessionRow.last_heartbeat < cutoff):
             self.end_session(session.id, "expired")
@@ -230,6 +234,7 @@ class Service:
     def end_session(self, session_id: str, status: str) -> None:
         """Mark a session over and free its adapters (on the scheduler thread)."""
         self.store.update(SessionRow, session_id, status=status)
+        self.store.delete_stability(StabilityRow.session_id == session_id)  # nothing can train on it any more
         lanes = self.store.list(ModelRow, ModelRow.session_id == session_id)
         lanes += self.store.list(SamplerRow, SamplerRow.session_id == session_id)
         for lane in lanes:
@@ -289,6 +294,7 @@ class Service:
         usage = job.usage or Usage()
         self.admission.settle(job.request_id, usage.prefill_tokens + usage.sample_tokens + usage.train_tokens
                               if status == "done" else 0)
+        self.stability.settle(job.request_id)
         ledger = None
         if status == "done":
             is_sampler = job.request_type in SAMPLER_REQUESTS

@@ -14,6 +14,7 @@ import threading
 
 from kernel_backend import admission, models
 from kernel_backend.ops import SampleOp
+from kernel_backend.service import stability
 from kernel_backend.service.checkpoints import SNAPSHOTS_PER_RUN, loadable
 from kernel_backend.service.core import PROTO_TYPE, NotFound, Service, json_result, new_id
 from kernel_backend.scheduler import Job
@@ -46,7 +47,9 @@ def get_sampler(svc: Service, tenant: str, sampler_id: str) -> dict:
 
 
 def sample(svc: Service, tenant: str, sampler_id: str, seq_id: int, prompt: list[int], num_samples: int,
-           params: SamplingParams, options: SampleOptions, encode) -> FutureRow:
+           params: SamplingParams, options: SampleOptions, encode, record_stability_info: bool = False) -> FutureRow:
+    """Queue a sample request. With `record_stability_info`, each returned sequence's tokens and logprobs are
+    kept under its sequence id for stable_reinforce (service/stability.py), within the session's cap."""
     sampler = svc.sampler(tenant, sampler_id)
     check_still_published(svc, tenant, sampler)
     tokens = check_sampling(svc, sampler.base_model, prompt, num_samples, params, options)
@@ -54,11 +57,25 @@ def sample(svc: Service, tenant: str, sampler_id: str, seq_id: int, prompt: list
         svc.vllm.check_options(options)
     request_id = new_id()
     op = sampler_op(svc, sampler, prompt, num_samples, params, options)
-    job = Job(request_id, sampler_id, sampler.base_model, seq=None, sample=op,
-              encode=lambda result: (encode(result), PROTO_TYPE), tokens=len(prompt))
     ids = [f"{request_id}:{i}" for i in range(num_samples)]
-    return svc.submit(tenant, "Sample", f"sample:{sampler_id}:{seq_id}", job, ordered=False,
-                      extra={"sample_sequence_ids": ids}, session_id=sampler.session_id, tokens=tokens)
+
+    def reply(result):
+        if record_stability_info:
+            stability.record(svc.store, tenant, sampler.session_id, ids, prompt, result)
+        return encode(result), PROTO_TYPE
+
+    job = Job(request_id, sampler_id, sampler.base_model, seq=None, sample=op, encode=reply, tokens=len(prompt))
+    key = f"sample:{sampler_id}:{seq_id}"
+    recording = record_stability_info and svc.store.future_by_key(key) is None  # a retry was admitted when first sent
+    if recording:
+        svc.stability.admit(sampler.session_id, request_id,
+                            stability.most_tokens(len(prompt), num_samples, params.max_tokens))
+    try:
+        return svc.submit(tenant, "Sample", key, job, ordered=False, extra={"sample_sequence_ids": ids},
+                          session_id=sampler.session_id, tokens=tokens)
+    except Exception:
+        svc.stability.settle(request_id)
+        raise
 
 
 def check_still_published(svc: Service, tenant: str, sampler: SamplerRow) -> None:

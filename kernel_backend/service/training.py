@@ -12,7 +12,7 @@ from kernel_backend import admission, models, optimizers
 from kernel_backend.engine import Pass
 from kernel_backend.ops import Op
 from kernel_backend.service.checkpoints import checkpoint_json
-from kernel_backend.service import sessions
+from kernel_backend.service import sessions, stability
 from kernel_backend.service.core import PROTO_TYPE, Service, audit, iso, json_result, new_id, train_key
 from kernel_backend.scheduler import Job
 from kernel_backend.store import CheckpointRow, FutureRow, ModelRow, SessionRow, now
@@ -82,6 +82,8 @@ def _touch(svc: Service, model_id: str) -> None:
 def forward_backward(svc: Service, tenant: str, model_id: str, seq_id: int | None, data: list[Datum], loss_fn: str,
                      loss_fn_config: dict | None, forward_only: bool, encode) -> FutureRow:
     run = svc.live_run(tenant, model_id)
+    if loss_fn == "stable_reinforce":  # its sampler logprobs come from what the sampler recorded
+        data = stability.resolve(svc.store, tenant, run.session_id, data)
     _touch(svc, model_id)
     tokens = sum(len(d.tokens) for d in data)
     fb = Pass(model_id, data, loss_fn, loss_fn_config, forward_only)
