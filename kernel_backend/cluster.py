@@ -317,6 +317,7 @@ class Worker:
     heartbeat_at: float = 0.0
     missed: int = 0
     restarts: int = 0
+    rejoining: bool = False  # Ray restarted its process and _rejoin is loading its models: reports wait
     placed: dict[str, int] = field(default_factory=dict)  # runs placed since its last report -> estimated bytes
     parts: dict[int, "_Part"] = field(default_factory=dict)  # parts of jobs sent to it, not answered yet
 
@@ -747,12 +748,14 @@ class Cluster:
             if worker.incarnation is not None and report["incarnation"] != worker.incarnation:
                 self._lost(worker, "its process restarted")
                 worker.restarts += 1
-                worker.incarnation, worker.state = report["incarnation"], "starting"
+                worker.incarnation, worker.state, worker.rejoining = report["incarnation"], "starting", True
                 threading.Thread(target=self._rejoin, args=(worker,), daemon=True).start()
+                continue
+            if worker.rejoining:  # _rejoin takes its state from start's answer
                 continue
             if worker.state == "dead":  # taken for dead, yet it answers: its runs moved; start it afresh
                 ray.kill(worker.actor, no_restart=False)
-            elif worker.state != "starting":
+            else:  # (a report asked for before a rejoin ended may say "starting": the next one says "live")
                 self._update(worker, report)
 
     def _rejoin(self, worker: Worker) -> None:
@@ -763,6 +766,8 @@ class Cluster:
             log.info("worker %s rejoined: %s", worker.name, worker.state)
         except Exception as e:
             self._lost(worker, f"{type(e).__name__}: {e}")
+        finally:
+            worker.rejoining = False
 
     def _update(self, worker: Worker, report: dict, revive: bool = False) -> None:
         """A worker's report. Its state follows the report, except that a dead worker stays dead until it has
