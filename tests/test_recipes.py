@@ -188,3 +188,18 @@ def test_distillation_lowers_the_kl_to_the_teacher(endpoint, tinker_server, tmp_
     assert summary.final < summary.initial * 0.7, kls
     # the teacher's compute_logprobs is billed to the session, not to the training run
     assert summary.session_tokens > summary.tokens
+
+
+def test_rl_with_stable_reinforce_trains_on_what_its_sampler_recorded(endpoint, tinker_server, tmp_path):
+    """`--loss-fn stable_reinforce`: the recipe's samplers record what they sample and its datums name their
+    sequences (provenance); the server weighs each token by the recorded logprobs, which on-policy equal
+    the learner's (importance ratio 1, nothing truncated)."""
+    config = rl.Config(**endpoint, loss_fn="stable_reinforce", steps=2, groups_per_batch=3, group_size=6,
+                       eval_prompts=0, metrics_path=str(tmp_path / "rl.jsonl"))
+    summary = rl.run(config)
+    rows = check_summary(summary, tinker_server, "rl", "reward")
+    trained = [r for r in rows if r.get("train_tokens", 0) > 0]
+    assert trained, rows  # some group had both outcomes
+    for row in trained:
+        assert row["importance_ratio"] == pytest.approx(1.0, abs=1e-3) and row["truncated"] == 0, row
+        assert math.isfinite(row["loss"]) and row["loss"] != 0, row

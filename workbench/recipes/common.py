@@ -158,11 +158,15 @@ def chat_datum(tokenizer, messages: list[dict], train_on: str = "all_assistant")
     )
 
 
-def rollout_datum(prompt: list[int], completion: list[int], sampler_logprobs, advantages) -> types.Datum:
+def rollout_datum(prompt: list[int], completion: list[int], sampler_logprobs, advantages,
+                  sequence_id: str | None = None) -> types.Datum:
     """A policy-gradient Datum over prompt + completion for importance_sampling / ppo / cispo / dro.
 
     `advantages` is a number (one per sequence) or one value per completion token. Prompt
     positions get logprob 0 and advantage 0, so only the completion's tokens carry gradient.
+    With the completion's `sequence_id` (from a sampler made with record_stability_info=True) the
+    Datum also says where each token came from, which stable_reinforce needs: the input and the
+    targets are the recorded sequence's prompt, then its sampled tokens (docs/tinker-surface.md).
     """
     tokens = list(prompt) + list(completion)
     n = len(tokens) - 1
@@ -171,10 +175,18 @@ def rollout_datum(prompt: list[int], completion: list[int], sampler_logprobs, ad
     adv = np.zeros(n, dtype=np.float32)
     logprobs[start:] = np.asarray(sampler_logprobs, dtype=np.float32)
     adv[start:] = np.asarray(advantages, dtype=np.float32)
-    return types.Datum(
+    datum = types.Datum(
         model_input=types.ModelInput.from_ints(tokens[:-1]),
         loss_fn_inputs={"target_tokens": np.asarray(tokens[1:], dtype=np.int64), "logprobs": logprobs, "advantages": adv},
     )
+    if sequence_id is None:
+        return datum
+    p, c = len(prompt), len(completion)
+    sampled_input = [types.SampledProvenanceSpan(sequence_id=sequence_id, offset=0, length=c - 1)] if c > 1 else []
+    return datum.with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id=sequence_id, offset=0, length=p)] + sampled_input,
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=sequence_id, offset=1, length=p - 1),
+                        types.SampledProvenanceSpan(sequence_id=sequence_id, offset=0, length=c)])
 
 
 def as_numpy(tensor) -> np.ndarray:

@@ -17,8 +17,10 @@ Each step (GRPO-style, as the tinker cookbook does it):
    `groups_per_batch` fresh prompts;
 2. reward each answer; advantage = reward - the mean reward of its group (no std division);
    groups where every answer got the same reward carry no signal and are dropped;
-3. one forward_backward with `loss_fn` (importance_sampling, ppo, cispo or dro; the sampler's
-   logprobs ride along in loss_fn_inputs["logprobs"]) and one optim_step.
+3. one forward_backward with `loss_fn` (importance_sampling, ppo, cispo or dro: the sampler's
+   logprobs ride along in loss_fn_inputs["logprobs"]; stable_reinforce: the sampler records its
+   logprobs itself, record_stability_info=True, and each datum names its sampled sequence) and one
+   optim_step.
 Logged per step: reward (mean over all samples), format (the share of replies that are only a
 number), kl_sampler (mean over completion tokens of sampler logprob - learner logprob, from the
 forward_backward's output logprobs: how far the learner is from the policy that sampled, about 0
@@ -49,7 +51,7 @@ from tinker import types
 from workbench.recipes import common
 from workbench.recipes.common import BaseConfig, Summary
 
-LOSSES = ("importance_sampling", "ppo", "cispo", "dro")
+LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "stable_reinforce")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,7 +119,7 @@ class Config(BaseConfig):
     group_size: int = 8              # samples per prompt
     max_tokens: int = 12
     temperature: float = 1.0
-    loss_fn: str = "importance_sampling"  # importance_sampling | ppo | cispo | dro
+    loss_fn: str = "importance_sampling"  # importance_sampling | ppo | cispo | dro | stable_reinforce
     loss_fn_config: dict | str | None = None  # e.g. {"clip_low_threshold": 0.8, ...}; JSON text on the CLI
     learning_rate: float = 1e-3
     lr_schedule: str = "constant"
@@ -141,8 +143,9 @@ class Rollouts:
 
 
 def sample_groups(sampler, tokenizer, task, problems: list[Problem], group_size: int, max_tokens: int,
-                  temperature: float, seed: int) -> Rollouts:
-    """Sample a group per problem, score it, and turn groups with reward variance into datums."""
+                  temperature: float, seed: int, provenance: bool = False) -> Rollouts:
+    """Sample a group per problem, score it, and turn groups with reward variance into datums (with
+    `provenance`, datums that name their sampled sequences: for stable_reinforce)."""
     prompts = [common.user_prompt(tokenizer, p.question) for p in problems]
     futures = [
         sampler.sample(types.ModelInput.from_ints(prompt), group_size,
@@ -170,7 +173,8 @@ def sample_groups(sampler, tokenizer, task, problems: list[Problem], group_size:
         out.groups_used += 1
         for seq, advantage in zip(sequences, advantages):
             if seq.tokens:
-                out.data.append(common.rollout_datum(prompt, seq.tokens, seq.logprobs, advantage))
+                out.data.append(common.rollout_datum(prompt, seq.tokens, seq.logprobs, advantage,
+                                                     seq.sequence_id if provenance else None))
                 out.starts.append(len(prompt) - 1)
     return out
 
@@ -214,13 +218,14 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
         log.log(0, eval_reward=extra["eval_reward_before"])
 
     rewards_by_step, checkpoints = [], []
+    stable = config.loss_fn == "stable_reinforce"  # its sampler records what it sampled
     bar = common.progress_bar(config.steps, f"rl ({config.loss_fn})", config.progress)
     try:
         for step in range(1, config.steps + 1):
-            sampler = tc.save_weights_and_get_sampling_client().result()
+            sampler = tc.save_weights_and_get_sampling_client(record_stability_info=stable).result()
             problems = task.problems(config.groups_per_batch, rng)
             rollouts = sample_groups(sampler, tokenizer, task, problems, config.group_size, config.max_tokens,
-                                     config.temperature, seed=config.seed * 100_000 + step)
+                                     config.temperature, seed=config.seed * 100_000 + step, provenance=stable)
             lr = common.lr_at(step - 1, config.steps, config.learning_rate, config.lr_schedule)
             row = {"reward": float(np.mean(rollouts.rewards)), "format": float(np.mean(rollouts.formats)),
                    "groups_used": rollouts.groups_used,
@@ -232,6 +237,9 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
                 optim.result()
                 row.update(loss=out.metrics["loss:sum"], **sampler_vs_learner(rollouts.data, out.loss_fn_outputs, rollouts.starts),
                            train_tokens=sum(d.model_input.length for d in rollouts.data))
+                if "importance_ratio:mean" in out.metrics:  # stable_reinforce's truncated weights
+                    row.update(importance_ratio=out.metrics["importance_ratio:mean"],
+                               truncated=out.metrics["truncated_fraction:mean"])
             else:
                 row.update(train_tokens=0)
             if config.save_every and step % config.save_every == 0:
