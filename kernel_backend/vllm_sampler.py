@@ -85,9 +85,14 @@ class WorkerProcess:
         self._next_id = 0
         self._ready = concurrent.futures.Future()
 
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
     def start(self, timeout_s: float) -> dict:
         """Start the worker and wait until its engine is up; returns its ready message."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.log_path.exists():  # a restart: the log of the process that exited stays beside the new one
+            self.log_path.replace(self.log_path.with_suffix(".previous.log"))
         with open(self.log_path, "w") as log_file:
             self.process = subprocess.Popen(
                 # -P: the worker's folder stays off sys.path (kernel_backend/types.py would shadow the stdlib's).
@@ -106,7 +111,7 @@ class WorkerProcess:
         `on_tokens(list of [row, token, logprob])` sees streamed tokens as they come."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            if self.process is None or self.process.poll() is not None:
+            if not self.running():
                 raise WorkerError(f"the vLLM worker is not running; its log: {self.log_path}")
             self._next_id += 1
             self._pending[self._next_id] = (future, on_tokens)
@@ -143,7 +148,7 @@ class WorkerProcess:
             future.set_exception(error)
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
+        if not self.running():
             return
         try:
             self.process.stdin.close()  # the worker shuts its engine down and exits
@@ -182,6 +187,8 @@ class VllmSampler:
         self.worker = WorkerProcess(python, engine_args(settings, model_dir, max_context), env,
                                     settings.home / "vllm" / slug / "worker.log")
         self.startup_s: float | None = None
+        self.restarts = 0
+        self._restart_lock = threading.Lock()
         self._versions: collections.OrderedDict[str, _Version] = collections.OrderedDict()  # least recently used first
         self._ids: dict[str, _Version] = {}
         self._lock = threading.Lock()
@@ -200,6 +207,25 @@ class VllmSampler:
 
     def stop(self) -> None:
         self.worker.stop()
+
+    def ensure_running(self) -> None:
+        """Start the worker again if its process exited (a crash, the OOM killer), with every adapter version
+        it held. The requests it had in flight failed, naming its log; the next ones wait for the restart."""
+        with self._restart_lock:
+            if self.worker.running():
+                return
+            log.warning("the vLLM worker for %s exited (code %s); starting it again", self.base_model,
+                        self.worker.process.poll() if self.worker.process else None)
+            old = self.worker
+            self.worker = WorkerProcess(old.python, old.args, old.env, old.log_path)
+            start = time.monotonic()
+            self.worker.start(self.settings.vllm_startup_timeout_s)
+            with self._lock:
+                for version in self._versions.values():
+                    self.worker.call("add_adapter", name=version.name, path=str(version.folder)).result()
+            self.restarts += 1
+            log.info("vLLM worker for %s ready again in %.0f s (%d adapter versions)", self.base_model,
+                     time.monotonic() - start, len(self._versions))
 
     # ---- adapters ---------------------------------------------------------------------------------
 
@@ -269,6 +295,8 @@ class VllmSampler:
     def _release(self, version: _Version) -> None:
         try:
             self.worker.call("remove_adapter", name=version.name).result()
+        except WorkerError:  # the worker exited: it holds nothing, and its restart loads only kept versions
+            pass
         finally:
             shutil.rmtree(version.folder, ignore_errors=True)
 
@@ -365,10 +393,14 @@ class VllmSampling:
                 sampler = VllmSampler(self.settings, base_model, engine.max_context)
                 sampler.start()
                 self.samplers[base_model] = sampler
-            return self.samplers[base_model]
+            sampler = self.samplers[base_model]
+        sampler.ensure_running()
+        return sampler
 
     def stats(self) -> dict:
-        return {name: {"startup_s": s.startup_s, "adapters": s.loaded_versions()} for name, s in self.samplers.items()}
+        return {name: {"startup_s": s.startup_s, "adapters": s.loaded_versions(), "restarts": s.restarts,
+                       "pid": s.worker.process.pid if s.worker.running() else None}
+                for name, s in self.samplers.items()}
 
     @staticmethod
     def check_options(options: SampleOptions) -> None:

@@ -11,6 +11,10 @@ Marked `vllm`: they run last, and skip, saying how to build it, where the vLLM v
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import httpx
 import numpy as np
 import openai
@@ -159,6 +163,26 @@ def test_an_adapter_taught_a_made_up_fact_answers_through_vllm(client, taught, t
     assert len(vllm_stats(vllm_server)["adapters"]) == versions
     gaps = [r["metrics"]["sampler_logprob_gap:max"] for r in ledger(vllm_server) if r["request_type"] == "Sample"]
     assert max(gaps) < GAP, gaps  # with adapters too, vLLM and the trainer agree on every sampled token
+
+
+def test_a_crashed_vllm_worker_is_started_again_with_its_adapters(client, taught, tokenizer, vllm_server):
+    """SIGKILL the worker (its engine process too, as the OOM killer would): the next request starts it again,
+    with every adapter version it held, an in-memory snapshot's included, and answers as before."""
+    tc, _ = taught
+    prompt = types.ModelInput.from_ints(prompt_of(tokenizer, QUESTION))
+    snapshot = tc.save_weights_and_get_sampling_client().result()
+    before = tokens_of(snapshot.sample(prompt, 1, GREEDY).result())
+    stats = vllm_stats(vllm_server)
+    os.killpg(stats["pid"], signal.SIGKILL)  # the worker leads its own process group (start_new_session)
+    deadline = time.monotonic() + 30  # (a request sent while it dies fails, naming its log)
+    while vllm_stats(vllm_server)["pid"] is not None:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+    assert tokens_of(snapshot.sample(prompt, 1, GREEDY).result()) == before
+    after = vllm_stats(vllm_server)
+    assert after["restarts"] == stats["restarts"] + 1 and after["pid"] not in (None, stats["pid"])
+    assert after["adapters"] == stats["adapters"]
 
 
 def test_a_sampler_for_an_unknown_or_deleted_checkpoint_answers_404(client, vllm_server):
