@@ -36,6 +36,7 @@ from tinker.lib.telemetry import Telemetry
 
 from helpers import chat_prompt, model_logprobs, sft_datum
 from servers import Server
+from workbench.recipes import common
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -97,18 +98,9 @@ def test_gspo_trains_through_the_sdk(client, tokenizer):
 
 
 def provenance_datum(prompt: list[int], seq, advantage: float, sid: str | None = None) -> types.Datum:
-    """The cookbook's RL Datum of one sampled sequence (input = prompt + sample minus its last token, targets
-    shifted by one, advantage on the sampled tokens only) with provenance naming `sid` (default: its own id)."""
-    sid = sid or seq.sequence_id
-    p, c = len(prompt), len(seq.tokens)
-    full = prompt + list(seq.tokens)
-    datum = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
-                        loss_fn_inputs={"target_tokens": full[1:], "advantages": [0.0] * (p - 1) + [advantage] * c})
-    return datum.with_provenance(
-        model_input=[types.PromptProvenanceSpan(sequence_id=sid, offset=0, length=p),
-                     types.SampledProvenanceSpan(sequence_id=sid, offset=0, length=c - 1)],
-        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=p - 1),
-                        types.SampledProvenanceSpan(sequence_id=sid, offset=0, length=c)])
+    """The rl recipe's Datum of one sampled sequence (common.rollout_datum: advantage on the sampled tokens
+    only) with provenance naming `sid` (default: its own id)."""
+    return common.rollout_datum(prompt, seq.tokens, seq.logprobs, advantage, sid or seq.sequence_id)
 
 
 def test_stable_reinforce_trains_on_what_the_sampler_recorded(client, tinker_server, tokenizer):
