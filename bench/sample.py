@@ -1,6 +1,6 @@
 """Sampling: the continuous-batching decoder against the loop it replaced, against vLLM, and against `generate`.
 
-Three parts, each printing a ratio measured in this one run (higher is better):
+Four parts, each printing a ratio measured in this one run (higher is better):
 
 - server:   eight concurrent sample requests from four sessions (each its own LoRA sampler,
             num_samples 4, max_tokens 32, temperature 1, a seed each) through the official tinker
@@ -19,12 +19,15 @@ Three parts, each printing a ratio measured in this one run (higher is better):
 - generate: one adapter (rank 32, every target), one prompt, 8 samples of 64 tokens at
             temperature 1, in this process: `Engine.sample` over transformers' `generate` on the
             PEFT model (peft.get_peft_model, the same LoRA shape).      Target: >= 1.0x.
+- small:    the server part's workload in this process, through each decoder, with small products
+            on one thread (kernel_backend/threads.py, the default) and on every thread.
 - recipes:  the rl and distillation recipes with their defaults, each against a serial-sampler
             server and a batched one: wall time, and the recipe's final metric. Long (tens of
             minutes); not in the default set.                            Target: time halved.
 
     .venv/bin/python bench/sample.py [--parts server,generate] [--rounds 2] [--threads N] [--server-threads N] [--bf16]
     .venv/bin/python bench/sample.py --parts server --sampler vllm
+    .venv/bin/python bench/sample.py --parts small --rounds 3
     .venv/bin/python bench/sample.py --parts recipes
 """
 
@@ -275,6 +278,58 @@ def bench_generate(rounds: int, samples: int = 8, new_tokens: int = 64) -> None:
           f"({load_before} before, {load_line()} after)")
 
 
+# ---- small: small products on one thread (kernel_backend/threads.py) vs on every thread --------------------
+
+
+def bench_small_products(rounds: int) -> None:
+    """The server part's workload (8 requests x 4 samples x 32 tokens, four rank-32 adapters) in this
+    process, through each decoder, with threads.small on (the default) and off (SMALL_WORK = 0: every
+    product on every thread, as before it), rounds interleaved."""
+    import torch
+
+    from kernel_backend import threads
+    from kernel_backend.engine import Engine
+    from kernel_backend.types import LoraConfig, SamplingParams
+
+    engine = Engine(BASE)
+    for seed in range(4):
+        engine.create_adapter(f"bench{seed}", LoraConfig(rank=32, seed=seed))
+    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
+               for q in QUESTIONS]
+    default_work = threads.SMALL_WORK
+
+    def run(decoder: str, small_on: bool) -> int:
+        threads.SMALL_WORK = default_work if small_on else 0
+        engine.settings.sampler = decoder
+        engine.reset_decoder()
+        requests = [engine.sample_request(f"bench{i % 4}", prompt, 4, SamplingParams(max_tokens=32, temperature=1.0, seed=i))
+                    for i, prompt in enumerate(prompts)]
+        results = engine.run_requests(requests)
+        return sum(len(s.tokens) for r in results for s in r.sequences)
+
+    sides = [(decoder, on) for decoder in ("batched", "serial") for on in (True, False)]
+    for side in sides:
+        run(*side)  # warm-up
+    seconds: dict[tuple, list[float]] = {side: [] for side in sides}
+    tokens: dict[tuple, int] = {}
+    load_before = load_line()
+    for i in tqdm(range(rounds), desc="rounds (interleaved)"):
+        for side in sides if i % 2 == 0 else reversed(sides):
+            start_time = time.perf_counter()
+            tokens[side] = run(*side)
+            seconds[side].append(time.perf_counter() - start_time)
+    threads.SMALL_WORK = default_work
+    print(f"\n[small] 8 requests x 4 samples x max 32 tokens, 4 adapters, in process, {torch.get_num_threads()} threads, "
+          "OMP_WAIT_POLICY=" + os.environ.get("OMP_WAIT_POLICY", ""))
+    rate = {side: tokens[side] / statistics.median(s) for side, s in seconds.items()}
+    for decoder, on in sides:
+        print(f"  {decoder:<8} small products {'on one thread ' if on else 'on every thread'} "
+              f"{rate[(decoder, on)]:7.1f} tokens/s   rounds: " + " ".join(f"{s:.2f}s" for s in seconds[(decoder, on)]))
+    for decoder in ("batched", "serial"):
+        print(f"  ratio {decoder}, one thread / every thread: {rate[(decoder, True)] / rate[(decoder, False)]:.2f}")
+    print(f"  ({load_before} before, {load_line()} after)")
+
+
 # ---- recipes: rl and distillation, serial vs batched ---------------------------------------------------
 
 
@@ -327,7 +382,7 @@ def bench_recipes() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="server,generate", help="comma-separated: server, generate, recipes")
+    parser.add_argument("--parts", default="server,generate", help="comma-separated: server, generate, small, recipes")
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds per side (after a warm-up)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads in this process (0: torch's default)")
     parser.add_argument("--server-threads", type=int, default=0, help="OMP_NUM_THREADS for the servers (0: default)")
@@ -343,6 +398,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     parts = {"server": lambda: bench_server(args.rounds, args.bf16, args.sampler),
              "generate": lambda: bench_generate(args.rounds),
+             "small": lambda: bench_small_products(args.rounds),
              "recipes": bench_recipes}
     for part in args.parts.split(","):
         parts[part.strip()]()

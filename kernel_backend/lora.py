@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
+from kernel_backend import threads
 from kernel_backend.types import LoraConfig, UserError
 
 # Tinker's target groups, by the module names Llama-style models use.
@@ -63,12 +64,22 @@ class MultiLoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
-        out = F.linear(x2d, self.base.weight, self.base.bias)
+        tokens, (out_features, in_features) = x2d.shape[0], self.base.weight.shape
+        # A decode step's products are small: on one thread they skip OpenMP's wake-up (threads.py).
+        with threads.small(tokens * in_features * out_features):
+            out = F.linear(x2d, self.base.weight, self.base.bias)
+        groups = [(adapter, rows) for adapter, rows in self.routing.groups if self.name in adapter.weights]
+        if not groups:
+            return out.view(*x.shape[:-1], out.shape[-1])
+        rank = max(adapter.config.rank for adapter, _ in groups)
+        with threads.small(tokens * rank * (in_features + out_features)):
+            self._add_deltas(x, x2d, out, groups)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _add_deltas(self, x: torch.Tensor, x2d: torch.Tensor, out: torch.Tensor, groups) -> None:
         # Tokens per batch row: rows index dim 0 of x, whatever its shape.
         per_row = x2d.shape[0] // x.shape[0] if x.dim() > 1 else 1
-        for adapter, rows in self.routing.groups:
-            if self.name not in adapter.weights:
-                continue
+        for adapter, rows in groups:
             a, b = adapter.weights[self.name]
             if isinstance(rows, torch.Tensor):  # scattered rows: gather their inputs, add back
                 delta = F.linear(F.linear(x[rows].reshape(-1, x.shape[-1]), a) * adapter.scale, b)
@@ -81,7 +92,6 @@ class MultiLoraLinear(nn.Module):
             # input and weight, not its output.
             span = slice(None) if rows is None else slice(rows.start * per_row, rows.stop * per_row)
             out[span].addmm_(F.linear(x2d[span], a), b.t(), alpha=adapter.scale)
-        return out.view(*x.shape[:-1], out.shape[-1])
 
 
 class Adapter:

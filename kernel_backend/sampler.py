@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernel_backend import lora
+from kernel_backend import lora, threads
 from kernel_backend.types import SampledSequence, SampleOptions, SampleResult, SamplingParams, UserError
 
 # Architectures whose modules the batched forward below calls (same layer structure as Llama).
@@ -319,7 +319,7 @@ class Decoder:
         self.model, self.decode_text = model, decode_text
         self.budget_tokens, self.prefill_tokens, self.max_rows = budget_tokens, prefill_tokens, max_rows
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.cache = KVCache(config.num_hidden_layers, self.kv_heads, self.head_dim, model.dtype, model.device, budget_tokens)
         self.waiting: list[_Active] = []  # admitted, prefill not finished (FIFO)
         self.rows: list[_Row] = []  # decoding, row i in cache row i
@@ -475,17 +475,20 @@ class Decoder:
         index = torch.arange(n, device=device)
         visible = torch.arange(longest, device=device)[None, :] <= lengths[:, None]  # (rows, length)
 
+        attention_work = 2 * n * self.heads * self.head_dim * longest  # multiply-adds of a layer's attention
+
         def attend(layer: int, q, k, v):
-            if permuted:
-                q, k, v = q[cache_order], k[cache_order], v[cache_order]
-            keys, values = self.cache.keys[layer], self.cache.values[layer]
-            keys[index, :, lengths] = k
-            values[index, :, lengths] = v
-            out = F.scaled_dot_product_attention(
-                q[:, :, None], keys[:n, :, :longest], values[:n, :, :longest],
-                attn_mask=visible[:, None, None, :], scale=self.scaling, enable_gqa=True,
-            )[:, :, 0]
-            return out[forward_order] if permuted else out
+            with threads.small(attention_work):  # a few rows' attention: tiny ops (threads.py)
+                if permuted:
+                    q, k, v = q[cache_order], k[cache_order], v[cache_order]
+                keys, values = self.cache.keys[layer], self.cache.values[layer]
+                keys[index, :, lengths] = k
+                values[index, :, lengths] = v
+                out = F.scaled_dot_product_attention(
+                    q[:, :, None], keys[:n, :, :longest], values[:n, :, :longest],
+                    attn_mask=visible[:, None, None, :], scale=self.scaling, enable_gqa=True,
+                )[:, :, 0]
+                return out[forward_order] if permuted else out
 
         ordered = [rows[i] for i in order]
         adapters = [r.active.request.adapter for r in ordered]
