@@ -1,6 +1,6 @@
 """Sampling: the continuous-batching decoder against the loop it replaced, against vLLM, and against `generate`.
 
-Four parts, each printing a ratio measured in this one run (higher is better):
+Five parts, each printing a ratio measured in this one run (higher is better):
 
 - server:   eight concurrent sample requests from four sessions (each its own LoRA sampler,
             num_samples 4, max_tokens 32, temperature 1, a seed each) through the official tinker
@@ -21,6 +21,8 @@ Four parts, each printing a ratio measured in this one run (higher is better):
             PEFT model (peft.get_peft_model, the same LoRA shape).      Target: >= 1.0x.
 - small:    the server part's workload in this process, through each decoder, with small products
             on one thread (kernel_backend/threads.py, the default) and on every thread.
+- prefix:   one distillation step's teacher scoring (16 compute_logprobs sharing their prompts) in
+            this process, with the prefix cache (kernel_backend/prefix_cache.py) on and off.
 - recipes:  the rl and distillation recipes with their defaults, each against a serial-sampler
             server and a batched one: wall time, and the recipe's final metric. Long (tens of
             minutes); not in the default set.                            Target: time halved.
@@ -28,6 +30,7 @@ Four parts, each printing a ratio measured in this one run (higher is better):
     .venv/bin/python bench/sample.py [--parts server,generate] [--rounds 2] [--threads N] [--server-threads N] [--bf16]
     .venv/bin/python bench/sample.py --parts server --sampler vllm
     .venv/bin/python bench/sample.py --parts small --rounds 3
+    .venv/bin/python bench/sample.py --parts prefix --rounds 3
     .venv/bin/python bench/sample.py --parts recipes
 """
 
@@ -44,6 +47,7 @@ from pathlib import Path
 # As in the server process: idle OpenMP threads sleep, so both sides suffer a busy machine alike.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -330,6 +334,59 @@ def bench_small_products(rounds: int) -> None:
     print(f"  ({load_before} before, {load_line()} after)")
 
 
+# ---- prefix: the prefix cache on one distillation step's teacher scoring ----------------------------------
+
+
+def bench_prefix(rounds: int) -> None:
+    """The distillation recipe's teacher scoring of one step, in this process: 16 compute_logprobs
+    (4 questions x 4 answers of 24 tokens, each behind the pirate system prompt, base model),
+    submitted together, with the prefix cache on (the default) and off, rounds interleaved."""
+    from kernel_backend import prefix_cache
+    from kernel_backend.engine import Engine
+    from kernel_backend.types import SampleOptions, SamplingParams
+    from workbench.recipes import distillation
+
+    engine = Engine(BASE)
+    tokenizer = engine.tokenizer
+    generator = np.random.default_rng(0)
+    sequences = []
+    for question in QUESTIONS[:4]:
+        messages = [{"role": "system", "content": distillation.Config.teacher_system}, {"role": "user", "content": question}]
+        prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+        sequences += [prompt + generator.integers(0, 49152, 24).tolist() for _ in range(4)]
+    default_min = prefix_cache.MIN_SHARED_TOKENS
+
+    def run(cache_on: bool) -> list:
+        prefix_cache.MIN_SHARED_TOKENS = default_min if cache_on else 10**9
+        engine.reset_decoder()
+        params, options = SamplingParams(max_tokens=1, temperature=0.0), SampleOptions(prompt_logprobs=True)
+        requests = [engine.sample_request(None, seq, 1, params, options) for seq in sequences]
+        results = [r.prompt_logprobs for r in engine.run_requests(requests)]
+        reused[cache_on] = engine.decoder.prefixes.reused_tokens
+        return results
+
+    reused: dict[bool, int] = {}
+
+    seconds: dict[bool, list[float]] = {True: [], False: []}
+    outputs = {side: run(side) for side in seconds}  # warm-up
+    load_before = load_line()
+    for i in tqdm(range(rounds), desc="rounds (interleaved)"):
+        for side in (True, False) if i % 2 == 0 else (False, True):
+            start_time = time.perf_counter()
+            outputs[side] = run(side)
+            seconds[side].append(time.perf_counter() - start_time)
+    prefix_cache.MIN_SHARED_TOKENS = default_min
+    gap = max(abs(a - b) for on, off in zip(outputs[True], outputs[False]) for a, b in zip(on[1:], off[1:]))
+    positions = sum(len(s) for s in sequences)
+    print(f"\n[prefix] 16 compute_logprobs of {positions} positions in all (a distillation step's teacher), base model")
+    for side, label in ((True, "cache on "), (False, "cache off")):
+        print(f"  {label} {statistics.median(seconds[side]):6.2f} s (median)   rounds: "
+              + " ".join(f"{s:.2f}s" for s in seconds[side]))
+    print(f"  positions reused from the cache in a round: {reused[True]} of {positions}; largest logprob difference {gap:.1e}")
+    print(f"  ratio off / on: {statistics.median(seconds[False]) / statistics.median(seconds[True]):.2f}   "
+          f"({load_before} before, {load_line()} after)")
+
+
 # ---- recipes: rl and distillation, serial vs batched ---------------------------------------------------
 
 
@@ -382,7 +439,7 @@ def bench_recipes() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="server,generate", help="comma-separated: server, generate, small, recipes")
+    parser.add_argument("--parts", default="server,generate", help="comma-separated: server, generate, small, prefix, recipes")
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds per side (after a warm-up)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads in this process (0: torch's default)")
     parser.add_argument("--server-threads", type=int, default=0, help="OMP_NUM_THREADS for the servers (0: default)")
@@ -399,6 +456,7 @@ def main() -> None:
     parts = {"server": lambda: bench_server(args.rounds, args.bf16, args.sampler),
              "generate": lambda: bench_generate(args.rounds),
              "small": lambda: bench_small_products(args.rounds),
+             "prefix": lambda: bench_prefix(args.rounds),
              "recipes": bench_recipes}
     for part in args.parts.split(","):
         parts[part.strip()]()

@@ -6,6 +6,8 @@ A `Decoder` holds the requests of every session, adapter and prompt at once. Eac
    split over several steps), all of them packed into one forward pass;
 3. runs one decode step: one forward over the newest token of every live row, each row routed to
    its own adapter by `lora.route`, as training rows are.
+A prompt that starts like a recent one on the same weights prefills only what follows the shared
+prefix, whose keys and values come from the prefix cache (prefix_cache.py).
 Rows join when their prompt's prefill is done and leave when they stop, so a new request starts
 within a step or two, however long the generations already running. The `num_samples` rows of a
 request share its prompt's prefill (one forward, its keys and values copied to each row).
@@ -40,7 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernel_backend import lora, threads
+from kernel_backend import lora, prefix_cache, threads
 from kernel_backend.types import SampledSequence, SampleOptions, SampleResult, SamplingParams, UserError
 
 # Architectures whose modules the batched forward below calls (same layer structure as Llama).
@@ -321,6 +323,8 @@ class Decoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.cache = KVCache(config.num_hidden_layers, self.kv_heads, self.head_dim, model.dtype, model.device, budget_tokens)
+        # Finished prompts' keys and values, for later prompts that start the same way; a 32nd of the budget.
+        self.prefixes = prefix_cache.PrefixCache(budget_tokens // 32)
         self.waiting: list[_Active] = []  # admitted, prefill not finished (FIFO)
         self.rows: list[_Row] = []  # decoding, row i in cache row i
 
@@ -374,15 +378,45 @@ class Decoder:
                 rows, longest = self._reserved([*started.values(), active])
                 if rows > self.max_rows or rows * longest > self.budget_tokens:
                     break
-                shape = (self.cache.shape[0], self.kv_heads, len(active.request.prompt), self.head_dim)
+                adapter, prompt = active.request.adapter, active.request.prompt
+                entry, cached = self.prefixes.lookup(adapter, prompt)
+                planned = max((prefix_cache.shared_length(other.request.prompt, prompt) for other, _, _ in segments
+                               if other.request.adapter is adapter), default=0)
+                if planned >= cached + prefix_cache.MIN_SHARED_TOKENS:
+                    continue  # next step, from the prefix cache, once that request's prefill has stored it there
+                shape = (self.cache.shape[0], self.kv_heads, len(prompt), self.head_dim)
                 active.keys = torch.empty(shape, dtype=self.model.dtype, device=self.model.device)
                 active.values = torch.empty_like(active.keys)
+                if entry is not None:
+                    self._reuse_prefix(active, entry, cached)
             started[id(active)] = active
             end = min(len(active.request.prompt), active.prefilled + budget)
             segments.append((active, active.prefilled, end))
             budget -= end - active.prefilled
         segments.sort(key=lambda segment: _adapter_key(segment[0]))  # each adapter's tokens side by side
         return segments
+
+    def _reuse_prefix(self, active: _Active, entry: prefix_cache.Entry, shared: int) -> None:
+        """Start a request's prefill after the `shared` prompt tokens a cached prompt (same weights)
+        begins with: their keys and values are copied, and logprobs the request wants there too."""
+        request = active.request
+        start = min(shared, len(request.prompt) - 1)  # the last prompt position is always computed: rows sample from it
+        if active.logits_from < start:  # the request wants logits before `start`: cached logprobs, or compute them
+            options = request.options
+            only_logprobs = not (options.topk_prompt_logprobs or options.prompt_alt_tokens_k
+                                 or options.target_prompt_logprobs is not None)
+            if only_logprobs and entry.logprobs is not None:
+                start = min(start, shared - 1)  # position shared - 1 predicts a token the entry does not share
+                active.prompt_logprobs[active.logprobs_from : start] = entry.logprobs[active.logprobs_from : start]
+            else:
+                start = active.logits_from
+        if start < prefix_cache.MIN_SHARED_TOKENS:
+            return
+        active.keys[:, :, :start] = entry.keys[:, :, :start]
+        active.values[:, :, :start] = entry.values[:, :, :start]
+        active.prefilled = start
+        self.prefixes.hits += 1
+        self.prefixes.reused_tokens += start
 
     def _prefill(self, segments: list[tuple[_Active, int, int]], finished: list[SampleRequest]) -> None:
         """One forward pass over the prompt chunks, packed; requests whose prompt is complete start their rows."""
@@ -427,6 +461,8 @@ class Decoder:
                 active.score_prompt(logits[first : first + e - start], start)
             if e == len(active.request.prompt):
                 self.waiting.remove(active)
+                computed = None if None in active.prompt_logprobs else list(active.prompt_logprobs)
+                self.prefixes.store(active.request.adapter, active.request.prompt, active.keys, active.values, computed)
                 self._start_rows(active, logits[first + e - start - 1], finished)
 
     def _start_rows(self, active: _Active, last_logits: torch.Tensor, finished: list[SampleRequest]) -> None:

@@ -1,0 +1,128 @@
+"""Prefix caching in the batched decoder (kernel_backend/prefix_cache.py), on the real model.
+
+A prompt that starts like one prefilled before, on the same weights, reuses its keys and values
+(and its logprobs, for compute_logprobs): the results equal a cold computation, and changed
+weights are never served from the cache.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import chat_prompt, sft_datum, train
+from kernel_backend import prefix_cache
+from kernel_backend.types import SampleOptions, SamplingParams
+
+SYSTEM = "You are a pirate. Always talk like a pirate and say 'Arr!'"
+ANSWERS = [" Arr, the sea be blue and deep!", " Ahoy, I like the color red.", " Arr! Gold, matey."]
+
+
+@pytest.fixture
+def prompt(tokenizer) -> list[int]:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is your favorite color?"}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+
+
+@pytest.fixture
+def fresh(engine):
+    """engine.decoder with an empty prefix cache, before and after the test."""
+    engine.reset_decoder()
+    yield engine
+    engine.reset_decoder()
+
+
+def sequences(prompt, tokenizer) -> list[list[int]]:
+    return [prompt + tokenizer.encode(answer) for answer in ANSWERS]
+
+
+def cold_logprobs(engine, adapter, tokens) -> list:
+    engine.reset_decoder()
+    return engine.compute_logprobs(adapter, tokens)
+
+
+@pytest.mark.parametrize("which", ["base", "adapter"])
+def test_compute_logprobs_reuses_the_shared_prompt_and_gives_the_cold_numbers(fresh, tokenizer, adapters, prompt, which):
+    engine = fresh
+    adapter = None if which == "base" else adapters(rank=8, seed=3)
+    if adapter is not None:
+        train(engine, adapter, [sft_datum("Hi", "Arr!", tokenizer)], steps=1, learning_rate=1e-2)
+    seqs = sequences(prompt, tokenizer)
+    warm = [engine.compute_logprobs(adapter, seq) for seq in seqs]
+    cache = engine.decoder.prefixes
+    assert cache.hits == len(seqs) - 1  # every sequence after the first
+    assert cache.reused_tokens >= (len(seqs) - 1) * (len(prompt) - 1)
+    for seq, got in zip(seqs, warm):
+        expected = cold_logprobs(engine, adapter, seq)
+        assert got[0] is None and len(got) == len(seq)
+        np.testing.assert_allclose(got[1:], expected[1:], rtol=0, atol=1e-5)
+
+
+def test_requests_arriving_together_share_through_the_cache(fresh, tokenizer, prompt):
+    """Four compute_logprobs-like requests in one batch: the first prefills, the others wait a step
+    and reuse its keys, values and logprobs."""
+    engine = fresh
+    seqs = sequences(prompt, tokenizer) + [prompt + tokenizer.encode(" Blue.")]
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    requests = [engine.sample_request(None, seq, 1, params, SampleOptions(prompt_logprobs=True)) for seq in seqs]
+    results = engine.run_requests(requests)
+    assert engine.decoder.prefixes.hits == len(seqs) - 1
+    for seq, result in zip(seqs, results):
+        np.testing.assert_allclose(result.prompt_logprobs[1:], cold_logprobs(engine, None, seq)[1:], rtol=0, atol=1e-5)
+
+
+def test_sampling_after_a_cached_prompt_draws_the_same_tokens(fresh, tokenizer, prompt):
+    engine = fresh
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=11, stop=[])
+    cold = engine.sample(None, prompt, 3, params)
+    engine.compute_logprobs(None, prompt + tokenizer.encode(ANSWERS[0]))  # holds the prompt with its logprobs
+    hits = engine.decoder.prefixes.hits
+    warm = engine.sample(None, prompt, 3, params)
+    assert engine.decoder.prefixes.hits == hits + 1
+    assert [s.tokens for s in warm.sequences] == [s.tokens for s in cold.sequences]
+    for a, b in zip(warm.sequences, cold.sequences):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-4)
+
+
+def test_prompt_topk_is_computed_not_copied(fresh, tokenizer, prompt):
+    """top-k prompt logprobs are not kept in the cache: the positions that need them are computed."""
+    engine = fresh
+    seq = sequences(prompt, tokenizer)[1]
+    engine.compute_logprobs(None, sequences(prompt, tokenizer)[0])
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    warm = engine.sample(None, seq, 1, params, prompt_logprobs=True, topk_prompt_logprobs=3)
+    engine.reset_decoder()
+    cold = engine.sample(None, seq, 1, params, prompt_logprobs=True, topk_prompt_logprobs=3)
+    np.testing.assert_allclose(warm.prompt_logprobs[1:], cold.prompt_logprobs[1:], rtol=0, atol=1e-5)
+    for a, b in zip(warm.topk_prompt_logprobs[1:], cold.topk_prompt_logprobs[1:]):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        np.testing.assert_allclose([lp for _, lp in a], [lp for _, lp in b], rtol=0, atol=1e-5)
+
+
+def test_changed_weights_are_never_served_from_the_cache(fresh, tokenizer, adapters, prompt):
+    engine = fresh
+    adapter = adapters(rank=8, seed=4)
+    first, second = sequences(prompt, tokenizer)[:2]
+    engine.compute_logprobs(adapter, first)
+    train(engine, adapter, [sft_datum("Hi", "Arr!", tokenizer)], steps=1, learning_rate=5e-2)  # weights move in place
+    hits = engine.decoder.prefixes.hits
+    after = engine.compute_logprobs(adapter, second)
+    assert engine.decoder.prefixes.hits == hits  # the entry is of the old weights
+    np.testing.assert_allclose(after[1:], cold_logprobs(engine, adapter, second)[1:], rtol=0, atol=1e-5)
+
+
+def test_the_cache_keeps_to_its_budget_and_keeps_the_longer_prompt():
+    cache = prefix_cache.PrefixCache(budget_tokens=40)
+    kv = lambda n: torch.zeros(1, 1, n, 2)  # noqa: E731
+    cache.store(None, list(range(10)), kv(10), kv(10), None)
+    cache.store(None, list(range(20)), kv(20), kv(20), None)  # extends the first: replaces it
+    assert [len(e.tokens) for e in cache.entries.values()] == [20]
+    cache.store(None, list(range(12)), kv(12), kv(12), None)  # already held whole: nothing new
+    assert cache.tokens == 20
+    cache.store(None, [7] * 15, kv(15), kv(15), None)
+    cache.store(None, [9] * 15, kv(15), kv(15), None)  # 50 > 40: the least recently used goes
+    assert cache.tokens <= 40 and [e.tokens[0] for e in cache.entries.values()] == [7, 9]
+    entry, shared = cache.lookup(None, [7] * 12 + [1])
+    assert shared == 12 and entry.tokens == [7] * 15
+    assert cache.lookup(None, [7] * 5) == (None, 0)  # under MIN_SHARED_TOKENS
