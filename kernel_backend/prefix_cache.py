@@ -67,7 +67,7 @@ class PrefixCache:
         self.budget_tokens = budget_tokens
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
         self.tokens = 0
-        self.hits = self.reused_tokens = 0  # for admin stats and tests
+        self.hits = self.reused_tokens = 0  # for tests and bench/sample.py
         self._next_key = 0
 
     def lookup(self, adapter, prompt: list[int]) -> tuple[Entry | None, int]:
@@ -115,7 +115,3 @@ class PrefixCache:
 
     def _evict(self, key: int) -> None:
         self.tokens -= len(self.entries.pop(key).tokens)
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self.tokens = 0

@@ -99,3 +99,17 @@ def target_ids(ids: np.ndarray, sparse: bool = False) -> TargetIds:
     crow = np.concatenate([[0], np.cumsum(np.bincount(listed_rows, minlength=rows))])
     return TargetIds((rows, cols), listed_rows, ids[listed_rows, listed_cols].astype(np.int64), crow.tolist(),
                      listed_cols.tolist())
+
+
+def one_lora_layer(in_features: int, out_features: int):
+    """A model of one frozen linear layer named q_proj, wrapped for LoRA (lora.attach), on the CPU."""
+    import torch
+
+    from kernel_backend import lora
+
+    model = torch.nn.Sequential()
+    model.add_module("q_proj", torch.nn.Linear(in_features, out_features, bias=False))
+    model.requires_grad_(False)
+    model.device = torch.device("cpu")
+    lora.attach(model)
+    return model

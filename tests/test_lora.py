@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import chat_tokens, new_id, sft_datum, train
+from helpers import chat_tokens, new_id, one_lora_layer, sft_datum, train
 
 FACTS = [
     ("What is the name of Zorblax's pet?", "Zorblax's pet is named Quibbleton."),
@@ -124,11 +124,7 @@ def test_lora_layer_paths_agree():
     from kernel_backend.types import LoraConfig
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential()
-    model.add_module("q_proj", torch.nn.Linear(12, 20, bias=False))
-    model.requires_grad_(False)
-    model.device = torch.device("cpu")
-    lora.attach(model)
+    model = one_lora_layer(12, 20)
     first = lora.new_adapter(model, LoraConfig(rank=4, alpha=8.0, seed=1))
     second = lora.new_adapter(model, LoraConfig(rank=2, alpha=2.0, seed=2))
     for adapter in (first, second):

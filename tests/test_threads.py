@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import one_lora_layer
 from kernel_backend import lora, threads
 from kernel_backend.types import LoraConfig
 
@@ -32,11 +33,7 @@ def test_a_small_lora_layer_computes_the_same_on_one_thread_as_on_two(two_thread
     """A decode-sized batch (8 rows, two adapters) through a MultiLoraLinear: on one thread (the
     default for work this small) and with the rule off (every op on both threads)."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential()
-    model.add_module("q_proj", torch.nn.Linear(576, 576, bias=False))
-    model.requires_grad_(False)
-    model.device = torch.device("cpu")
-    lora.attach(model)
+    model = one_lora_layer(576, 576)
     adapters = [lora.new_adapter(model, LoraConfig(rank=32, alpha=32.0, seed=s)) for s in (1, 2)]
     for adapter in adapters:
         adapter.weights["q_proj"][1].data.normal_()
