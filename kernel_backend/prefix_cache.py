@@ -87,11 +87,17 @@ class PrefixCache:
         self.entries.move_to_end(best_key)
         return best, best_length
 
-    def store(self, adapter, tokens: list[int], keys: torch.Tensor, values: torch.Tensor,
+    def store(self, adapter, version: int | None, tokens: list[int], keys: torch.Tensor, values: torch.Tensor,
               logprobs: list[float] | None) -> None:
-        """Keep a finished prompt's keys and values (the tensors themselves: the caller lets go of them)."""
-        version = weights_version(adapter)
-        if version is None or len(tokens) < MIN_SHARED_TOKENS or len(tokens) > self.budget_tokens:
+        """Keep a finished prompt's keys and values (the tensors themselves: the caller lets go of them).
+
+        `version` is the weights' version when the prompt's prefill began: a long prompt is
+        prefilled over several steps, and if the weights moved in between (an optimizer step on a
+        live training adapter), its keys mix two versions and are not kept.
+        """
+        if version is None or version != weights_version(adapter):
+            return
+        if len(tokens) < MIN_SHARED_TOKENS or len(tokens) > self.budget_tokens:
             return
         stale = [k for k, e in self.entries.items() if (e.adapter is not None and e.adapter() is None)
                  or (e.adapter is not None and e.adapter() is adapter and e.version != version)]

@@ -152,6 +152,7 @@ class _Active:
         self.request = request
         self.decode_text = decode_text
         self.prefilled = 0  # prompt tokens whose keys and values are computed
+        self.weights_version: int | None = None  # the adapter's, when the prefill began (prefix_cache.py)
         self.keys: torch.Tensor | None = None  # (layers, kv_heads, prompt, head_dim) during prefill
         self.values: torch.Tensor | None = None
         n, options, scored = request.num_samples, request.options, len(request.prompt) - 1
@@ -379,6 +380,7 @@ class Decoder:
                 if rows > self.max_rows or rows * longest > self.budget_tokens:
                     break
                 adapter, prompt = active.request.adapter, active.request.prompt
+                active.weights_version = prefix_cache.weights_version(adapter)
                 entry, cached = self.prefixes.lookup(adapter, prompt)
                 planned = max((prefix_cache.shared_length(other.request.prompt, prompt) for other, _, _ in segments
                                if other.request.adapter is adapter), default=0)
@@ -462,7 +464,8 @@ class Decoder:
             if e == len(active.request.prompt):
                 self.waiting.remove(active)
                 computed = None if None in active.prompt_logprobs else list(active.prompt_logprobs)
-                self.prefixes.store(active.request.adapter, active.request.prompt, active.keys, active.values, computed)
+                self.prefixes.store(active.request.adapter, active.weights_version, active.request.prompt,
+                                    active.keys, active.values, computed)
                 self._start_rows(active, logits[first + e - start - 1], finished)
 
     def _start_rows(self, active: _Active, last_logits: torch.Tensor, finished: list[SampleRequest]) -> None:

@@ -112,16 +112,38 @@ def test_changed_weights_are_never_served_from_the_cache(fresh, tokenizer, adapt
     np.testing.assert_allclose(after[1:], cold_logprobs(engine, adapter, second)[1:], rtol=0, atol=1e-5)
 
 
+def test_a_prompt_whose_weights_move_during_its_prefill_is_not_kept(fresh, tokenizer, adapters, prompt):
+    """A prompt longer than a step's prefill budget is prefilled over several steps. An optimizer step
+    in between (a live training adapter) leaves keys of two versions: they must not be cached."""
+    engine = fresh
+    adapter = adapters(rank=8, seed=5)
+    decoder = engine.decoder
+    decoder.prefill_tokens = 16  # the prompt takes several steps
+    long = sequences(prompt, tokenizer)[0]
+    assert len(long) > 2 * decoder.prefill_tokens
+    request = lambda: engine.sample_request(adapter, long, 1, SamplingParams(max_tokens=1, temperature=0.0),  # noqa: E731
+                                            SampleOptions(prompt_logprobs=True))
+    moving = request()
+    decoder.admit(moving)
+    decoder.step()  # the first chunk, on the weights as they are
+    train(engine, adapter, [sft_datum("Hi", "Arr!", tokenizer)], steps=1, learning_rate=5e-2)
+    while moving.result is None and moving.error is None:
+        decoder.step()
+    assert moving.error is None and not decoder.prefixes.entries
+    engine.run_requests([request()])  # the same prompt on still weights: kept
+    assert [e.tokens for e in decoder.prefixes.entries.values()] == [long]
+
+
 def test_the_cache_keeps_to_its_budget_and_keeps_the_longer_prompt():
     cache = prefix_cache.PrefixCache(budget_tokens=40)
     kv = lambda n: torch.zeros(1, 1, n, 2)  # noqa: E731
-    cache.store(None, list(range(10)), kv(10), kv(10), None)
-    cache.store(None, list(range(20)), kv(20), kv(20), None)  # extends the first: replaces it
+    cache.store(None, 0, list(range(10)), kv(10), kv(10), None)
+    cache.store(None, 0, list(range(20)), kv(20), kv(20), None)  # extends the first: replaces it
     assert [len(e.tokens) for e in cache.entries.values()] == [20]
-    cache.store(None, list(range(12)), kv(12), kv(12), None)  # already held whole: nothing new
+    cache.store(None, 0, list(range(12)), kv(12), kv(12), None)  # already held whole: nothing new
     assert cache.tokens == 20
-    cache.store(None, [7] * 15, kv(15), kv(15), None)
-    cache.store(None, [9] * 15, kv(15), kv(15), None)  # 50 > 40: the least recently used goes
+    cache.store(None, 0, [7] * 15, kv(15), kv(15), None)
+    cache.store(None, 0, [9] * 15, kv(15), kv(15), None)  # 50 > 40: the least recently used goes
     assert cache.tokens <= 40 and [e.tokens[0] for e in cache.entries.values()] == [7, 9]
     entry, shared = cache.lookup(None, [7] * 12 + [1])
     assert shared == 12 and entry.tokens == [7] * 15
