@@ -82,6 +82,9 @@ class Settings:
     # "serial" (one request at a time: the loop before the batched decoder, kept as a baseline), or "vllm"
     # (a vLLM worker process in its own venv, kernel_backend/vllm_sampler.py, built by kernel_backend/vllm_venv.py).
     sampler: str = field(default_factory=lambda: _env("SAMPLER", "batched"))
+    # Who computes the frozen base layers' products (kernel_backend/matmul.py): "auto" (oneDNN for float32
+    # on AMD x86 CPUs, where MKL runs its slower AVX2 code; torch's own elsewhere), "onednn" or "torch".
+    matmul: str = field(default_factory=lambda: _env("MATMUL", "auto"))
     # The decoding rows' KV cache may hold at most this many MB (each request reserves its rows at
     # their longest); and prompt tokens prefilled per decode step (longer prompts take several steps).
     sample_cache_mb: int = field(default_factory=lambda: int(_env("SAMPLE_CACHE_MB", "4096")))

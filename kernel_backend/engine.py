@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernel_backend import lora, losses, models, optimizers, sampler
+from kernel_backend import lora, losses, matmul, models, optimizers, sampler
 from kernel_backend.config import Settings
 from kernel_backend.types import (
     AdamParams,
@@ -82,7 +82,7 @@ class Engine:
         self.tokenizer = self.base.tokenizer
         self.vocab_size = self.base.vocab_size
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 2048))
-        lora.attach(self.model)
+        lora.attach(self.model, matmul.choose(self.settings.matmul, self.settings.device, dtype))
         self.slots: dict[str, _Slot] = {}
         self.decoder = self._make_decoder()
 

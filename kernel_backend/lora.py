@@ -1,7 +1,7 @@
 """Multi-adapter LoRA: many sessions' adapters over one frozen base model.
 
 `attach(model)` replaces every linear layer LoRA can target with a `MultiLoraLinear` that
-wraps the frozen original. Adapters (`Adapter`) hold their own A/B matrices per target; a
+wraps the frozen original (whose product with the input may go through oneDNN: matmul.py). Adapters (`Adapter`) hold their own A/B matrices per target; a
 forward pass runs under `route(model, adapters_per_row)`, so the rows of one batch may
 belong to different adapters: each layer adds `scale * B(A x)` to the rows of each adapter
 (a grouped LoRA matmul, one small matmul pair per adapter present). Rows whose adapter is
@@ -52,11 +52,12 @@ class Routing:
 class MultiLoraLinear(nn.Module):
     """A frozen nn.Linear plus the LoRA deltas of whichever adapters the current routing names."""
 
-    def __init__(self, base: nn.Linear, name: str, routing: Routing) -> None:
+    def __init__(self, base: nn.Linear, name: str, routing: Routing, product=F.linear) -> None:
         super().__init__()
         self.base = base
         self.name = name  # full module name, the key into each adapter's weights
         self.routing = routing
+        self.product = product  # F.linear or matmul.onednn_linear: the frozen weight's product
 
     @property
     def weight(self) -> torch.Tensor:  # generation utilities look at lm_head.weight
@@ -67,7 +68,7 @@ class MultiLoraLinear(nn.Module):
         tokens, (out_features, in_features) = x2d.shape[0], self.base.weight.shape
         # A decode step's products are small: on one thread they skip OpenMP's wake-up (threads.py).
         with threads.small(tokens * in_features * out_features):
-            out = F.linear(x2d, self.base.weight, self.base.bias)
+            out = self.product(x2d, self.base.weight, self.base.bias)
         groups = [(adapter, rows) for adapter, rows in self.routing.groups if self.name in adapter.weights]
         if not groups:
             return out.view(*x.shape[:-1], out.shape[-1])
@@ -124,14 +125,15 @@ class Adapter:
         return Adapter(self.config, weights)
 
 
-def attach(model: nn.Module) -> Routing:
-    """Wrap every targetable linear layer of `model` once. Returns the routing the layers share."""
+def attach(model: nn.Module, product=F.linear) -> Routing:
+    """Wrap every targetable linear layer of `model` once, their base products computed by
+    `product` (F.linear's signature). Returns the routing the layers share."""
     routing = Routing()
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if child_name in ALL_TARGETS and isinstance(child, nn.Linear):
                 full = f"{name}.{child_name}" if name else child_name
-                setattr(module, child_name, MultiLoraLinear(child, full, routing))
+                setattr(module, child_name, MultiLoraLinear(child, full, routing, product))
     model._stepwise_routing = routing
     return routing
 

@@ -1,7 +1,7 @@
 """Prefix caching in the batched decoder (kernel_backend/prefix_cache.py), on the real model.
 
 A prompt that starts like one prefilled before, on the same weights, reuses its keys and values
-(and its logprobs, for compute_logprobs): the results equal a cold computation, and changed
+(and its logprobs, for compute_logprobs): the results equal a cold computation (to float32 rounding), and changed
 weights are never served from the cache.
 """
 
@@ -15,6 +15,9 @@ from helpers import chat_prompt, sft_datum, train
 from kernel_backend import prefix_cache
 from kernel_backend.types import SampleOptions, SamplingParams
 
+# The sampler's guarantee (fp32): a reused prefix changes only the shapes of the products, and with
+# them the summation order (oneDNN's blocking depends on the row count, kernel_backend/matmul.py).
+ATOL = 1e-4
 SYSTEM = "You are a pirate. Always talk like a pirate and say 'Arr!'"
 ANSWERS = [" Arr, the sea be blue and deep!", " Ahoy, I like the color red.", " Arr! Gold, matey."]
 
@@ -56,7 +59,7 @@ def test_compute_logprobs_reuses_the_shared_prompt_and_gives_the_cold_numbers(fr
     for seq, got in zip(seqs, warm):
         expected = cold_logprobs(engine, adapter, seq)
         assert got[0] is None and len(got) == len(seq)
-        np.testing.assert_allclose(got[1:], expected[1:], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(got[1:], expected[1:], rtol=0, atol=ATOL)
 
 
 def test_requests_arriving_together_share_through_the_cache(fresh, tokenizer, prompt):
@@ -69,7 +72,7 @@ def test_requests_arriving_together_share_through_the_cache(fresh, tokenizer, pr
     results = engine.run_requests(requests)
     assert engine.decoder.prefixes.hits == len(seqs) - 1
     for seq, result in zip(seqs, results):
-        np.testing.assert_allclose(result.prompt_logprobs[1:], cold_logprobs(engine, None, seq)[1:], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(result.prompt_logprobs[1:], cold_logprobs(engine, None, seq)[1:], rtol=0, atol=ATOL)
 
 
 def test_sampling_after_a_cached_prompt_draws_the_same_tokens(fresh, tokenizer, prompt):
@@ -82,7 +85,7 @@ def test_sampling_after_a_cached_prompt_draws_the_same_tokens(fresh, tokenizer, 
     assert engine.decoder.prefixes.hits == hits + 1
     assert [s.tokens for s in warm.sequences] == [s.tokens for s in cold.sequences]
     for a, b in zip(warm.sequences, cold.sequences):
-        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=ATOL)
 
 
 def test_prompt_topk_is_computed_not_copied(fresh, tokenizer, prompt):
@@ -94,10 +97,10 @@ def test_prompt_topk_is_computed_not_copied(fresh, tokenizer, prompt):
     warm = engine.sample(None, seq, 1, params, prompt_logprobs=True, topk_prompt_logprobs=3)
     engine.reset_decoder()
     cold = engine.sample(None, seq, 1, params, prompt_logprobs=True, topk_prompt_logprobs=3)
-    np.testing.assert_allclose(warm.prompt_logprobs[1:], cold.prompt_logprobs[1:], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(warm.prompt_logprobs[1:], cold.prompt_logprobs[1:], rtol=0, atol=ATOL)
     for a, b in zip(warm.topk_prompt_logprobs[1:], cold.topk_prompt_logprobs[1:]):
         assert [t for t, _ in a] == [t for t, _ in b]
-        np.testing.assert_allclose([lp for _, lp in a], [lp for _, lp in b], rtol=0, atol=1e-5)
+        np.testing.assert_allclose([lp for _, lp in a], [lp for _, lp in b], rtol=0, atol=ATOL)
 
 
 def test_changed_weights_are_never_served_from_the_cache(fresh, tokenizer, adapters, prompt):
@@ -109,7 +112,7 @@ def test_changed_weights_are_never_served_from_the_cache(fresh, tokenizer, adapt
     hits = engine.decoder.prefixes.hits
     after = engine.compute_logprobs(adapter, second)
     assert engine.decoder.prefixes.hits == hits  # the entry is of the old weights
-    np.testing.assert_allclose(after[1:], cold_logprobs(engine, adapter, second)[1:], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(after[1:], cold_logprobs(engine, adapter, second)[1:], rtol=0, atol=ATOL)
 
 
 def test_a_prompt_whose_weights_move_during_its_prefill_is_not_kept(fresh, tokenizer, adapters, prompt):

@@ -1,0 +1,79 @@
+"""The base layers' products through oneDNN (kernel_backend/matmul.py) give torch's numbers.
+
+oneDNN sums in another order than MKL, so results agree to float32 rounding, not bit for bit:
+checked on single products (forward and input gradient) and on the real model (logprobs, a
+training step's LoRA gradients).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+
+from helpers import sft_datum, train
+from kernel_backend import lora, matmul
+
+onednn_only = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+
+
+@onednn_only
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_onednn_linear_matches_torch_forward_and_input_gradient(rows):
+    generator = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator)
+    x = torch.randn(rows, 64, generator=generator, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out, expected = matmul.onednn_linear(x, weight, bias), F.linear(x_ref, weight, bias)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    grad = torch.randn(rows, 96, generator=generator)
+    out.backward(grad)
+    expected.backward(grad)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-4)
+
+
+def test_onednn_linear_refuses_a_trainable_weight():
+    with pytest.raises(ValueError, match="frozen"):
+        matmul.onednn_linear(torch.randn(2, 4), torch.randn(3, 4, requires_grad=True))
+
+
+def test_choose():
+    assert matmul.choose("torch", "cpu", torch.float32) is F.linear
+    assert matmul.choose("onednn", "cpu", torch.bfloat16) is F.linear  # float32 only
+    assert matmul.choose("auto", "cuda", torch.float32) is F.linear
+    if torch.backends.mkldnn.is_available():
+        assert matmul.choose("onednn", "cpu", torch.float32) is matmul.onednn_linear
+    with pytest.raises(ValueError, match="auto, onednn, torch"):
+        matmul.choose("mkl", "cpu", torch.float32)
+
+
+@onednn_only
+def test_the_real_model_computes_the_same_logprobs_and_gradients_either_way(engine, tokenizer, adapters):
+    adapter_id = adapters(rank=8, seed=2)
+    datum = sft_datum("What is your favorite color?", "Blue, like the sea.", tokenizer)
+    train(engine, adapter_id, [datum], steps=1, learning_rate=1e-2)  # B moves off zero: A gets gradients too
+    tokens = datum.tokens + [int(datum.loss_fn_inputs["target_tokens"][-1])]
+    layers = lora.lora_layers(engine.model).values()
+    previous = [layer.product for layer in layers]
+
+    def run(product):
+        for layer in layers:
+            layer.product = product
+        logprobs = engine.compute_logprobs(adapter_id, tokens)
+        loss = engine.forward_backward(adapter_id, [datum]).metrics["loss:sum"]
+        adapter = engine._slot(adapter_id).adapter
+        grads = [p.grad.clone() for p in adapter.parameters()]
+        for p in adapter.parameters():
+            p.grad = None
+        return logprobs, loss, grads
+
+    try:
+        ours, theirs = run(matmul.onednn_linear), run(F.linear)
+    finally:
+        for layer, product in zip(layers, previous):
+            layer.product = product
+    np.testing.assert_allclose(ours[0][1:], theirs[0][1:], rtol=0, atol=1e-4)
+    assert ours[1] == pytest.approx(theirs[1], rel=1e-5)
+    for a, b in zip(ours[2], theirs[2]):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5 * float(b.abs().max()))
