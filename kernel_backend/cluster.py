@@ -140,6 +140,7 @@ class EngineWorker:
             "models": self.scheduler.facts() if self.state == "live" else {},
             "adapters": {name: list(engine.slots) for name, engine in engines.items()},
             "queue_depth": self.scheduler.queue_depth(), "memory": self._memory(engines),
+            "sampling": {name: engine.decoder.stats() for name, engine in engines.items()},
         }
 
     def _memory(self, engines: dict) -> dict:
@@ -477,6 +478,10 @@ class Cluster:
             for model, ids in worker.report.get("adapters", {}).items():
                 counts[model] = counts.get(model, 0) + len(ids)
         return counts
+
+    def sampling_stats(self) -> dict[str, dict[str, dict]]:
+        """Each worker's decoders as of its last heartbeat (Decoder.stats), by worker, then base model."""
+        return {w.name: w.report.get("sampling", {}) for w in list(self.workers.values())}
 
     def report(self) -> dict:
         """The operator's view (GET /api/v1/cluster): each worker's state, device, memory, runs and queue."""

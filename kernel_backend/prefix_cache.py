@@ -67,8 +67,13 @@ class PrefixCache:
         self.budget_tokens = budget_tokens
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
         self.tokens = 0
-        self.hits = self.reused_tokens = 0  # for tests and bench/sample.py
+        self.hits = self.reused_tokens = 0  # for /admin/stats, tests and bench/sample.py
         self._next_key = 0
+
+    def stats(self) -> dict:
+        """What the operator sees (/admin/stats): entries, positions held, and reuse since the decoder began."""
+        return {"entries": len(self.entries), "tokens": self.tokens, "budget_tokens": self.budget_tokens,
+                "hits": self.hits, "reused_tokens": self.reused_tokens}
 
     def lookup(self, adapter, prompt: list[int]) -> tuple[Entry | None, int]:
         """The entry sharing the longest prefix with `prompt` on these weights, and that length

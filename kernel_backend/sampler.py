@@ -341,6 +341,11 @@ class Decoder:
     def busy(self) -> bool:
         return bool(self.waiting or self.rows)
 
+    def stats(self) -> dict:
+        """For /admin/stats: rows decoding, requests waiting for their prefill, the prefix cache."""
+        return {"decoder": "batched", "rows": len(self.rows), "waiting": len(self.waiting),
+                "prefix_cache": self.prefixes.stats()}
+
     def prefill_room(self) -> int:
         """Prompt tokens worth admitting now: what the next step could prefill beyond those waiting."""
         return self.prefill_tokens - sum(len(a.request.prompt) - a.prefilled for a in self.waiting)
@@ -653,6 +658,9 @@ class SerialDecoder:
     @property
     def busy(self) -> bool:
         return bool(self.waiting)
+
+    def stats(self) -> dict:
+        return {"decoder": "serial", "rows": 0, "waiting": len(self.waiting), "prefix_cache": None}
 
     def prefill_room(self) -> int:
         return 0 if self.waiting else 1  # one request at a time

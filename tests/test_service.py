@@ -204,3 +204,33 @@ def test_sampling_the_base_model_and_prompt_logprobs(client, tokenizer):
     assert len(result.topk_prompt_logprobs) == prompt.length
     for actual, top in zip(result.prompt_logprobs[1:], result.topk_prompt_logprobs[1:]):
         assert len(top) == 3 and top[0][1] >= actual - 1e-5
+
+
+def test_admin_stats_show_the_prefix_cache_reusing_a_shared_prompt(client, tokenizer, tinker_server):
+    """Two compute_logprobs whose prompts share a long start: the second reuses the first's keys and
+    values, and the operator sees it in /admin/stats (in-process, or from each Ray worker's heartbeat)."""
+    import time
+
+    import httpx
+
+    def reuse() -> tuple[int, int]:
+        stats = httpx.get(tinker_server.base_url + "/api/v1/admin/stats", headers={"X-API-Key": tinker_server.api_key}).json()
+        caches = [models[BASE]["prefix_cache"] for models in stats["sampling"].values() if BASE in models]
+        assert caches and all(cache is not None for cache in caches), stats["sampling"]
+        return sum(c["hits"] for c in caches), sum(c["reused_tokens"] for c in caches)
+
+    system = "You are a ship's navigator. Answer in one short sentence, and name a star if you can."
+    first, second = ([{"role": "system", "content": system}, {"role": "user", "content": q}]
+                     for q in ("Which way is north at night?", "How far is the horizon at sea?"))
+    first, second = (tokenizer.apply_chat_template(m, add_generation_prompt=True)["input_ids"] for m in (first, second))
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert shared >= 20
+    hits, reused = reuse()
+    sampler = client.create_sampling_client(base_model=BASE).result()
+    for prompt in (first, second):
+        sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+    deadline = time.monotonic() + 30  # Ray workers report with their heartbeat
+    while reuse()[0] == hits and time.monotonic() < deadline:
+        time.sleep(0.5)
+    now_hits, now_reused = reuse()
+    assert now_hits >= hits + 1 and now_reused >= reused + shared - 1

@@ -115,9 +115,11 @@ def list_sessions(limit: int = Limit(20), offset: int = Offset, tenant: str = De
 
 @router.get("/admin/stats")
 def admin_stats(tenant: str = Depends(operator_of), svc: Service = Depends(service)):
-    """What the backend holds in memory: adapters per base model, and the vLLM workers' adapter versions and
-    start-up times when vLLM samples (the operator's key only)."""
-    return {"adapters": svc.adapter_counts(), "vllm": svc.vllm.stats() if svc.vllm is not None else None}
+    """What the backend holds in memory (the operator's key only): adapters per base model; each engine's
+    sampler (rows decoding, requests waiting, the prefix cache's entries and reuse), by worker; and the vLLM
+    workers' adapter versions and start-up times when vLLM samples."""
+    return {"adapters": svc.adapter_counts(), "sampling": svc.sampling_stats(),
+            "vllm": svc.vllm.stats() if svc.vllm is not None else None}
 
 
 @router.get("/cluster")

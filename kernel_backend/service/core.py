@@ -389,6 +389,12 @@ class Service:
             return self.cluster.adapter_counts()
         return {name: len(engine.slots) for name, engine in self.scheduler.engines.items()}
 
+    def sampling_stats(self) -> dict[str, dict[str, dict]]:
+        """Each engine's decoder (Decoder.stats), by worker ("in-process" without Ray workers), then base model."""
+        if self.cluster is not None:
+            return self.cluster.sampling_stats()
+        return {"in-process": {name: engine.decoder.stats() for name, engine in self.scheduler.engines.items()}}
+
     def worker_of(self, lane: str) -> str | None:
         """The engine worker a run or sampler lives on (None with the in-process engine)."""
         return self.cluster.worker_of(lane) if self.cluster is not None else None
