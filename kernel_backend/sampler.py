@@ -242,24 +242,32 @@ class _Active:
 
 
 def _choose_for(actives: list[_Active], rows: list[int], logits: torch.Tensor):
-    """Tokens, model logprobs and top-k lists for rows (logits row i is actives[i]'s row rows[i])."""
+    """Tokens, model logprobs and top-k lists for rows (logits row i is actives[i]'s row rows[i]).
+
+    Rows whose requests filter alike (temperature, top-k, top-p) draw in one call, each from its
+    own random stream: every op works row by row, so a row's token does not depend on its company
+    (one call over a step's rows is 1.4x faster than one per request: bench/sample.py's workload)."""
     log_total = torch.logsumexp(logits, -1, keepdim=True)
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     tops: list[list[tuple[int, float]] | None] = [None] * len(rows)
-    groups: dict[int, list[int]] = {}
+    by_filter: dict[tuple, list[int]] = {}
+    by_topk: dict[int, list[int]] = {}
     for i, active in enumerate(actives):
-        groups.setdefault(id(active), []).append(i)
-    for members in groups.values():  # rows of one request share its sampling parameters
-        active = actives[members[0]]
+        params = active.request.params
+        by_filter.setdefault((params.temperature, params.top_k, params.top_p), []).append(i)
+        if active.request.options.topk_sample_logprobs:
+            by_topk.setdefault(active.request.options.topk_sample_logprobs, []).append(i)
+    for members in by_filter.values():
         index = torch.tensor(members, device=logits.device)
-        generators = [active.generators[rows[i]] for i in members]
-        tokens[index] = choose(logits[index], active.request.params, generators)
-        k = active.request.options.topk_sample_logprobs
-        if k:
-            best = torch.topk(logits[index], k, dim=-1)
-            values = best.values - log_total[index]
-            for i, ids, lps in zip(members, best.indices.tolist(), values.tolist()):
-                tops[i] = list(zip(ids, lps))
+        generators = [actives[i].generators[rows[i]] for i in members]
+        mine = logits if len(members) == len(rows) else logits[index]  # usually every row: no copy
+        tokens[index] = choose(mine, actives[members[0]].request.params, generators)
+    for k, members in by_topk.items():
+        index = torch.tensor(members, device=logits.device)
+        best = torch.topk(logits[index], k, dim=-1)
+        values = best.values - log_total[index]
+        for i, ids, lps in zip(members, best.indices.tolist(), values.tolist()):
+            tops[i] = list(zip(ids, lps))
     chosen = logits.gather(-1, tokens[:, None]) - log_total
     return tokens.tolist(), chosen.squeeze(-1).tolist(), tops
 
