@@ -14,7 +14,13 @@ Both run in the same process on the same data, interleaved step by step so that 
 hits both alike; one warm-up step each is not timed. Absolute speeds are noise on a shared
 2-core machine: the ratio (ours / baseline, higher is better) is the figure to report.
 
+With --sessions N, another comparison instead: N sessions (each its own adapter) send a forward_backward
+of batch / N rows each; the engine runs them as one batch (run_passes, per-row LoRA routing)
+against the same passes one after another (one adapter at a time). Each session's loss must be
+the same either way; the ratio is batched over one-after-another.
+
     python bench/train_step.py [--steps 3] [--batch 8] [--seq 128] [--rank 32] [--threads N] [--profile]
+    python bench/train_step.py --sessions 4 [--steps 3]
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from kernel_backend.engine import Engine  # noqa: E402
+from kernel_backend.engine import Engine, Pass  # noqa: E402
 from kernel_backend.types import AdamParams, Datum, LoraConfig  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
@@ -102,6 +108,47 @@ class PeftBaseline:
         return float(loss.detach())
 
 
+def bench_sessions(engine: Engine, ids: torch.Tensor, sessions: int, rank: int, steps: int) -> None:
+    """N sessions' forward_backward passes in one batch against the same passes one after another."""
+    per = len(ids) // sessions
+    passes = []
+    for i in range(sessions):
+        name = f"session{i}"
+        engine.create_adapter(name, LoraConfig(rank=rank, alpha=float(rank), seed=i + 1))
+        rows = ids[i * per : (i + 1) * per]
+        passes.append(Pass(name, [Datum(tokens=row[:-1].tolist(), loss_fn_inputs={"target_tokens": row[1:].numpy().astype(np.int64)})
+                                  for row in rows]))
+
+    def clear() -> None:  # gradients accumulate until optim_step: start each side from none
+        for p in passes:
+            for param in engine.slots[p.adapter_id].adapter.parameters():
+                param.grad = None
+
+    sides = {"one batch": lambda: engine.run_passes(passes),
+             "one after another": lambda: [engine.run_passes([p])[0] for p in passes]}
+    losses = {}
+    for name, run in sides.items():  # warm-up; the sessions' losses must agree
+        losses[name] = [r.metrics["loss:sum"] for r in run()]
+        clear()
+    if not np.allclose(losses["one batch"], losses["one after another"], rtol=1e-4):
+        sys.exit(f"batched and one-after-another losses differ: {losses}")
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    load_before = os.getloadavg()[0]
+    for i in tqdm(range(steps), desc=f"{sessions} sessions (interleaved)"):
+        for name in sides if i % 2 == 0 else reversed(sides):
+            start = time.perf_counter()
+            sides[name]()
+            times[name].append(time.perf_counter() - start)
+            clear()
+    tokens = per * sessions * (ids.shape[1] - 1)
+    print(f"\n[sessions] {sessions} sessions x {per} rows, forward_backward only (optim_step is per session either way)")
+    for name in sides:
+        print(f"  {name:<20}{tokens / statistics.median(times[name]):>8.1f} tokens/s (median)  "
+              + " ".join(f"{t:.2f}" for t in times[name]))
+    ratio = statistics.median(times["one after another"]) / statistics.median(times["one batch"])
+    print(f"  ratio one batch / one after another: {ratio:.3f}   (load average {load_before:.2f} -> {os.getloadavg()[0]:.2f})")
+
+
 def profile(runner, label: str, rows: int = 15) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -121,6 +168,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, one per core)")
     parser.add_argument("--profile", action="store_true", help="print the top ops of one step of each side")
+    parser.add_argument("--sessions", type=int, default=0,
+                        help="instead: N sessions' passes in one batch against one after another")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -128,6 +177,9 @@ def main() -> None:
     adam = AdamParams(learning_rate=1e-4)
     engine = Engine()
     ids = make_batch(engine.vocab_size, args.batch, args.seq, args.seed)
+    if args.sessions:
+        bench_sessions(engine, ids, args.sessions, args.rank, args.steps)
+        return
     tokens = args.batch * args.seq
     ours = Ours(engine, args.rank, ids, adam)
     baseline = PeftBaseline(engine.base.path, args.rank, ids, adam)

@@ -1,11 +1,12 @@
 """Multi-adapter LoRA: many sessions' adapters over one frozen base model.
 
 `attach(model)` replaces every linear layer LoRA can target with a `MultiLoraLinear` that
-wraps the frozen original (whose product with the input may go through oneDNN: matmul.py). Adapters (`Adapter`) hold their own A/B matrices per target; a
-forward pass runs under `route(model, adapters_per_row)`, so the rows of one batch may
-belong to different adapters: each layer adds `scale * B(A x)` to the rows of each adapter
-(a grouped LoRA matmul, one small matmul pair per adapter present). Rows whose adapter is
-None see the base model alone.
+wraps the frozen original (whose product with the input may go through oneDNN: matmul.py).
+Adapters (`Adapter`) hold their own A/B matrices per target; a forward pass runs under
+`route(model, adapters_per_row)`, so the rows of one batch may belong to different adapters:
+each layer adds `scale * B(A x)` to the rows of each adapter (a grouped LoRA matmul, one small
+matmul pair per adapter present), with its own backward in training (`_AddDeltas`). Rows whose
+adapter is None see the base model alone.
 
 Adapters save to and load from PEFT's format (`adapter_config.json` and
 `adapter_model.safetensors`), so `peft.PeftModel.from_pretrained` reads what we write.

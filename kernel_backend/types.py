@@ -208,3 +208,5 @@ class SampleResult:
     # prompt_alt_tokens_k's draws, [len(prompt) - 1, k] each: token ids (int64) and their logprobs (float32).
     prompt_alt_tokens: np.ndarray | None = None
     prompt_alt_logprobs: np.ndarray | None = None
+    # Prompt tokens whose keys and values came from the prefix cache (prefix_cache.py), not computed.
+    cached_prompt_tokens: int = 0

@@ -349,6 +349,7 @@ class VllmSampler:
             ],
             prompt_logprobs=reply.get("prompt_logprobs"),
             topk_prompt_logprobs=[None] + pairs(reply["topk_prompt_logprobs"][1:]) if "topk_prompt_logprobs" in reply else None,
+            cached_prompt_tokens=reply.get("cached_prompt_tokens", 0),
         )
         if options.prompt_logprobs_last_n:  # vLLM scored the whole prompt: keep the last n
             unscored = len(prompt) - options.prompt_logprobs_last_n

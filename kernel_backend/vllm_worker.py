@@ -136,12 +136,13 @@ class Worker:
         self.next_request += 1
         n, k = message["n"], message["topk_sample_logprobs"]
         rows = [{"tokens": [], "logprobs": [], "top": [], "stop_reason": None} for _ in range(n)]
-        prompt_logprobs = None
+        prompt_logprobs, cached = None, 0
         stream = message.get("stream", False)
         async for output in self.engine.generate(TokensPrompt(prompt_token_ids=message["prompt"]), sampling_params(message),
                                                  f"stepwise-{self.next_request}", lora_request=self.adapters.get(adapter)):
             if output.prompt_logprobs is not None and prompt_logprobs is None:
                 prompt_logprobs = output.prompt_logprobs
+            cached = getattr(output, "num_cached_tokens", None) or cached  # vLLM's own prefix cache
             new = []
             for piece in output.outputs:
                 # One decoded sequence fills its row, or every row when greedy rows are copies (_vllm_n).
@@ -164,7 +165,7 @@ class Worker:
             {"tokens": r["tokens"], "logprobs": r["logprobs"], "stop_reason": r["stop_reason"] or "length",
              "top_logprobs": r["top"] if k else None}
             for r in rows
-        ]}
+        ], "cached_prompt_tokens": int(cached)}
         if prompt_logprobs is not None:
             prompt = message["prompt"]
             topk = message["topk_prompt_logprobs"]

@@ -108,3 +108,22 @@ def test_billing_counts_openai_requests_which_have_no_session(oai, tinker_server
     sessionless = [e for e in usage.data if e.session_id is None and e.base_model == BASE]
     assert {e.event_info.type for e in sessionless} >= {"sampling_sample"}
     assert all(e.event_info.token_count > 0 for e in sessionless)
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(oai, tokenizer):
+    """A second chat that starts like the first (same system prompt and question) reuses its keys and
+    values: usage.prompt_tokens_details.cached_tokens says how many prompt tokens were not computed.
+    The reply is the same as computed cold (greedy), and prompt_tokens still counts every token."""
+    system = "You answer as a lighthouse keeper would, briefly, and you always mention the weather."
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "What do you see tonight?"}]
+    cold = oai.chat.completions.create(model=BASE, messages=first, temperature=0, max_tokens=12)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0  # nothing before it shared this start
+    warm = oai.chat.completions.create(model=BASE, messages=first, temperature=0, max_tokens=12)
+    prompt = tokenizer.apply_chat_template(first, add_generation_prompt=True)["input_ids"]
+    assert warm.usage.prompt_tokens == cold.usage.prompt_tokens == len(prompt)
+    assert warm.usage.prompt_tokens_details.cached_tokens == len(prompt) - 1  # the last position is always computed
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+    follow_up = first + [{"role": "assistant", "content": cold.choices[0].message.content},
+                         {"role": "user", "content": "And tomorrow?"}]
+    turn = oai.chat.completions.create(model=BASE, messages=follow_up, temperature=0, max_tokens=12)
+    assert turn.usage.prompt_tokens_details.cached_tokens >= len(prompt) - 2  # the conversation so far

@@ -166,8 +166,10 @@ async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, 
     return {
         "id": completion_id, "object": "chat.completion" if chat else "text_completion", "created": created,
         "model": body.model, "choices": choices,
+        # cached_tokens: the prompt's start that the prefix cache served (billed all the same).
         "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens,
-                  "total_tokens": len(prompt) + completion_tokens},
+                  "total_tokens": len(prompt) + completion_tokens,
+                  "prompt_tokens_details": {"cached_tokens": result.cached_prompt_tokens}},
     }
 
 
