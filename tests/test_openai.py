@@ -127,3 +127,19 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(oai, tokenizer):
                          {"role": "user", "content": "And tomorrow?"}]
     turn = oai.chat.completions.create(model=BASE, messages=follow_up, temperature=0, max_tokens=12)
     assert turn.usage.prompt_tokens_details.cached_tokens >= len(prompt) - 2  # the conversation so far
+
+
+def test_streaming_with_include_usage_ends_with_the_usage(oai, trained_path):
+    """stream_options={"include_usage": True}: a last chunk without choices carries the same usage as
+    the same request without streaming."""
+    messages = [{"role": "user", "content": QUESTION}]
+    whole = oai.chat.completions.create(model=trained_path, messages=messages, temperature=0, max_tokens=20)
+    chunks = list(oai.chat.completions.create(model=trained_path, messages=messages, temperature=0, max_tokens=20,
+                                              stream=True, stream_options={"include_usage": True}))
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert all(c.usage is None for c in chunks[:-1])
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (whole.usage.prompt_tokens, whole.usage.completion_tokens)
+    assert last.usage.prompt_tokens_details.cached_tokens == whole.usage.prompt_tokens - 1  # the same prompt again
+    plain = list(oai.chat.completions.create(model=trained_path, messages=messages, temperature=0, max_tokens=20, stream=True))
+    assert all(c.usage is None for c in plain) and plain[-1].choices  # without the option, no usage chunk

@@ -43,6 +43,10 @@ class ChatMessage(BaseModel):
     content: str | list[dict] | None = None
 
 
+class StreamOptions(BaseModel):
+    include_usage: bool = False  # a last chunk with the request's usage (and no choices) before [DONE]
+
+
 class SamplingFields(BaseModel):
     model: str
     n: int = Field(1, ge=1, le=16)
@@ -53,6 +57,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stream: bool = False
+    stream_options: StreamOptions | None = None
     user: str | None = None
 
 
@@ -144,15 +149,14 @@ async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, 
         # generate() bounds and admits the request as it is called, so bad input is a 400 before the stream starts.
         task = asyncio.create_task(sampling.generate(svc, tenant, request_type, base, path, prompt, body.n, params,
                                                      top_logprobs, on_token=on_token))
+        usage_of = (lambda result: _usage(len(prompt), result)) if body.stream_options and body.stream_options.include_usage else None
         return StreamingResponse(
-            _stream(task, queue, tokenizer, completion_id, created, body.model, body.n, chat, stop or []),
+            _stream(task, queue, tokenizer, completion_id, created, body.model, body.n, chat, stop or [], usage_of),
             media_type="text/event-stream",
         )
     result = await sampling.generate(svc, tenant, request_type, base, path, prompt, body.n, params, top_logprobs)
     choices = []
-    completion_tokens = 0
     for index, seq in enumerate(result.sequences):
-        completion_tokens += len(seq.tokens)
         visible, finish = _visible(seq, tokenizer, stop or [], sampling.eos_ids(svc, base))
         text = tokenizer.decode(visible)
         text = _cut_at_stop(text, stop or [])
@@ -165,12 +169,16 @@ async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, 
         choices.append(choice)
     return {
         "id": completion_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-        "model": body.model, "choices": choices,
-        # cached_tokens: the prompt's start that the prefix cache served (billed all the same).
-        "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens,
-                  "total_tokens": len(prompt) + completion_tokens,
-                  "prompt_tokens_details": {"cached_tokens": result.cached_prompt_tokens}},
+        "model": body.model, "choices": choices, "usage": _usage(len(prompt), result),
     }
+
+
+def _usage(prompt_tokens: int, result) -> dict:
+    """OpenAI's usage object; cached_tokens: the prompt's start the prefix cache served (billed all the same)."""
+    completion_tokens = sum(len(seq.tokens) for seq in result.sequences)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": result.cached_prompt_tokens}}
 
 
 def _wants_logprobs(body) -> bool:
@@ -212,17 +220,18 @@ def _logprobs(seq, visible: list[int], tokenizer, top: int, chat: bool):
     }
 
 
-async def _stream(task, queue, tokenizer, completion_id, created, model, n, chat, stop):
-    """Server-sent events: one chunk per generated token, as the decode loop produces it. A client
-    that goes away cancels the generation (its rows leave the decoder at the next step)."""
+async def _stream(task, queue, tokenizer, completion_id, created, model, n, chat, stop, usage_of=None):
+    """Server-sent events: one chunk per generated token, as the decode loop produces it; with
+    `usage_of` (stream_options.include_usage) a last chunk with the usage. A client that goes away
+    cancels the generation (its rows leave the decoder at the next step)."""
     try:
-        async for event in _events(task, queue, tokenizer, completion_id, created, model, n, chat, stop):
+        async for event in _events(task, queue, tokenizer, completion_id, created, model, n, chat, stop, usage_of):
             yield event
     finally:
         task.cancel()
 
 
-async def _events(task, queue, tokenizer, completion_id, created, model, n, chat, stop):
+async def _events(task, queue, tokenizer, completion_id, created, model, n, chat, stop, usage_of):
     kind = "chat.completion.chunk" if chat else "text_completion"
     sent = [""] * n  # text already sent per choice (decoding token by token can split characters)
     tokens: list[list[int]] = [[] for _ in range(n)]
@@ -259,4 +268,7 @@ async def _events(task, queue, tokenizer, completion_id, created, model, n, chat
         return
     for index, seq in enumerate(result.sequences):
         yield chunk(index, None, "stop" if seq.stop_reason == "stop" else "length")
+    if usage_of is not None:  # OpenAI's shape: no choices, the whole request's usage
+        yield "data: " + json.dumps({"id": completion_id, "object": kind, "created": created, "model": model,
+                                      "choices": [], "usage": usage_of(result)}) + "\n\n"
     yield "data: [DONE]\n\n"
