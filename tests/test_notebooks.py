@@ -17,6 +17,9 @@ next notebook's checks read the sidebar. For each notebook:
 - nothing is written next to the notebook (metrics and labels go to $STEPWISE_HOME/runs);
 - a screenshot lands in tests/_artifacts/notebook-<name>.png.
 
+The labeler is also driven by hand, as a person labels: its "cut off" mark, a key press, the next
+pair, the labels file (tests/_artifacts/labeler-cut-off.png).
+
 The quickstart and the SFT notebook run at the same time, in two tabs: both train, and both
 sessions are in the sidebar under their notebooks' names.
 """
@@ -271,3 +274,57 @@ def test_distillation_notebook(lab, browser):
     text = page.locator(".jp-Notebook").text_content()
     assert "kl_teacher:" in text and "student:" in text
     check_notebook(page, lab, "04_distillation.ipynb", 2, {LOSS, "kl_teacher"})
+
+
+def test_the_labeler_as_a_person_uses_it(lab, browser, tmp_path):
+    """The labeler in the page: the "cut off" mark shows beside the answer that hit its token limit
+    and not beside the other; pressing 1 labels what is shown as A, and the next pair (both answers
+    whole) shows no mark; the progress reads 1 / 2; the label is in the labels file under
+    STEPWISE_HOME with the answer that was on the A side."""
+    import json
+
+    import nbformat
+
+    cut = "Red, or perhaps the deep shade of"
+    labels = lab["home"] / "runs" / "labeler-in-the-page.jsonl"
+    source = tmp_path / "labeler-in-the-page.ipynb"
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(
+        "import workbench\n"
+        f"items = [{{'id': 'colour', 'prompt': 'Name a colour.', 'completions': ['Blue.', {cut!r}], 'truncated': [False, True]}},\n"
+        "         {'id': 'fruit', 'prompt': 'Name a fruit.', 'completions': ['An apple.', 'A pear.']}]\n"
+        f"workbench.Labeler(items, path={str(labels)!r}, seed=0)")]
+    nbformat.write(nb, source)
+    name = write_notebook(lab, source, {})
+    page = browser.new_page()
+    try:
+        open_notebook(page, lab, name)
+        run_all(page)
+        wait_until_run([page], lab, timeout=120)
+        assert not problems(page), problems(page)
+        widget = page.locator(".wb-lab")
+
+        def first_pair():
+            assert widget.locator(".wb-prompt").text_content() == "Name a colour."
+        eventually(first_pair)
+        sides = {side: widget.locator(f".wb-{side}").text_content() for side in "ab"}
+        assert set(sides.values()) == {"Blue.", cut}
+        for side, text in sides.items():  # the mark sits beside the cut answer only
+            assert widget.locator(f".wb-cut-{side}").is_visible() == (text == cut), (side, text)
+        ARTIFACTS.mkdir(exist_ok=True)
+        widget.screenshot(path=str(ARTIFACTS / "labeler-cut-off.png"))
+
+        widget.focus()
+        page.keyboard.press("1")  # A is better
+
+        def next_pair():
+            assert widget.locator(".wb-prompt").text_content() == "Name a fruit."
+            assert widget.locator(".wb-count").text_content() == "1 / 2"
+            assert not widget.locator(".wb-cut-a").is_visible() and not widget.locator(".wb-cut-b").is_visible()
+        eventually(next_pair)
+        (record,) = [json.loads(line) for line in labels.read_text().splitlines()]
+        assert record["item_id"] == "colour" and record["choice"] == "A", record
+        assert record["chosen"] == sides["a"], record
+    finally:
+        page.close()
+        (lab["root"] / name).unlink()  # this test's notebook is not the notebooks' output
