@@ -102,7 +102,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="stepwise-gpu-check-") as tmp:
         start = time.perf_counter()
         params = build_model(Path(tmp), shape, dtype, device)
-        settings = Settings(home=Path(tmp) / "home", device=device, dtype="bfloat16",
+        settings = Settings(home=Path(tmp) / "home", device=device, dtype="bfloat16", base_models=[tmp],
                             micro_batch_tokens=batch * seq, max_batch_tokens=batch * seq)
         engine = Engine(tmp, settings)
         print(f"model: random Llama, {params / 1e6:,.1f}M parameters ({shape['num_hidden_layers']} layers, hidden "
