@@ -149,7 +149,8 @@ async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, 
         # generate() bounds and admits the request as it is called, so bad input is a 400 before the stream starts.
         task = asyncio.create_task(sampling.generate(svc, tenant, request_type, base, path, prompt, body.n, params,
                                                      top_logprobs, on_token=on_token))
-        usage_of = (lambda result: _usage(len(prompt), result)) if body.stream_options and body.stream_options.include_usage else None
+        wants_usage = body.stream_options is not None and body.stream_options.include_usage
+        usage_of = (lambda result: _usage(len(prompt), result)) if wants_usage else None
         return StreamingResponse(
             _stream(task, queue, tokenizer, completion_id, created, body.model, body.n, chat, stop or [], usage_of),
             media_type="text/event-stream",
