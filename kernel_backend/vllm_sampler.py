@@ -300,10 +300,6 @@ class VllmSampler:
         finally:
             shutil.rmtree(version.folder, ignore_errors=True)
 
-    def folder(self, adapter_id: str) -> Path:
-        with self._lock:
-            return self._ids[adapter_id].folder
-
     def loaded_versions(self) -> list[str]:
         with self._lock:
             return list(self._versions)
@@ -312,9 +308,11 @@ class VllmSampler:
 
     def sample(self, adapter_id: str | None, prompt: list[int], num_samples: int, params: SamplingParams,
                stop_token_ids: set[int], stop_strings: list[str], options: SampleOptions | None = None,
-               on_token=None) -> SampleResult:
+               on_token=None, then=None) -> SampleResult:
         """Sample on the worker; arguments as Engine.sample_request's, already validated (stop resolved to ids
-        and strings; options without target_prompt_logprobs or prompt_alt_tokens_k, see VllmSampling.check_options)."""
+        and strings; options without target_prompt_logprobs or prompt_alt_tokens_k, see VllmSampling.check_options).
+        `then(result, folder)`, if given, runs while the adapter version is still held: its files (`folder`, None
+        for the base model) stay until it returns, even if newer versions unloaded this one meanwhile."""
         options = options or SampleOptions()
         version = None
         if adapter_id is not None:
@@ -334,12 +332,19 @@ class VllmSampler:
                 topk_prompt_logprobs=options.topk_prompt_logprobs, topk_sample_logprobs=options.topk_sample_logprobs,
                 stream=on_token is not None,
             ).result()
+            result = self._result(reply, prompt, options)
+            if then is not None:
+                then(result, version.folder if version is not None else None)
         finally:
             if version is not None:
                 with self._lock:
                     version.in_flight -= 1
                     if not version.in_flight and version.name not in self._versions:  # unloaded meanwhile
                         self._release(version)
+        return result
+
+    @staticmethod
+    def _result(reply: dict, prompt: list[int], options: SampleOptions) -> SampleResult:
         pairs = lambda rows: [[(int(t), float(lp)) for t, lp in row] for row in rows]  # noqa: E731
         result = SampleResult(
             sequences=[
@@ -468,9 +473,10 @@ class VllmSampling:
         self.scheduler.submit(Job(uuid.uuid4().hex, f"vllm:{base_model}", base_model, seq=None, call=run), ordered=False)
         return done.result(timeout=self.settings.vllm_startup_timeout_s)
 
-    def logprob_gap(self, base_model: str, adapter_id: str | None, prompt: list[int], result: SampleResult) -> dict:
-        """The trainer's logprobs of the sampled tokens against vLLM's: mean and max |difference|."""
-        folder = self.samplers[base_model].folder(adapter_id) if adapter_id is not None else None
+    def logprob_gap(self, base_model: str, adapter_id: str | None, folder: Path | None, prompt: list[int],
+                    result: SampleResult) -> dict:
+        """The trainer's logprobs of the sampled tokens against vLLM's: mean and max |difference|. `folder`:
+        the adapter version's files that vLLM loaded (held by VllmSampler.sample while this runs)."""
 
         def trainer_logprobs(engine):
             if adapter_id is not None and not engine.has_adapter(adapter_id):
@@ -510,7 +516,9 @@ class _EngineView:
         prompt = engine_module._check_tokens(prompt, self._engine.vocab_size, "prompt")
         stop_ids, stop_strings = self._engine._check_sampling(prompt, num_samples, params, options)
         VllmSampling.check_options(options)
-        result = self._vllm.sample(adapter_id, prompt, num_samples, params, stop_ids, stop_strings, options, on_token)
+        check = None
         if self._sampling.settings.vllm_check_logprobs:
-            self.metrics = self._sampling.logprob_gap(self._base_model, adapter_id, prompt, result)
-        return result
+            def check(result: SampleResult, folder: Path | None) -> None:
+                self.metrics = self._sampling.logprob_gap(self._base_model, adapter_id, folder, prompt, result)
+        return self._vllm.sample(adapter_id, prompt, num_samples, params, stop_ids, stop_strings, options, on_token,
+                                 then=check)
