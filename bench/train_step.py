@@ -20,6 +20,7 @@ against the same passes one after another (one adapter at a time). Each session'
 the same either way; the ratio is batched over one-after-another.
 
     python bench/train_step.py [--steps 3] [--batch 8] [--seq 128] [--rank 32] [--threads N] [--profile]
+    python bench/train_step.py --varied [--batch 32 --seq 64 --rank 8]   # rows of different lengths, as in RL
     python bench/train_step.py --sessions 4 [--steps 3]
 """
 
@@ -58,13 +59,13 @@ def make_batch(vocab: int, batch: int, seq: int, seed: int) -> torch.Tensor:
 class Ours:
     name = "stepwise engine"
 
-    def __init__(self, engine: Engine, rank: int, ids: torch.Tensor, adam: AdamParams) -> None:
+    def __init__(self, engine: Engine, rank: int, ids: torch.Tensor, lengths: list[int], adam: AdamParams) -> None:
         self.engine = engine
         self.adapter = "bench"
         engine.create_adapter(self.adapter, LoraConfig(rank=rank, alpha=float(rank), seed=0))
         self.data = [
-            Datum(tokens=row[:-1].tolist(), loss_fn_inputs={"target_tokens": row[1:].numpy().astype(np.int64)})
-            for row in ids
+            Datum(tokens=row[:n].tolist(), loss_fn_inputs={"target_tokens": row[1 : n + 1].numpy().astype(np.int64)})
+            for row, n in zip(ids, lengths)
         ]
         self.adam = adam
 
@@ -77,7 +78,7 @@ class Ours:
 class PeftBaseline:
     name = "transformers+peft"
 
-    def __init__(self, model_dir: Path, rank: int, ids: torch.Tensor, adam: AdamParams) -> None:
+    def __init__(self, model_dir: Path, rank: int, ids: torch.Tensor, lengths: list[int], adam: AdamParams) -> None:
         import warnings
 
         from peft import LoraConfig as PeftLoraConfig
@@ -97,10 +98,13 @@ class PeftBaseline:
             params, lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
             weight_decay=adam.weight_decay, foreach=True,
         )
-        self.inputs, self.targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+        # Rows shorter than the batch are right-padded: masked in attention, ignored by the loss.
+        real = torch.arange(ids.shape[1] - 1)[None, :] < torch.tensor(lengths)[:, None]
+        self.inputs, self.targets = ids[:, :-1].contiguous(), ids[:, 1:].masked_fill(~real, -100)
+        self.mask = real.long() if not bool(real.all()) else None
 
     def step(self) -> float:
-        logits = self.model(input_ids=self.inputs).logits
+        logits = self.model(input_ids=self.inputs, attention_mask=self.mask).logits
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), self.targets.reshape(-1), reduction="sum")
         loss.backward()
         self.optimizer.step()
@@ -168,6 +172,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, one per core)")
     parser.add_argument("--profile", action="store_true", help="print the top ops of one step of each side")
+    parser.add_argument("--varied", action="store_true",
+                        help="rows of random lengths from seq/2 to seq (padded for PEFT), as RL batches are")
     parser.add_argument("--sessions", type=int, default=0,
                         help="instead: N sessions' passes in one batch against one after another")
     args = parser.parse_args()
@@ -180,14 +186,16 @@ def main() -> None:
     if args.sessions:
         bench_sessions(engine, ids, args.sessions, args.rank, args.steps)
         return
-    tokens = args.batch * args.seq
-    ours = Ours(engine, args.rank, ids, adam)
-    baseline = PeftBaseline(engine.base.path, args.rank, ids, adam)
+    lengths = (np.random.default_rng(args.seed).integers(args.seq // 2, args.seq + 1, args.batch).tolist()
+               if args.varied else [args.seq] * args.batch)
+    tokens = sum(lengths)
+    ours = Ours(engine, args.rank, ids, lengths, adam)
+    baseline = PeftBaseline(engine.base.path, args.rank, ids, lengths, adam)
     runners = [ours, baseline]
 
     print(
         f"model {engine.base.name} fp32 | LoRA rank {args.rank} on {'+'.join(TARGETS)} | "
-        f"batch {args.batch} x {args.seq} = {tokens} tokens/step | torch {torch.__version__}, "
+        f"batch {args.batch} x {'up to ' if args.varied else ''}{args.seq} = {tokens} tokens/step | torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, {os.cpu_count()} cpus, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}"
     )
     # Warm-up (not timed). Every LoRA B starts at zero, so both first losses are the base

@@ -300,7 +300,11 @@ class Engine:
         return batches
 
     def _target_logprobs(self, rows: list[_Row], adapters: list[lora.Adapter]) -> list[torch.Tensor]:
-        """Run the model on right-padded rows; return each row's logprobs of its target tokens."""
+        """Each row's logprobs of its target tokens. Llama-style models run the rows packed end to end,
+        no padding (the sampler's own forward pass, sampler.flat_forward); others right-padded
+        through transformers' forward."""
+        if sampler.Decoder.supports(self.model):
+            return self._packed_target_logprobs(rows, adapters)
         device = self.model.device
         length = max(len(r.tokens) for r in rows)
         ids = torch.zeros(len(rows), length, dtype=torch.long)
@@ -326,6 +330,23 @@ class Engine:
             targets = r.targets.to(device).reshape(len(r.tokens), -1)
             out.append(target_logprobs(logits[i, : len(r.tokens)], targets).reshape(r.targets.shape))
         return out
+
+    def _packed_target_logprobs(self, rows: list[_Row], adapters: list[lora.Adapter]) -> list[torch.Tensor]:
+        """The rows as one flat batch of tokens: every product sees only real tokens (a batch of rows of
+        different lengths padded to the longest wastes the difference), attention stays within each row."""
+        device = self.model.device
+        lengths = [len(r.tokens) for r in rows]
+        ids = torch.tensor([t for r in rows for t in r.tokens], device=device)
+        positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+        attend = sampler.causal_within_rows(lengths, self.model.model.layers[0].self_attn.scaling, device)
+        with lora.route(self.model, [a for a, n in zip(adapters, lengths) for _ in range(n)]):
+            hidden = sampler.flat_forward(self.model, ids, positions, attend)
+            logits = self.model.lm_head(hidden).float()  # a no-op in float32
+        if len({1 if r.targets.dim() == 1 else r.targets.shape[1] for r in rows}) == 1:  # the usual case: one op
+            targets = torch.cat([r.targets.reshape(len(r.tokens), -1) for r in rows]).to(device)
+            return [lp.reshape(r.targets.shape) for lp, r in zip(target_logprobs(logits, targets).split(lengths), rows)]
+        return [target_logprobs(part, r.targets.to(device).reshape(len(r.tokens), -1)).reshape(r.targets.shape)
+                for part, r in zip(logits.split(lengths), rows)]
 
     # ---- optimizer --------------------------------------------------------------------------
 

@@ -602,37 +602,64 @@ class Decoder:
         return self.model.model.layers[0].self_attn.scaling
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        """Hidden states after the final norm for a flat batch of tokens, (tokens, hidden).
-
-        `attend(layer, q, k, v)` gets this layer's rotated queries (tokens, heads, head_dim), keys and
-        values (tokens, kv_heads, head_dim), stores the keys and values, and returns the attention
-        output (tokens, heads, head_dim): it alone knows which tokens see which.
-        """
-        inner = self.model.model
-        n = len(ids)
-        hidden = inner.embed_tokens(ids)
-        cos, sin = inner.rotary_emb(hidden, positions[None])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # broadcast over heads
-        for layer_index, layer in enumerate(inner.layers):
-            attention, mlp = layer.self_attn, layer.mlp
-            x = _rms_norm(layer.input_layernorm, hidden)
-            q = attention.q_proj(x).view(n, -1, self.head_dim)
-            k = attention.k_proj(x).view(n, -1, self.head_dim)
-            v = attention.v_proj(x).view(n, -1, self.head_dim)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-            hidden = hidden + attention.o_proj(attend(layer_index, q, k, v).reshape(n, -1))
-            x = _rms_norm(layer.post_attention_layernorm, hidden)
-            gate, up = mlp.gate_proj(x), mlp.up_proj(x)
-            # Elementwise: one thread was faster than two from a decode step's 32 rows to a prefill's 512
-            # (the wake-up of the sleeping workers costs more than the second core saves; threads.py).
-            with threads.small(gate.numel()):
-                gate = mlp.act_fn(gate).mul_(up)
-            hidden = hidden + mlp.down_proj(gate)
-        return _rms_norm(inner.norm, hidden)
+        return flat_forward(self.model, ids, positions, attend)
 
     def _logits(self, hidden: torch.Tensor, adapters: list) -> torch.Tensor:
         with lora.route(self.model, adapters):
             return self.model.lm_head(hidden).float()
+
+
+def flat_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+    """Hidden states after the final norm for a flat batch of tokens, (tokens, hidden), for the
+    architectures in BATCHED_ARCHITECTURES, with the model's own modules (LoRA routing included).
+    The decoder's prefill and decode steps use it, and so does training (engine.py: rows packed, no padding).
+
+    `attend(layer, q, k, v)` gets this layer's rotated queries (tokens, heads, head_dim), keys and
+    values (tokens, kv_heads, head_dim), stores the keys and values if it keeps a cache, and returns
+    the attention output (tokens, heads, head_dim): it alone knows which tokens see which.
+    """
+    inner, config = model.model, model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    n = len(ids)
+    hidden = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(hidden, positions[None])
+    cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # broadcast over heads
+    for layer_index, layer in enumerate(inner.layers):
+        attention, mlp = layer.self_attn, layer.mlp
+        x = _rms_norm(layer.input_layernorm, hidden)
+        q = attention.q_proj(x).view(n, -1, head_dim)
+        k = attention.k_proj(x).view(n, -1, head_dim)
+        v = attention.v_proj(x).view(n, -1, head_dim)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        hidden = hidden + attention.o_proj(attend(layer_index, q, k, v).reshape(n, -1))
+        x = _rms_norm(layer.post_attention_layernorm, hidden)
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        # Elementwise: one thread was faster than two from a decode step's 32 rows to a prefill's 512
+        # (the wake-up of the sleeping workers costs more than the second core saves; threads.py).
+        with threads.small(gate.numel()):
+            gate = mlp.act_fn(gate) * up
+        hidden = hidden + mlp.down_proj(gate)
+    return _rms_norm(inner.norm, hidden)
+
+
+def causal_within_rows(lengths: list[int], scale: float, device=None):
+    """An `attend` for flat_forward over whole sequences laid end to end (training): each token sees
+    the tokens of its own row up to itself. Attention alone pads: the rows' queries, keys and values
+    go into one right-padded batch for a single causal attention call (a padded key comes after
+    every real query of its row, so the causal mask already hides it), and the real tokens come back."""
+    longest, starts = max(lengths), np.cumsum([0, *lengths[:-1]])
+    where = np.zeros((len(lengths), longest), dtype=np.int64)  # flat index of each padded slot (0: padding)
+    for row, (start, length) in enumerate(zip(starts, lengths)):
+        where[row, :length] = np.arange(start, start + length)
+    padded = torch.from_numpy(where.reshape(-1)).to(device)
+    real = torch.from_numpy(np.flatnonzero(np.arange(longest)[None, :] < np.array(lengths)[:, None])).to(device)
+
+    def attend(layer: int, q, k, v):
+        rows, (heads, head_dim) = len(lengths), q.shape[1:]
+        q_, k_, v_ = (t.index_select(0, padded).view(rows, longest, t.shape[1], head_dim).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2).reshape(rows * longest, heads, head_dim).index_select(0, real)
+    return attend
 
 
 def _adapter_key(active: _Active) -> int:

@@ -420,9 +420,10 @@ def test_a_training_job_finishes_while_a_long_sample_decodes(engine, tokenizer, 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 def test_the_batched_forward_matches_transformers_on_each_architecture_it_claims(architecture):
-    """The decoder writes the layer out itself (sampler.Decoder._forward): on a tiny random model of
+    """The decoder writes the layer out itself (sampler.flat_forward): on a tiny random model of
     each architecture in BATCHED_ARCHITECTURES (a shape check, so random weights are fine), its
-    prompt logprobs and sampled-token logprobs equal transformers' own forward pass."""
+    prompt logprobs and sampled-token logprobs equal transformers' own forward pass, and so do the
+    logits of rows packed end to end as training runs them."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from kernel_backend import lora, sampler
@@ -451,6 +452,16 @@ def test_the_batched_forward_matches_transformers_on_each_architecture_it_claims
         expected = logprobs.gather(-1, torch.tensor(tokens[1:])[:, None]).squeeze(-1)
         np.testing.assert_allclose(request.result.prompt_logprobs[1:], expected[: len(prompt) - 1], rtol=0, atol=1e-5)
         np.testing.assert_allclose(seq.logprobs, expected[len(prompt) - 1 :], rtol=0, atol=1e-5)
+    # Training runs the same forward pass over rows packed end to end (engine._packed_target_logprobs):
+    # two rows of different lengths give each row's logits as transformers computes them alone.
+    rows = [prompt[:13], prompt]
+    ids = torch.tensor([t for row in rows for t in row])
+    positions = torch.cat([torch.arange(len(row)) for row in rows])
+    attend = sampler.causal_within_rows([len(row) for row in rows], model.model.layers[0].self_attn.scaling)
+    with lora.route(model, [None] * len(ids)), torch.no_grad():
+        packed = model.lm_head(sampler.flat_forward(model, ids, positions, attend))
+        for part, row in zip(packed.split([len(row) for row in rows]), rows):
+            torch.testing.assert_close(part, reference(torch.tensor([row])).logits[0], rtol=0, atol=1e-5)
 
 
 # ---- c. adapters over one base do not touch each other ------------------------------------------
