@@ -460,7 +460,7 @@ class Decoder:
             return out
 
         with lora.route(self.model, adapters):
-            hidden = self._forward(torch.tensor(ids, device=device), torch.tensor(positions, device=device), attend)
+            hidden = flat_forward(self.model, torch.tensor(ids, device=device), torch.tensor(positions, device=device), attend)
         # lm_head only where logits are needed: from each request's logits_from (what it asks about
         # its prompt) to the end of its chunk; a prompt's last position always (it samples from it).
         wanted, firsts = [], []
@@ -547,7 +547,7 @@ class Decoder:
         adapters = [r.active.request.adapter for r in ordered]
         ids = torch.tensor([r.next_token for r in ordered], device=device)
         with lora.route(self.model, adapters):
-            hidden = self._forward(ids, lengths[forward_order] if permuted else lengths, attend)
+            hidden = flat_forward(self.model, ids, lengths[forward_order] if permuted else lengths, attend)
         logits = self._logits(hidden, adapters)
         chosen = _choose_for([r.active for r in ordered], [r.index for r in ordered], logits)
         tokens, logprobs, tops = ([None] * n for _ in range(3))
@@ -600,9 +600,6 @@ class Decoder:
     @property
     def scaling(self) -> float:
         return self.model.model.layers[0].self_attn.scaling
-
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        return flat_forward(self.model, ids, positions, attend)
 
     def _logits(self, hidden: torch.Tensor, adapters: list) -> torch.Tensor:
         with lora.route(self.model, adapters):
