@@ -13,8 +13,10 @@ slip past a limit while the first ones are still queued):
   admitted; sampling counts its upper bound (prompt + num_samples * max_tokens) and is settled to
   what it really produced when it finishes; a failed request counts nothing once it has failed;
 - sessions alive at once (STEPWISE_MAX_SESSIONS_PER_TENANT);
-- adapters held at once and their memory (STEPWISE_MAX_ADAPTERS_PER_TENANT,
-  STEPWISE_MAX_ADAPTER_MB_PER_TENANT): training runs and checkpoint samplers of active sessions.
+- checkpoint storage kept (STEPWISE_MAX_STORED_MB_PER_TENANT), checked before each save;
+- an adapter that could never be resident (larger than the tenant's share of an engine's adapter cache,
+  or the whole cache). How many adapters a tenant has is never a limit: the adapter cache keeps what
+  fits and evicts the least recently used (kernel_backend/adapter_cache.py).
 
 The service calls `Admission` from each method that queues work; a refusal raises `RateLimited`
 (429, with Retry-After, for limits that free up with time) or `UserError` (400, for a request that
@@ -28,10 +30,12 @@ import time
 from collections import deque
 from typing import Callable
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
+from kernel_backend import adapter_cache
+from kernel_backend.adapter_cache import TRAINING_COPIES
 from kernel_backend.config import Settings
-from kernel_backend.store import CheckpointRow, ModelRow, SamplerRow, SessionRow, Store
+from kernel_backend.store import CheckpointRow, SessionRow, Store
 from kernel_backend.types import SampleOptions, SamplingParams, UserError
 
 # What one request may ask of the sampler, before any limit: the engine agrees (engine._check_sampling).
@@ -39,8 +43,6 @@ MAX_NUM_SAMPLES = 128
 # Seeds are 64-bit, as torch.Generator takes them.
 SEED_RANGE = (-(2**63), 2**64 - 1)
 WINDOW_S = 60.0
-# An adapter costs its weights, their gradients and AdamW's two moments: four copies.
-TRAINING_COPIES = 4
 
 
 class RateLimited(Exception):
@@ -138,36 +140,34 @@ class Admission:
                               "close one (ServiceClient.close(), or let it expire)", 10)
 
     def adapter(self, tenant: str, base_model: str, lora_config: dict, training: bool) -> None:
-        """Room for one more adapter (a training run, or a sampler of a checkpoint) for `tenant`?"""
-        count_limit = self.settings.max_adapters_per_tenant
-        mb_limit = self.settings.max_adapter_mb_per_tenant
-        if not count_limit and not mb_limit:
-            return
-        held = self._adapters_held(tenant)
+        """Could this adapter (a training run, or a sampler of a checkpoint) ever be resident? Never refused for how
+        many adapters the tenant has: an engine's adapter cache evicts to make room (adapter_cache.py)."""
         new = self.adapter_bytes(base_model, lora_config) * (TRAINING_COPIES if training else 1)
-        if count_limit and len(held) >= count_limit:
-            raise RateLimited(f"tenant {tenant!r} holds {len(held)} adapters (training runs and checkpoint samplers "
-                              f"of active sessions), the limit is {count_limit}; close a session to free its adapters",
-                              10)
-        used = sum(held)
-        if mb_limit and used + new > mb_limit << 20:
-            message = (f"this adapter needs about {new >> 20} MB; tenant {tenant!r} holds {used >> 20} MB of adapters "
-                       f"and the limit is {mb_limit} MB")
-            if new > mb_limit << 20:  # it could never fit: a smaller rank is the fix
-                raise UserError(message + "; use a smaller LoRA rank")
-            raise RateLimited(message + "; close a session to free its adapters", 10)
+        share = self.settings.max_adapter_mb_per_tenant << 20
+        cache = adapter_cache.budget_bytes(self.settings.adapter_cache_mb, self.settings.device)
+        if share and new > share:
+            raise UserError(f"this adapter needs about {new >> 20} MB, more than the {share >> 20} MB of adapter memory "
+                            f"this server gives tenant {tenant!r} (STEPWISE_MAX_ADAPTER_MB_PER_TENANT); use a smaller LoRA rank")
+        if new > cache:
+            raise UserError(f"this adapter needs about {new >> 20} MB, more than the engine's whole adapter cache of "
+                            f"{cache >> 20} MB; use a smaller LoRA rank (or raise STEPWISE_ADAPTER_CACHE_MB)")
 
-    def _adapters_held(self, tenant: str) -> list[int]:
-        """Bytes of each adapter `tenant` holds: its active sessions' training runs and checkpoint samplers."""
-        active = select(SessionRow.id).where(SessionRow.tenant == tenant, SessionRow.status == "active")
+    # ---- checkpoint storage -------------------------------------------------------------------
+
+    def storage(self, tenant: str) -> None:
+        """Room to store one more checkpoint for `tenant` (STEPWISE_MAX_STORED_MB_PER_TENANT)? The 429 names the
+        oldest checkpoints, since deleting some is the fix."""
+        limit = self.settings.max_stored_mb_per_tenant << 20
+        if not limit:
+            return
         with self.store.session() as s:
-            runs = s.execute(select(ModelRow.base_model, ModelRow.lora_config).where(
-                ModelRow.session_id.in_(active), ModelRow.copied_from.is_(None))).all()  # a copy holds no adapter
-            samplers = s.execute(
-                select(SamplerRow.base_model, ModelRow.lora_config)
-                .join(CheckpointRow, CheckpointRow.tinker_path == SamplerRow.model_path)
-                .join(ModelRow, ModelRow.id == CheckpointRow.model_id)
-                .where(SamplerRow.session_id.in_(active))
-            ).all()
-        return ([self.adapter_bytes(base, lora) * TRAINING_COPIES for base, lora in runs]
-                + [self.adapter_bytes(base, lora) for base, lora in samplers])
+            used, count = s.execute(select(func.coalesce(func.sum(CheckpointRow.size_bytes), 0), func.count())
+                                    .where(CheckpointRow.tenant == tenant)).one()
+            if used < limit:
+                return
+            oldest = s.execute(select(CheckpointRow.tinker_path).where(CheckpointRow.tenant == tenant)
+                               .order_by(CheckpointRow.created_at).limit(3)).scalars().all()
+        raise RateLimited(
+            f"tenant {tenant!r} stores {used >> 20} MB in {count} checkpoints, the limit is {limit >> 20} MB; delete "
+            "checkpoints you no longer need (RestClient.delete_checkpoint_from_tinker_path, or DELETE "
+            f"/api/v1/training_runs/{{run}}/checkpoints/{{kind}}/{{name}}), oldest first: {', '.join(oldest)}", 60)

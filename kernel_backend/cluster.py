@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernel_backend import lora, ops
-from kernel_backend.admission import TRAINING_COPIES
+from kernel_backend.adapter_cache import TRAINING_COPIES
 from kernel_backend.config import Settings
 from kernel_backend.engine import Engine, merge_metrics
 from kernel_backend.metering import Usage
@@ -138,7 +138,8 @@ class EngineWorker:
             "name": self.name, "incarnation": self.incarnation, "state": self.state, "error": self.error,
             "device": self.settings.device, "pid": os.getpid(), "node": _node_ip(),
             "models": self.scheduler.facts() if self.state == "live" else {},
-            "adapters": {name: list(engine.slots) for name, engine in engines.items()},
+            "adapters": {name: list(engine.adapters.entries) for name, engine in engines.items()},
+            "adapter_cache": {name: engine.adapters.stats() for name, engine in engines.items()},
             "queue_depth": self.scheduler.queue_depth(), "memory": self._memory(engines),
             "sampling": {name: engine.decoder.stats() for name, engine in engines.items()},
         }
@@ -229,12 +230,12 @@ class EngineWorker:
             job.call = lambda engine: self._restore_grads(engine, job)
 
     def _params(self, job: Job) -> list:
-        return self.scheduler.engines[job.base_model].slots[job.lane].adapter.parameters()
+        return self.scheduler.engines[job.base_model].adapters.get(job.lane).adapter.parameters()
 
     def _keep_undo(self, job: Job) -> bool:
         """Before a replica's backward pass: keep its run's gradients, to put back if another shard fails."""
         kept = self._undo.get(job.lane)
-        if (kept is None or kept[0] != job.request_id) and job.lane in self.scheduler.engines[job.base_model].slots:
+        if (kept is None or kept[0] != job.request_id) and job.lane in self.scheduler.engines[job.base_model].adapters:
             self._undo[job.lane] = (job.request_id, [None if p.grad is None else p.grad.clone() for p in self._params(job)])
         return True
 
@@ -482,6 +483,10 @@ class Cluster:
     def sampling_stats(self) -> dict[str, dict[str, dict]]:
         """Each worker's decoders as of its last heartbeat (Decoder.stats), by worker, then base model."""
         return {w.name: w.report.get("sampling", {}) for w in list(self.workers.values())}
+
+    def adapter_cache_stats(self) -> dict[str, dict[str, dict]]:
+        """Each worker's adapter caches as of its last heartbeat (AdapterCache.stats), by worker, then base model."""
+        return {w.name: w.report.get("adapter_cache", {}) for w in list(self.workers.values())}
 
     def report(self) -> dict:
         """The operator's view (GET /api/v1/cluster): each worker's state, device, memory, runs and queue."""

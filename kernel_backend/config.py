@@ -53,11 +53,16 @@ class Settings:
     # The single-user backend workbench.connect() starts on loopback (STEPWISE_EMBEDDED=1): no per-tenant
     # caps, and get_info reports the local tokenizer folder. Unset: a server several people share.
     embedded: bool = field(default_factory=_embedded)
-    # Per-tenant limits (0 = none), applied when work is admitted (kernel_backend/admission.py):
-    # sessions alive at once, tokens admitted per minute, adapters held at once and their memory.
+    # The adapters an engine keeps on its device (training runs, samplers), in MB; past it the least recently
+    # used one is dropped (a checkpoint's sampler) or spilled to disk or host memory (kernel_backend/adapter_cache.py).
+    # 0: a tenth of a GPU's memory, 1024 MB on CPU.
+    adapter_cache_mb: int = field(default_factory=lambda: int(_env("ADAPTER_CACHE_MB", "0")))
+    # Per-tenant limits (0 = none). Sessions alive at once, tokens admitted per minute, checkpoint storage kept
+    # (MB): counted when work is admitted (kernel_backend/admission.py). The share of each engine's adapter cache
+    # a tenant may keep resident (MB): enforced by evicting that tenant's own least recently used adapters.
     max_sessions_per_tenant: int = field(default_factory=lambda: int(_env("MAX_SESSIONS_PER_TENANT", "0")))
     tokens_per_minute: int = field(default_factory=lambda: int(_env("TOKENS_PER_MINUTE", "0")))
-    max_adapters_per_tenant: int = field(default_factory=lambda: _tenant_cap("MAX_ADAPTERS_PER_TENANT", "8"))
+    max_stored_mb_per_tenant: int = field(default_factory=lambda: _tenant_cap("MAX_STORED_MB_PER_TENANT", "51200"))
     max_adapter_mb_per_tenant: int = field(default_factory=lambda: _tenant_cap("MAX_ADAPTER_MB_PER_TENANT", "2048"))
     # Largest request body the server reads (413 beyond it; a zstd body may not expand past it either).
     max_body_bytes: int = field(default_factory=lambda: int(_env("MAX_BODY_BYTES", str(64 << 20))))

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernel_backend import lora, losses, matmul, models, optimizers, sampler
+from kernel_backend import adapter_cache, lora, losses, matmul, models, optimizers, sampler
 from kernel_backend.config import Settings
 from kernel_backend.types import (
     AdamParams,
@@ -83,8 +83,17 @@ class Engine:
         self.vocab_size = self.base.vocab_size
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 2048))
         lora.attach(self.model, matmul.choose(self.settings.matmul, self.settings.device, dtype))
-        self.slots: dict[str, _Slot] = {}
         self.decoder = self._make_decoder()
+        # Every adapter this engine serves; what stays on the device is bounded in bytes (adapter_cache.py).
+        self.adapters = adapter_cache.AdapterCache(
+            adapter_cache.budget_bytes(self.settings.adapter_cache_mb, self.settings.device),
+            self.settings.max_adapter_mb_per_tenant << 20, self.settings.home / "spill", self.settings.device,
+            in_use=lambda: {id(a) for a in self.decoder.adapters()})
+
+    @property
+    def slots(self) -> dict[str, _Slot]:
+        """The adapters resident on the device now, by id (what memory reports count)."""
+        return self.adapters.resident()
 
     def reset_decoder(self) -> None:
         """Forget every request in the decoder (after a failed step; the scheduler fails them)."""
@@ -103,25 +112,34 @@ class Engine:
 
     # ---- adapters ---------------------------------------------------------------------------
 
-    def create_adapter(self, adapter_id: str, config: LoraConfig | None = None, optimizer: str = "adamw") -> None:
-        if adapter_id in self.slots:
+    def create_adapter(self, adapter_id: str, config: LoraConfig | None = None, optimizer: str = "adamw",
+                       owner: str = "") -> None:
+        """A new training run's adapter and optimizer; `owner` (a tenant) is whose share of the cache it uses."""
+        if adapter_id in self.adapters:
             raise UserError(f"adapter {adapter_id!r} already exists")
         optimizers.check_kind(optimizer)
         adapter = lora.new_adapter(self.model, config or LoraConfig())
-        self.slots[adapter_id] = _Slot(adapter, optimizers.create(optimizer, adapter.parameters(), adapter.config.rank))
+        slot = _Slot(adapter, optimizers.create(optimizer, adapter.parameters(), adapter.config.rank))
+        self.adapters.add(adapter_id, slot, owner)
 
     def delete_adapter(self, adapter_id: str) -> None:
-        self.slots.pop(adapter_id, None)
+        self.adapters.drop(adapter_id)
 
     def has_adapter(self, adapter_id: str) -> bool:
-        return adapter_id in self.slots
+        """Held, on the device or spilled (a checkpoint's sampler that was dropped is not: it loads again)."""
+        return adapter_id in self.adapters
 
     def adapter_config(self, adapter_id: str) -> LoraConfig:
         return self._slot(adapter_id).adapter.config
 
-    def _slot(self, adapter_id: str) -> _Slot:
+    def steps(self, adapter_id: str) -> int | None:
+        """Optim steps the adapter has taken (None if this engine does not hold it), without loading it."""
+        return self.adapters.entry(adapter_id).slot.steps if adapter_id in self.adapters else None
+
+    def _slot(self, adapter_id: str, keep=()) -> _Slot:
+        """The adapter on the device (brought back first if it was spilled); `keep`: others this call needs."""
         try:
-            return self.slots[adapter_id]
+            return self.adapters.get(adapter_id, keep)
         except KeyError:
             raise UserError(
                 f"unknown adapter {adapter_id!r}: it is not loaded (the server may have restarted); resume from a "
@@ -168,7 +186,8 @@ class Engine:
         if not live:
             return results
 
-        slots = {i: self._slot(passes[i].adapter_id) for i in live}
+        needed = {passes[i].adapter_id for i in live}
+        slots = {i: self._slot(passes[i].adapter_id, keep=needed) for i in live}
         # A forward-only pass runs on a detached view of its adapter: when it shares a micro-batch
         # with another adapter's backward pass, its parameters must not even receive zero gradients.
         routed = {i: slots[i].adapter if not passes[i].forward_only else slots[i].adapter.detached() for i in live}
@@ -224,10 +243,11 @@ class Engine:
 
     def _check_pass(self, index: int, p: Pass) -> list[_Row]:
         """Validate one request completely; return its rows as tensors. Raises UserError."""
-        self._slot(p.adapter_id)
+        if p.adapter_id not in self.adapters:
+            self._slot(p.adapter_id)  # raises the unknown adapter's error
         if not p.data:
             raise UserError("empty batch: forward_backward needs at least one Datum")
-        if not p.forward_only and self.slots[p.adapter_id].optimizer is None:
+        if not p.forward_only and self.adapters.entry(p.adapter_id).slot.optimizer is None:
             raise UserError(f"{p.adapter_id!r} is a sampler snapshot and cannot be trained")
         needed = losses.required_inputs(p.loss_fn)
         optional = losses.optional_inputs(p.loss_fn)
@@ -519,7 +539,7 @@ class Engine:
             (tmp / "stepwise_state.json").write_text(json.dumps(meta))
 
     def load_state(self, adapter_id: str, directory: Path, with_optimizer: bool = True,
-                   optimizer: str | None = None) -> None:
+                   optimizer: str | None = None, owner: str = "") -> None:
         """Create (or replace) `adapter_id` from a save_state directory.
 
         With the optimizer state the run keeps the optimizer it was saved with (`optimizer`, if
@@ -546,7 +566,7 @@ class Engine:
             saved = load_file(directory / "optimizer.safetensors")
             optimizers.load_state_tensors(opt, adapter.named_parameters(), saved)
             steps = meta.get("steps", 0)
-        self.slots[adapter_id] = _Slot(adapter, opt, steps)
+        self.adapters.add(adapter_id, _Slot(adapter, opt, steps), owner)
 
     def save_weights_for_sampler(self, adapter_id: str, directory: Path) -> None:
         """The adapter's weights alone, in PEFT format (what vLLM and peft load)."""
@@ -554,13 +574,16 @@ class Engine:
         with _atomic_dir(directory) as tmp:
             lora.save_peft(slot.adapter, tmp, self.base.name)
 
-    def load_sampler(self, sampler_id: str, directory: Path) -> None:
-        """A frozen adapter for sampling, from save_weights_for_sampler or save_state output."""
-        self.slots[sampler_id] = _Slot(lora.load_peft(self.model, Path(directory), trainable=False))
+    def load_sampler(self, sampler_id: str, directory: Path, owner: str = "") -> None:
+        """A frozen adapter for sampling, from save_weights_for_sampler or save_state output. The cache may
+        drop it when it needs room: the caller loads it again from the same files (ops.sample_request)."""
+        self.adapters.add(sampler_id, _Slot(lora.load_peft(self.model, Path(directory), trainable=False)), owner,
+                          reloadable=True)
 
-    def snapshot_sampler(self, adapter_id: str, sampler_id: str) -> None:
+    def snapshot_sampler(self, adapter_id: str, sampler_id: str, owner: str = "") -> None:
         """A frozen in-memory copy of an adapter's current weights, for sampling while it trains."""
-        self.slots[sampler_id] = _Slot(self._slot(adapter_id).adapter.copy())
+        copy = self._slot(adapter_id).adapter.copy()
+        self.adapters.add(sampler_id, _Slot(copy), owner, keep=(adapter_id,))
 
     def weights_digest(self, adapter_id: str) -> str:
         """A hash of the adapter's weights and optimizer state (tests use it to prove nothing changed)."""

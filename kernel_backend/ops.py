@@ -45,6 +45,7 @@ class SampleOp:
     location: str | None = None
     path: str | None = None  # the checkpoint's tinker:// path: what errors call it
     missing: str = ""
+    owner: str = ""  # the tenant whose share of the adapter cache a loaded checkpoint uses (adapter_cache.py)
 
 
 @dataclass
@@ -68,8 +69,8 @@ def run(engine, ctx: Context, op: Op):
 # ---- training runs -------------------------------------------------------------------------------
 
 
-def create_adapter(engine, ctx: Context, model_id: str, config: LoraConfig, optimizer: str) -> dict:
-    engine.create_adapter(model_id, config, optimizer)
+def create_adapter(engine, ctx: Context, model_id: str, config: LoraConfig, optimizer: str, owner: str = "") -> dict:
+    engine.create_adapter(model_id, config, optimizer, owner)
     return {}
 
 
@@ -78,7 +79,7 @@ def optim_step(engine, ctx: Context, model_id: str, params: AdamParams | DimuonP
     """One optimizer step; with `snapshot_every`, every that many steps the run's state (weights and
     optimizer) is also written to `snapshot_key` in the store, which recovery restores from (cluster.py)."""
     metrics = engine.optim_step(model_id, params)
-    step = engine.slots[model_id].steps
+    step = engine.steps(model_id)
     snapshot = None
     if snapshot_every and step % snapshot_every == 0:
         with ctx.storage.writing(snapshot_key) as (staging, located):
@@ -90,9 +91,9 @@ def optim_step(engine, ctx: Context, model_id: str, params: AdamParams | DimuonP
 
 
 def load_state(engine, ctx: Context, model_id: str, location: str, path: str, with_optimizer: bool,
-               optimizer: str | None = None) -> dict:
+               optimizer: str | None = None, owner: str = "") -> dict:
     with ctx.storage.open(location, ctx.settings.encryption_key, path) as plain:
-        engine.load_state(model_id, plain, with_optimizer=with_optimizer, optimizer=optimizer)
+        engine.load_state(model_id, plain, with_optimizer=with_optimizer, optimizer=optimizer, owner=owner)
     return {}
 
 
@@ -131,10 +132,10 @@ def save(engine, ctx: Context, model_id: str, kind: str, key: str, path: str, ov
     return {"location": located[0], "size": size}
 
 
-def snapshot(engine, ctx: Context, model_id: str, sampler_id: str, base_model: str, keep: int) -> dict:
+def snapshot(engine, ctx: Context, model_id: str, sampler_id: str, base_model: str, keep: int, owner: str = "") -> dict:
     """save_weights_and_get_sampling_client: an in-memory copy of the weights under `sampler_id`; a run
     keeps its newest `keep`, older ones are dropped."""
-    engine.snapshot_sampler(model_id, sampler_id)
+    engine.snapshot_sampler(model_id, sampler_id, owner)
     if ctx.vllm is not None:
         ctx.vllm.add_snapshot(engine, base_model, sampler_id)
     kept = ctx.snapshots.setdefault(model_id, [])
@@ -152,12 +153,13 @@ def snapshot(engine, ctx: Context, model_id: str, sampler_id: str, base_model: s
 
 def sample_request(engine, ctx: Context, op: SampleOp, on_token=None, cancel=None):
     """The engine's validated request for its decoder (UserError for bad input), the adapter loaded first
-    when the engine does not hold it. `on_token` and `cancel` belong to the caller's process (streaming)."""
+    when the engine does not hold it (never loaded here, or dropped by the adapter cache to make room). `on_token`
+    and `cancel` belong to the caller's process (streaming)."""
     if op.adapter_id is not None and not engine.has_adapter(op.adapter_id):
         if op.location is None:
             raise UserError(op.missing)
         with ctx.storage.open(op.location, ctx.settings.encryption_key, op.path) as plain:
-            engine.load_sampler(op.adapter_id, plain)
+            engine.load_sampler(op.adapter_id, plain, op.owner)
     return engine.sample_request(op.adapter_id, op.prompt, op.num_samples, op.params, op.options,
                                  on_token=on_token, cancel=cancel)
 

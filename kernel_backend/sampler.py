@@ -355,6 +355,10 @@ class Decoder:
         return {"decoder": "batched", "rows": len(self.rows), "waiting": len(self.waiting),
                 "prefix_cache": self.prefixes.stats()}
 
+    def adapters(self) -> list:
+        """The adapters of the requests in the batch, waiting or decoding (the adapter cache keeps them)."""
+        return [a.request.adapter for a in self.waiting] + [r.active.request.adapter for r in self.rows]
+
     def prefill_room(self) -> int:
         """Prompt tokens worth admitting now: what the next step could prefill beyond those waiting."""
         return self.prefill_tokens - sum(len(a.request.prompt) - a.prefilled for a in self.waiting)
@@ -696,6 +700,9 @@ class SerialDecoder:
 
     def stats(self) -> dict:
         return {"decoder": "serial", "rows": 0, "waiting": len(self.waiting), "prefix_cache": None}
+
+    def adapters(self) -> list:
+        return [request.adapter for request in self.waiting]
 
     def prefill_room(self) -> int:
         return 0 if self.waiting else 1  # one request at a time

@@ -369,8 +369,7 @@ class Scheduler:
 
 def _steps(engine: Engine, lane: str) -> int | None:
     """Optim steps the lane's adapter has taken (None for a sampler, or an adapter the engine does not hold)."""
-    slot = engine.slots.get(lane)
-    return slot.steps if slot is not None else None
+    return engine.steps(lane)
 
 
 def log_failure(request_id: str, error: Exception) -> None:

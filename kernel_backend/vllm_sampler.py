@@ -502,7 +502,7 @@ class _EngineView:
     def has_adapter(self, adapter_id: str) -> bool:
         return self._vllm.has_adapter(adapter_id)
 
-    def load_sampler(self, adapter_id: str, directory: Path) -> None:
+    def load_sampler(self, adapter_id: str, directory: Path, owner: str = "") -> None:
         self._vllm.add_adapter(adapter_id, Path(directory))
 
     def sample_request(self, adapter_id: str | None, prompt: list[int], num_samples: int = 1,

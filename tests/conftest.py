@@ -142,6 +142,7 @@ def tinker_server(stepwise_home, pytestconfig):
 SHARED_LIMITS = {
     "STEPWISE_EMBEDDED": "0",  # per-tenant adapter caps at their shared-server defaults
     "STEPWISE_TOKENS_PER_MINUTE": "300",
+    "STEPWISE_MAX_STORED_MB_PER_TENANT": "8",
     "STEPWISE_MAX_BODY_BYTES": str(1 << 20),
     "STEPWISE_RESULT_KEEP_AFTER_RETRIEVAL_S": "1",
     "STEPWISE_REAP_INTERVAL_S": "0.5",

@@ -54,7 +54,9 @@ class RecordingEngine:
         self.batches: list[list[str]] = []
         self.log: list[str] = []
         self.decoder = CountingDecoder(self.log, step_s)
-        self.slots = {}
+
+    def steps(self, adapter_id):  # the scheduler puts a run's step count into its ledger row
+        return None
 
     def sample_request(self, adapter_id, prompt, num_samples, params, *args, **options):
         return SampleRequest(None, prompt, num_samples, params, set(), [])

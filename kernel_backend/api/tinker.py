@@ -115,10 +115,12 @@ def list_sessions(limit: int = Limit(20), offset: int = Offset, tenant: str = De
 
 @router.get("/admin/stats")
 def admin_stats(tenant: str = Depends(operator_of), svc: Service = Depends(service)):
-    """What the backend holds in memory (the operator's key only): adapters per base model; each engine's
-    sampler (rows decoding, requests waiting, the prefix cache's entries and reuse), by worker; and the vLLM
-    workers' adapter versions and start-up times when vLLM samples."""
-    return {"adapters": svc.adapter_counts(), "sampling": svc.sampling_stats(),
+    """What the backend holds in memory (the operator's key only): adapters held per base model; each engine's
+    adapter cache (resident and spilled adapters, their bytes against the budget, evictions) and sampler (rows
+    decoding, requests waiting, the prefix cache's entries and reuse), by worker; and the vLLM workers' adapter
+    versions and start-up times when vLLM samples."""
+    return {"adapters": svc.adapter_counts(), "adapter_cache": svc.adapter_cache_stats(),
+            "sampling": svc.sampling_stats(),
             "vllm": svc.vllm.stats() if svc.vllm is not None else None}
 
 

@@ -58,6 +58,9 @@ def save_weights(svc: Service, tenant: str, model_id: str, seq_id: int | None, n
     path = tinker_path(model_id, kind, name)
     key = svc.store.checkpoint_key(tenant, model_id, kind, name)
     request_type, answer_type = SAVE_REQUESTS[kind]
+    dedupe = train_key(model_id, seq_id)
+    if dedupe is None or svc.store.future_by_key(dedupe) is None:  # a retry was admitted when first sent
+        svc.admission.storage(tenant)
 
     def record(saved: dict):
         """The files are in place (ops.save): the checkpoint's row, replacing an overwritten one's."""
@@ -75,7 +78,7 @@ def save_weights(svc: Service, tenant: str, model_id: str, seq_id: int | None, n
     op = Op("save", {"model_id": model_id, "kind": kind, "key": key, "path": path, "overwrite": overwrite,
                      "base_model": run.base_model, "age_recipients": age_recipients})
     job = Job(new_id(), model_id, run.base_model, seq=seq_id, op=op, encode=record)
-    return svc.submit(tenant, request_type, train_key(model_id, seq_id), job, ordered=True, session_id=run.session_id)
+    return svc.submit(tenant, request_type, dedupe, job, ordered=True, session_id=run.session_id)
 
 
 def snapshot_for_sampler(svc: Service, tenant: str, model_id: str, seq_id: int, sampling_session_seq_id: int) -> FutureRow:
@@ -90,7 +93,7 @@ def snapshot_for_sampler(svc: Service, tenant: str, model_id: str, seq_id: int, 
         return json_result({"path": None, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
 
     op = Op("snapshot", {"model_id": model_id, "sampler_id": sampler_id, "base_model": run.base_model,
-                         "keep": SNAPSHOTS_PER_RUN})
+                         "keep": SNAPSHOTS_PER_RUN, "owner": tenant})
     job = Job(new_id(), model_id, run.base_model, seq=seq_id, op=op, encode=record)
     return svc.submit(tenant, "SaveWeightsForSampler", train_key(model_id, seq_id), job, ordered=True,
                       session_id=run.session_id)
@@ -128,7 +131,8 @@ def load_weights(svc: Service, tenant: str, path: str, with_optimizer: bool, mod
         dedupe, seq = train_key(model_id, seq_id), seq_id
     target = model_id
     op = Op("load_state", {"model_id": target, "location": checkpoint.directory, "path": path,
-                           "with_optimizer": with_optimizer and checkpoint.kind == "training", "optimizer": optimizer_type})
+                           "with_optimizer": with_optimizer and checkpoint.kind == "training", "optimizer": optimizer_type,
+                           "owner": tenant})
     job = Job(new_id(), target, source.base_model, seq=seq, op=op,
               encode=lambda _: json_result({"path": path, "model_id": target, "type": "load_weights"}))
     session = svc.store.get(ModelRow, target).session_id

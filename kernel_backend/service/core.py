@@ -387,7 +387,13 @@ class Service:
         """Adapters held per base model, on every engine."""
         if self.cluster is not None:
             return self.cluster.adapter_counts()
-        return {name: len(engine.slots) for name, engine in self.scheduler.engines.items()}
+        return {name: len(engine.adapters.entries) for name, engine in self.scheduler.engines.items()}
+
+    def adapter_cache_stats(self) -> dict[str, dict[str, dict]]:
+        """Each engine's adapter cache (AdapterCache.stats: resident, spilled, dropped, ...), by worker, then model."""
+        if self.cluster is not None:
+            return self.cluster.adapter_cache_stats()
+        return {"in-process": {name: engine.adapters.stats() for name, engine in self.scheduler.engines.items()}}
 
     def sampling_stats(self) -> dict[str, dict[str, dict]]:
         """Each engine's decoder (Decoder.stats), by worker ("in-process" without Ray workers), then base model."""

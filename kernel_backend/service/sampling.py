@@ -107,6 +107,7 @@ def sampler_op(svc: Service, sampler: SamplerRow, prompt: list[int], num_samples
                       f"{SNAPSHOTS_PER_RUN} per run are); call save_weights_and_get_sampling_client again")
         return op
     locate(svc, op, sampler.model_path)
+    op.owner = sampler.tenant
     return op
 
 
@@ -169,7 +170,7 @@ def generate(svc: Service, tenant: str, request_type: str, base_model: str, path
     cancel = threading.Event()  # set when the caller goes away (a closed stream)
     op = SampleOp(None, prompt, num_samples, params, options)
     if path is not None:
-        op.adapter_id = lane
+        op.adapter_id, op.owner = lane, tenant
         locate(svc, op, path)
 
     def keep(result):

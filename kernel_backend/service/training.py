@@ -37,7 +37,7 @@ def create_model(svc: Service, tenant: str, session_id: str, model_seq_id: int, 
                             lora_rank=config.rank))
 
     job = Job(new_id(), model_id, base, seq=None, op=Op("create_adapter", {"model_id": model_id, "config": config,
-                                                                           "optimizer": optimizer_type}),
+                                                                           "optimizer": optimizer_type, "owner": tenant}),
               encode=lambda _: json_result({"model_id": model_id, "type": "create_model"}),
               replicas=replicas_asked(user_metadata))
     return svc.submit(tenant, "CreateModel", f"create_model:{session_id}:{model_seq_id}", job, ordered=True,
