@@ -29,6 +29,9 @@ client/dynamic_config, create_session, create_model, get_info, forward_backward 
 optim_step, save_weights, save_weights_for_sampler, retrieve_future, and in runs longer than
 10 s session_heartbeat and telemetry. train.main never closes its ServiceClient, so
 sessions/{id}/finish is not called.
+
+The command line, the offline set-up and the exit codes are shared with tests/cookbook_rl.py
+(the RL twin) in tests/cookbook_common.py.
 """
 
 from __future__ import annotations
@@ -36,12 +39,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
-DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-SYSTEM_PROMPT = "You are a helpful assistant."
+from cookbook_common import (
+    EXIT_USAGE,
+    SYSTEM_PROMPT,
+    add_common_args,
+    chat_template_ids,
+    check_common_args,
+    fresh_log_path,
+    read_metrics,
+    run_as_script,
+    setup,
+)
 
 # A made-up fact, asked in several ways, so a few SFT steps have something to learn.
 QUESTIONS = [
@@ -64,39 +75,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="tinker-cookbook 0.5.8 supervised.train smoke run against a Tinker-compatible server."
     )
-    p.add_argument("--base-url", help="server base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--api-key", help="API key (must start with 'tml-')")
-    p.add_argument(
-        "--tokenizer-dir",
-        required=True,
-        help="local tokenizer directory (the tokenizer_id the server reports in get_info)",
-    )
-    p.add_argument("--log-path", help="run directory; must not hold an earlier run")
-    p.add_argument(
-        "--self-check",
-        action="store_true",
-        help="no server: load the tokenizer through register_tokenizer, render one conversation "
-        "and compare it with the tokenizer's chat template, then exit",
-    )
-    p.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
-    p.add_argument("--model-name", default=DEFAULT_MODEL, help=f"base model (default {DEFAULT_MODEL})")
-    p.add_argument("--renderer", default="qwen3_instruct", help="cookbook renderer (default qwen3_instruct)")
+    add_common_args(p, steps=3, learning_rate=1e-4)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--num-conversations", type=int, default=16)
     p.add_argument("--max-length", type=int, default=128)
-    p.add_argument("--learning-rate", type=float, default=1e-4)
-    p.add_argument("--lora-rank", type=int, default=8)
     args = p.parse_args(argv)
-    if not args.self_check:
-        missing = [f"--{n.replace('_', '-')}" for n in ("base_url", "api_key", "log_path") if not getattr(args, n)]
-        if missing:
-            p.error(f"the following arguments are required: {', '.join(missing)}")
-    if args.steps < 1:
-        p.error("--steps must be >= 1")
+    check_common_args(p, args)
     if args.batch_size < 1 or args.num_conversations < args.batch_size:
         p.error("need --num-conversations >= --batch-size >= 1")
-    if not os.path.isdir(os.path.expanduser(args.tokenizer_dir)):
-        p.error(f"--tokenizer-dir {args.tokenizer_dir!r} is not a directory")
     return args
 
 
@@ -126,10 +112,7 @@ def self_check(model_name: str, renderer_name: str, max_length: int) -> int:
     renderer = renderers.get_renderer(renderer_name, tok)
     model_input, weights = renderer.build_supervised_example(msgs)
     ids = [int(t) for t in model_input.to_ints()]
-    ref = tok.apply_chat_template(msgs, tokenize=True)
-    if hasattr(ref, "keys"):
-        ref = ref["input_ids"]
-    ref = [int(t) for t in ref]
+    ref = chat_template_ids(tok, msgs)
     trained = tok.decode([t for t, w in zip(ids, weights.tolist()) if w > 0])
     datum = conversation_to_datum(msgs, renderer, max_length)
     report = {
@@ -149,70 +132,18 @@ def self_check(model_name: str, renderer_name: str, max_length: int) -> int:
     return 0 if ok else 1
 
 
-def server_reachable(base_url: str, timeout: float = 10.0) -> str | None:
-    """A TCP connect to the server, so that a dead server fails in seconds rather than after
-    the SDK's five minutes of retries. Returns an error message, or None when reachable."""
-    import socket
-    from urllib.parse import urlsplit
-
-    u = urlsplit(base_url)
-    if u.scheme not in ("http", "https") or not u.hostname:
-        return f"--base-url {base_url!r} is not an http(s) URL"
-    port = u.port or (443 if u.scheme == "https" else 80)
-    try:
-        socket.create_connection((u.hostname, port), timeout=timeout).close()
-    except OSError as e:
-        return f"cannot connect to {u.hostname}:{port}: {e}"
-    return None
-
-
-def read_metrics(log_path: Path) -> list[dict]:
-    path = log_path / "metrics.jsonl"
-    if not path.exists():
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
-    # Nothing may come from the Hugging Face hub; the key is read by tinker.ServiceClient.
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["TRANSFORMERS_OFFLINE"] = "1"
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    if args.api_key:
-        os.environ["TINKER_API_KEY"] = args.api_key
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if not args.self_check and (err := server_reachable(args.base_url)) is not None:
-        print(f"error: {err}", file=sys.stderr)
-        return 3
-    tokenizer_dir = os.path.expanduser(args.tokenizer_dir)
-
-    import functools
-
-    from transformers import AutoTokenizer
-
-    from tinker_cookbook.tokenizer_utils import register_tokenizer
-
-    @functools.cache
-    def load_tokenizer():
-        return AutoTokenizer.from_pretrained(tokenizer_dir)
-
-    # get_tokenizer(model_name) checks this registry first, so the hub is never asked.
-    register_tokenizer(args.model_name, load_tokenizer)
+    if (code := setup(args)) is not None:
+        return code
 
     if args.self_check:
         return self_check(args.model_name, args.renderer, args.max_length)
 
-    log_path = Path(args.log_path).expanduser().resolve()
-    # supervised.train resumes from <log_path>/checkpoints.jsonl when it exists, and
-    # metrics.jsonl is appended to: both would make this run's results ambiguous.
-    for stale in ("checkpoints.jsonl", "metrics.jsonl"):
-        if (log_path / stale).exists():
-            print(f"error: {log_path / stale} exists; use a fresh --log-path", file=sys.stderr)
-            return 2
-    log_path.mkdir(parents=True, exist_ok=True)
+    log_path = fresh_log_path(args.log_path)
+    if log_path is None:
+        return EXIT_USAGE
 
     import asyncio
 
@@ -273,20 +204,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except SystemExit as e:  # argparse errors, --help
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # The tinker SDK keeps a background event-loop thread (heartbeats, telemetry) alive;
-    # leave without joining it so that a finished or failed run never hangs at exit.
-    os._exit(code)
+    run_as_script(main)

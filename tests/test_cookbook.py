@@ -9,9 +9,21 @@ tests/cookbook_sft.py with the cookbook's python against the `tinker_server` fix
 `tinker_cookbook.supervised.train` wrote: one metrics.jsonl row per step with a finite
 `train_mean_nll`, and a final checkpoint record in checkpoints.jsonl.
 
+test_cookbook_rl_train_twice_with_a_sampler_per_step runs tests/cookbook_rl.py
+(`tinker_cookbook.rl.train` with save_every=1: a checkpoint, and a sampler made from it, every
+step) twice in a row with the same key against `loopback_server`: a backend started the way a
+user starts `stepwise serve` on their machine (STEPWISE_EMBEDDED unset, so the per-tenant
+defaults of a shared server apply; the README's loopback key `tml-local`). The first run's
+session is still active when the second starts (train.main never closes it; it expires only when
+its heartbeats have stopped for STEPWISE_SESSION_TIMEOUT_S), so whatever the server holds per
+tenant adds up over 2 x (1 training run + 13 samplers). Until the adapter count quota went
+(adapters are a cache now), the 8th of them was refused with a 429 ("holds 8 adapters ... the
+limit is 8") in the first run already.
+
 Environment knobs:
-- STEPWISE_COOKBOOK_STEPS (default 3): training steps.
-- STEPWISE_COOKBOOK_TIMEOUT (default 600): seconds for the training subprocess.
+- STEPWISE_COOKBOOK_STEPS (default 3): SFT training steps.
+- STEPWISE_COOKBOOK_RL_STEPS (default 12): RL training steps of each of the two runs.
+- STEPWISE_COOKBOOK_TIMEOUT (default 600): seconds for each training subprocess.
 - STEPWISE_REQUIRE_COOKBOOK=1: fail instead of skip when the venv cannot be built.
 - STEPWISE_COOKBOOK_VENV: another place for the cookbook venv (default .venv-cookbook).
 """
@@ -21,8 +33,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,9 +47,16 @@ VENV = Path(os.environ.get("STEPWISE_COOKBOOK_VENV", ROOT / ".venv-cookbook"))
 VENV_PY = VENV / "bin" / "python"
 MAKE_VENV = ROOT / "scripts" / "make_cookbook_venv.sh"
 SFT_SCRIPT = ROOT / "tests" / "cookbook_sft.py"
+RL_SCRIPT = ROOT / "tests" / "cookbook_rl.py"
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# The key a backend listening on loopback accepts for tenant "local" (README.md, kernel_backend/runtime.py).
+LOOPBACK_KEY = "tml-local"
 
 STEPS = int(os.environ.get("STEPWISE_COOKBOOK_STEPS", "3"))
+RL_STEPS = int(os.environ.get("STEPWISE_COOKBOOK_RL_STEPS", "12"))
+# How a 429 shows in the SDK's output (raised: "tinker.RateLimitError: Error code: 429 - {...}", or
+# logged while it retries), but not the digits 429 inside a metric's value.
+REFUSED = re.compile(r"RateLimitError|Error code: 429|\b429 Too Many|status(?:_code)?\W{0,3}429\b|the limit is \d")
 RUN_TIMEOUT = int(os.environ.get("STEPWISE_COOKBOOK_TIMEOUT", "600"))
 VENV_TIMEOUT = 1200
 
@@ -182,3 +204,76 @@ def test_cookbook_supervised_train(cookbook_python: Path, tinker_server, tmp_pat
     assert str(final.get("sampler_path", "")).startswith("tinker://"), final
 
     print(f"cookbook SFT: {STEPS} steps, train_mean_nll {nlls}", file=sys.stderr)
+
+
+@pytest.fixture(scope="module")
+def loopback_server(tmp_path_factory, stepwise_home):
+    """A backend as a user runs `stepwise serve` on their own machine, in its own home.
+
+    Unlike `tinker_server` (started like the embedded backend, STEPWISE_EMBEDDED=1: no per-tenant
+    caps at all) it runs with the per-tenant defaults of a server several people share, and none of
+    the `shared_server`'s small limits (its 300 tokens a minute would throttle any real run).
+    Checkpoints (about 45 MB a step here) are deleted afterwards.
+    """
+    from servers import start_server
+
+    home = tmp_path_factory.mktemp("loopback_server")
+    (home / "models").symlink_to(stepwise_home / "models")
+    server = start_server(home, env={"STEPWISE_EMBEDDED": "0", "STEPWISE_LOOPBACK_KEY": LOOPBACK_KEY}, timeout=600)
+    yield server
+    server.stop()
+    shutil.rmtree(home / "checkpoints", ignore_errors=True)
+
+
+@pytest.mark.timeout(VENV_TIMEOUT + 2 * RUN_TIMEOUT + 120)
+def test_cookbook_rl_train_twice_with_a_sampler_per_step(
+    cookbook_python: Path, loopback_server, tmp_path: Path
+) -> None:
+    tokenizer_dir = str(loopback_server.tokenizer_dir)
+    model_name = getattr(loopback_server, "model_name", None) or DEFAULT_MODEL
+    periodic = [f"{step:06d}" for step in range(1, RL_STEPS + 1)]  # save_every=1: after each step
+    seconds = []
+    for run in ("first", "second"):  # the same key, so the same tenant; the first session still active
+        log_path = tmp_path / f"rl-{run}"
+        started = time.monotonic()
+        proc = _run(
+            [
+                str(cookbook_python),
+                str(RL_SCRIPT),
+                "--base-url",
+                loopback_server.base_url,
+                "--api-key",
+                LOOPBACK_KEY,
+                "--tokenizer-dir",
+                tokenizer_dir,
+                "--model-name",
+                model_name,
+                "--log-path",
+                str(log_path),
+                "--steps",
+                str(RL_STEPS),
+                "--save-every",
+                "1",
+            ],
+            timeout=RUN_TIMEOUT,
+        )
+        seconds.append(round(time.monotonic() - started, 1))
+        output = f"--- stdout ---\n{_tail(proc.stdout)}\n--- stderr ---\n{_tail(proc.stderr)}"
+        refused = [line for line in f"{proc.stdout}\n{proc.stderr}".splitlines() if REFUSED.search(line)]
+        assert not refused, f"{run} run: the server answered 429:\n" + "\n".join(refused[:5]) + f"\n{output}"
+        assert proc.returncode == 0, f"{run} run: cookbook rl.train failed (exit {proc.returncode})\n{output}"
+
+        rows = _read_jsonl(log_path / "metrics.jsonl") if (log_path / "metrics.jsonl").exists() else []
+        assert [r.get("progress/batch") for r in rows] == list(range(RL_STEPS)), (
+            f"{run} run: expected steps 0..{RL_STEPS - 1} in metrics.jsonl\n{output}"
+        )
+        for r in rows:
+            reward = r.get("env/all/reward/total")
+            assert isinstance(reward, (int, float)) and -0.1 - 1e-9 <= reward <= 1.0 + 1e-9, r
+        checkpoints = _read_jsonl(log_path / "checkpoints.jsonl")
+        assert [c["name"] for c in checkpoints] == [*periodic, "final"], checkpoints
+        for c in checkpoints:
+            assert str(c.get("sampler_path", "")).startswith("tinker://"), c
+            assert str(c.get("state_path", "")).startswith("tinker://"), c
+        rewards = [round(r["env/all/reward/total"], 3) for r in rows]
+        print(f"cookbook RL, {run} run: {RL_STEPS} steps in {seconds[-1]} s, mean reward {rewards}", file=sys.stderr)
