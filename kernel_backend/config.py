@@ -127,9 +127,13 @@ class Settings:
     worker_memory_mb: int = field(default_factory=lambda: int(_env("WORKER_MEMORY_MB", "0")))
     # Data parallel: workers each training run spans (a run's user_metadata {"replicas": "N"} asks for its own).
     replicas_per_run: int = field(default_factory=lambda: int(_env("REPLICAS_PER_RUN", "1")))
-    # A run's state (weights + optimizer) is snapshotted to the checkpoint store every this many optim steps;
-    # a run whose worker dies resumes from its newest snapshot (docs/performance.md measures the cost).
+    # A run's state (weights + optimizer) is snapshotted to the checkpoint store every this many optim steps, with
+    # or without Ray workers: a run whose worker or backend dies is rebuilt from its newest snapshot and the journal
+    # of its requests since (service/recovery.py; docs/performance.md measures the cost).
     snapshot_every: int = field(default_factory=lambda: int(_env("SNAPSHOT_EVERY", "10")))
+    # ...and at the next optim step whatever its number once the run's journal since its snapshot passes this
+    # many MB (kernel_backend/service/recovery.py: a run is its snapshot plus the journal of requests since).
+    journal_mb: int = field(default_factory=lambda: int(_env("JOURNAL_MB", "256")))
     # Workers answer a heartbeat this often; one that misses MISSED_HEARTBEATS in a row is taken for dead.
     heartbeat_s: float = field(default_factory=lambda: float(_env("HEARTBEAT_S", "1.0")))
     # The Ray head this backend starts: CPUs it offers, its object store (MB).

@@ -82,7 +82,8 @@ def optim_step(engine, ctx: Context, model_id: str, params: AdamParams | DimuonP
     step = engine.steps(model_id)
     snapshot = None
     if snapshot_every and step % snapshot_every == 0:
-        with ctx.storage.writing(snapshot_key) as (staging, located):
+        # A key of its own per step: the snapshot before it stays whole until this one is recorded.
+        with ctx.storage.writing(f"{snapshot_key}-{step:06d}") as (staging, located):
             engine.save_state(model_id, staging)
             if ctx.settings.encryption_key:
                 crypto.seal(staging, ctx.settings.encryption_key)

@@ -127,6 +127,31 @@ class CheckpointRow(Base):
     expires_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
+class JournalRow(Base):
+    """A training run's accepted request, written in the same transaction as its future, before it is queued:
+    what recovery replays after a crash (kernel_backend/service/recovery.py). Pruned at each run snapshot."""
+
+    __tablename__ = "journal"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model_id: Mapped[str] = mapped_column(String(128), index=True)
+    seq: Mapped[int | None] = mapped_column(Integer, nullable=True)  # the client's seq_id; None: the run's creation
+    request_id: Mapped[str] = mapped_column(String(64), index=True)
+    call: Mapped[bytes] = mapped_column(LargeBinary)  # pickled (module, function, args, kwargs) of the service call
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
+
+
+class RunSnapshotRow(Base):
+    """A run's state (weights + optimizer) after the optim_step with seq `seq`, in the checkpoint store."""
+
+    __tablename__ = "run_snapshots"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model_id: Mapped[str] = mapped_column(String(128), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    seq: Mapped[int] = mapped_column(Integer)
+    location: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
+
+
 class UsageRow(Base):
     """The ledger: one row per completed request, written with the future's result in one transaction."""
 
@@ -272,8 +297,9 @@ class Store:
 
     # ---- futures --------------------------------------------------------------------------------
 
-    def insert_future(self, row: FutureRow) -> tuple[FutureRow, bool]:
-        """Insert a pending future, or return the existing one with the same dedupe key.
+    def insert_future(self, row: FutureRow, journal: JournalRow | None = None) -> tuple[FutureRow, bool]:
+        """Insert a pending future (with its run's journal entry, in one transaction), or return the existing
+        one with the same dedupe key.
 
         Returns (row, created). Retries of a submission carry the same sequence numbers, so they
         land on the original future and the work is never done twice.
@@ -287,7 +313,7 @@ class Store:
         if existing is not None:
             return existing, False
         try:
-            self.add(row)
+            self.add(row, *([journal] if journal is not None else []))
             return row, True
         except IntegrityError:  # a concurrent duplicate won the race
             return self.future_by_key(row.dedupe_key), False

@@ -50,14 +50,16 @@ class Server:
                 self.process.wait()
 
 
-def start_server(home: Path, env: dict[str, str] | None = None, timeout: float = 180, host: str = "127.0.0.1") -> Server:
-    port = free_port()
+def start_server(home: Path, env: dict[str, str] | None = None, timeout: float = 180, host: str = "127.0.0.1",
+                 port: int | None = None) -> Server:
+    """A backend on `port` (default: a free one); `port` lets a test start it again where its clients look."""
+    port = port or free_port()
     log_path = home / f"server-{port}.log"
     api_key = (env or {}).get("STEPWISE_LOCAL_KEY", "tml-test-key")
     # Like the embedded backend workbench.connect() starts (no per-tenant caps) unless env says otherwise.
     full_env = {**os.environ, "STEPWISE_HOME": str(home), "PYTHONUNBUFFERED": "1", "STEPWISE_LOCAL_KEY": api_key,
                 "STEPWISE_EMBEDDED": "1", **(env or {})}
-    log = open(log_path, "w")
+    log = open(log_path, "a")  # a restart on the same port adds to the same log
     process = subprocess.Popen(
         [sys.executable, "-m", "kernel_backend", "serve", "--host", host, "--port", str(port)],
         cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT,

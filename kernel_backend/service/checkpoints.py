@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from kernel_backend import crypto, optimizers
 from kernel_backend.ops import Op
+from kernel_backend.service import recovery
 from kernel_backend.service.core import NotFound, Service, audit, iso, json_result, new_id, train_key
 from kernel_backend.scheduler import Job
 from kernel_backend.store import (
@@ -40,6 +41,7 @@ SAVE_REQUESTS = {"training": ("SaveWeights", "save_weights"), "sampler": ("SaveW
                  "external": ("SaveWeightsExternal", "save_weights_external")}
 
 
+@recovery.journaled
 def save_weights(svc: Service, tenant: str, model_id: str, seq_id: int | None, name: str | None, kind: str,
                  overwrite: bool = True, ttl_seconds: int | None = None, user_metadata: dict | None = None,
                  age_recipients: list[str] | None = None) -> FutureRow:
@@ -81,6 +83,7 @@ def save_weights(svc: Service, tenant: str, model_id: str, seq_id: int | None, n
     return svc.submit(tenant, request_type, dedupe, job, ordered=True, session_id=run.session_id)
 
 
+@recovery.journaled
 def snapshot_for_sampler(svc: Service, tenant: str, model_id: str, seq_id: int, sampling_session_seq_id: int) -> FutureRow:
     """save_weights_and_get_sampling_client: an in-memory copy of the weights, with a sampler id."""
     run = svc.live_run(tenant, model_id)
@@ -99,6 +102,7 @@ def snapshot_for_sampler(svc: Service, tenant: str, model_id: str, seq_id: int, 
                       session_id=run.session_id)
 
 
+@recovery.journaled
 def load_weights(svc: Service, tenant: str, path: str, with_optimizer: bool, model_id: str | None = None,
                  seq_id: int | None = None, session_id: str | None = None, model_seq_id: int | None = None,
                  user_metadata: dict | None = None, optimizer_type: str | None = None) -> FutureRow:

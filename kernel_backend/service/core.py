@@ -33,7 +33,7 @@ from kernel_backend.engine import Engine
 from kernel_backend.keys import LOCAL_TENANT
 from kernel_backend.metering import Prices, Usage
 from kernel_backend.scheduler import Job, Scheduler, error_payload, failure_category, log_failure
-from kernel_backend.service import stability
+from kernel_backend.service import recovery, stability
 from kernel_backend.store import (
     CheckpointRow,
     FutureRow,
@@ -140,6 +140,7 @@ class Service:
         # State of one concern each, kept here because it lives as long as the service:
         self.tokenizers: dict[str, object] = {}  # sampling: base model -> tokenizer for the API threads
         self.stability = stability.Recorder(self.settings, self.store)  # stable_reinforce: the recording cap
+        self.replaying = None  # the journal entry being replayed at start-up (service/recovery.py), if any
         self._fail_interrupted_futures()
         if cleaned := self.storage.clean_staging():
             log.info("removed %d scratch folders of interrupted checkpoint writes", cleaned)
@@ -176,6 +177,9 @@ class Service:
         else:
             for name in names:
                 self.scheduler.engine(name)
+            # Runs a crash cut off come back (their snapshot, then their journal) before any new request runs.
+            if rebuilt := recovery.replay(self):
+                log.info("rebuilt %d training runs from their snapshots and journals", rebuilt)
             self.scheduler.start()
         if self.vllm is not None:
             self.vllm.start(list(self.scheduler.engines))
@@ -192,12 +196,15 @@ class Service:
             keys.revoke(self.store, self.settings.local_key)
 
     def _fail_interrupted_futures(self) -> None:
-        """Futures left pending by a previous process will never finish: mark them interrupted.
-
-        Polling one answers 410, on which the SDK submits the request again (and the resubmission
-        replaces the interrupted row, see Store.insert_future).
+        """Futures left pending by a previous process, other than journaled ones (replay answers those, see
+        service/recovery.py; with Ray workers the cluster restores runs its own way), will never finish: mark
+        them interrupted. Polling one answers 410, on which the SDK submits the request again (and the
+        resubmission replaces the interrupted row, see Store.insert_future).
         """
+        replayed = recovery.pending_journaled(self) if self.cluster is None else set()
         for row in self.store.list(FutureRow, FutureRow.status == "pending"):
+            if row.request_id in replayed:
+                continue
             payload = error_payload("the server restarted while this request was in flight; submit it again", "server")
             self.store.finish_future(row.request_id, "interrupted", payload, JSON_TYPE, keep_s=self.settings.result_ttl_s)
 
@@ -236,6 +243,7 @@ class Service:
         self.store.update(SessionRow, session_id, status=status)
         self.store.delete_stability(StabilityRow.session_id == session_id)  # nothing can train on it any more
         lanes = self.store.list(ModelRow, ModelRow.session_id == session_id)
+        recovery.forget(self, [run.id for run in lanes])
         lanes += self.store.list(SamplerRow, SamplerRow.session_id == session_id)
         for lane in lanes:
             free = Job(new_id(), f"free:{lane.id}", lane.base_model, seq=None,
@@ -255,6 +263,8 @@ class Service:
         `dedupe_key` names the work by the client's sequence numbers; without one (no seq_id) every
         submission is new work."""
         job.tenant, job.request_type, job.session_id = tenant, request_type, session_id
+        if self.replaying is not None:
+            return self._resubmit(job, ordered)
         dedupe_key = dedupe_key or f"once:{job.request_id}"
         existing = self.store.future_by_key(dedupe_key)
         if existing is not None and existing.status != "interrupted":
@@ -268,7 +278,7 @@ class Service:
             model_id=job.lane,
             extra=extra or {},
         )
-        row, created = self.store.insert_future(row)
+        row, created = self.store.insert_future(row, recovery.entry(job) if ordered else None)
         if created and self.vllm is not None and request_type in SAMPLER_REQUESTS:
             self.vllm.submit(job)
         elif created and self.cluster is not None:
@@ -276,6 +286,17 @@ class Service:
         elif created:
             self.scheduler.submit(job, ordered=ordered)
         return row
+
+    def _resubmit(self, job: Job, ordered: bool) -> FutureRow | None:
+        """A journaled request run again at start-up: as itself when its future was pending at the crash (the
+        client's poll gets its answer), else silently (no reply, no ledger row: the client has its answer)."""
+        original = self.store.get(FutureRow, self.replaying.request_id)
+        if original is not None and original.status == "pending":
+            job.request_id = original.request_id
+        else:
+            job.request_type = ""
+        self.scheduler.submit(job, ordered=ordered)
+        return original
 
     def on_done(self, job: Job, outcome) -> None:
         """Record a job's outcome (its op's result, or the exception it raised) as the reply `job.encode`

@@ -6,19 +6,22 @@ its requests run in the client's seq_id order. Saving and loading its weights is
 
 from __future__ import annotations
 
+import random
+
 from sqlalchemy import select
 
 from kernel_backend import admission, models, optimizers
 from kernel_backend.engine import Pass
 from kernel_backend.ops import Op
 from kernel_backend.service.checkpoints import checkpoint_json
-from kernel_backend.service import sessions, stability
+from kernel_backend.service import recovery, sessions, stability
 from kernel_backend.service.core import PROTO_TYPE, Service, audit, iso, json_result, new_id, train_key
 from kernel_backend.scheduler import Job
 from kernel_backend.store import CheckpointRow, FutureRow, ModelRow, SessionRow, now
 from kernel_backend.types import AdamParams, Datum, DimuonParams, LoraConfig, UserError
 
 
+@recovery.journaled
 def create_model(svc: Service, tenant: str, session_id: str, model_seq_id: int, base_model: str, lora: dict | None,
                  optimizer_type: str, user_metadata: dict | None) -> FutureRow:
     svc.session(tenant, session_id)
@@ -29,7 +32,12 @@ def create_model(svc: Service, tenant: str, session_id: str, model_seq_id: int, 
     admission.check_seed(config.seed, "lora_config.seed")
     base = svc.model_name(base_model)
     model_id = f"{session_id}:train:{model_seq_id}"
-    if svc.store.get(ModelRow, model_id) is None:
+    existing = svc.store.get(ModelRow, model_id)
+    if existing is not None:  # a retry, or a replay after a crash: made as it was first made, with its seed
+        config = LoraConfig(**existing.lora_config)
+    else:
+        if config.seed is None:  # a seed of its own, kept: replaying its creation must make the same adapter
+            config.seed = random.getrandbits(63)
         svc.admission.adapter(tenant, base, vars(config), training=True)
         svc.store.add(ModelRow(id=model_id, session_id=session_id, tenant=tenant, base_model=base,
                                lora_config=vars(config), user_metadata=dict(user_metadata or {})),
@@ -79,6 +87,7 @@ def _touch(svc: Service, model_id: str) -> None:
     svc.store.update(ModelRow, model_id, last_request_time=now())
 
 
+@recovery.journaled
 def forward_backward(svc: Service, tenant: str, model_id: str, seq_id: int | None, data: list[Datum], loss_fn: str,
                      loss_fn_config: dict | None, forward_only: bool, encode) -> FutureRow:
     run = svc.live_run(tenant, model_id)
@@ -94,15 +103,20 @@ def forward_backward(svc: Service, tenant: str, model_id: str, seq_id: int | Non
                       tokens=tokens)
 
 
+@recovery.journaled
 def optim_step(svc: Service, tenant: str, model_id: str, seq_id: int | None, params: AdamParams | DimuonParams) -> FutureRow:
     run = svc.live_run(tenant, model_id)
     _touch(svc, model_id)
 
     def reply(result: dict):
         job.metrics = result["metrics"]
+        if result.get("snapshot"):
+            recovery.snapshotted(svc, model_id, seq_id, result["snapshot"])
         return json_result({"metrics": job.metrics, "type": "optim_step"})
 
-    op = Op("optim_step", {"model_id": model_id, "params": params})
+    # Every STEPWISE_SNAPSHOT_EVERY steps the step also snapshots the run (with Ray workers the cluster decides).
+    snapshot = recovery.snapshot_args(svc, tenant, model_id) if svc.cluster is None else {}
+    op = Op("optim_step", {"model_id": model_id, "params": params, **snapshot})
     job = Job(new_id(), model_id, run.base_model, seq=seq_id, op=op, encode=reply)
     return svc.submit(tenant, "OptimStep", train_key(model_id, seq_id), job, ordered=True, session_id=run.session_id)
 

@@ -1,0 +1,106 @@
+"""A crash the training loop does not notice: `kill -9` of a real `serve`, restarted on the same home and port.
+
+Through the official SDK: a seeded LoRA run trains 8 steps (forward_backward + optim_step) and then scores a
+fixed batch. Once on a server left alone, once on a server killed three times: between two steps (before
+its first snapshot: the run is made again from its creation), while a long forward_backward runs, and just
+after an optim_step was accepted (both after the snapshot at step 4: the snapshot plus the journal since).
+Each time the server comes back in the background while the loop goes on: the SDK's own retries carry
+it across the restart, the requests in flight at the kill are answered by the rebuilt run, and the final
+logprobs are bit for bit those of the run left alone (service/recovery.py). The optim_step in flight at a
+kill is applied exactly once: any other count would change the weights.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from servers import start_server
+
+BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+STEPS = 8
+ENV = {"STEPWISE_EMBEDDED": "0", "STEPWISE_SNAPSHOT_EVERY": "4"}
+
+
+def batch(tokenizer, rows: int, repeat: int = 1):
+    from tinker import types
+
+    data = []
+    for i in range(rows):
+        tokens = tokenizer.encode(f"Fact {i}: the capital of Zorblax is Quimbleton. " * repeat)
+        data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                                loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64)}))
+    return data
+
+
+def train(server, crash=lambda step, phase, futures: None):
+    """The loop; `crash(step, phase, futures)` is called after each request is accepted. Returns the logprobs of
+    a fixed batch after STEPS steps."""
+    import tinker
+    from tinker import types
+
+    service = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
+    client = service.create_lora_training_client(base_model=BASE, rank=4, seed=11).result()
+    tokenizer = client.get_tokenizer()
+    data, long = batch(tokenizer, 4), batch(tokenizer, 8, repeat=12)
+    for step in range(1, STEPS + 1):
+        fb = client.forward_backward(long if step == 6 else data, "cross_entropy")
+        crash(step, "forward_backward", fb)
+        optim = client.optim_step(types.AdamParams(learning_rate=1e-3))
+        crash(step, "optim_step", optim)
+        fb.result(), optim.result()
+        crash(step, "done", None)
+    out = client.forward(batch(tokenizer, 2), "cross_entropy").result()
+    return [np.asarray(o["logprobs"].data) for o in out.loss_fn_outputs]
+
+
+@pytest.fixture
+def fresh_home(tmp_path, stepwise_home):
+    (tmp_path / "models").symlink_to(stepwise_home / "models")
+    return tmp_path
+
+
+def test_a_killed_backend_comes_back_and_the_run_ends_bit_identical(fresh_home, tmp_path_factory, stepwise_home):
+    alone_home = tmp_path_factory.mktemp("alone")
+    (alone_home / "models").symlink_to(stepwise_home / "models")
+    alone = start_server(alone_home, env=ENV)
+    try:
+        expected = train(alone)
+    finally:
+        alone.stop()
+
+    server = start_server(fresh_home, env=ENV)
+    port = int(server.base_url.rsplit(":", 1)[1])
+    kills, restarts = [], []
+    crashes = {(3, "done"), (6, "forward_backward"), (7, "optim_step")}
+
+    def crash(step, phase, future):
+        nonlocal server
+        if (step, phase) not in crashes:
+            return
+        if restarts:
+            restarts[-1].join()  # the previous restart has finished
+        server.process.kill()
+        server.process.wait()
+        kills.append((step, phase))
+
+        def restart():
+            nonlocal server
+            server = start_server(fresh_home, env=ENV, port=port, timeout=300)
+
+        restarts.append(threading.Thread(target=restart))
+        restarts[-1].start()
+
+    try:
+        got = train(server, crash)
+        assert kills == [(3, "done"), (6, "forward_backward"), (7, "optim_step")]
+        for a, b in zip(got, expected):
+            assert np.array_equal(a, b), np.abs(a - b).max()
+        log = server.log_path.read_text()
+        assert log.count("rebuilt 1 training runs") == 3, log[-3000:]
+    finally:
+        for thread in restarts:
+            thread.join()
+        server.stop()
