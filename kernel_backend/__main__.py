@@ -1,6 +1,6 @@
 """The backend's command line (also reachable as `stepwise serve|keys|export`).
 
-    python -m kernel_backend serve --host 127.0.0.1 --port 8000 [--workers N]
+    python -m kernel_backend serve --host 127.0.0.1 --port 8000 [--workers N] [--supervise]
     python -m kernel_backend keys create --tenant NAME | list | revoke KEY_OR_PREFIX
     python -m kernel_backend export tinker://RUN/weights/NAME --to DIR [--merged]
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 # Before torch loads OpenMP: idle threads sleep instead of spinning. On a machine shared with a
 # notebook kernel or tests, spinning threads slow every step 5-10x (docs/performance.md).
@@ -29,6 +30,9 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--exit-when-unused", action="store_true",
                        help="stop once no live process has announced itself in $STEPWISE_HOME/runtime "
                             "(how workbench.connect() starts the embedded backend; see kernel_backend/runtime.py)")
+    serve.add_argument("--supervise", action="store_true",
+                       help="run the backend as a child and start it again, on the same port and key, if it dies "
+                            "(kernel_backend/supervise.py; how workbench.connect() starts the embedded backend)")
 
     keys_cmd = sub.add_parser("keys", help="manage API keys (stored hashed, one tenant each)")
     keys_sub = keys_cmd.add_subparsers(dest="action", required=True)
@@ -43,6 +47,11 @@ def main(argv: list[str] | None = None) -> None:
     export.add_argument("--to", required=True, help="the folder to write")
     export.add_argument("--merged", action="store_true", help="merge the adapter into the base model's weights")
     args = parser.parse_args(argv)
+    if args.command == "serve" and args.supervise:
+        from kernel_backend.supervise import supervise
+
+        given = list(argv) if argv is not None else sys.argv[1:]
+        raise SystemExit(supervise([a for a in given[given.index("serve") + 1:] if a != "--supervise"]))
 
     from kernel_backend.config import Settings
 

@@ -104,3 +104,54 @@ def test_a_killed_backend_comes_back_and_the_run_ends_bit_identical(fresh_home, 
         for thread in restarts:
             thread.join()
         server.stop()
+
+
+EMBEDDED_SCRIPT = """
+import json, os, signal, sys, time
+import numpy as np
+import workbench
+from tinker import types
+from kernel_backend.runtime import running_backend
+from workbench.connect import stepwise_home
+
+service = workbench.connect(progress=False)
+client = service.create_lora_training_client(base_model="HuggingFaceTB/SmolLM2-135M-Instruct", rank=4, seed=3).result()
+tokens = client.get_tokenizer().encode("The capital of Zorblax is Quimbleton.")
+data = [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64)})]
+for _ in range(2):
+    client.forward_backward(data, "cross_entropy").result()
+    client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+before = client.forward(data, "cross_entropy").result().metrics["loss:sum"]
+first = running_backend(stepwise_home())
+os.kill(first["pid"], signal.SIGKILL)
+after = client.forward(data, "cross_entropy").result().metrics["loss:sum"]  # the next call: no exception
+client.forward_backward(data, "cross_entropy").result()
+client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+again = running_backend(stepwise_home())
+print(json.dumps({"before": before, "after": after, "first": first, "again": again,
+                  "same_connection": workbench.connect(progress=False) is service}))
+"""
+
+
+def test_the_embedded_backend_of_connect_restarts_itself_and_the_next_call_works(fresh_home):
+    """connect()'s backend runs under `serve --supervise` (kernel_backend/supervise.py): killed with SIGKILL, it
+    comes back on the same port with the same key and its runs rebuilt; the kernel's next call just works."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from servers import REPO
+
+    env = {**os.environ, "STEPWISE_HOME": str(fresh_home), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", EMBEDDED_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    log = (fresh_home / "runtime" / "backend.log")
+    assert done.returncode == 0, done.stderr[-3000:] + (log.read_text()[-3000:] if log.exists() else "")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["after"] == out["before"]  # the rebuilt run: the same weights as before the kill
+    assert out["again"]["pid"] != out["first"]["pid"]
+    assert out["again"]["base_url"] == out["first"]["base_url"] and out["again"]["local_key"] == out["first"]["local_key"]
+    assert out["same_connection"]
+    assert "starting it again" in log.read_text()

@@ -334,6 +334,10 @@ def _local_connection(timeout: float, progress: bool) -> Connection:
     global _embedded
     if _embedded is not None and _embedded.healthy():
         return _embedded
+    if _embedded is not None and _embedded.process is not None and _embedded.process.poll() is None:
+        # Ours, and its supervisor is alive: the backend died and is starting again on the same port and key.
+        _wait_healthy(_embedded, timeout, _StartProgress(progress), what="the restarting embedded backend")
+        return _embedded
     if _embedded is not None:  # it went away (killed, or stopped by a disconnect elsewhere): find or start another
         _connections.remove(_embedded)
         _embedded.close(finish_sessions=False)
@@ -443,7 +447,7 @@ def _spawn(port: int, home: Path, log_path: Path, api_key: str) -> subprocess.Po
         # backend outlives the kernel that started it while other processes use it.
         return subprocess.Popen(
             [sys.executable, "-m", "kernel_backend", "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--exit-when-unused"],
+             "--exit-when-unused", "--supervise"],
             env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
     finally:
