@@ -34,9 +34,11 @@ Recovery. Each run's state (weights + optimizer) is written to the checkpoint st
 STEPWISE_SNAPSHOT_EVERY optim steps, by its worker, as part of the step. A worker that dies
 (RayActorError, a restarted actor, or MISSED_HEARTBEATS missed heartbeats) takes nothing else down:
 each of its runs is reloaded on a live worker from its newest snapshot (or made again as it was
-created, with the same seed, before its first snapshot); its requests in flight, and those that come
-while it is reloaded, fail with an error that names the step it resumes from. The ledger holds only
-completed requests. A worker that Ray restarts (max_restarts) loads its models again and takes new runs.
+created, with the same seed, before its first snapshot), then the gateway's journal of its requests since
+runs again there (service/recovery.py): those that had been answered silently, those in flight at the loss
+as themselves, and the run is the one that was lost, bit for bit. Requests that come meanwhile wait. The
+ledger holds each completed request once. (Without a journal, a Cluster made with no `replay`, the
+requests in flight fail with an error that names the step the run resumes from.) A worker that Ray restarts (max_restarts) loads its models again and takes new runs.
 """
 
 from __future__ import annotations
@@ -364,13 +366,17 @@ class _Dispatch:
     job: Job
     run: Run | None
     parts: list[_Part]
+    # Lost with a worker, to be answered by the journal's replay instead (Cluster._lost): late answers are dropped.
+    abandoned: bool = False
 
 
 class Cluster:
     """Placement, replicas, heartbeats and recovery, on the gateway. `on_done(job, outcome)` as the scheduler's."""
 
-    def __init__(self, settings: Settings, storage: CheckpointStorage, on_done) -> None:
-        self.settings, self.storage, self._on_done = settings, storage, on_done
+    def __init__(self, settings: Settings, storage: CheckpointStorage, on_done, replay=None) -> None:
+        """`replay(run_id, snapshot_location)`: run a restored run's journaled requests since that snapshot (None:
+        since its creation) again, answering those lost in flight (service/recovery.py). Without it, those fail."""
+        self.settings, self.storage, self._on_done, self._replay = settings, storage, on_done, replay
         self.workers: dict[str, Worker] = {}
         self.runs: dict[str, Run] = {}
         self.lanes: dict[str, str] = {}  # sampler lanes -> their worker
@@ -649,7 +655,9 @@ class Cluster:
             outcome = RuntimeError(f"engine worker {worker.name} could not run this request ({type(outcome).__name__}: "
                                    f"{outcome})")
         with self._lock:
-            if part.done:
+            if part.done or dispatch.abandoned:
+                part.done = True
+                worker.parts.pop(id(part), None)
                 return
             part.done, part.outcome = True, outcome
             worker.parts.pop(id(part), None)
@@ -721,7 +729,9 @@ class Cluster:
     def _release(self, run: Run) -> None:
         with self._lock:
             held, run.held, run.held_by = run.held, None, None
-        for job, ordered in held:
+        # In seq_id order: a restore's replayed requests were held after newer ones that came meanwhile, and a
+        # worker's lane runs the first it is sent when it has nothing to wait for.
+        for job, ordered in sorted(held, key=lambda held_job: (held_job[0].seq is not None, held_job[0].seq or 0)):
             self.submit(job, ordered)
 
     # ---- heartbeats and recovery ------------------------------------------------------------------------
@@ -803,6 +813,10 @@ class Cluster:
             for lane in [lane for lane, name in self.lanes.items() if name == worker.name]:
                 self.lost_lanes[lane] = self.lanes.pop(lane)
             unanswered = list(worker.parts.values())
+            # A request of a run that is being restored waits for the journal's replay, which answers it.
+            for part in unanswered:
+                if self._replay is not None and part.dispatch.run in runs and part.dispatch.job.request_type:
+                    part.dispatch.abandoned = True
         for run in runs:
             threading.Thread(target=self._restore, args=(run, worker.name), daemon=True).start()
         for part in unanswered:  # a hung worker never answers them (a dead one's errors come too: ignored)
@@ -855,6 +869,12 @@ class Cluster:
                 for name in workers:
                     self.workers[name].placed[run.id] = run.estimate
             log.info("run %s restored on %s at step %s", run.id, workers, run.snapshot["step"] if run.snapshot else 0)
+            if self._replay is not None:  # then the requests since, which wait in run.held behind the restore
+                try:
+                    count = self._replay(run.id, run.snapshot["location"] if run.snapshot else None)
+                    log.info("run %s: %d journaled requests run again", run.id, count)
+                except Exception:
+                    log.exception("replaying the journal of run %s failed", run.id)
             break
         else:
             run.gone = (f"training run {run.id} was lost with engine worker {dead} and could not be restored; "

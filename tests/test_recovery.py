@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 
+import httpx
 import numpy as np
 import pytest
 
@@ -37,7 +38,7 @@ def batch(tokenizer, rows: int, repeat: int = 1):
 
 def train(server, crash=lambda step, phase, futures: None):
     """The loop; `crash(step, phase, futures)` is called after each request is accepted. Returns the logprobs of
-    a fixed batch after STEPS steps."""
+    a fixed batch after STEPS steps, and the run's id."""
     import tinker
     from tinker import types
 
@@ -53,7 +54,7 @@ def train(server, crash=lambda step, phase, futures: None):
         fb.result(), optim.result()
         crash(step, "done", None)
     out = client.forward(batch(tokenizer, 2), "cross_entropy").result()
-    return [np.asarray(o["logprobs"].data) for o in out.loss_fn_outputs]
+    return [np.asarray(o["logprobs"].data) for o in out.loss_fn_outputs], client.model_id
 
 
 @pytest.fixture
@@ -67,7 +68,7 @@ def test_a_killed_backend_comes_back_and_the_run_ends_bit_identical(fresh_home, 
     (alone_home / "models").symlink_to(stepwise_home / "models")
     alone = start_server(alone_home, env=ENV)
     try:
-        expected = train(alone)
+        expected, _ = train(alone)
     finally:
         alone.stop()
 
@@ -94,10 +95,16 @@ def test_a_killed_backend_comes_back_and_the_run_ends_bit_identical(fresh_home, 
         restarts[-1].start()
 
     try:
-        got = train(server, crash)
+        got, model_id = train(server, crash)
         assert kills == [(3, "done"), (6, "forward_backward"), (7, "optim_step")]
         for a, b in zip(got, expected):
             assert np.array_equal(a, b), np.abs(a - b).max()
+        # Each request billed once, and STEPS optim steps applied: the one in flight at a kill exactly once.
+        rows = httpx.get(f"{server.base_url}/api/v1/usage", params={"training_run_id": model_id},
+                         headers={"X-API-Key": server.api_key}, timeout=30).json()["series"]
+        optims = [r for r in rows if r["request_type"] == "OptimStep"]
+        assert len(optims) == STEPS and sorted(r["step"] for r in optims) == list(range(1, STEPS + 1)), optims
+        assert sum(r["request_type"] == "ForwardBackward" for r in rows) == STEPS
         log = server.log_path.read_text()
         assert log.count("rebuilt 1 training runs") == 3, log[-3000:]
     finally:

@@ -134,13 +134,13 @@ class Service:
                                  "and STEPWISE_RAY_ADDRESS, or use the built-in sampler")
             from kernel_backend.cluster import Cluster
 
-            self.cluster = Cluster(self.settings, self.storage, self.on_done)
+            self.cluster = Cluster(self.settings, self.storage, self.on_done,
+                                   replay=lambda run_id, location: recovery.replay_after_worker_loss(self, run_id, location))
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._waiters_lock = threading.Lock()
         # State of one concern each, kept here because it lives as long as the service:
         self.tokenizers: dict[str, object] = {}  # sampling: base model -> tokenizer for the API threads
         self.stability = stability.Recorder(self.settings, self.store)  # stable_reinforce: the recording cap
-        self.replaying = None  # the journal entry being replayed at start-up (service/recovery.py), if any
         self._fail_interrupted_futures()
         if cleaned := self.storage.clean_staging():
             log.info("removed %d scratch folders of interrupted checkpoint writes", cleaned)
@@ -263,7 +263,7 @@ class Service:
         `dedupe_key` names the work by the client's sequence numbers; without one (no seq_id) every
         submission is new work."""
         job.tenant, job.request_type, job.session_id = tenant, request_type, session_id
-        if self.replaying is not None:
+        if recovery.replaying() is not None:
             return self._resubmit(job, ordered)
         dedupe_key = dedupe_key or f"once:{job.request_id}"
         existing = self.store.future_by_key(dedupe_key)
@@ -290,12 +290,15 @@ class Service:
     def _resubmit(self, job: Job, ordered: bool) -> FutureRow | None:
         """A journaled request run again at start-up: as itself when its future was pending at the crash (the
         client's poll gets its answer), else silently (no reply, no ledger row: the client has its answer)."""
-        original = self.store.get(FutureRow, self.replaying.request_id)
+        original = self.store.get(FutureRow, recovery.replaying().request_id)
         if original is not None and original.status == "pending":
             job.request_id = original.request_id
         else:
             job.request_type = ""
-        self.scheduler.submit(job, ordered=ordered)
+        if self.cluster is not None:
+            self.cluster.submit(job, ordered=ordered)
+        else:
+            self.scheduler.submit(job, ordered=ordered)
         return original
 
     def on_done(self, job: Job, outcome) -> None:

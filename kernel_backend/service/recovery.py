@@ -40,6 +40,8 @@ log = logging.getLogger("stepwise.recovery")
 
 # The journaled service call being made on this thread or task: Service.submit journals it with its future.
 _current: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("journaled_call", default=None)
+# The journal entry being replayed on this thread (a fresh thread starts with none: API threads never see it).
+_replaying: contextvars.ContextVar[JournalRow | None] = contextvars.ContextVar("replaying", default=None)
 
 
 def journaled(fn):
@@ -112,6 +114,11 @@ def pending_journaled(svc) -> set[str]:
             FutureRow.status == "pending", FutureRow.request_id.in_(select(JournalRow.request_id)))).all())
 
 
+def replaying() -> JournalRow | None:
+    """The journal entry being run again on this thread, if any (Service.submit resubmits it, see there)."""
+    return _replaying.get()
+
+
 def replay(svc) -> int:
     """Rebuild every run of a live session (one that heart-beat within STEPWISE_SESSION_TIMEOUT_S: its client
     may still be waiting) from its snapshot and journal, before the scheduler starts. Returns how many."""
@@ -122,24 +129,44 @@ def replay(svc) -> int:
     for run in runs:
         snapshot = svc.store.list(RunSnapshotRow, RunSnapshotRow.model_id == run.id, order=RunSnapshotRow.seq.desc(),
                                   limit=1)
-        entries = svc.store.list(JournalRow, JournalRow.model_id == run.id, order=JournalRow.id)
         if snapshot:
-            entries = [e for e in entries if e.seq is not None and e.seq > snapshot[0].seq]
             load = Op("load_state", {"model_id": run.id, "location": snapshot[0].location, "path": f"snapshot of {run.id}",
                                      "with_optimizer": True, "owner": run.tenant})
             svc.scheduler.submit(Job(f"replay-load:{run.id}", run.id, run.base_model, seq=None, op=load), ordered=True)
-        elif not entries:
-            continue
-        for e in sorted(entries, key=lambda e: (e.seq is not None, e.seq or 0, e.id)):
-            module, name, args, kwargs = pickle.loads(e.call)
-            svc.replaying = e
-            try:
-                getattr(importlib.import_module(module), name)(svc, *args, **kwargs)
-            except Exception:  # a request that cannot be made again fails alone; the run goes on without it
-                log.exception("replay of %s (seq %s) of run %s failed", name, e.seq, run.id)
-            finally:
-                svc.replaying = None
-        rebuilt += 1
-        log.info("run %s: rebuilt from %s and %d journaled requests", run.id,
-                 f"its snapshot at step {snapshot[0].step}" if snapshot else "its creation", len(entries))
+        count = replay_run(svc, run.id, after_seq=snapshot[0].seq if snapshot else None, creation=not snapshot)
+        if snapshot or count:
+            rebuilt += 1
+            log.info("run %s: rebuilt from %s and %d journaled requests", run.id,
+                     f"its snapshot at step {snapshot[0].step}" if snapshot else "its creation", count)
     return rebuilt
+
+
+def replay_run(svc, model_id: str, after_seq: int | None, creation: bool) -> int:
+    """Run a run's journaled requests again, those after `after_seq` (all if None; its creation too only if
+    `creation`), in seq_id order, each by calling its service function once more. Returns how many."""
+    entries = svc.store.list(JournalRow, JournalRow.model_id == model_id, order=JournalRow.id)
+    entries = [e for e in entries if (e.seq is None and creation)
+               or (e.seq is not None and (after_seq is None or e.seq > after_seq))]
+    for e in sorted(entries, key=lambda e: (e.seq is not None, e.seq or 0, e.id)):
+        module, name, args, kwargs = pickle.loads(e.call)
+        token = _replaying.set(e)
+        try:
+            getattr(importlib.import_module(module), name)(svc, *args, **kwargs)
+        except Exception:  # a request that cannot be made again fails alone; the run goes on without it
+            log.exception("replay of %s (seq %s) of run %s failed", name, e.seq, model_id)
+        finally:
+            _replaying.reset(token)
+    return len(entries)
+
+
+def replay_after_worker_loss(svc, model_id: str, snapshot_location: str | None) -> int:
+    """A Ray worker died and the cluster restored `model_id` on a live one from its snapshot (or its origin):
+    the journal since then makes it the run that was lost (kernel_backend/cluster.py, Cluster._restore)."""
+    after = None
+    if snapshot_location is not None:
+        rows = svc.store.list(RunSnapshotRow, RunSnapshotRow.model_id == model_id,
+                              RunSnapshotRow.location == snapshot_location)
+        if not rows:
+            raise RuntimeError(f"run {model_id}'s snapshot {snapshot_location} has no journal position")
+        after = rows[0].seq
+    return replay_run(svc, model_id, after, creation=False)
