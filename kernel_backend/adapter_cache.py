@@ -35,6 +35,8 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
+from kernel_backend.runtime import pid_alive
+
 # A training run holds its weights, their gradients and AdamW's two moments: four copies of the
 # adapter. The cache and admission both count a run at that size from the start.
 TRAINING_COPIES = 4
@@ -178,7 +180,7 @@ class AdapterCache:
             self._spill_root.mkdir(parents=True, exist_ok=True)
             for old in self._spill_root.iterdir():
                 pid = old.name.split("-", 1)[0]
-                if pid.isdigit() and not _alive(int(pid)):
+                if pid.isdigit() and not pid_alive(int(pid)):
                     shutil.rmtree(old, ignore_errors=True)
             self._spill_dir = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=self._spill_root))
         return self._spill_dir
@@ -225,12 +227,3 @@ def _put_back(slot, tensors: dict[str, torch.Tensor]) -> None:
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -159,25 +159,8 @@ def test_cookbook_supervised_train(cookbook_python: Path, tinker_server, tmp_pat
 
     # 2. supervised.train against the server.
     log_path = tmp_path / "sft-run"
-    proc = _run(
-        [
-            str(cookbook_python),
-            str(SFT_SCRIPT),
-            "--base-url",
-            tinker_server.base_url,
-            "--api-key",
-            tinker_server.api_key,
-            "--tokenizer-dir",
-            tokenizer_dir,
-            "--model-name",
-            model_name,
-            "--log-path",
-            str(log_path),
-            "--steps",
-            str(STEPS),
-        ],
-        timeout=RUN_TIMEOUT,
-    )
+    proc = _run_script(cookbook_python, SFT_SCRIPT, tinker_server.base_url, tinker_server.api_key, tokenizer_dir,
+                       model_name, log_path, STEPS)
     output = f"--- stdout ---\n{_tail(proc.stdout)}\n--- stderr ---\n{_tail(proc.stderr)}"
     assert proc.returncode == 0, f"cookbook supervised.train failed (exit {proc.returncode})\n{output}"
 
@@ -204,6 +187,14 @@ def test_cookbook_supervised_train(cookbook_python: Path, tinker_server, tmp_pat
     assert str(final.get("sampler_path", "")).startswith("tinker://"), final
 
     print(f"cookbook SFT: {STEPS} steps, train_mean_nll {nlls}", file=sys.stderr)
+
+
+def _run_script(python: Path, script: Path, base_url: str, api_key: str, tokenizer_dir: str, model_name: str,
+                log_path: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
+    """One of the cookbook scripts (tests/cookbook_*.py) with the cookbook venv's python against a server."""
+    return _run([str(python), str(script), "--base-url", base_url, "--api-key", api_key, "--tokenizer-dir",
+                 tokenizer_dir, "--model-name", model_name, "--log-path", str(log_path), "--steps", str(steps), *extra],
+                timeout=RUN_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -236,27 +227,8 @@ def test_cookbook_rl_train_twice_with_a_sampler_per_step(
     for run in ("first", "second"):  # the same key, so the same tenant; the first session still active
         log_path = tmp_path / f"rl-{run}"
         started = time.monotonic()
-        proc = _run(
-            [
-                str(cookbook_python),
-                str(RL_SCRIPT),
-                "--base-url",
-                loopback_server.base_url,
-                "--api-key",
-                LOOPBACK_KEY,
-                "--tokenizer-dir",
-                tokenizer_dir,
-                "--model-name",
-                model_name,
-                "--log-path",
-                str(log_path),
-                "--steps",
-                str(RL_STEPS),
-                "--save-every",
-                "1",
-            ],
-            timeout=RUN_TIMEOUT,
-        )
+        proc = _run_script(cookbook_python, RL_SCRIPT, loopback_server.base_url, LOOPBACK_KEY, tokenizer_dir,
+                           model_name, log_path, RL_STEPS, "--save-every", "1")
         seconds.append(round(time.monotonic() - started, 1))
         output = f"--- stdout ---\n{_tail(proc.stdout)}\n--- stderr ---\n{_tail(proc.stderr)}"
         refused = [line for line in f"{proc.stdout}\n{proc.stderr}".splitlines() if REFUSED.search(line)]
