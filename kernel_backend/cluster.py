@@ -48,7 +48,6 @@ import dataclasses
 import datetime as dt
 import logging
 import os
-import random
 import threading
 import time
 import uuid
@@ -545,11 +544,7 @@ class Cluster:
         return run
 
     def _new_run(self, job: Job) -> Run:
-        origin = job.op
-        if origin.name == "create_adapter" and origin.args["config"].seed is None:
-            # Replicas, and a remake after a worker dies, must start from the same weights.
-            config = dataclasses.replace(origin.args["config"], seed=random.getrandbits(63))
-            origin = job.op = Op(origin.name, {**origin.args, "config": config})
+        origin = job.op  # a create_adapter always has a seed (training.create_model): replicas start alike
         replicas = max(1, job.replicas or self.settings.replicas_per_run)
         estimate = self._estimate(job.base_model, origin)
         workers = self._place(job.base_model, replicas, estimate)

@@ -36,7 +36,9 @@ def create_model(svc: Service, tenant: str, session_id: str, model_seq_id: int, 
     if existing is not None:  # a retry, or a replay after a crash: made as it was first made, with its seed
         config = LoraConfig(**existing.lora_config)
     else:
-        if config.seed is None:  # a seed of its own, kept: replaying its creation must make the same adapter
+        # A seed of its own, kept: replaying its creation, a remake after a Ray worker dies and a data-parallel
+        # run's replicas (cluster.py) must all make the same adapter.
+        if config.seed is None:
             config.seed = random.getrandbits(63)
         svc.admission.adapter(tenant, base, vars(config), training=True)
         svc.store.add(ModelRow(id=model_id, session_id=session_id, tenant=tenant, base_model=base,
