@@ -117,13 +117,6 @@ class AdapterCache:
                 "spilled": len(self.entries) - len(resident), "budget_bytes": self.budget,
                 "owner_budget_bytes": self.owner_budget, **self.counts}
 
-    def close(self) -> None:
-        """Forget everything and remove the spill folder."""
-        self.entries.clear()
-        if self._spill_dir is not None:
-            shutil.rmtree(self._spill_dir, ignore_errors=True)
-            self._spill_dir = None
-
     # ---- eviction -----------------------------------------------------------------------------
 
     def _make_room(self, nbytes: int, owner: str, keep: set[str]) -> None:
