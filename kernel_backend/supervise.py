@@ -6,8 +6,10 @@ environment are the same every time), rebuilds the runs it had (service/recovery
 notebook's next call, which the SDK retries while the backend is away, just works.
 
 Not restarted: a child that exited as asked (exit code 0: `--exit-when-unused` found nobody using it;
-143: it was sent SIGTERM, by the supervisor or by a process that stopped it), one that failed within its first STARTUP_S seconds (a start that fails, say on a
-missing model, would only fail again), or one that died MAX_RESTARTS times within WINDOW_S seconds.
+143: it was sent SIGTERM, by the supervisor or by a process that stopped it), one that exited with an
+error within its first STARTUP_S seconds (a start that fails, say on a missing model, would only fail
+again; a child killed by a signal is restarted however soon), or one that died MAX_RESTARTS times within
+WINDOW_S seconds.
 SIGTERM and SIGINT to the supervisor go to the child, and the supervisor exits with it.
 """
 
@@ -48,7 +50,7 @@ def supervise(serve_args: list[str]) -> int:
         lived = time.monotonic() - started
         if stopping or code in (0, 128 + signal.SIGTERM):  # it ended as asked (serve exits 143 on SIGTERM)
             return code
-        if lived < STARTUP_S:
+        if code > 0 and lived < STARTUP_S:  # it failed on start (a signal is never that: a kill is restarted)
             log.error("the backend failed %.0f s after it started (exit %s): not restarting it", lived, code)
             return code
         deaths.append(time.monotonic())
