@@ -173,21 +173,38 @@ def test_other_processes_share_the_backend_and_their_sessions_end_with_them(serv
 
 def test_the_embedded_backend_dies_with_a_killed_kernel(stepwise_home):
     """A kernel killed with SIGKILL runs no atexit: the backend, which no live process uses any
-    more, must still go (serve --exit-when-unused watches the runtime folder)."""
+    more, must still go (serve --exit-when-unused watches the runtime folder). Widgets that were
+    watching it (here, in this process) then say "Backend stopped", not "[Errno 111] Connection refused"."""
+    from workbench.connect import Connection
+
     home = stepwise_home / "orphan"
     home.mkdir()
     (home / "models").symlink_to(stepwise_home / "models", target_is_directory=True)
-    script = ("import time, workbench\nworkbench.connect(progress=False)\n"
-              "print(workbench.current().process.pid, flush=True)\ntime.sleep(600)")
+    script = ("import time, workbench\nclient = workbench.connect(progress=False)\nconn = workbench.current()\n"
+              "client.create_sampling_client(base_model=client.get_server_capabilities().supported_models[0].model_name)\n"
+              "print(conn.process.pid, conn.base_url, conn.api_key, conn.session_ids()[0], flush=True)\ntime.sleep(600)")
     kernel = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "STEPWISE_HOME": str(home)},
                               stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
     try:
-        backend = int(kernel.stdout.readline())
+        pid, base_url, api_key, session_id = kernel.stdout.readline().split()
+        backend = int(pid)
         assert alive(backend) and (home / "runtime" / f"{kernel.pid}.json").exists()
+        watching = Connection(base_url, api_key)
+        meter = workbench.CostMeter(session=session_id, connection=watching, poll_interval=0.2)
+        dashboard = workbench.Dashboard(session=session_id, connection=watching, poll_interval=0.2)
+        assert meter.error == "" and dashboard.error == ""
     finally:
         kernel.send_signal(signal.SIGKILL)
         kernel.wait()
     assert wait_for(lambda: not alive(backend), 30)
+    try:
+        for widget in (meter, dashboard):
+            assert wait_for(lambda: widget.error.startswith("Backend stopped"), 10), widget.error
+            assert "Errno" not in widget.error and "workbench.connect()" in widget.error
+        assert "Backend stopped" in dashboard.stats.value  # the line a person reads under the plots
+    finally:
+        meter.close()
+        dashboard.close()
     # The registry file stays behind (nobody ran atexit); its dead `pid` marks it stale for readers.
     assert json.loads((home / "runtime" / f"{kernel.pid}.json").read_text())["pid"] == kernel.pid
 

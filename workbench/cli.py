@@ -9,17 +9,19 @@ from __future__ import annotations
 import sys
 
 
-def main(argv: list[str] | None = None):
+def main(argv: list[str] | None = None) -> int:
+    """The console script: its return value is the process's exit status (0: done)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("serve", "keys", "export"):
         from kernel_backend.__main__ import main as backend_main
 
         backend_main(argv)
-        return
+        return 0
     if argv and argv[0] == "demo":
         from workbench.demo import main as demo_main
 
-        return demo_main(argv[1:])  # the summaries, for a caller in Python
+        demo_main(argv[1:])  # it prints its summary; Python callers get the summaries from demo.main
+        return 0
     print("usage: stepwise serve|keys|export|demo ... (see `stepwise serve --help`, `stepwise demo --help`)",
           file=sys.stderr)
     raise SystemExit(2)
