@@ -122,10 +122,10 @@ def test_stepwise_demo_teaches_an_answer_then_raises_a_reward(tinker_server, cap
     """`stepwise demo` as a person runs it (its defaults), against the test backend: the SFT recipe
     teaches made-up facts (held-out phrasings get them back), the RL recipe raises the held-out
     reward of a strict verifier; both runs' files, summaries and costs agree with the usage API."""
-    from workbench import cli
+    from workbench import demo
 
-    result = cli.main(["demo", "--base-url", tinker_server.base_url, "--api-key", tinker_server.api_key,
-                       "--progress", "false"])
+    result = demo.main(["--base-url", tinker_server.base_url, "--api-key", tinker_server.api_key,
+                        "--progress", "false"])
     printed = capsys.readouterr().out
     assert "1/2 SFT" in printed and "2/2 RL" in printed
 
@@ -203,3 +203,35 @@ def test_rl_with_stable_reinforce_trains_on_what_its_sampler_recorded(endpoint, 
     for row in trained:
         assert row["importance_ratio"] == pytest.approx(1.0, abs=1e-3) and row["truncated"] == 0, row
         assert math.isfinite(row["loss"]) and row["loss"] != 0, row
+
+
+def test_an_optim_step_with_nothing_to_train_on_advances_the_step_and_changes_no_weight(tinker_server):
+    """What the RL recipe does on a step whose groups all tied (workbench/recipes/rl.py): optim_step
+    with no forward_backward before it. After a real step, AdamW holds momentum that would move the
+    weights if it stepped on zero gradients; the backend skips parameters without a gradient, so the
+    logprobs of a fixed sequence stay bit-identical while the run's step counter (which the sidebar
+    and the dashboard's x axis read) advances."""
+    service_client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
+    tc = service_client.create_lora_training_client(base_model=common.DEFAULT_MODEL, rank=4, seed=0).result()
+    tokens = list(range(100, 140))
+    datum = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(tokens[:-1]),
+                               loss_fn_inputs={"target_tokens": np.asarray(tokens[1:], dtype=np.int64),
+                                               "weights": np.ones(len(tokens) - 1, dtype=np.float32)})
+
+    def logprobs() -> np.ndarray:
+        return common.as_numpy(tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"])
+
+    tc.forward_backward([datum], "cross_entropy").result()
+    tc.optim_step(common.adam(1e-2)).result()  # AdamW now has momentum
+    before = logprobs()
+    tc.optim_step(common.adam(1e-2)).result()  # nothing accumulated since
+    after = logprobs()
+    assert np.array_equal(before, after), np.abs(before - after).max()
+
+    series = httpx.get(f"{tinker_server.base_url}/api/v1/usage", params={"training_run_id": tc.model_id},
+                       headers={"X-API-Key": tinker_server.api_key}).json()["series"]
+    assert [r["request_type"] for r in series].count("OptimStep") == 2
+    assert series[-1]["request_type"] == "Forward" and series[-1]["step"] == 2  # both steps counted
+    tc.forward_backward([datum], "cross_entropy").result()  # and the next real step still trains
+    tc.optim_step(common.adam(1e-2)).result()
+    assert not np.array_equal(logprobs(), after)
