@@ -166,3 +166,30 @@ def test_make_lab_adds_allow_root_only_for_root(tmp_path):
         pytest.skip("no `nobody` user to run make as")
     theirs = dry_run("nobody", tmp_path)
     assert "--port=8899" in theirs and "--allow-root" not in theirs
+
+
+# ---- the console commands ---------------------------------------------------------------------------
+
+
+STEPWISE = Path(sys.executable).parent / "stepwise"  # the console script pip wrote, as a person runs it
+
+
+@pytest.mark.parametrize("argv, status", [(["serve", "--help"], 0), (["keys", "--help"], 0), (["export", "--help"], 0),
+                                          (["demo", "--help"], 0), ([], 2), (["keys"], 2), (["nonsense"], 2)])
+def test_every_console_command_exits_with_its_status(argv, status):
+    out = subprocess.run([str(STEPWISE), *argv], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == status, (argv, out.returncode, out.stdout[-1000:], out.stderr[-1000:])
+    assert "Traceback" not in out.stderr
+    assert ("usage:" in out.stdout) if status == 0 else ("usage:" in out.stderr)
+
+
+def test_stepwise_demo_exits_0_and_prints_its_summary_lines_only(tinker_server):
+    """The demo's console script once ended with status 1 and printed the summaries' dict (it handed
+    main()'s return value to sys.exit): a script or CI step running it saw a failure."""
+    out = subprocess.run([str(STEPWISE), "demo", "--sft-steps", "1", "--rl-steps", "1", "--rl-eval-prompts", "1",
+                          "--progress", "false", "--base-url", tinker_server.base_url, "--api-key", tinker_server.api_key],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[-1].startswith("metrics: ") and any(line.startswith("demo done: ") for line in lines), lines[-6:]
+    assert "{'sft'" not in out.stdout + out.stderr and "Summary(" not in out.stdout + out.stderr
