@@ -9,7 +9,10 @@ import tinker
 from tinker import types
 
 from kernel_backend.metering import Prices
+from kernel_backend.service.checkpoints import SNAPSHOTS_PER_RUN
 from test_service_http import DATA, Api, datum
+from workbench.connect import Connection
+from workbench.widgets.cost import CostMeter
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -52,9 +55,10 @@ def test_ledger_counts_train_and_sample_tokens_and_prices_them(tinker_server):
     rest = usage(tinker_server, session_id=session_id, after=first["cursor"])
     assert [r["id"] for r in first["series"] + rest["series"]] == [r["id"] for r in series]
     assert rest["cursor"] == series[-1]["id"]
-    # A training-run filter sees that run's requests only.
+    # A training-run filter sees that run's requests, and the sampling done with its weights.
     run = usage(tinker_server, training_run_id=tc.model_id)
-    assert run["totals"]["train_tokens"] == totals["train_tokens"] and run["totals"]["sample_tokens"] == 0
+    assert run["totals"]["train_tokens"] == totals["train_tokens"]
+    assert run["totals"]["sample_tokens"] == totals["sample_tokens"]
 
 
 def test_retried_requests_bill_once_and_failed_requests_bill_nothing(tinker_server):
@@ -124,3 +128,71 @@ def test_sessions_report_summarises_each_session_for_the_sidebar(tinker_server):
                       headers={"X-API-Key": tinker_server.api_key}).json()
     assert session_id not in [s["session_id"] for s in after["sessions"]]
     assert after["running"]["cost"] == pytest.approx(running["cost"] - row["cost"])
+
+
+def test_a_runs_scope_holds_the_sampling_done_with_its_weights(tinker_server):
+    """An RL run's rollouts are most of its cost: sampling through its in-memory snapshot
+    (save_weights_and_get_sampling_client) or its saved sampler weights is billed to the run's scope,
+    and to no other run's, and the CostMeter of the run shows it."""
+    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+    other = client.create_lora_training_client(base_model=BASE, rank=4, seed=2).result()  # same session
+    data = [datum(list(range(100, 116)))]
+    for run in (tc, other):
+        run.forward_backward(data, "cross_entropy")
+        run.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+    prompt = types.ModelInput.from_ints([1, 9690, 198, 2683])
+    params = types.SamplingParams(max_tokens=5, temperature=1.0, seed=0)
+    snapshot = tc.save_weights_and_get_sampling_client().result()
+    snapshot.sample(prompt, 2, params).result()
+    saved = tc.save_weights_for_sampler("rollouts").result().path
+    assert saved.startswith(f"tinker://{tc.model_id}/sampler_weights/")
+    client.create_sampling_client(model_path=saved).result().sample(prompt, 1, params).result()
+    other.save_weights_and_get_sampling_client().result().sample(prompt, 3, params).result()
+
+    session_id = tc.model_id.split(":")[0]
+    rows = usage(tinker_server, session_id=session_id)["series"]
+    samples = [r for r in rows if r["request_type"] == "Sample"]
+    assert len(samples) == 3 and all(r["training_run_id"] is None and r["sampler_id"] for r in samples)
+    mine, theirs = samples[:2], samples[2:]  # in the order they were sent
+    run = usage(tinker_server, training_run_id=tc.model_id)
+    assert run["totals"]["sample_tokens"] == sum(r["sample_tokens"] for r in mine) > 0
+    assert run["totals"]["prefill_tokens"] == sum(r["prefill_tokens"] for r in mine) == 2 * prompt.length
+    assert {r["id"] for r in run["series"]} >= {r["id"] for r in mine}
+    assert not {r["id"] for r in run["series"]} & {r["id"] for r in theirs}
+    assert run["totals"]["cost"] == pytest.approx(sum(r["cost"] for r in rows if r["training_run_id"] == tc.model_id)
+                                                  + sum(r["cost"] for r in mine), rel=1e-9)
+    assert usage(tinker_server, training_run_id=other.model_id)["totals"]["sample_tokens"] == theirs[0]["sample_tokens"]
+
+    meter = CostMeter(training_run_id=tc, connection=Connection(tinker_server.base_url, tinker_server.api_key),
+                      poll_interval=None)
+    assert meter.sample_tokens == run["totals"]["sample_tokens"] and meter.cost == pytest.approx(run["totals"]["cost"])
+    assert dict((kind, tokens) for kind, tokens, _ in meter.rows)["sample"] == f"{meter.sample_tokens:,}"
+
+
+def test_sessions_report_lists_each_run_and_the_sampler_snapshots(tinker_server):
+    """Three runs of one session: each with its own steps and last loss (not one summed count); the
+    in-memory sampler snapshots listed beside the saved checkpoints, the newest kept ones only."""
+    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
+    runs = [client.create_lora_training_client(base_model=BASE, rank=4, seed=i).result() for i in range(3)]
+    losses = {}
+    for n, tc in enumerate(runs):
+        for _ in range(n + 1):  # 1, 2 and 3 steps
+            fb = tc.forward_backward([datum(list(range(100 + n, 120)))], "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+        losses[tc.model_id] = fb.result().metrics["loss:sum"]
+    snapshots = [runs[0].save_weights_and_get_sampling_client().result() for _ in range(SNAPSHOTS_PER_RUN + 1)]
+    saved = runs[1].save_weights_for_sampler("final").result().path
+
+    report = httpx.get(tinker_server.base_url + "/api/v1/usage/sessions", params={"limit": 1000},
+                       headers={"X-API-Key": tinker_server.api_key}).json()
+    (row,) = [s for s in report["sessions"] if s["session_id"] == runs[0].model_id.split(":")[0]]
+    assert [(r["training_run_id"], r["steps"], r["lora_rank"]) for r in row["runs"]] == \
+        [(tc.model_id, n + 1, 4) for n, tc in enumerate(runs)]
+    assert [r["last_loss"] for r in row["runs"]] == pytest.approx([losses[tc.model_id] for tc in runs])
+    assert row["steps"] == 6 and row["last_loss"] == pytest.approx(losses[runs[2].model_id])
+    assert [c["tinker_path"] for c in row["checkpoints"]] == [saved]
+    kept = row["sampler_snapshots"]
+    assert len(kept) == SNAPSHOTS_PER_RUN and {k["training_run_id"] for k in kept} == {runs[0].model_id}
+    newest_first = [s._sampling_session_id for s in reversed(snapshots)][:SNAPSHOTS_PER_RUN]
+    assert [k["sampler_id"] for k in kept] == newest_first

@@ -1,6 +1,7 @@
 """The usage API: what a tenant's sessions and runs processed and cost, read from the ledger.
 
     GET  /api/v1/usage?session_id=&training_run_id=&since=&until=&after=&limit=
+         (a training run's scope includes the sampling done with its weights: its rollouts)
     GET  /api/v1/usage/sessions?active_only=&limit=   one summary row per session (the JupyterLab sidebar)
     POST /api/v1/usage/estimate   price a batch before sending it
     POST /api/v1/usage/custom_loss   the loss a forward_backward_custom's function returned (workbench/sdk_hooks.py)

@@ -18,13 +18,13 @@ from __future__ import annotations
 import datetime as dt
 import math
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 
 from kernel_backend import signing
 from kernel_backend.service import sessions
-from kernel_backend.service.checkpoints import checkpoint_json
+from kernel_backend.service.checkpoints import SNAPSHOTS_PER_RUN, checkpoint_json
 from kernel_backend.service.core import NotFound, Service, iso, user_urn
-from kernel_backend.store import AuditRow, CheckpointRow, ModelRow, SessionRow, UsageRow, now, utc
+from kernel_backend.store import AuditRow, CheckpointRow, ModelRow, SamplerRow, SessionRow, UsageRow, now, utc
 from kernel_backend.types import UserError
 
 # The longest window get_billing_usage answers, as Tinker's.
@@ -41,14 +41,16 @@ BYTES_PER_GB = 10**9
 def usage_report(svc: Service, tenant: str, session_id: str | None = None, training_run_id: str | None = None,
                  since: dt.datetime | None = None, until: dt.datetime | None = None, after: int = 0,
                  limit: int = 1000) -> dict:
-    """Totals by kind and cost, plus the per-request series after ledger row `after` (a cursor)."""
-    from sqlalchemy import select
+    """Totals by kind and cost, plus the per-request series after ledger row `after` (a cursor).
 
+    A training run's scope holds its own requests and the sampling done with its weights (its
+    rollouts, most of an RL run's work), whichever session the sampler was opened in."""
     where = [UsageRow.tenant == tenant]
     if session_id:
         where.append(UsageRow.session_id == session_id)
     if training_run_id:
-        where.append(UsageRow.model_id == training_run_id)
+        where.append(or_(UsageRow.model_id == training_run_id,
+                         UsageRow.sampler_id.in_(samplers_of_run(tenant, training_run_id))))
     if since:
         where.append(UsageRow.created_at >= since)
     if until:
@@ -70,6 +72,17 @@ def usage_report(svc: Service, tenant: str, session_id: str | None = None, train
         "cursor": rows[-1].id if rows else after,
         "currency": "USD",
     }
+
+
+def samplers_of_run(tenant: str, training_run_id: str):
+    """The ids of the samplers that sample `training_run_id`'s weights (a subquery): its in-memory
+    snapshots (save_weights_and_get_sampling_client) and samplers of its checkpoints
+    (tinker://<run>/sampler_weights/... or weights/...). Usage rows of sampling name the sampler,
+    not the run, so this is how a run's rollouts are found."""
+    return select(SamplerRow.id).where(SamplerRow.tenant == tenant, or_(
+        SamplerRow.source_model_id == training_run_id,
+        # autoescape: a run id's "_" or "%" is itself, not a LIKE wildcard
+        SamplerRow.model_path.startswith(f"tinker://{training_run_id}/", autoescape=True)))
 
 
 def record_custom_loss(svc: Service, tenant: str, training_run_id: str, surrogate_loss: float,
@@ -95,8 +108,6 @@ def record_custom_loss(svc: Service, tenant: str, training_run_id: str, surrogat
 def _ledger_sums(group, *where):
     """The ledger's sums per value of `group` (a UsageRow column): (group, requests, prefill, sample,
     train, cost) rows."""
-    from sqlalchemy import func, select
-
     return (select(group, func.count(), func.sum(UsageRow.prefill_tokens), func.sum(UsageRow.sample_tokens),
                    func.sum(UsageRow.train_tokens), func.sum(UsageRow.cost))
             .where(*where).group_by(group))
@@ -125,28 +136,30 @@ def _totals(svc: Service, per_model) -> dict:
 
 
 def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit: int = 50) -> dict:
-    """One row per session, newest first, for dashboards (the JupyterLab sidebar): its run's base model
-    and rank, optim steps, last loss, tokens and cost, and checkpoints; plus totals of the active ones.
+    """One row per session, newest first, for dashboards (the JupyterLab sidebar): its base model and
+    rank, each training run's steps and last loss, tokens and cost, its checkpoints and in-memory
+    sampler snapshots; plus totals of the active ones.
 
     Computed from the store and the ledger in a few grouped queries, so polling it every second is cheap.
     """
-    from sqlalchemy import func, select
-
     where = [SessionRow.tenant == tenant] + ([SessionRow.status == "active"] if active_only else [])
     with svc.store.session() as s:
         sessions = list(s.scalars(select(SessionRow).where(*where).order_by(SessionRow.created_at.desc()).limit(limit)))
         ids = [r.id for r in sessions]
         runs = list(s.scalars(select(ModelRow).where(ModelRow.session_id.in_(ids)).order_by(ModelRow.created_at)))
+        run_ids = [r.id for r in runs]
         totals = {row[0]: row[2:] for row in s.execute(_ledger_sums(UsageRow.session_id, UsageRow.session_id.in_(ids)))}
-        steps = dict(s.execute(select(UsageRow.session_id, func.count()).where(
-            UsageRow.session_id.in_(ids), UsageRow.request_type == "OptimStep").group_by(UsageRow.session_id)).all())
-        last_fb = {}  # session -> metrics of its newest forward_backward
-        newest = (select(UsageRow.session_id, func.max(UsageRow.id)).where(
-            UsageRow.session_id.in_(ids), UsageRow.request_type == "ForwardBackward").group_by(UsageRow.session_id))
-        for session_id, row_id in s.execute(newest).all():
-            last_fb[session_id] = (s.get(UsageRow, row_id).metrics or {})
+        steps = dict(s.execute(select(UsageRow.model_id, func.count()).where(
+            UsageRow.model_id.in_(run_ids), UsageRow.request_type == "OptimStep").group_by(UsageRow.model_id)).all())
+        last_fb = {}  # run -> metrics of its newest forward_backward
+        newest = (select(UsageRow.model_id, func.max(UsageRow.id)).where(
+            UsageRow.model_id.in_(run_ids), UsageRow.request_type == "ForwardBackward").group_by(UsageRow.model_id))
+        for run_id, row_id in s.execute(newest).all():
+            last_fb[run_id] = (s.get(UsageRow, row_id).metrics or {})
         checkpoints = list(s.scalars(select(CheckpointRow).where(
-            CheckpointRow.model_id.in_([r.id for r in runs])).order_by(CheckpointRow.created_at.desc())))
+            CheckpointRow.model_id.in_(run_ids)).order_by(CheckpointRow.created_at.desc())))
+        snapshots = list(s.scalars(select(SamplerRow).where(
+            SamplerRow.source_model_id.in_(run_ids)).order_by(SamplerRow.created_at.desc())))
         # The running totals cover every active session, not only the `limit` listed.
         active = select(SessionRow.id).where(SessionRow.tenant == tenant, SessionRow.status == "active")
         running = {"sessions": s.scalar(select(func.count()).select_from(active.subquery())),
@@ -158,19 +171,28 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
     rows = []
     for session in sessions:
         prefill, sample, train, cost = totals.get(session.id, (0, 0, 0, 0.0))
-        first = runs_of[session.id][0] if runs_of[session.id] else None
-        row = {
+        mine = runs_of[session.id]
+        first = mine[0] if mine else None
+        pid = str((session.user_metadata or {}).get("local_pid", ""))
+        rows.append({
             "session_id": session.id,
             "status": session.status,
             "display_name": session.display_name,
+            # The process that opened it, on this machine (workbench.connect() sets it): the JupyterLab
+            # server extension finds the notebook a kernel runs now from it, after a rename too.
+            "kernel_pid": int(pid) if pid.isdigit() else None,
             "created_at": iso(session.created_at),
             "age_s": round((moment - utc(session.created_at)).total_seconds(), 1),
             "base_model": first.base_model if first else None,
             "lora_rank": first.lora_config["rank"] if first else None,
             "worker": svc.worker_of(first.id) if first else None,  # with Ray workers: where its first run lives
-            "training_run_ids": [r.id for r in runs_of[session.id]],
-            "steps": int(steps.get(session.id, 0)),
-            "last_loss": last_fb.get(session.id, {}).get("loss:sum"),
+            "training_run_ids": [r.id for r in mine],
+            # Each run on its own: a session's runs are separate models, their steps are not one count.
+            "runs": [{"training_run_id": r.id, "base_model": r.base_model, "lora_rank": r.lora_config["rank"],
+                      "steps": int(steps.get(r.id, 0)), "last_loss": last_fb.get(r.id, {}).get("loss:sum")}
+                     for r in mine],
+            "steps": sum(int(steps.get(r.id, 0)) for r in mine),
+            "last_loss": _newest_loss(mine, last_fb),
             "prefill_tokens": int(prefill or 0),
             "sample_tokens": int(sample or 0),
             "train_tokens": int(train or 0),
@@ -179,9 +201,31 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
                 {**checkpoint_json(c), "training_run_id": c.model_id}
                 for c in checkpoints if session_of_run[c.model_id] == session.id
             ],
-        }
-        rows.append(row)
+            "sampler_snapshots": _kept_snapshots(
+                [r for r in snapshots if session_of_run[r.source_model_id] == session.id]),
+        })
     return {"sessions": rows, "running": running, "currency": "USD"}
+
+
+def _newest_loss(runs: list[ModelRow], last_fb: dict) -> float | None:
+    """The last loss of the session's newest run that has one (what a single-number summary shows)."""
+    for run in reversed(runs):
+        loss = last_fb.get(run.id, {}).get("loss:sum")
+        if loss is not None:
+            return loss
+    return None
+
+
+def _kept_snapshots(samplers: list[SamplerRow]) -> list[dict]:
+    """The in-memory sampler snapshots (save_weights_and_get_sampling_client) a session's runs still
+    hold, newest first: each run keeps its newest SNAPSHOTS_PER_RUN (ops.snapshot drops older ones),
+    while the backend runs. They have no tinker:// path; save_weights_for_sampler(name) makes one."""
+    kept, per_run = [], {}
+    for row in samplers:  # newest first
+        per_run[row.source_model_id] = per_run.get(row.source_model_id, 0) + 1
+        if per_run[row.source_model_id] <= SNAPSHOTS_PER_RUN:
+            kept.append({"sampler_id": row.id, "training_run_id": row.source_model_id, "time": iso(row.created_at)})
+    return kept
 
 
 # ---- billing ----------------------------------------------------------------------------------------
