@@ -32,6 +32,7 @@ from pytest_jupyter.jupyter_server import (  # noqa: F401
     jp_nbconvert_templates, jp_root_dir, jp_server_cleanup, jp_serverapp, jp_template_dir, jp_web_app)
 from pytest_jupyter.pytest_tornasync import http_server, http_server_client, http_server_port, io_loop  # noqa: F401
 from servers import free_port
+from workbench.lab.backends import LabMemory
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -172,3 +173,71 @@ def test_a_bad_limit_is_a_400_that_says_the_range(fetch, home):
         fetch("stepwise", "sessions", params={"limit": "0"})
     assert error.value.code == 400
     assert "limit must be an integer from 1 to 1000" in error.value.response.reason
+
+
+def test_a_stopped_backends_sessions_stay_listed_with_their_checkpoints(fetch, home, tinker_server, trained_session):
+    """The kernels shut down (their registry files go): the sessions stay, "ended", with their paths."""
+    announce(home, tinker_server.base_url, tinker_server.api_key)
+    before = get_report(fetch)
+    (live,) = [s for s in before["sessions"] if s["session_id"] == trained_session["session_id"]]
+    assert live["remembered"] is False and live["status"] == "active"
+    (home / "runtime" / f"{os.getpid()}.json").unlink()
+
+    report = get_report(fetch)
+    assert report["backends"] == [] and "No Stepwise backend is running" in report["message"]
+    (ended,) = [s for s in report["sessions"] if s["session_id"] == trained_session["session_id"]]
+    assert (ended["remembered"], ended["status"], ended["steps"]) == (True, "ended", 2)
+    assert [c["tinker_path"] for c in ended["checkpoints"]] == [trained_session["checkpoint"]]
+    assert report["running"]["sessions"] == 0  # nothing of a stopped backend runs
+    assert report["lab"] == before["lab"]  # what the lab spent does not fall
+
+
+def test_lab_memory_marks_what_a_backend_that_does_not_answer_took_down():
+    memory = LabMemory()
+    row = {"backend": "http://b", "session_id": "s", "status": "active", "created_at": memory.since.isoformat(),
+           "sampler_snapshots": [{"sampler_id": "s:sample:0"}], "checkpoints": [{"tinker_path": "tinker://r/x/y"}],
+           "cost": 0.5}
+    finished = {**row, "session_id": "f", "status": "finished"}
+    memory.update([row, finished])
+    by_id = lambda rows: {r["session_id"]: r for r in rows}  # noqa: E731
+    # Announced, but not answering: its active session is unreachable, its snapshots gone, its checkpoints kept.
+    gone = by_id(memory.remembered(set(), answering=set(), announced={"http://b"}))
+    assert (gone["s"]["status"], gone["s"]["sampler_snapshots"], gone["s"]["checkpoints"]) == \
+        ("unreachable", [], row["checkpoints"])
+    assert gone["f"]["status"] == "finished"
+    assert by_id(memory.remembered(set(), answering=set(), announced=set()))["s"]["status"] == "ended"
+    # Still answering, only past its listing's limit: as it was last seen.
+    assert by_id(memory.remembered({("http://b", "f")}, answering={"http://b"}, announced={"http://b"})) == \
+        {"s": {**row, "remembered": True}}
+    assert memory.totals()["sessions"] == 2 and memory.totals()["cost"] == 1.0
+    small = LabMemory(most=1)
+    small.update([row, {**finished, "created_at": "2000-01-01T00:00:00+00:00"}])
+    assert [r["session_id"] for r in small.remembered(set(), set(), set())] == ["s"]  # the newest is kept
+
+
+def test_a_session_follows_its_notebook_when_it_is_renamed(fetch, home, tinker_server, jp_serverapp,
+                                                           echo_kernel_spec):
+    """Named "Untitled.ipynb" when its kernel connected; the notebook is renamed (JupyterLab PATCHes
+    the Jupyter session's path); the report names the notebook's new path, found by the kernel's pid."""
+    created = json.loads(fetch("api", "sessions", method="POST", body=json.dumps(
+        {"path": "Untitled.ipynb", "type": "notebook", "kernel": {"name": "echo"}})).body)
+    try:
+        kernel_pid = jp_serverapp.kernel_manager.get_kernel(created["kernel"]["id"]).provisioner.pid
+        # The session the kernel's connect() would open: named after the notebook, carrying its pid.
+        client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key,
+                                      display_name="Untitled.ipynb", user_metadata={"local_pid": str(kernel_pid)})
+        tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+        session_id = tc.model_id.split(":")[0]
+        announce(home, tinker_server.base_url, tinker_server.api_key)
+
+        def ours():
+            (row,) = [s for s in get_report(fetch)["sessions"] if s["session_id"] == session_id]
+            return row
+        assert (ours()["notebook"], ours()["kernel_pid"]) == ("Untitled.ipynb", kernel_pid)
+        fetch("api", "sessions", created["id"], method="PATCH", body=json.dumps({"path": "work/renamed.ipynb"}))
+        row = ours()
+        assert (row["notebook"], row["display_name"]) == ("work/renamed.ipynb", "Untitled.ipynb")
+    finally:
+        fetch("api", "sessions", created["id"], method="DELETE")
+    # The kernel is gone: the session keeps the notebook it last ran.
+    assert ours()["notebook"] == "work/renamed.ipynb"

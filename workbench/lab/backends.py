@@ -7,7 +7,8 @@ that wrote it is gone) and merges kernels bound to the same backend with the sam
 `read_report()` asks each backend's `GET /api/v1/usage/sessions` with its key, concurrently, and
 merges the answers into the one report the sidebar and the status bar draw:
 
-    {"sessions": [... each row of the usage API, plus "backend": base_url],
+    {"sessions": [... each row of the usage API, plus "backend": base_url, "notebook": the path of
+                  the notebook its kernel runs now (it follows a rename) or None, "remembered"],
      "running": {"sessions", "prefill_tokens", "sample_tokens", "train_tokens", "cost",
                  "by_kind": {"prefill"|"sample"|"train": {"tokens", "cost"}}},
      "lab": {"since", "sessions", "prefill_tokens", "sample_tokens", "train_tokens", "cost"},
@@ -16,6 +17,12 @@ merges the answers into the one report the sidebar and the status bar draw:
 
 A backend that does not answer is listed with its `error`; `message` says, in words that name the
 fix, why there is nothing to show. Keys stay on this side: nothing here returns one.
+
+`LabMemory` keeps the last row of every session seen for the life of the Jupyter server: when a
+backend stops (its kernels shut down, or it was killed) its sessions stay in the report, marked
+`"remembered": true` with status "ended" (no kernel announces the backend any more) or
+"unreachable" (announced, but not answering), since their saved checkpoints still exist. Their
+in-memory sampler snapshots are dropped: they were in the memory of the backend that went away.
 """
 
 from __future__ import annotations
@@ -72,17 +79,53 @@ def find_backends(home: Path | None = None) -> list[Backend]:
     return sorted(found.values(), key=lambda b: b.started)
 
 
-class LabTotals:
-    """What was spent in this lab: every session created since this Jupyter server started, at its
-    last known tokens and cost, kept after the session ends or its backend goes away. "running"
-    falls when sessions end; this never does."""
+# The most sessions a lab remembers (the newest are kept): a bound for a server left running for months.
+MAX_REMEMBERED = 1000
 
-    def __init__(self, since: dt.datetime | None = None):
+
+class LabMemory:
+    """Every session this Jupyter server has seen, at its last known row, kept after it ends or its
+    backend goes away; and what was spent in this lab: the sessions created since the server started
+    ("running" falls when sessions end; this never does)."""
+
+    def __init__(self, since: dt.datetime | None = None, most: int = MAX_REMEMBERED):
         self.since = since or dt.datetime.now(dt.timezone.utc)
-        self._sessions: dict[tuple[str, str], dict] = {}  # (backend, session id) -> its latest numbers
+        self.most = most
+        self._rows: dict[tuple[str, str], dict] = {}  # (backend, session id) -> its latest row
 
-    def update(self, sessions: list[dict]) -> None:
-        for row in sessions:
+    def notebook_of(self, backend: str, session_id: str) -> str | None:
+        """The notebook the session's kernel last ran, as last seen (its kernel may be gone now)."""
+        return self._rows.get((backend, session_id), {}).get("notebook")
+
+    def update(self, rows: list[dict]) -> None:
+        """Learn the rows a poll read (each with its "backend")."""
+        for row in rows:
+            self._rows[(row["backend"], row["session_id"])] = row
+        if len(self._rows) > self.most:
+            newest = sorted(self._rows.items(), key=lambda item: str(item[1].get("created_at", "")), reverse=True)
+            self._rows = dict(newest[:self.most])
+
+    def remembered(self, read: set[tuple[str, str]], answering: set[str], announced: set[str]) -> list[dict]:
+        """The sessions seen before that this poll did not read (`read`: their keys), as they stand
+        now: a backend that still answers merely listed them no more (past its `limit`); one that does
+        not took its active sessions down with it."""
+        rows = []
+        for key, row in self._rows.items():
+            if key in read:
+                continue
+            backend = row["backend"]
+            row = {**row, "remembered": True}
+            if backend not in answering:
+                row["sampler_snapshots"] = []  # in-memory, in the backend that went away
+                if row.get("status") == "active":
+                    row["status"] = "unreachable" if backend in announced else "ended"
+            rows.append(row)
+        return rows
+
+    def totals(self) -> dict:
+        totals = {"since": self.since.isoformat(), "sessions": 0, "prefill_tokens": 0, "sample_tokens": 0,
+                  "train_tokens": 0, "cost": 0.0}
+        for row in self._rows.values():
             try:
                 created = dt.datetime.fromisoformat(row["created_at"])
             except (KeyError, TypeError, ValueError):
@@ -90,24 +133,24 @@ class LabTotals:
             if created.tzinfo is None:
                 created = created.replace(tzinfo=dt.timezone.utc)
             if created >= self.since:
-                self._sessions[(row["backend"], row["session_id"])] = {
-                    key: row.get(key, 0) for key in ("prefill_tokens", "sample_tokens", "train_tokens", "cost")}
-
-    def totals(self) -> dict:
-        totals = {"since": self.since.isoformat(), "sessions": len(self._sessions), "prefill_tokens": 0,
-                  "sample_tokens": 0, "train_tokens": 0, "cost": 0.0}
-        for numbers in self._sessions.values():
-            for key, value in numbers.items():
-                totals[key] += value
+                totals["sessions"] += 1
+                for key in ("prefill_tokens", "sample_tokens", "train_tokens", "cost"):
+                    totals[key] += row.get(key, 0)
         return totals
 
 
 async def read_report(backends: list[Backend], limit: int = 50, active_only: bool = False,
-                      home: Path | None = None, lab: LabTotals | None = None) -> dict:
-    """Ask every backend for its sessions and merge the answers (see the module docstring); `lab`
-    (the server's LabTotals) learns the sessions seen and adds the lab's totals."""
+                      home: Path | None = None, lab: LabMemory | None = None,
+                      notebooks: dict[int, str] | None = None) -> dict:
+    """Ask every backend for its sessions and merge the answers (see the module docstring).
+
+    `lab` (the server's LabMemory) learns the sessions read, adds the ones it remembers and the lab's
+    totals; `notebooks` maps the pid of each live kernel to the path of its notebook now (the Jupyter
+    server's sessions), so that a session follows its notebook when it is renamed."""
     async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
         answers = await asyncio.gather(*(_read_one(client, b, limit, active_only) for b in backends))
+    lab = lab or LabMemory(dt.datetime.min.replace(tzinfo=dt.timezone.utc))
+    notebooks = notebooks or {}
     running = {"sessions": 0, "prefill_tokens": 0, "sample_tokens": 0, "train_tokens": 0, "cost": 0.0,
                "by_kind": {kind: {"tokens": 0, "cost": 0.0} for kind in KINDS}}
     sessions, listed, currency = [], [], "USD"
@@ -118,7 +161,9 @@ async def read_report(backends: list[Backend], limit: int = 50, active_only: boo
         if answer is None:
             continue
         currency = answer.get("currency", currency)
-        sessions += [{**row, "backend": backend.base_url} for row in answer["sessions"]]
+        for row in answer["sessions"]:
+            notebook = notebooks.get(row.get("kernel_pid")) or lab.notebook_of(backend.base_url, row["session_id"])
+            sessions.append({**row, "backend": backend.base_url, "notebook": notebook, "remembered": False})
         theirs = answer["running"]
         for key in ("sessions", "prefill_tokens", "sample_tokens", "train_tokens", "cost"):
             running[key] += theirs.get(key, 0)
@@ -126,8 +171,10 @@ async def read_report(backends: list[Backend], limit: int = 50, active_only: boo
             part = theirs.get("by_kind", {}).get(kind, {})
             running["by_kind"][kind]["tokens"] += part.get("tokens", 0)
             running["by_kind"][kind]["cost"] += part.get("cost", 0.0)
-    lab = lab or LabTotals(dt.datetime.min.replace(tzinfo=dt.timezone.utc))
     lab.update(sessions)
+    answering = {b["base_url"] for b in listed if b["error"] is None}
+    sessions += lab.remembered({(r["backend"], r["session_id"]) for r in sessions}, answering,
+                               {b.base_url for b in backends})
     return {"sessions": sessions, "running": running, "lab": lab.totals(), "backends": listed, "currency": currency,
             "runtime_dir": str(runtime_dir(home)), "message": _message(listed, home)}
 
