@@ -29,7 +29,8 @@ from workbench.widgets.labeler import Labeler, read_labels
 from workbench.widgets.reprs import enable_reprs, forward_backward_html, sample_html
 from workbench.widgets.rollouts import RolloutInspector
 from workbench.widgets.throttle import Throttle
-from workbench.widgets.tokens import token_color, token_html
+from workbench.widgets.dashboard import LOSS_PANEL, Dashboard
+from workbench.widgets.tokens import legend_html, token_color, token_html
 
 # ---- token colouring --------------------------------------------------------------------------------
 
@@ -63,6 +64,64 @@ def test_advantage_colouring_is_diverging_and_scaled_to_the_largest():
         token_html(["a", "b"], [0.0], "logprob")
     with pytest.raises(ValueError):
         token_color(0.1, "entropy")
+
+
+def test_the_colour_legend_says_what_each_colour_means_with_the_tokens_own_colours():
+    logprob = legend_html("logprob")
+    assert 'data-mode="logprob"' in logprob and "1 − p" in logprob
+    # p = 0.5 is half red, as a token of logprob log(0.5) is
+    assert token_color(math.log(0.5)) in logprob and token_color(math.log(1e-4)) in logprob
+    advantage = legend_html("advantage", scale=0.75)
+    assert "±0.75" in advantage and token_color(-0.75, "advantage", 0.75) in advantage
+    assert token_color(0.75, "advantage", 0.75) in advantage and "+0.375" in advantage
+    # token_html adds it at the scale it coloured with, and only where some token is coloured
+    assert legend_html("advantage", 2.0) in token_html(["a", "b"], [2.0, -1.0], "advantage", legend=True)
+    assert "wb-legend" not in token_html(["a"], [None], legend=True)
+    assert "wb-legend" not in token_html(["a"], [-1.0])
+
+
+class FakeUsage:
+    """A connection whose usage API has the ForwardBackward rows of `losses` ({step: loss})."""
+
+    def __init__(self, losses: dict[int, float]):
+        self.rows = [{"request_type": "ForwardBackward", "training_run_id": "run", "step": step - 1,
+                      "metrics": {"loss:sum": loss}} for step, loss in losses.items()]
+
+    def usage(self, after=0, **filters):
+        totals = {"cost": 0.0, "requests": len(self.rows), "prefill_tokens": 0, "sample_tokens": 0, "train_tokens": 1}
+        return {"series": self.rows[after:], "totals": totals, "cursor": len(self.rows)}
+
+
+def test_the_dashboard_marks_skipped_steps_and_announces_only_the_metrics_it_expects():
+    """An RL run of 4 steps whose step 3 trained on nothing: every panel runs over 1..4, the lines
+    break at 3, and a trace "skipped (every group tied)" marks it; the words under "Not plotted
+    yet" name the metrics of `panels`, and a dashboard given none names none."""
+    plain = Dashboard(training_run_id="run", connection=FakeUsage({}), poll_interval=None)
+    assert "the loss" in plain.note.value and "dashboard.log" not in plain.note.value
+    dash = Dashboard(training_run_id="run", connection=FakeUsage({1: 3.0, 2: 2.5, 4: 2.0}), poll_interval=None,
+                     panels={"reward": ["reward", "eval_reward"]})
+    dash.flush()
+    assert "reward, eval_reward" in dash.note.value and "the loss" not in dash.note.value
+    for step, kl in ((1, 0.01), (2, 0.02), (4, 0.01)):
+        dash.log(step, kl=kl)
+    for step, reward in ((1, 0.1), (2, 0.2), (3, 0.0), (4, 0.3)):
+        dash.log(step, reward=reward)
+    dash.skip(3, "every group tied")
+    dash.log(0, eval_reward=0.1)
+    dash.flush()
+    assert dash.note.value == ""
+    marks = {title: [(list(t.x), list(t.y)) for t in f.data if t.name == "skipped (every group tied)"]
+             for title, f in dash.figures.items()}
+    assert [[x for x, _ in m] for m in marks.values()] == [[[3]]] * 3, marks  # on every panel, once
+    loss = dash.figures[LOSS_PANEL].data[0]
+    assert list(loss.x) == [1, 2, 3, 4] and list(loss.y) == [3.0, 2.5, None, 2.0]  # broken at 3
+    (kl,) = [t for t in dash.figures["kl"].data if t.name == "kl"]
+    assert list(kl.y) == [0.01, 0.02, None, 0.01]
+    (reward,) = [t for t in dash.figures["reward"].data if t.name == "reward"]
+    assert list(reward.y) == [0.1, 0.2, 0.0, 0.3]  # a value at the skipped step stays
+    assert dash.figures["kl"].data[-1].yaxis == "y2"  # along the bottom, off the panel's own scale
+    for d in (plain, dash):
+        d.close()
 
 
 # ---- rollout inspector ------------------------------------------------------------------------------
@@ -106,10 +165,12 @@ def test_rollout_inspector_filters_sorts_and_colours_the_selected_row(rollouts):
         inspector.sort_by("missing")
 
     html = inspector.select(1)
+    assert 'class="wb-legend" data-mode="logprob"' in html  # what the colours mean, beside them
     token_spans = spans(html)
     assert len(token_spans) == 6 and "green" in token_spans[4]
     assert alpha_of(token_spans[4]) > 0.8 > 0.2 > alpha_of(token_spans[2])  # logprob -6 vs -0.1
     inspector.color_by = "advantage"
+    assert 'data-mode="advantage"' in inspector.tokens_html and "±0.5" in inspector.tokens_html
     advantage_spans = spans(inspector.tokens_html)
     assert all("rgba(220,40,40" in s for s in advantage_spans)  # the row's advantage is negative on every token
     inspector.set_state({"selected": 2})  # a row with per-token advantages

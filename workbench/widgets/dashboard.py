@@ -19,8 +19,15 @@ accumulation) are summed, as losses are sums over tokens.
 
 Each panel is one plotly figure with a title and labelled axes: the loss, then one per logged
 metric (`panels={"reward": ["reward", "eval_reward"]}` puts several metrics on one panel). A panel
-is drawn once it has a point; until then the dashboard says in words what will appear. The panels
-wrap to the notebook's width. A panel's figure is drawn anew whenever its points change (see
+is drawn once it has a point; until then the dashboard says in words what will appear: the loss,
+and the metrics named in `panels` (a dashboard given none expects none, so it announces none). The
+panels wrap to the notebook's width.
+
+A step the loop took without training on anything (an RL step whose groups all tied: optim_step
+with no forward_backward, so the step counter advances and the weights do not move) has no loss
+and no per-datum metrics. `skip(step, why)` marks it on every panel, as a trace named
+"skipped (why)" along the bottom of the plot, and breaks the lines there, so every panel runs over
+the same steps 1..N and a gap says why it is one. A panel's figure is drawn anew whenever its points change (see
 _draw_now for why), at most a few times a second.
 
 State is plain traitlets (loss_steps, loss_values, metrics, cost, tokens), so tests read it
@@ -49,17 +56,40 @@ PAGE = 1000
 PANEL_WIDTH, PANEL_HEIGHT = 440, 250
 
 
-def _figure(title: str, y_title: str, series: dict[str, tuple[list, list]]) -> go.Figure:
-    last = max((max(xs) for xs, _ in series.values() if xs), default=1)
+def _figure(title: str, y_title: str, series: dict[str, tuple[list, list]],
+            skipped: dict[str, list[int]] | None = None) -> go.Figure:
+    """One panel: a line per series, broken at skipped steps, and a row of marks per skip reason."""
+    skipped = skipped or {}
+    marked = sorted(s for steps in skipped.values() for s in steps)
+    last = max([max(xs) for xs, _ in series.values() if xs] + marked, default=1)
+    data = [go.Scatter(x=xs, y=ys, mode="lines+markers", name=name)
+            for name, (xs, ys) in ((n, _broken_at(xs, ys, marked)) for n, (xs, ys) in series.items())]
+    # The marks sit on a hidden second y axis spanning [0, 1], so they stay along the bottom
+    # whatever the panel's values, and the panel's own y range is set by its data alone.
+    data += [go.Scatter(x=steps, y=[0.04] * len(steps), yaxis="y2", mode="markers", name=f"skipped ({why})",
+                        marker=dict(symbol="x-thin-open", size=10, color="#888", line=dict(width=2)),
+                        hovertemplate=f"step %{{x}}: skipped ({why})<extra></extra>")
+             for why, steps in skipped.items()]
     return go.Figure(
-        data=[go.Scatter(x=xs, y=ys, mode="lines+markers", name=name) for name, (xs, ys) in series.items()],
+        data=data,
         layout=go.Layout(
             title=dict(text=title, font=dict(size=14)), width=PANEL_WIDTH, height=PANEL_HEIGHT,
-            margin=dict(l=60, r=15, t=40, b=45), showlegend=len(series) > 1,
+            margin=dict(l=60, r=15, t=40, b=45), showlegend=len(data) > 1,
             legend=dict(orientation="h", y=-0.3), xaxis=dict(title=dict(text="step"), dtick=_dtick(last)),
             yaxis=dict(title=dict(text=y_title)),
+            yaxis2=dict(overlaying="y", range=[0, 1], visible=False, fixedrange=True),
         ),
     )
+
+
+def _broken_at(xs: list, ys: list, skipped: list[int]) -> tuple[list, list]:
+    """The points with a None at each skipped step between two of them (plotly breaks the line
+    there rather than drawing a straight line over a step that has no value)."""
+    gaps = [s for s in skipped if xs and min(xs) < s < max(xs) and s not in xs]
+    if not gaps:
+        return xs, ys
+    points = sorted([*zip(xs, ys), *((s, None) for s in gaps)], key=lambda p: p[0])
+    return [x for x, _ in points], [y for _, y in points]
 
 
 def _as_output(figure: go.Figure) -> dict:
@@ -82,6 +112,7 @@ class Dashboard(w.VBox):
     loss_values = t.List()
     loss_runs = t.List()
     metrics = t.Dict()  # name -> {"steps": [...], "values": [...]} from log()
+    skipped = t.Dict()  # why -> the steps skipped for that reason, from skip()
     cost = t.Float(0.0)
     tokens = t.Dict()  # prefill / sample / train token totals
     requests = t.Int(0)
@@ -163,6 +194,15 @@ class Dashboard(w.VBox):
         self.metrics = metrics  # a new dict, so traitlets observers see the change
         self._redraw()
 
+    def skip(self, step: int, why: str) -> None:
+        """Mark `step` as taken without training (e.g. why="every group tied"): see the module doc."""
+        skipped = {reason: list(steps) for reason, steps in self.skipped.items()}
+        steps = skipped.setdefault(why, [])
+        if int(step) not in steps:
+            steps.append(int(step))
+        self.skipped = skipped
+        self._redraw()
+
     # ---- drawing -------------------------------------------------------------------------------------
 
     def flush(self) -> None:
@@ -188,8 +228,9 @@ class Dashboard(w.VBox):
 
     def _draw_now(self) -> None:
         panels = self.panel_series()
+        skipped = {why: sorted(steps) for why, steps in self.skipped.items()}
         for title, (y_title, series) in panels.items():
-            if self._drawn.get(title) == series:
+            if self._drawn.get(title) == (series, skipped):
                 continue
             # Each panel is an Output showing the figure as data (plotly's mimetype), replaced whole
             # when its points change. Not a plotly FigureWidget: each of those carries plotly.js
@@ -199,9 +240,9 @@ class Dashboard(w.VBox):
             if title not in self.slots:
                 self.slots[title] = w.Output(layout=w.Layout(width=f"{PANEL_WIDTH + 10}px"))
                 self.panels.children = (*self.panels.children, self.slots[title])
-            self.figures[title] = _figure(title, y_title, series)
+            self.figures[title] = _figure(title, y_title, series, skipped)
             self.slots[title].outputs = (_as_output(self.figures[title]),)
-            self._drawn[title] = copy.deepcopy(series)
+            self._drawn[title] = copy.deepcopy((series, skipped))
         self.note.value = self._note(panels)
         tok = self.tokens
         error = f" · <span style='color:#b00'>{html.escape(self.error)}</span>" if self.error else ""
@@ -216,8 +257,11 @@ class Dashboard(w.VBox):
         waiting = []
         if LOSS_PANEL not in panels:
             waiting.append("the loss of each forward_backward (none has run yet)")
-        if not self.metrics:
-            waiting.append("metrics computed in the notebook (none logged yet: dashboard.log(step, reward=...))")
+        # Only metrics this dashboard was told to expect (named in `panels`): a notebook that logs
+        # none should not be told how to log them.
+        expected = [name for name in self.panel_of if name not in self.metrics]
+        if expected:
+            waiting.append(f"{', '.join(expected)} (logged by the notebook: dashboard.log(step, {expected[0]}=...))")
         if not waiting:
             return ""
         return ("<div class='wb-dashboard-empty' style='font:12px sans-serif;color:#666'>Not plotted yet: "

@@ -21,7 +21,7 @@ import html
 import numpy as np
 
 from workbench import sdk_hooks
-from workbench.widgets.tokens import local_tokenizer, token_html, token_pieces
+from workbench.widgets.tokens import legend_html, local_tokenizer, token_html, token_pieces
 
 MAX_ROWS = 8  # datums / sequences shown; the rest are counted
 MAX_TOKENS = 96  # tokens shown per row
@@ -112,7 +112,7 @@ def forward_backward_html(output, data=None, tokenizer=None, max_rows: int = MAX
         check = (f'<div class="wb-muted">Σ over datums of Σ weight·logprob = {weighted_total:.6g}; for cross_entropy '
                  f"loss:sum is minus that (a sum over tokens, not a mean).</div>")
     return (f'<div class="wb-repr">{_STYLE}{head}{_metrics_table(output.metrics)}{table}'
-            f"{_more(len(outputs), max_rows, 'datums')}{check}</div>")
+            f"{_more(len(outputs), max_rows, 'datums')}{legend_html('logprob')}{check}</div>")
 
 
 def _sampler_tokenizer(response):
@@ -148,8 +148,9 @@ def sample_html(response, tokenizer=None, max_rows: int = MAX_ROWS, max_tokens: 
         "shows their text</div>")
     table = ('<table class="wb-t"><tr><th>#</th><th>stop</th><th>tokens</th><th>text, then tokens by logprob</th></tr>'
              + "".join(blocks) + "</table>")
+    legend = legend_html("logprob") if any(seq.logprobs for seq in sequences) else ""
     return (f'<div class="wb-repr">{_STYLE}<b>SampleResponse</b> · {len(sequences)} sequence(s){table}'
-            f"{_more(len(sequences), max_rows, 'sequences')}{hint}</div>")
+            f"{_more(len(sequences), max_rows, 'sequences')}{legend}{hint}</div>")
 
 
 def enable_reprs(shell=None, tokenizer=None) -> bool:

@@ -140,7 +140,7 @@ class RolloutInspector(anywidget.AnyWidget):
         else:
             tokens = list(tokens)
             pieces = [str(x) for x in tokens] if tokens and isinstance(tokens[0], str) else token_pieces(tokens, self.tokenizer)
-            body = token_html(pieces, self._token_values(row, len(tokens), mode), mode)
+            body = token_html(pieces, self._token_values(row, len(tokens), mode), mode, legend=True)
         facts = " · ".join(f"{k} {_cell(row[k])}" for k in ("reward", "advantage") if k in row.index)
         return (f"<div style='font:12px sans-serif'><b>row {index}</b> · {facts} · coloured by {mode}"
                 f"<div style='color:#555;white-space:pre-wrap'>{html.escape(str(row['prompt']))}</div>{body}</div>")

@@ -5,6 +5,9 @@ so they are easy to test and work in any front end that renders text/html.
 
     logprob:   clear when the model was sure of the token (p near 1), red as p falls to 0
     advantage: green for positive, red for negative, shaded by |value| / the largest |value|
+
+`legend_html(mode, scale)` says that in the page, with swatches of the same colours; token_html
+adds it under the tokens with `legend=True`.
 """
 
 from __future__ import annotations
@@ -53,12 +56,38 @@ def token_color(value: float | None, mode: str = "logprob", scale: float = 1.0) 
     return f"rgba({rgb[0]},{rgb[1]},{rgb[2]},{alpha * MAX_ALPHA:.3f})"
 
 
+def _swatch(color: str | None, label: str) -> str:
+    fill = f"background-color:{color};" if color else ""
+    return (f'<span class="wb-swatch" style="{fill}border:1px solid #ccc;padding:0 4px;margin:0 2px">'
+            f"{html.escape(label)}</span>")
+
+
+def legend_html(mode: str = "logprob", scale: float = 1.0) -> str:
+    """What the colours of `mode` mean, with swatches drawn by token_color itself (so they cannot
+    drift from the tokens'); `scale` is the |advantage| shown at full colour."""
+    if mode == "logprob":
+        swatches = [_swatch(token_color(math.log(p), mode), label) for p, label in
+                    ((1.0, "p ≈ 1"), (0.5, "p = 0.5"), (0.1, "p = 0.1"), (1e-4, "p ≈ 0"))]
+        meaning = "how unlikely the model found each token (red = 1 − p)"
+    elif mode == "advantage":
+        swatches = [_swatch(token_color(v, mode, scale), label) for v, label in
+                    ((-scale, f"−{scale:.3g}"), (-scale / 2, f"−{scale / 2:.3g}"), (0.0, "0"),
+                     (scale / 2, f"+{scale / 2:.3g}"), (scale, f"+{scale:.3g}"))]
+        meaning = f"red below 0, green above, full colour at ±{scale:.3g} (the largest |advantage| here)"
+    else:
+        raise ValueError(f"unknown colour mode {mode!r}; use 'logprob' or 'advantage'")
+    return (f'<div class="wb-legend" data-mode="{mode}" style="font:11px sans-serif;color:#555;margin:4px 0">'
+            f"<b>colour = {mode}</b>: {html.escape(meaning)} &nbsp;{''.join(swatches)}"
+            " &nbsp;(hover a token for its value)</div>")
+
+
 def token_html(tokens: Sequence[str], values: Sequence[float | None] | None, mode: str = "logprob",
-               muted: Sequence[bool] | None = None) -> str:
+               muted: Sequence[bool] | None = None, legend: bool = False) -> str:
     """`tokens` as <span>s coloured by `values` (one per token; None leaves a token plain).
 
     Each span's title shows the value, so hovering a token tells its logprob or advantage.
-    `muted` tokens (e.g. a prompt's, of weight 0) are drawn faded.
+    `muted` tokens (e.g. a prompt's, of weight 0) are drawn faded. With `legend`, what the colours
+    mean follows (legend_html, at the scale used here), when any token is coloured.
     """
     values = list(values) if values is not None else [None] * len(tokens)
     if len(values) != len(tokens):
@@ -73,5 +102,6 @@ def token_html(tokens: Sequence[str], values: Sequence[float | None] | None, mod
         style = f' style="{css}"' if css else ""
         title = f' title="{mode} {value:.4f}"' if value is not None and math.isfinite(value) else ""
         spans.append(f'<span class="wb-tok"{style}{title}>{html.escape(text)}</span>')
+    shown = legend_html(mode, scale) if legend and finite else ""
     return ('<div class="wb-tokens" style="white-space:pre-wrap;font-family:monospace;line-height:1.6">'
-            + "".join(spans) + "</div>")
+            + "".join(spans) + "</div>" + shown)
