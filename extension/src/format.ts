@@ -66,8 +66,25 @@ export function shortModel(model: string | null): string {
   return model.split('/').pop() || model;
 }
 
+/** The notebook's name now (after a rename too), else the name given at connect(), else the id. */
 export function sessionTitle(session: ISession): string {
-  return session.display_name || session.session_id;
+  return (session.notebook ? baseName(session.notebook) : null) || session.display_name || session.session_id;
+}
+
+/** "train:0" from "<session id>:train:0": a run's id within its session's row. */
+export function runLabel(runId: string, sessionId: string): string {
+  return runId.startsWith(`${sessionId}:`) ? runId.slice(sessionId.length + 1) : runId;
+}
+
+/** Whether a session is still running (the others are drawn greyed, in their own group). */
+export function isActive(session: ISession): boolean {
+  return session.status === 'active';
+}
+
+/** Whether the session belongs to the notebook at `path`: by the notebook its kernel runs now, when the
+ * lab knows it (so a rename is followed), else by the name it was given (a remote backend's). */
+export function ofNotebook(session: ISession, path: string): boolean {
+  return session.notebook ? session.notebook === path : session.display_name === baseName(path);
 }
 
 /** "3 steps" / "1 step". */
@@ -86,16 +103,13 @@ export function baseName(path: string): string {
 }
 
 /**
- * The running sessions of the notebook at `path`, added up. workbench.connect() names a session
- * after its notebook's file (Jupyter tells the kernel its notebook's path), so they match by name.
- * Null when no running session has that name.
+ * The running sessions of the notebook at `path`, added up (see ofNotebook). Null when it has none.
  */
 export function notebookTotals(sessions: ISession[], path: string | null): ITotals | null {
   if (!path) {
     return null;
   }
-  const name = baseName(path);
-  const mine = sessions.filter(s => s.status === 'active' && s.display_name === name);
+  const mine = sessions.filter(s => isActive(s) && ofNotebook(s, path));
   if (mine.length === 0) {
     return null;
   }

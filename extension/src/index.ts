@@ -15,7 +15,7 @@ import {
 } from '@jupyterlab/application';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { IStatusBar } from '@jupyterlab/statusbar';
-import { Signal } from '@lumino/signaling';
+import { ISignal, Signal } from '@lumino/signaling';
 
 import { SessionsModel } from './model';
 import { fetchReport } from './request';
@@ -23,6 +23,12 @@ import { SIDEBAR_ID, SessionsSidebar } from './sidebar';
 import { CostStatus } from './status';
 
 const PLUGIN_ID = 'stepwise-lab:plugin';
+
+/** What the status item reads of a document widget's context (DocumentRegistry.IContext). */
+interface IDocumentContext {
+  readonly path: string;
+  readonly pathChanged: ISignal<unknown, string>;
+}
 
 const plugin: JupyterFrontEndPlugin<void> = {
   id: PLUGIN_ID,
@@ -56,10 +62,18 @@ const plugin: JupyterFrontEndPlugin<void> = {
         isActive: () => showStatus,
         activeStateChanged: statusToggled
       });
-      // The status item follows the notebook in the current tab (any document with a path).
+      // The status item follows the notebook in the current tab (any document with a path), and
+      // that document's renames: a rename changes the path, not the current tab.
+      let followed: IDocumentContext | null = null;
+      const showPath = () => {
+        status.notebookPath = followed?.path ?? null;
+      };
       const follow = () => {
-        const current = labShell?.currentWidget as { context?: { path?: string } } | null;
-        status.notebookPath = current?.context?.path ?? null;
+        followed?.pathChanged.disconnect(showPath);
+        const current = labShell?.currentWidget as { context?: IDocumentContext } | null;
+        followed = current?.context?.pathChanged ? current.context : null;
+        followed?.pathChanged.connect(showPath);
+        showPath();
       };
       labShell?.currentChanged.connect(follow);
       follow();

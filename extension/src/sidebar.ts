@@ -1,6 +1,9 @@
 /**
  * The sessions sidebar: one row per session of every running backend, redrawn in place after each
- * poll. A click on a row shows its checkpoints, each `tinker://` path with a copy button.
+ * poll; each row lists its training runs (steps and last loss each), and a click on it shows its
+ * checkpoints, each `tinker://` path with a copy button, and its in-memory sampler snapshots.
+ * Sessions that ended (or whose backend stopped: the lab remembers them, with their checkpoints)
+ * are greyed, in a group of their own that a click on its header folds.
  *
  * Rows are kept per session id and only their texts change between polls, so a click or a hover
  * is never lost to a redraw that replaced the element under the pointer.
@@ -14,13 +17,15 @@ import {
   formatCost,
   formatLoss,
   formatTokens,
+  isActive,
   plural,
+  runLabel,
   sessionTitle,
   shortModel
 } from './format';
 import { stepwiseIcon } from './icon';
 import { SessionsModel } from './model';
-import { ICheckpoint, IReport, ISession } from './types';
+import { ICheckpoint, IReport, IRun, ISession, ISnapshot } from './types';
 
 export const SIDEBAR_ID = 'stepwise-sessions';
 
@@ -36,7 +41,9 @@ export class SessionsSidebar extends Widget {
     const header = el('div', 'jp-StepwiseSidebar-header');
     header.appendChild(el('h2', 'jp-StepwiseSidebar-title', 'Stepwise sessions'));
     header.appendChild(this._summary);
-    this.node.append(header, this._message, this._backendErrors, this._list);
+    this._endedHeader.type = 'button';
+    this._endedHeader.addEventListener('click', () => model.toggle(ENDED_GROUP));
+    this.node.append(header, this._message, this._backendErrors, this._list, this._endedHeader, this._endedList);
     model.changed.connect(this.render, this);
     this.render();
   }
@@ -71,8 +78,10 @@ export class SessionsSidebar extends Widget {
       ...failed.map(b => el('div', 'jp-StepwiseSidebar-backendError', b.error ?? ''))
     );
 
+    // Active sessions in the first list, the others in the foldable "ended" group; both sorted.
     const seen = new Set<string>();
-    sessions.forEach((session, index) => {
+    const placed = new Map<HTMLElement, number>(); // list -> rows placed in it so far
+    for (const session of sessions) {
       const key = `${session.backend} ${session.session_id}`;
       seen.add(key);
       let row = this._rows.get(key);
@@ -81,17 +90,26 @@ export class SessionsSidebar extends Widget {
         this._rows.set(key, row);
       }
       row.update(session, model.isExpanded(key), this._symbol);
-      const there = this._list.children[index] ?? null;
+      const list = isActive(session) ? this._list : this._endedList;
+      const index = placed.get(list) ?? 0;
+      placed.set(list, index + 1);
+      const there = list.children[index] ?? null;
       if (there !== row.node) {
-        this._list.insertBefore(row.node, there); // new, or moved into sorted order
+        list.insertBefore(row.node, there); // new, moved into sorted order, or into the other group
       }
-    });
+    }
     for (const [key, row] of this._rows) {
       if (!seen.has(key)) {
         row.node.remove();
         this._rows.delete(key);
       }
     }
+    const ended = placed.get(this._endedList) ?? 0;
+    const folded = model.isExpanded(ENDED_GROUP); // the group starts open: a toggle folds it
+    this._endedHeader.hidden = ended === 0;
+    this._endedHeader.setAttribute('aria-expanded', String(!folded));
+    setText(this._endedHeader, `Ended ${plural(ended, 'session')} · checkpoints stay listed`);
+    this._endedList.hidden = ended === 0 || folded;
   }
 
   dispose(): void {
@@ -105,10 +123,15 @@ export class SessionsSidebar extends Widget {
   private _message = el('div', 'jp-StepwiseSidebar-message');
   private _backendErrors = el('div', 'jp-StepwiseSidebar-backendErrors');
   private _list = el('ul', 'jp-StepwiseSidebar-list');
+  private _endedHeader = el('button', 'jp-StepwiseSidebar-endedHeader') as HTMLButtonElement;
+  private _endedList = el('ul', 'jp-StepwiseSidebar-list jp-StepwiseSidebar-ended');
   private _rows = new Map<string, SessionRow>();
 }
 
-/** One session's <li>: a header button that expands it, its facts, and its checkpoints. */
+/** The model's expansion key of the "ended sessions" group (never a session's: those hold a space). */
+const ENDED_GROUP = 'ended-group';
+
+/** One session's <li>: a header button that expands it, its facts, its runs, and its checkpoints. */
 class SessionRow {
   readonly node = el('li', 'jp-StepwiseSession');
 
@@ -116,21 +139,25 @@ class SessionRow {
     this._header.type = 'button';
     this._header.addEventListener('click', onToggle);
     this._header.append(this._title, this._status);
-    this.node.append(this._header, this._facts, this._tokens, this._checkpoints);
+    this.node.append(this._header, this._facts, this._runs, this._tokens, this._checkpoints);
   }
 
   update(session: ISession, expanded: boolean, symbol: string): void {
-    this.node.dataset.sessionId = session.session_id;
-    this.node.dataset.status = session.status;
-    this.node.dataset.steps = String(session.steps);
-    this.node.dataset.cost = String(session.cost);
-    this.node.dataset.name = session.display_name ?? '';
-    this.node.dataset.prefillTokens = String(session.prefill_tokens);
-    this.node.dataset.sampleTokens = String(session.sample_tokens);
-    this.node.dataset.trainTokens = String(session.train_tokens);
+    const title = sessionTitle(session);
+    const data = this.node.dataset;
+    data.sessionId = session.session_id;
+    data.status = session.status;
+    data.runs = String(session.runs.length);
+    data.cost = String(session.cost);
+    data.name = title;
+    data.notebook = session.notebook ?? '';
+    data.prefillTokens = String(session.prefill_tokens);
+    data.sampleTokens = String(session.sample_tokens);
+    data.trainTokens = String(session.train_tokens);
+    this.node.classList.toggle('jp-mod-ended', !isActive(session));
     this._header.setAttribute('aria-expanded', String(expanded));
-    this._header.title = `${session.session_id} on ${session.backend}`;
-    setText(this._title, sessionTitle(session));
+    this._header.title = headerTooltip(session, title);
+    setText(this._title, title);
     setText(this._status, session.status);
     this._status.className = `jp-StepwiseSession-status jp-mod-${session.status}`;
 
@@ -138,11 +165,14 @@ class SessionRow {
     setFacts(this._facts, [
       ['model', shortModel(session.base_model)],
       ['rank', rank],
-      ['steps', plural(session.steps, 'step')],
-      ['loss', `loss ${formatLoss(session.last_loss)}`],
       ['age', formatAge(session.age_s)],
       ['worker', session.worker ? `on ${session.worker}` : '']
     ]);
+    const runs = JSON.stringify(session.runs);
+    if (runs !== this._drawnRuns) {
+      this._drawnRuns = runs;
+      this._runs.replaceChildren(...session.runs.map(run => runItem(run, session)));
+    }
     setFacts(this._tokens, [
       ['prefill', `prefill ${formatTokens(session.prefill_tokens)}`],
       ['sample', `sample ${formatTokens(session.sample_tokens)}`],
@@ -151,10 +181,12 @@ class SessionRow {
     ]);
 
     this._checkpoints.hidden = !expanded;
-    const drawn = JSON.stringify(session.checkpoints);
+    const drawn = JSON.stringify([session.checkpoints, session.sampler_snapshots]);
     if (expanded && drawn !== this._drawnCheckpoints) {
       this._drawnCheckpoints = drawn;
-      this._checkpoints.replaceChildren(...checkpointItems(session.checkpoints));
+      this._checkpoints.replaceChildren(
+        ...checkpointItems(session.checkpoints, session.sampler_snapshots ?? [], session)
+      );
     }
   }
 
@@ -162,9 +194,46 @@ class SessionRow {
   private _title = el('span', 'jp-StepwiseSession-title');
   private _status = el('span', 'jp-StepwiseSession-status');
   private _facts = el('div', 'jp-StepwiseSession-facts');
+  private _runs = el('ul', 'jp-StepwiseSession-runs');
   private _tokens = el('div', 'jp-StepwiseSession-tokens');
   private _checkpoints = el('ul', 'jp-StepwiseSession-checkpoints');
+  private _drawnRuns = '';
   private _drawnCheckpoints = '';
+}
+
+/** The header's tooltip: the session's id and backend, the name it started under, why it is greyed. */
+function headerTooltip(session: ISession, title: string): string {
+  const lines = [`${session.session_id} on ${session.backend}`];
+  if (session.display_name && session.display_name !== title) {
+    lines.push(`started as ${session.display_name}; its notebook is now ${session.notebook}`);
+  }
+  if (session.status === 'ended') {
+    lines.push('its backend stopped: the checkpoints below remain');
+  } else if (session.status === 'unreachable') {
+    lines.push('its backend does not answer (stopped?): the checkpoints below remain');
+  }
+  return lines.join('\n');
+}
+
+/** One run: "train:0 · 12 steps · loss 3.21", with its model and rank when they differ from the session's. */
+function runItem(run: IRun, session: ISession): HTMLElement {
+  const item = el('li', 'jp-StepwiseRun');
+  item.dataset.runId = run.training_run_id;
+  item.dataset.steps = String(run.steps);
+  item.title = run.training_run_id;
+  const other =
+    run.base_model !== session.base_model || run.lora_rank !== session.lora_rank
+      ? `${shortModel(run.base_model)} r${run.lora_rank}`
+      : '';
+  item.append(
+    el('span', 'jp-StepwiseRun-name', runLabel(run.training_run_id, session.session_id)),
+    el('span', 'jp-StepwiseRun-steps', plural(run.steps, 'step')),
+    el('span', 'jp-StepwiseRun-loss', `loss ${formatLoss(run.last_loss)}`)
+  );
+  if (other) {
+    item.append(el('span', 'jp-StepwiseRun-model', other));
+  }
+  return item;
 }
 
 /** What to say when the backends answered but have no session yet. */
@@ -176,8 +245,8 @@ function emptyMessage(report: IReport | null): string | null {
   return `No sessions yet on ${backends}: service.create_lora_training_client(...) starts one.`;
 }
 
-function checkpointItems(checkpoints: ICheckpoint[]): HTMLElement[] {
-  if (checkpoints.length === 0) {
+function checkpointItems(checkpoints: ICheckpoint[], snapshots: ISnapshot[], session: ISession): HTMLElement[] {
+  if (checkpoints.length === 0 && snapshots.length === 0) {
     return [
       el(
         'li',
@@ -186,13 +255,15 @@ function checkpointItems(checkpoints: ICheckpoint[]): HTMLElement[] {
       )
     ];
   }
-  return checkpoints.map(checkpoint => {
+  const saved = checkpoints.map(checkpoint => {
     const item = el('li', 'jp-StepwiseCheckpoint');
+    item.dataset.type = checkpoint.checkpoint_type;
     const path = el('code', 'jp-StepwiseCheckpoint-path', checkpoint.tinker_path);
     const kind = el(
       'span',
       'jp-StepwiseCheckpoint-type',
-      `${checkpoint.checkpoint_type} · ${checkpoint.time.replace('T', ' ').slice(0, 19)}`
+      `${CHECKPOINT_KINDS[checkpoint.checkpoint_type] ?? checkpoint.checkpoint_type} · ` +
+        `${runLabel(checkpoint.training_run_id, session.session_id)} · ${when(checkpoint.time)}`
     );
     const copy = el('button', 'jp-StepwiseCheckpoint-copy jp-Button', 'Copy') as HTMLButtonElement;
     copy.type = 'button';
@@ -205,6 +276,33 @@ function checkpointItems(checkpoints: ICheckpoint[]): HTMLElement[] {
     item.append(path, copy, kind);
     return item;
   });
+  // No path to copy: say what they are, and how to make one that lasts.
+  const inMemory = snapshots.map(snapshot => {
+    const item = el('li', 'jp-StepwiseSnapshot');
+    item.dataset.samplerId = snapshot.sampler_id;
+    item.append(
+      el('code', 'jp-StepwiseSnapshot-id', snapshot.sampler_id),
+      el(
+        'span',
+        'jp-StepwiseCheckpoint-type',
+        `sampler snapshot in the backend's memory · ${runLabel(snapshot.training_run_id, session.session_id)} · ` +
+          `${when(snapshot.time)} · no tinker:// path: save_weights_for_sampler(name) saves one`
+      )
+    );
+    return item;
+  });
+  return [...saved, ...inMemory];
+}
+
+/** What each kind of checkpoint holds, in words. */
+const CHECKPOINT_KINDS: Record<string, string> = {
+  training: 'state (weights + optimizer)',
+  sampler: 'sampler weights',
+  external: 'external weights (for download)'
+};
+
+function when(time: string): string {
+  return time.replace('T', ' ').slice(0, 19);
 }
 
 function el(tag: string, className: string, text?: string): HTMLElement {

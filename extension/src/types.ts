@@ -1,6 +1,7 @@
 /**
  * The report `GET /stepwise/sessions` answers (workbench/lab/backends.py): every session of every
- * running backend, the totals of the active ones, and why there may be nothing to show.
+ * running backend and those this lab remembers from backends that stopped, the totals of the active
+ * ones, and why there may be nothing to show.
  */
 
 export type Kind = 'prefill' | 'sample' | 'train';
@@ -12,22 +13,44 @@ export interface ICheckpoint {
   training_run_id: string;
 }
 
+/** An in-memory sampler (save_weights_and_get_sampling_client): no tinker:// path, gone with its backend. */
+export interface ISnapshot {
+  sampler_id: string;
+  training_run_id: string;
+  time: string;
+}
+
+/** One training run of a session: its own steps and last loss. */
+export interface IRun {
+  training_run_id: string;
+  base_model: string;
+  lora_rank: number;
+  steps: number;
+  last_loss: number | null;
+}
+
 export interface ISession {
   session_id: string;
-  status: 'active' | 'finished' | 'expired' | string;
+  /** 'ended' / 'unreachable': remembered by the lab after its backend stopped / stopped answering. */
+  status: 'active' | 'finished' | 'expired' | 'ended' | 'unreachable' | string;
   created_at: string;
   age_s: number;
+  /** The name it was given when its kernel connected (the notebook's name then). */
   display_name: string | null;
+  /** The path of the notebook its kernel runs now (it follows a rename), when the lab knows it. */
+  notebook?: string | null;
+  /** Not read from its backend in this poll: the last row the lab saw. */
+  remembered?: boolean;
   base_model: string | null;
   lora_rank: number | null;
   training_run_ids: string[];
-  steps: number;
-  last_loss: number | null;
+  runs: IRun[];
   prefill_tokens: number;
   sample_tokens: number;
   train_tokens: number;
   cost: number;
   checkpoints: ICheckpoint[];
+  sampler_snapshots: ISnapshot[];
   backend: string;
   /** The engine worker its first run lives on, when the backend runs Ray workers (kernel_backend/cluster.py). */
   worker?: string | null;

@@ -6,6 +6,8 @@ import {
   plural,
   shortModel,
   notebookTotals,
+  runLabel,
+  sessionTitle,
   statusText,
   statusTooltip,
   totalTokens
@@ -70,13 +72,13 @@ describe('small labels', () => {
 describe('status item', () => {
   const sessions: ISession[] = [
     { session_id: 'a', status: 'active', created_at: '2026-01-01T00:00:00Z', age_s: 5,
-      display_name: '00_quickstart.ipynb', base_model: null, lora_rank: null, training_run_ids: [], steps: 3,
-      last_loss: null, prefill_tokens: 100, sample_tokens: 50, train_tokens: 1850, cost: 0.000456,
-      checkpoints: [], backend: 'http://127.0.0.1:1' },
+      display_name: '00_quickstart.ipynb', base_model: null, lora_rank: null, training_run_ids: [], runs: [],
+      prefill_tokens: 100, sample_tokens: 50, train_tokens: 1850, cost: 0.000456,
+      checkpoints: [], sampler_snapshots: [], backend: 'http://127.0.0.1:1' },
     { session_id: 'b', status: 'finished', created_at: '2026-01-01T00:00:00Z', age_s: 5,
-      display_name: '00_quickstart.ipynb', base_model: null, lora_rank: null, training_run_ids: [], steps: 3,
-      last_loss: null, prefill_tokens: 9, sample_tokens: 9, train_tokens: 9, cost: 0.9,
-      checkpoints: [], backend: 'http://127.0.0.1:1' }
+      display_name: '00_quickstart.ipynb', base_model: null, lora_rank: null, training_run_ids: [], runs: [],
+      prefill_tokens: 9, sample_tokens: 9, train_tokens: 9, cost: 0.9,
+      checkpoints: [], sampler_snapshots: [], backend: 'http://127.0.0.1:1' }
   ];
   const lab: ILab = { since: '2026-01-01T09:30:00+00:00', sessions: 4, prefill_tokens: 1000, sample_tokens: 500,
     train_tokens: 12000, cost: 0.0123 };
@@ -88,6 +90,19 @@ describe('status item', () => {
     expect(totalTokens(mine)).toBe(2000);
     expect(notebookTotals(sessions, 'other.ipynb')).toBeNull();
     expect(notebookTotals(sessions, null)).toBeNull();
+  });
+  it('follows a renamed notebook by the path its kernel runs now, not the name it started under', () => {
+    const renamed = [{ ...sessions[0], display_name: 'Untitled.ipynb', notebook: 'work/train.ipynb' }];
+    expect(notebookTotals(renamed, 'work/train.ipynb')!.cost).toBe(0.000456);
+    expect(notebookTotals(renamed, 'Untitled.ipynb')).toBeNull(); // a new notebook of the old name is another
+    expect(notebookTotals(renamed, 'train.ipynb')).toBeNull(); // the same name elsewhere is another notebook
+    expect(sessionTitle(renamed[0])).toBe('train.ipynb');
+    expect(sessionTitle(sessions[0])).toBe('00_quickstart.ipynb');
+    expect(sessionTitle({ ...sessions[0], display_name: null })).toBe('a');
+  });
+  it('names a run within its session', () => {
+    expect(runLabel('s1:train:2', 's1')).toBe('train:2');
+    expect(runLabel('other:train:0', 's1')).toBe('other:train:0');
   });
   it("shows the notebook's cost and tokens, then the lab's; the lab's alone elsewhere", () => {
     const mine = notebookTotals(sessions, '00_quickstart.ipynb');

@@ -11,13 +11,13 @@ function session(id: string, status: string, created_at: string, extra: Partial<
     base_model: 'HuggingFaceTB/SmolLM2-135M-Instruct',
     lora_rank: 8,
     training_run_ids: [],
-    steps: 0,
-    last_loss: null,
+    runs: [],
     prefill_tokens: 0,
     sample_tokens: 0,
     train_tokens: 0,
     cost: 0,
     checkpoints: [],
+    sampler_snapshots: [],
     backend: 'http://127.0.0.1:1',
     ...extra
   };

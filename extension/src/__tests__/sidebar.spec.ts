@@ -26,13 +26,14 @@ function session(id: string, extra: Partial<ISession> = {}): ISession {
     base_model: 'HuggingFaceTB/SmolLM2-135M-Instruct',
     lora_rank: 8,
     training_run_ids: [`${id}:train:0`],
-    steps: 3,
-    last_loss: 12.3456,
+    runs: [{ training_run_id: `${id}:train:0`, base_model: 'HuggingFaceTB/SmolLM2-135M-Instruct', lora_rank: 8,
+             steps: 3, last_loss: 12.3456 }],
     prefill_tokens: 0,
     sample_tokens: 20,
     train_tokens: 1500,
     cost: 0.000123,
     checkpoints: [],
+    sampler_snapshots: [],
     backend: 'http://127.0.0.1:1',
     ...extra
   };
@@ -62,17 +63,18 @@ async function drawn(answers: IReport[]) {
 
 const rows = (node: HTMLElement) => Array.from(node.querySelectorAll<HTMLElement>('li.jp-StepwiseSession'));
 const text = (node: Element, cls: string) => node.querySelector(`.jp-StepwiseSession-${cls}`)!.textContent;
+const runTexts = (row: Element) =>
+  Array.from(row.querySelectorAll('li.jp-StepwiseRun')).map(run =>
+    Array.from(run.children).map(span => span.textContent).join(' · '));
 
 describe('SessionsSidebar', () => {
   it('draws one row per session with its model, rank, steps, loss, tokens, cost and age', async () => {
     const { node, model } = await drawn([report([session('a')])]);
     const [row] = rows(node);
-    expect(row.dataset.steps).toBe('3');
     expect(text(row, 'title')).toBe('a');
     expect(text(row, 'model')).toBe('SmolLM2-135M-Instruct');
     expect(text(row, 'rank')).toBe('LoRA r8');
-    expect(text(row, 'steps')).toBe('3 steps');
-    expect(text(row, 'loss')).toBe('loss 12.35');
+    expect(runTexts(row)).toEqual(['train:0 · 3 steps · loss 12.35']);
     expect(text(row, 'train')).toBe('train 1.5k');
     expect(text(row, 'cost')).toBe('$0.000123');
     expect(text(row, 'age')).toBe('1m 15s');
@@ -81,15 +83,83 @@ describe('SessionsSidebar', () => {
   });
 
   it('updates rows in place and keeps the sorted order', async () => {
+    const [run] = session('a').runs;
     const { node, model } = await drawn([
       report([session('a')]),
-      report([session('a', { steps: 4 }), session('b', { created_at: '2026-01-02T00:00:00Z' })])
+      report([session('a', { runs: [{ ...run, steps: 4 }] }), session('b', { created_at: '2026-01-02T00:00:00Z' })])
     ]);
     const first = rows(node)[0];
     await model.update();
     expect(rows(node).map(r => r.dataset.sessionId)).toEqual(['b', 'a']);
     expect(rows(node)[1]).toBe(first); // the same element, not a redraw
-    expect(text(first, 'steps')).toBe('4 steps');
+    expect(runTexts(first)).toEqual(['train:0 · 4 steps · loss 12.35']);
+    model.dispose();
+  });
+
+  it("shows each of a session's runs with its own steps and loss, never their sum", async () => {
+    const run = (n: number, steps: number, loss: number | null, rank = 8) => ({
+      training_run_id: `a:train:${n}`, base_model: 'HuggingFaceTB/SmolLM2-135M-Instruct', lora_rank: rank,
+      steps, last_loss: loss });
+    const { node, model } = await drawn([report([session('a', { runs: [run(0, 30, 1.5), run(1, 6, 2.25), run(2, 2, null, 16)] })])]);
+    const [row] = rows(node);
+    expect(row.dataset.runs).toBe('3');
+    expect(runTexts(row)).toEqual(['train:0 · 30 steps · loss 1.500', 'train:1 · 6 steps · loss 2.250',
+      'train:2 · 2 steps · loss – · SmolLM2-135M-Instruct r16']);
+    expect(row.textContent).not.toContain('38');
+    model.dispose();
+  });
+
+  it('lists sampler snapshots beside the saved checkpoints, saying they have no path', async () => {
+    const saved = { tinker_path: 'tinker://a:train:0/sampler_weights/final', checkpoint_type: 'sampler',
+      time: '2026-01-01T00:02:00Z', training_run_id: 'a:train:0' };
+    const snapshot = { sampler_id: 'a:sample:3', training_run_id: 'a:train:0', time: '2026-01-01T00:01:00Z' };
+    const { node, model } = await drawn([report([session('a', { sampler_snapshots: [snapshot] }),
+      session('b', { checkpoints: [{ ...saved, training_run_id: 'b:train:0' }] })])]);
+    const [a, b] = rows(node);
+    a.querySelector<HTMLButtonElement>('.jp-StepwiseSession-header')!.click();
+    b.querySelector<HTMLButtonElement>('.jp-StepwiseSession-header')!.click();
+    expect(a.querySelector('.jp-StepwiseCheckpoint-none')).toBeNull();
+    expect(a.querySelector('.jp-StepwiseSnapshot-id')!.textContent).toBe('a:sample:3');
+    expect(a.querySelector('.jp-StepwiseSnapshot')!.textContent).toContain('no tinker:// path');
+    expect(a.querySelector('.jp-StepwiseCheckpoint-copy')).toBeNull();
+    expect(b.querySelector('.jp-StepwiseCheckpoint[data-type="sampler"] .jp-StepwiseCheckpoint-type')!.textContent)
+      .toBe('sampler weights · train:0 · 2026-01-01 00:02:00');
+    model.dispose();
+  });
+
+  it('greys ended sessions in a group of their own that folds, their checkpoints still listed', async () => {
+    const path = 'tinker://c:train:0/weights/final';
+    const ended = session('c', { status: 'ended', remembered: true,
+      checkpoints: [{ tinker_path: path, checkpoint_type: 'training', time: '2026-01-01T00:01:00Z', training_run_id: 'c:train:0' }] });
+    const { node, model } = await drawn([report([ended, session('a'), session('b', { status: 'finished' })])]);
+    const active = node.querySelector('.jp-StepwiseSidebar-list:not(.jp-StepwiseSidebar-ended)')!;
+    const group = node.querySelector<HTMLElement>('.jp-StepwiseSidebar-ended')!;
+    const header = node.querySelector<HTMLButtonElement>('.jp-StepwiseSidebar-endedHeader')!;
+    expect(Array.from(active.children).map(r => (r as HTMLElement).dataset.sessionId)).toEqual(['a']);
+    expect(Array.from(group.children).map(r => (r as HTMLElement).dataset.sessionId)).toEqual(['c', 'b']);
+    const [c] = rows(group);
+    expect(c.classList.contains('jp-mod-ended')).toBe(true);
+    expect(c.querySelector('.jp-StepwiseSession-header')!.getAttribute('title')).toContain('its backend stopped');
+    c.querySelector<HTMLButtonElement>('.jp-StepwiseSession-header')!.click();
+    expect(c.querySelector('.jp-StepwiseCheckpoint-path')!.textContent).toBe(path);
+    expect(header.textContent).toBe('Ended 2 sessions · checkpoints stay listed');
+    expect(group.hidden).toBe(false);
+    header.click();
+    expect(group.hidden).toBe(true);
+    expect(header.getAttribute('aria-expanded')).toBe('false');
+    header.click();
+    expect(group.hidden).toBe(false);
+    model.dispose();
+  });
+
+  it('titles a session after the notebook its kernel runs now, and says what it started as', async () => {
+    const { node, model } = await drawn([report([session('a', { display_name: 'Untitled.ipynb', notebook: 'w/train.ipynb' })])]);
+    const [row] = rows(node);
+    expect(text(row, 'title')).toBe('train.ipynb');
+    expect(row.dataset.notebook).toBe('w/train.ipynb');
+    expect(row.dataset.name).toBe('train.ipynb');
+    expect(row.querySelector('.jp-StepwiseSession-header')!.getAttribute('title'))
+      .toContain('started as Untitled.ipynb; its notebook is now w/train.ipynb');
     model.dispose();
   });
 
