@@ -1,7 +1,7 @@
 """The cost meter: live prefill / sample / train tokens and money, and estimate_cost() before a call.
 
-Scopes: one session, one training run, or the whole kernel (every session this kernel's
-connect() clients opened). The numbers come from the backend's usage ledger (GET /api/v1/usage),
+Scopes: one session, one training run (its own requests and the sampling done with its weights:
+its rollouts), or the whole kernel (every session this kernel's connect() clients opened). The numbers come from the backend's usage ledger (GET /api/v1/usage),
 the single source of truth: nothing is counted on the client.
 
     meter = workbench.CostMeter()                          # the whole kernel
@@ -37,7 +37,7 @@ export default {
         rows.map(([label, tokens, cost]) =>
           `<tr data-kind="${esc(label)}"><td style="padding:2px 10px 2px 0">${label === "total" ? "<b>total</b>" : esc(label)}</td>` +
           cell(tokens, "wb-cost-tokens") + cell(cost, "wb-cost-cost") + `</tr>`).join("") +
-        `</table>` + (error ? `<div style="color:#b00">${esc(error)}</div>` : "") + `</div>`;
+        `</table>` + (error ? `<div class="wb-cost-error" style="color:#b00">${esc(error)}</div>` : "") + `</div>`;
     };
     draw();
     for (const f of FIELDS) model.on(`change:${f}`, draw);
