@@ -193,8 +193,11 @@ def test_distillation_lowers_the_kl_to_the_teacher(endpoint, tinker_server, tmp_
 def test_rl_with_stable_reinforce_trains_on_what_its_sampler_recorded(endpoint, tinker_server, tmp_path):
     """`--loss-fn stable_reinforce`: the recipe's samplers record what they sample and its datums name their
     sequences (provenance); the server weighs each token by the recorded logprobs, which on-policy equal
-    the learner's (importance ratio 1, nothing truncated)."""
-    config = rl.Config(**endpoint, loss_fn="stable_reinforce", steps=2, groups_per_batch=3, group_size=6,
+    the learner's (importance ratio 1, nothing truncated). A step whose groups all tied is skipped and
+    counted, and is still one of the run's optim steps."""
+    # Two groups of 3 from the initial policy (about 1 correct reply in 10) mostly tie: with this
+    # seed step 1's both do, and a later step's do not.
+    config = rl.Config(**endpoint, loss_fn="stable_reinforce", steps=3, groups_per_batch=2, group_size=3,
                        eval_prompts=0, metrics_path=str(tmp_path / "rl.jsonl"))
     summary = rl.run(config)
     rows = check_summary(summary, tinker_server, "rl", "reward")
@@ -203,6 +206,13 @@ def test_rl_with_stable_reinforce_trains_on_what_its_sampler_recorded(endpoint, 
     for row in trained:
         assert row["importance_ratio"] == pytest.approx(1.0, abs=1e-3) and row["truncated"] == 0, row
         assert math.isfinite(row["loss"]) and row["loss"] != 0, row
+    # A step whose groups all tied is skipped, counted, and still one of the run's optim steps.
+    skipped = [r for r in rows if "reward" in r and r.get("train_tokens") == 0]
+    assert skipped and all(r["skipped"] == rl.TIED and "loss" not in r for r in skipped), rows
+    assert summary.skipped_steps == len(skipped) and f"({len(skipped)} skipped: {rl.TIED}" in str(summary)
+    series = httpx.get(f"{tinker_server.base_url}/api/v1/usage", params={"training_run_id": summary.training_run_id},
+                       headers={"X-API-Key": tinker_server.api_key}).json()["series"]
+    assert [r["request_type"] for r in series].count("OptimStep") == summary.steps
 
 
 def test_an_optim_step_with_nothing_to_train_on_advances_the_step_and_changes_no_weight(tinker_server):

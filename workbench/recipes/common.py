@@ -279,12 +279,15 @@ class MetricsLog:
 
 
 def plot_to(dashboard, *names: str) -> Callable[[dict], None]:
-    """An `on_step` callback that plots the named metrics of each logged row on a workbench.Dashboard."""
+    """An `on_step` callback that plots the named metrics of each logged row on a workbench.Dashboard,
+    and marks the steps a row says were skipped (`"skipped": why`: taken with nothing to train on)."""
 
     def on_step(row: dict) -> None:
         values = {n: row[n] for n in names if isinstance(row.get(n), (int, float)) and math.isfinite(row[n])}
         if values:
             dashboard.log(row["step"], **values)
+        if row.get("skipped"):
+            dashboard.skip(row["step"], row["skipped"])
 
     return on_step
 
@@ -337,10 +340,14 @@ class Summary:
     checkpoints: list[str] = field(default_factory=list)
     sampler_path: str | None = None
     extra: dict = field(default_factory=dict)
+    skipped_steps: int = 0      # of `steps`, taken with nothing to train on (an optim_step, no gradient)
+    skipped_why: str = ""       # why, e.g. "every group tied"
 
     def __str__(self) -> str:
+        skipped = (f" ({self.skipped_steps} skipped: {self.skipped_why}; nothing to train on, weights unchanged)"
+                   if self.skipped_steps else "")
         lines = [
-            f"{self.recipe}: {self.steps} steps on {self.training_run_id}",
+            f"{self.recipe}: {self.steps} steps on {self.training_run_id}{skipped}",
             f"  {self.metric}: {self.initial:.4g} -> {self.final:.4g}",
             f"  training run: {self.tokens:,} tokens, ${self.cost:.6f}",
         ]

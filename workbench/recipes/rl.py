@@ -21,12 +21,18 @@ Each step (GRPO-style, as the tinker cookbook does it):
    logprobs ride along in loss_fn_inputs["logprobs"]; stable_reinforce: the sampler records its
    logprobs itself, record_stability_info=True, and each datum names its sampled sequence) and one
    optim_step.
+   A step where every group tied has nothing to train on: it is skipped, yet its optim_step is
+   still taken, with no forward_backward before it, which changes no weight and no optimizer state
+   (tests/test_recipes.py checks that) but advances the backend's step count. So the step numbers
+   of this loop, of the sidebar and of the dashboard's loss (the ledger's) stay one count; the row
+   says `"skipped": "every group tied"`, the dashboard marks it (common.plot_to) and the summary
+   counts it.
 Logged per step: reward (mean over all samples), format (the share of replies that are only a
 number), kl_sampler (mean over completion tokens of sampler logprob - learner logprob, from the
 forward_backward's output logprobs: how far the learner is from the policy that sampled, about 0
 when on-policy), logprob_gap_mean / logprob_gap_max (mean and max |sampler logprob - learner
 logprob|: on-policy, the numerical gap between the sampler, say vLLM, and the trainer on the same
-weights), sample/train tokens, loss.
+weights), sample/train tokens, loss; on a skipped step, `skipped` (why) instead of loss and KL.
 With `eval_prompts` > 0, a held-out set of prompts is scored before and after training.
 
 Measured with `python -m workbench.recipes.rl` (defaults: operands 1..5, 12 steps of 4 prompts x 8
@@ -52,6 +58,7 @@ from workbench.recipes import common
 from workbench.recipes.common import BaseConfig, Summary
 
 LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "stable_reinforce")
+TIED = "every group tied"  # why a step is skipped
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,9 +150,10 @@ class Rollouts:
 
 
 def sample_groups(sampler, tokenizer, task, problems: list[Problem], group_size: int, max_tokens: int,
-                  temperature: float, seed: int, provenance: bool = False) -> Rollouts:
+                  temperature: float, seed: int, provenance: bool = False, on_group=None) -> Rollouts:
     """Sample a group per problem, score it, and turn groups with reward variance into datums (with
-    `provenance`, datums that name their sampled sequences: for stable_reinforce)."""
+    `provenance`, datums that name their sampled sequences: for stable_reinforce). `on_group()` is
+    called as each group's samples arrive (a progress bar)."""
     prompts = [common.user_prompt(tokenizer, p.question) for p in problems]
     futures = [
         sampler.sample(types.ModelInput.from_ints(prompt), group_size,
@@ -155,6 +163,8 @@ def sample_groups(sampler, tokenizer, task, problems: list[Problem], group_size:
     out = Rollouts()
     for problem, prompt, future in zip(problems, prompts, futures):
         sequences = future.result().sequences
+        if on_group is not None:
+            on_group()
         texts = [tokenizer.decode(s.tokens, skip_special_tokens=True) for s in sequences]
         grades = [task.grade(t, problem) for t in texts]
         rewards = np.array([task.reward(t, problem) for t in texts])
@@ -180,9 +190,16 @@ def sample_groups(sampler, tokenizer, task, problems: list[Problem], group_size:
 
 
 def evaluate(sampler, tokenizer, task, problems: list[Problem], samples: int, max_tokens: int,
-             temperature: float, seed: int) -> float:
-    """The share of correct answers over `samples` answers to each problem (the format not counted)."""
-    return float(np.mean(sample_groups(sampler, tokenizer, task, problems, samples, max_tokens, temperature, seed).correct))
+             temperature: float, seed: int, progress: bool = False, desc: str = "held-out eval") -> float:
+    """The share of correct answers over `samples` answers to each problem (the format not counted);
+    with `progress`, a bar that counts the problems answered (on a CPU the eval takes a while)."""
+    bar = common.progress_bar(len(problems), f"{desc} ({len(problems)} problems x {samples})", progress)
+    try:
+        rollouts = sample_groups(sampler, tokenizer, task, problems, samples, max_tokens, temperature, seed,
+                                 on_group=lambda: bar.update(1))
+    finally:
+        bar.close()
+    return float(np.mean(rollouts.correct))
 
 
 def sampler_vs_learner(data: list[types.Datum], outputs: list[dict], starts: list[int]) -> dict[str, float]:
@@ -214,10 +231,11 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
     if eval_problems:
         sampler = tc.save_weights_and_get_sampling_client().result()
         extra["eval_reward_before"] = evaluate(sampler, tokenizer, task, eval_problems, config.eval_samples,
-                                               config.max_tokens, config.temperature, seed=10_000 + config.seed)
+                                               config.max_tokens, config.temperature, seed=10_000 + config.seed,
+                                               progress=config.progress, desc="held-out eval, before training")
         log.log(0, eval_reward=extra["eval_reward_before"])
 
-    rewards_by_step, checkpoints = [], []
+    rewards_by_step, checkpoints, skipped = [], [], 0
     stable = config.loss_fn == "stable_reinforce"  # its sampler records what it sampled
     bar = common.progress_bar(config.steps, f"rl ({config.loss_fn})", config.progress)
     try:
@@ -240,21 +258,26 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
                 if "importance_ratio:mean" in out.metrics:  # stable_reinforce's truncated weights
                     row.update(importance_ratio=out.metrics["importance_ratio:mean"],
                                truncated=out.metrics["truncated_fraction:mean"])
-            else:
-                row.update(train_tokens=0)
+            else:  # every group tied: the step is taken with nothing to train on (see the module doc)
+                tc.optim_step(common.adam(lr)).result()
+                row.update(train_tokens=0, skipped=TIED)
+                skipped += 1
             if config.save_every and step % config.save_every == 0:
                 checkpoints.append(row.setdefault("checkpoint", tc.save_state(f"{config.checkpoint_prefix}-{step}").result().path))
             row["example"] = rollouts.examples[0]
             rewards_by_step.append(row["reward"])
             log.log(step, **row)
-            bar.set_postfix(reward=f"{row['reward']:.2f}", kl=f"{row.get('kl_sampler', 0.0):.4f}")
+            bar.set_postfix(reward=f"{row['reward']:.2f}",
+                            **({"kl": f"{row['kl_sampler']:.4f}"} if "kl_sampler" in row else {}),
+                            **({"skipped": f"{skipped} ({TIED})"} if skipped else {}))
             bar.update(1)
         bar.close()
         sampler_path = tc.save_weights_for_sampler(f"{config.checkpoint_prefix}-final").result().path
         if eval_problems:
             sampler = service_client.create_sampling_client(model_path=sampler_path).result()
             extra["eval_reward_after"] = evaluate(sampler, tokenizer, task, eval_problems, config.eval_samples,
-                                                  config.max_tokens, config.temperature, seed=10_000 + config.seed)
+                                                  config.max_tokens, config.temperature, seed=10_000 + config.seed,
+                                                  progress=config.progress, desc="held-out eval, after training")
             log.log(config.steps, eval_reward=extra["eval_reward_after"])
     finally:
         bar.close()
@@ -268,7 +291,8 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
     else:
         metric, initial, final = "reward", first, last
     return common.summarize("rl", config, service_client, tc, config.steps, metric, initial, final, log,
-                            checkpoints=checkpoints, sampler_path=sampler_path, extra=extra)
+                            checkpoints=checkpoints, sampler_path=sampler_path, extra=extra,
+                            skipped_steps=skipped, skipped_why=TIED if skipped else "")
 
 
 if __name__ == "__main__":
