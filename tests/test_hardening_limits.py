@@ -64,6 +64,10 @@ def test_tokens_per_minute_count_admitted_work_on_every_model_route(shared_serve
     # A request that could never fit is a 400 that says so, not a 429 to retry forever.
     with pytest.raises(openai.BadRequestError, match="split it"):
         oai.completions.create(model=BASE, prompt=[1, 2], max_tokens=LIMIT)
+    # A batch of prompts is admitted as one: each of these four would fit alone, together they pass
+    # the 98 tokens left, so none runs (the totals below count no Completion for them).
+    with pytest.raises(openai.RateLimitError):
+        oai.completions.create(model=BASE, prompt=[[1, 2]] * 4, max_tokens=23)
     # What still fits runs.
     assert oai.completions.create(model=BASE, prompt=[1, 2], max_tokens=5, temperature=0).choices
 

@@ -143,3 +143,84 @@ def test_streaming_with_include_usage_ends_with_the_usage(oai, trained_path):
     assert last.usage.prompt_tokens_details.cached_tokens == whole.usage.prompt_tokens - 1  # the same prompt again
     plain = list(oai.chat.completions.create(model=trained_path, messages=messages, temperature=0, max_tokens=20, stream=True))
     assert all(c.usage is None for c in plain) and plain[-1].choices  # without the option, no usage chunk
+
+
+# ---- /v1/completions as the evaluation harnesses use it (lm-eval's local-completions, vLLM scripts) -----
+
+
+def _usage_rows(tinker_server, request_type: str, after: int) -> list[dict]:
+    rows = httpx.get(tinker_server.base_url + "/api/v1/usage", params={"after": after},
+                     headers={"X-API-Key": tinker_server.api_key}).json()["series"]
+    return [r for r in rows if r["request_type"] == request_type]
+
+
+def _cursor(tinker_server) -> int:
+    """The usage API's cursor after every row so far (it pages, oldest first)."""
+    cursor = 0
+    while True:
+        page = httpx.get(tinker_server.base_url + "/api/v1/usage", params={"after": cursor},
+                         headers={"X-API-Key": tinker_server.api_key}).json()
+        if page["cursor"] == cursor or not page["series"]:
+            return cursor
+        cursor = page["cursor"]
+
+
+def test_completions_score_token_prompts_as_lm_eval_asks(oai, tinker_server, tokenizer):
+    """lm-eval's loglikelihood request: a list of token lists (context + continuation), echo, logprobs 1,
+    max_tokens 1. One choice per prompt, in order; each prompt's own token logprobs (None first) are
+    compute_logprobs's numbers; its top-1 alternative is the greedy token; a ledger row per prompt."""
+    prompts = [tokenizer("Question: What colour is the sky? Answer: blue")["input_ids"],
+               tokenizer("The opposite of hot is cold")["input_ids"]]
+    after = _cursor(tinker_server)
+    reply = oai.completions.create(model=BASE, prompt=prompts, echo=True, logprobs=1, max_tokens=1, temperature=0,
+                                   seed=1234)
+    assert [c.index for c in reply.choices] == [0, 1]
+    sampler = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key) \
+        .create_sampling_client(base_model=BASE)
+    for prompt, choice in zip(prompts, reply.choices):
+        logprobs = choice.logprobs
+        assert len(logprobs.tokens) == len(prompt) + 1  # the prompt, then the one generated token
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        expected = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+        assert logprobs.token_logprobs[1:len(prompt)] == pytest.approx(expected[1:], abs=1e-4)
+        for token_logprob, top in zip(logprobs.token_logprobs[1:], logprobs.top_logprobs[1:]):
+            assert len(top) == 1 and max(top.values()) >= token_logprob - 1e-6
+        assert choice.text.startswith(tokenizer.decode(prompt))
+        assert logprobs.text_offset[0] == 0 and all(
+            b - a == len(t) for a, b, t in zip(logprobs.text_offset, logprobs.text_offset[1:], logprobs.tokens))
+    assert reply.usage.prompt_tokens == sum(map(len, prompts)) and reply.usage.completion_tokens == 2
+    rows = _usage_rows(tinker_server, "Completion", after)
+    assert sorted(r["prefill_tokens"] for r in rows) == sorted(map(len, prompts))
+
+
+def test_completions_take_every_prompt_shape_with_n_each(oai, tokenizer):
+    texts = ["One, two, three,", "Red, green,"]
+    reply = oai.completions.create(model=BASE, prompt=texts, n=2, max_tokens=4, temperature=0)
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]  # prompt by prompt, n each
+    assert reply.choices[0].text == reply.choices[1].text != reply.choices[2].text == reply.choices[3].text
+    one = oai.completions.create(model=BASE, prompt=texts[1], max_tokens=4, temperature=0)
+    assert one.choices[0].text == reply.choices[2].text  # a prompt in a list answers as alone
+    tokens = oai.completions.create(model=BASE, prompt=tokenizer(texts[1])["input_ids"], max_tokens=4, temperature=0)
+    assert tokens.choices[0].text == one.choices[0].text
+    assert reply.usage.prompt_tokens == sum(len(tokenizer(t)["input_ids"]) for t in texts)
+
+
+def test_completions_max_tokens_0_with_echo_scores_without_generating(oai, tokenizer):
+    prompt = "A perplexity test sentence, scored and not continued."
+    reply = oai.completions.create(model=BASE, prompt=prompt, echo=True, logprobs=0, max_tokens=0)
+    choice = reply.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert len(choice.logprobs.token_logprobs) == len(tokenizer(prompt)["input_ids"])
+    assert choice.logprobs.token_logprobs[0] is None and all(lp < 0 for lp in choice.logprobs.token_logprobs[1:])
+    assert reply.usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError) as refused:  # nothing to generate and nothing to score
+        oai.completions.create(model=BASE, prompt=prompt, max_tokens=0)
+    assert "echo" in refused.value.body["message"] and refused.value.body["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("prompt, says", [([], "prompt is empty"), ([[5, 6], []], "prompt is empty"),
+                                          ([[5, 6]] * 300, "split it")])
+def test_completions_refuse_bad_prompt_lists_with_a_message(oai, prompt, says):
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.completions.create(model=BASE, prompt=prompt, max_tokens=1)
+    assert says in refused.value.body["message"]

@@ -3,6 +3,14 @@
 Mounted at /oai/api/v1 (Tinker's path) and /v1. `model` is a base model name, a
 `tinker://<run>/sampler_weights/<name>` (or `/weights/<name>`) path, or `<base>;<path>`.
 Requests go through the scheduler like any other sampling, and are metered the same way.
+
+/completions takes OpenAI's four prompt shapes (a text, texts, a token list, token lists: what
+lm-eval's local-completions sends) and answers n choices per prompt, indexed prompt by prompt; a
+list of prompts is bounded and admitted as one request, each prompt a job in the shared decode
+batch. `echo` returns the prompt before the completion, and with `logprobs` the prompt's own token
+logprobs (None for its first token; the same numbers as compute_logprobs) and their top
+alternatives: what loglikelihood and perplexity evaluations read. `max_tokens: 0` with echo scores
+the prompt and generates nothing.
 Errors use OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 """
 
@@ -22,7 +30,7 @@ from kernel_backend.admission import SEED_RANGE
 from kernel_backend.api.auth import tenant_of
 from kernel_backend.api.tinker import service
 from kernel_backend.service import NotFound, Service, sampling
-from kernel_backend.types import SamplingParams, UserError, redact_paths
+from kernel_backend.types import SampleOptions, SamplingParams, UserError, redact_paths
 
 
 class OpenAIError(Exception):
@@ -68,9 +76,11 @@ class ChatRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int]
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    # OpenAI's four shapes: a text, texts, a token list, token lists (lm-eval sends lists of either)
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: score the prompt, generate nothing
+    logprobs: int | None = Field(None, ge=0, le=20)  # token logprobs, with this many alternatives each
+    echo: bool = False  # the prompt comes back before the completion, with its own token logprobs
 
 
 def build_router(prefix: str) -> APIRouter:
@@ -91,7 +101,7 @@ def build_router(prefix: str) -> APIRouter:
             messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
             prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
             top = (body.top_logprobs or 0) if body.logprobs else 0
-            return await _complete(svc, tenant, body, base, path, prompt, top, chat=True)
+            return await _complete(svc, tenant, body, base, path, [prompt], top, chat=True)
         except (OpenAIError, UserError, NotFound) as e:
             return _as_openai(e).response()
 
@@ -100,8 +110,8 @@ def build_router(prefix: str) -> APIRouter:
         try:
             base, path = sampling.openai_model(svc, tenant, body.model)
             tokenizer = sampling.tokenizer(svc, base)
-            prompt = body.prompt if isinstance(body.prompt, list) else tokenizer(body.prompt)["input_ids"]
-            return await _complete(svc, tenant, body, base, path, prompt, body.logprobs or 0, chat=False)
+            return await _complete(svc, tenant, body, base, path, _prompts(body.prompt, tokenizer), body.logprobs or 0,
+                                   chat=False)
         except (OpenAIError, UserError, NotFound) as e:
             return _as_openai(e).response()
 
@@ -128,18 +138,44 @@ def _text(content) -> str:
     return "".join(parts)
 
 
+def _prompts(prompt, tokenizer) -> list[list[int]]:
+    """The request's prompts as token lists, whichever of OpenAI's four shapes it came in."""
+    if isinstance(prompt, str):
+        return [tokenizer(prompt)["input_ids"]]
+    if not prompt or not all(prompt):
+        raise OpenAIError(400, "prompt is empty: send a text, texts, a token list or token lists", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return [tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in prompt]
+
+
+def _max_tokens(body: SamplingFields, chat: bool) -> int:
+    chosen = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return (512 if chat else 16) if chosen is None else chosen
+
+
 async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, path: str | None,
-                    prompt: list[int], top_logprobs: int, chat: bool):
+                    prompts: list[list[int]], top_logprobs: int, chat: bool):
     tokenizer = sampling.tokenizer(svc, base)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
-    params = SamplingParams(
-        max_tokens=body.max_completion_tokens or body.max_tokens or (512 if chat else 16),
-        temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=stop or None,
-    )
+    echo, max_tokens = getattr(body, "echo", False), _max_tokens(body, chat)
+    wants_logprobs = (body.logprobs is not None) if not chat else body.logprobs
+    if max_tokens == 0 and not echo:
+        raise OpenAIError(400, "max_tokens 0 generates nothing: set echo to true to score the prompt", param="max_tokens")
+    if body.stream and echo:
+        raise OpenAIError(400, "echo is not supported with stream; send stream false to score a prompt", param="echo")
+    # max_tokens 0 (score only) is one prefill, as compute_logprobs is: the token it yields is not returned
+    # (and, like compute_logprobs's, billed as one sample token).
+    params = SamplingParams(max_tokens=max_tokens or 1, temperature=body.temperature, top_p=body.top_p,
+                            seed=body.seed, stop=stop or None)
+    options = SampleOptions(topk_sample_logprobs=top_logprobs, prompt_logprobs=echo and wants_logprobs,
+                            topk_prompt_logprobs=top_logprobs if echo and wants_logprobs else 0)
     request_type = "ChatCompletion" if chat else "Completion"
     completion_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     if body.stream:
+        if len(prompts) > 1:
+            raise OpenAIError(400, "stream takes one prompt per request", param="prompt")
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -147,43 +183,46 @@ async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, 
             loop.call_soon_threadsafe(queue.put_nowait, (row, token))
 
         # generate() bounds and admits the request as it is called, so bad input is a 400 before the stream starts.
-        task = asyncio.create_task(sampling.generate(svc, tenant, request_type, base, path, prompt, body.n, params,
-                                                     top_logprobs, on_token=on_token))
+        task = asyncio.create_task(sampling.generate(svc, tenant, request_type, base, path, prompts, body.n, params,
+                                                     options, on_token=on_token))
         wants_usage = body.stream_options is not None and body.stream_options.include_usage
-        usage_of = (lambda result: _usage(len(prompt), result)) if wants_usage else None
+        usage_of = (lambda results: _usage(prompts, results, max_tokens)) if wants_usage else None
         return StreamingResponse(
             _stream(task, queue, tokenizer, completion_id, created, body.model, body.n, chat, stop or [], usage_of),
             media_type="text/event-stream",
         )
-    result = await sampling.generate(svc, tenant, request_type, base, path, prompt, body.n, params, top_logprobs)
+    results = await sampling.generate(svc, tenant, request_type, base, path, prompts, body.n, params, options)
+    eos = sampling.eos_ids(svc, base)
     choices = []
-    for index, seq in enumerate(result.sequences):
-        visible, finish = _visible(seq, tokenizer, stop or [], sampling.eos_ids(svc, base))
-        text = tokenizer.decode(visible)
-        text = _cut_at_stop(text, stop or [])
-        choice = {"index": index, "finish_reason": finish}
-        logprobs = _logprobs(seq, visible, tokenizer, top_logprobs, chat) if (top_logprobs or _wants_logprobs(body)) else None
-        if chat:
-            choice.update(message={"role": "assistant", "content": text}, logprobs=logprobs)
-        else:
-            choice.update(text=text, logprobs=logprobs)
-        choices.append(choice)
+    for prompt, result in zip(prompts, results):
+        for seq in result.sequences:
+            visible, finish = _visible(seq, tokenizer, stop or [], eos) if max_tokens else ([], "length")
+            text = _cut_at_stop(tokenizer.decode(visible), stop or [])
+            choice = {"index": len(choices), "finish_reason": finish}  # OpenAI's: prompt by prompt, n each
+            if chat:
+                logprobs = _chat_logprobs(seq, visible, tokenizer, top_logprobs) if wants_logprobs else None
+                choice.update(message={"role": "assistant", "content": text}, logprobs=logprobs)
+            else:
+                logprobs = None
+                if wants_logprobs:
+                    logprobs = _completion_logprobs((_prompt_entries(prompt, result, tokenizer) if echo else [])
+                                                    + _entries(seq, visible, tokenizer, top_logprobs))
+                choice.update(text=(tokenizer.decode(prompt) if echo else "") + text, logprobs=logprobs)
+            choices.append(choice)
     return {
         "id": completion_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-        "model": body.model, "choices": choices, "usage": _usage(len(prompt), result),
+        "model": body.model, "choices": choices, "usage": _usage(prompts, results, max_tokens),
     }
 
 
-def _usage(prompt_tokens: int, result) -> dict:
-    """OpenAI's usage object; cached_tokens: the prompt's start the prefix cache served (billed all the same)."""
-    completion_tokens = sum(len(seq.tokens) for seq in result.sequences)
+def _usage(prompts: list[list[int]], results: list, max_tokens: int) -> dict:
+    """OpenAI's usage object, summed over the prompts; cached_tokens: the prompts' starts the prefix
+    cache served (billed all the same)."""
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(len(seq.tokens) for r in results for seq in r.sequences) if max_tokens else 0
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": result.cached_prompt_tokens}}
-
-
-def _wants_logprobs(body) -> bool:
-    return bool(getattr(body, "logprobs", False))
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_prompt_tokens for r in results)}}
 
 
 def _visible(seq, tokenizer, stop: list[str], eos: set[int]) -> tuple[list[int], str]:
@@ -200,24 +239,43 @@ def _cut_at_stop(text: str, stop: list[str]) -> str:
     return text[: min(cuts)] if cuts else text
 
 
-def _logprobs(seq, visible: list[int], tokenizer, top: int, chat: bool):
-    entries = []
-    for i, token in enumerate(visible):
-        alternatives = (seq.top_logprobs[i] if seq.top_logprobs else [])[:top]
-        entries.append({
-            "token": tokenizer.decode([token]),
-            "logprob": seq.logprobs[i],
-            "bytes": list(tokenizer.decode([token]).encode()),
-            "top_logprobs": [{"token": tokenizer.decode([t]), "logprob": lp, "bytes": list(tokenizer.decode([t]).encode())}
-                             for t, lp in alternatives],
-        })
-    if chat:
-        return {"content": entries}
+def _entry(tokenizer, token: int, logprob: float | None, alternatives) -> dict:
+    """One token's logprob entry: its text, logprob and the most likely alternatives (None: the
+    prompt's first token, which nothing predicts)."""
+    text = tokenizer.decode([token])
+    top = None if alternatives is None else [{"token": tokenizer.decode([t]), "logprob": lp,
+                                             "bytes": list(tokenizer.decode([t]).encode())} for t, lp in alternatives]
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": top}
+
+
+def _entries(seq, visible: list[int], tokenizer, top: int) -> list[dict]:
+    """The generated tokens' entries."""
+    return [_entry(tokenizer, token, seq.logprobs[i], (seq.top_logprobs[i] if seq.top_logprobs else [])[:top])
+            for i, token in enumerate(visible)]
+
+
+def _prompt_entries(prompt: list[int], result, tokenizer) -> list[dict]:
+    """The prompt's own entries (echo): the same numbers compute_logprobs gives, None for the first token."""
+    tops = result.topk_prompt_logprobs or [None] + [[]] * (len(prompt) - 1)
+    return [_entry(tokenizer, token, result.prompt_logprobs[i], tops[i]) for i, token in enumerate(prompt)]
+
+
+def _chat_logprobs(seq, visible: list[int], tokenizer, top: int) -> dict:
+    return {"content": _entries(seq, visible, tokenizer, top)}
+
+
+def _completion_logprobs(entries: list[dict]) -> dict:
+    """The legacy completions shape: parallel lists; text_offset is each token's start in `text`."""
+    offsets, at = [], 0
+    for entry in entries:
+        offsets.append(at)
+        at += len(entry["token"])
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
-        "text_offset": [],
+        "top_logprobs": [None if e["top_logprobs"] is None else {a["token"]: a["logprob"] for a in e["top_logprobs"]}
+                         for e in entries],
+        "text_offset": offsets,
     }
 
 
@@ -262,7 +320,7 @@ async def _events(task, queue, tokenizer, completion_id, created, model, n, chat
             yield chunk(row, text[len(sent[row]):], None)
             sent[row] = text
     try:
-        result = task.result()
+        (result,) = task.result()
     except Exception as e:  # failed while running (already streaming): an error event, then the end
         kind = "invalid_request_error" if isinstance(e, UserError) else "server_error"
         yield "data: " + json.dumps({"error": {"message": redact_paths(str(e)), "type": kind}}) + "\n\n"
@@ -271,5 +329,5 @@ async def _events(task, queue, tokenizer, completion_id, created, model, n, chat
         yield chunk(index, None, "stop" if seq.stop_reason == "stop" else "length")
     if usage_of is not None:  # OpenAI's shape: no choices, the whole request's usage
         yield "data: " + json.dumps({"id": completion_id, "object": kind, "created": created, "model": model,
-                                      "choices": [], "usage": usage_of(result)}) + "\n\n"
+                                      "choices": [], "usage": usage_of([result])}) + "\n\n"
     yield "data: [DONE]\n\n"

@@ -158,40 +158,70 @@ def eos_ids(svc: Service, base_model: str) -> set[int]:
     return {tok.eos_token_id} if tok.eos_token_id is not None else set()
 
 
-def generate(svc: Service, tenant: str, request_type: str, base_model: str, path: str | None, prompt: list[int],
-             num_samples: int, params: SamplingParams, topk_sample_logprobs: int = 0, on_token=None):
-    """Sample on the scheduler thread, metered like any request. Bounds and admits the request now
-    (raising UserError or RateLimited before anything streams); await the result for the SampleResult."""
-    options = SampleOptions(topk_sample_logprobs=topk_sample_logprobs)
-    tokens = check_sampling(svc, base_model, prompt, num_samples, params, options)
+MAX_PROMPTS = 256  # prompts x samples in one OpenAI completions request (each prompt is its own job)
+
+
+def generate(svc: Service, tenant: str, request_type: str, base_model: str, path: str | None, prompts: list[list[int]],
+             num_samples: int, params: SamplingParams, options: SampleOptions | None = None, on_token=None):
+    """Sample `num_samples` continuations of each prompt on the scheduler thread, metered like any
+    request (a ledger row per prompt). Every prompt is bounded, and the whole batch admitted as one,
+    now (raising UserError or RateLimited before anything is queued or streams); each prompt is a job
+    of its own, so they share the decode batch with everyone's. Await the result for one SampleResult
+    per prompt. `on_token(row, token, logprob)` streams a single prompt's tokens."""
+    options = options or SampleOptions()
+    if not prompts or len(prompts) * num_samples > MAX_PROMPTS:
+        raise UserError(f"a request takes 1 to {MAX_PROMPTS} prompts x n samples, got {len(prompts)} x {num_samples}; "
+                        "split it into several requests")
+    if on_token is not None and len(prompts) != 1:
+        raise UserError("streaming takes one prompt per request")
+    bounds = [check_sampling(svc, base_model, prompt, num_samples, params, options) for prompt in prompts]
+    if svc.vllm is not None:
+        svc.vllm.check_options(options)  # what vLLM cannot answer is a 400 now, not a failure later
+    batch = new_id()
+    svc.admission.tokens(tenant, batch, sum(bounds))  # the jobs below are admitted as this one batch
     lane = f"oai:{tenant}:{path or base_model}"
-    request_id = new_id()
-    output = {}
+    outputs: list[dict] = [{} for _ in prompts]
+    jobs = []
     cancel = threading.Event()  # set when the caller goes away (a closed stream)
-    op = SampleOp(None, prompt, num_samples, params, options)
-    if path is not None:
-        op.adapter_id, op.owner = lane, tenant
-        locate(svc, op, path)
+    for prompt, output in zip(prompts, outputs):
+        op = SampleOp(None, prompt, num_samples, params, options)
+        if path is not None:
+            op.adapter_id, op.owner = lane, tenant
+            locate(svc, op, path)
 
-    def keep(result):
-        output["result"] = result
-        return json_result({"sequences": len(result.sequences)})
+        def keep(result, output=output):
+            output["result"] = result
+            return json_result({"sequences": len(result.sequences)})
 
-    job = Job(request_id, lane, base_model, seq=None, sample=op, encode=keep, on_token=on_token, cancel=cancel,
-              tokens=len(prompt))
-    svc.submit(tenant, request_type, None, job, ordered=False, tokens=tokens)
+        jobs.append(Job(new_id(), lane, base_model, seq=None, sample=op, encode=keep, on_token=on_token, cancel=cancel,
+                        tokens=len(prompt)))
+    try:
+        for job in jobs:
+            svc.submit(tenant, request_type, None, job, ordered=False, tokens=0)
+    except Exception:
+        svc.admission.settle(batch, 0)
+        raise
 
-    async def result():
-        row = None
+    async def results() -> list:
         try:
-            while row is None:
-                row = await svc.retrieve(tenant, request_id)
+            rows = [await _finished(svc, tenant, job.request_id) for job in jobs]
         except asyncio.CancelledError:
             cancel.set()
             raise
-        if row.status != "done":
-            error = json.loads(row.result)
-            raise (UserError if error.get("category") == "user" else RuntimeError)(error["error"])
-        return output["result"]
+        finally:  # what the batch really processed replaces its bound (the ledger rows have it exactly)
+            done = [o["result"] for o in outputs if "result" in o]
+            svc.admission.settle(batch, sum(len(p) for p in prompts) + sum(len(s.tokens) for r in done for s in r.sequences))
+        for row in rows:
+            if row.status != "done":
+                error = json.loads(row.result)
+                raise (UserError if error.get("category") == "user" else RuntimeError)(error["error"])
+        return [output["result"] for output in outputs]
 
-    return result()
+    return results()
+
+
+async def _finished(svc: Service, tenant: str, request_id: str):
+    row = None
+    while row is None:
+        row = await svc.retrieve(tenant, request_id)
+    return row
