@@ -2,11 +2,14 @@
 a notebook that connects to the local backend and trains three steps, Debian's Chromium (the
 JupyterLab and the backend are the ones every browser test shares: tests/browser.py).
 
-What it checks: the sidebar lists the session under its notebook's name with its three steps, base
-model and rank, and its checkpoint's tinker:// path (copied by the copy button); the status bar
-follows the notebook: its cost is above zero, moved while the training cell was still running, and
-equals the usage API's for the session; the settings (currency symbol, hiding the status item) take
-effect. A screenshot of the page goes to tests/_artifacts/extension-sidebar-and-cost-meter.png.
+What it checks: the sidebar lists the session under its notebook's name with its base model and
+rank, each of its two training runs with its own steps (3 and 1, never their sum), its checkpoints'
+tinker:// paths (copied by the copy button), the sampler weights among them, and the in-memory
+sampler snapshot said to have no path; the status bar follows the notebook: its cost is above zero,
+moved while the training cell was still running, and equals the usage API's for the session; after
+the notebook is renamed (File > Rename Notebook…) the sidebar row and the status bar follow it; the
+settings (currency symbol, hiding the status item) take effect. A screenshot of the page goes to
+tests/_artifacts/extension-sidebar-and-cost-meter.png.
 
 Skipped, with the reason, where /usr/bin/chromium is missing (`make test` installs it as root).
 """
@@ -48,6 +51,14 @@ for step in range({STEPS}):
     tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     time.sleep({PAUSE_S})
 checkpoint = tc.save_state("browser-test").result().path
+# A second run of the same session, one step; and the first run's samplers: an in-memory snapshot
+# (no path), used for a rollout, and saved sampler weights (a path).
+second = client.create_lora_training_client(base_model="{BASE}", rank=8, seed=1).result()
+second.forward_backward([datum], "cross_entropy")
+second.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+snapshot = tc.save_weights_and_get_sampling_client().result()
+snapshot.sample(types.ModelInput.from_ints(tokens[:8]), 1, types.SamplingParams(max_tokens=4, seed=0)).result()
+sampler_path = tc.save_weights_for_sampler("browser-sampler").result().path
 print("trained", {STEPS}, "steps; saved", checkpoint)"""
 
 
@@ -88,25 +99,59 @@ def test_sidebar_and_cost_meter_follow_a_training_notebook(lab, browser):
     assert "train.ipynb: 1 running session" in meter.get_attribute("title")
     assert meter.get_attribute("data-notebook") == "train.ipynb"
 
-    # The sidebar: our session, under the notebook's name, with three steps, its model and rank; a
-    # click shows the checkpoint.
+    # The sidebar: our session, under the notebook's name, with its model and rank, and each run with
+    # its own steps; a click shows the checkpoints, the sampler weights and the snapshot among them.
     page.locator('.jp-SideBar [data-id="stepwise-sessions"]').click()
     row = page.locator("li.jp-StepwiseSession[data-name='train.ipynb']")
     expect(row).to_have_count(1)
-    expect(row).to_have_attribute("data-steps", str(STEPS))
-    expect(row.locator(".jp-StepwiseSession-steps")).to_have_text(f"{STEPS} steps")
     expect(row.locator(".jp-StepwiseSession-rank")).to_have_text("LoRA r8")
     expect(row.locator(".jp-StepwiseSession-status")).to_have_text("active")
+    first, second = session["training_run_ids"]
+    expect(row).to_have_attribute("data-runs", "2")
+    for run_id, steps, label in ((first, STEPS, "train:0"), (second, 1, "train:1")):
+        run = row.locator(f"li.jp-StepwiseRun[data-run-id='{run_id}']")
+        expect(run).to_have_attribute("data-steps", str(steps))
+        expect(run.locator(".jp-StepwiseRun-name")).to_have_text(label)
+        expect(run.locator(".jp-StepwiseRun-steps")).to_have_text(f"{steps} step" + ("s" if steps > 1 else ""))
+        expect(run.locator(".jp-StepwiseRun-loss")).to_have_text(re.compile(r"^loss \d"))
+    expect(row).not_to_contain_text(f"{STEPS + 1} steps")
     row.locator(".jp-StepwiseSession-header").click()
-    (checkpoint,) = [c["tinker_path"] for c in session["checkpoints"]]
-    expect(row.locator(".jp-StepwiseCheckpoint-path")).to_have_text(checkpoint)
-    row.locator(".jp-StepwiseCheckpoint-copy").click()
-    expect(row.locator(".jp-StepwiseCheckpoint-copy")).to_have_text("Copied")
+    paths = {c["checkpoint_type"]: c["tinker_path"] for c in session["checkpoints"]}
+    assert set(paths) == {"training", "sampler"} and paths["sampler"].endswith("/sampler_weights/browser-sampler")
+    for kind, path in paths.items():
+        expect(row.locator(f".jp-StepwiseCheckpoint[data-type='{kind}'] .jp-StepwiseCheckpoint-path")).to_have_text(path)
+    expect(row.locator(".jp-StepwiseCheckpoint[data-type='sampler'] .jp-StepwiseCheckpoint-type")).to_contain_text(
+        "sampler weights · train:0")
+    (snapshot,) = session["sampler_snapshots"]
+    expect(row.locator(".jp-StepwiseSnapshot-id")).to_have_text(snapshot["sampler_id"])
+    expect(row.locator(".jp-StepwiseSnapshot")).to_contain_text("no tinker:// path")
+    expect(row.locator(".jp-StepwiseCheckpoint-none")).to_have_count(0)
+    copy = row.locator(".jp-StepwiseCheckpoint[data-type='training'] .jp-StepwiseCheckpoint-copy")
+    copy.click()
+    expect(copy).to_have_text("Copied")
 
     ARTIFACTS.mkdir(exist_ok=True)
     screenshot = ARTIFACTS / "extension-sidebar-and-cost-meter.png"
     page.screenshot(path=str(screenshot))
     print("screenshot:", screenshot)
+
+    # The notebook is renamed, as a person does it: the session (named train.ipynb when its kernel
+    # connected) follows it in the sidebar and in the status bar.
+    page.locator(".jp-Notebook").first.click(position={"x": 5, "y": 5})
+    page.get_by_role("menuitem", name="File", exact=True).click()
+    page.get_by_role("menuitem", name=re.compile(r"^Rename Notebook")).click()
+    page.locator(".jp-Dialog input").fill("renamed.ipynb")
+    page.locator(".jp-Dialog").get_by_role("button", name="Rename").click()
+    row = page.locator("li.jp-StepwiseSession[data-name='renamed.ipynb']")
+    expect(row).to_have_attribute("data-session-id", session["session_id"], timeout=15_000)
+    expect(row.locator(".jp-StepwiseSession-title")).to_have_text("renamed.ipynb")
+    expect(row.locator(".jp-StepwiseSession-header")).to_have_attribute(
+        "title", re.compile(r"started as train\.ipynb; its notebook is now renamed\.ipynb"))
+    expect(page.locator("li.jp-StepwiseSession[data-name='train.ipynb']")).to_have_count(0)
+    expect(meter).to_have_attribute("data-notebook", "renamed.ipynb")
+    assert float(meter.get_attribute("data-cost")) == pytest.approx(final, rel=1e-12)
+    assert "renamed.ipynb: 1 running session" in meter.get_attribute("title")
+    page.screenshot(path=str(ARTIFACTS / "extension-renamed-notebook.png"))
 
     # Settings: another currency symbol, and no status item, after a reload (then back, for the
     # tests that share this JupyterLab).
@@ -114,7 +159,7 @@ def test_sidebar_and_cost_meter_follow_a_training_notebook(lab, browser):
     raw = json.dumps({"refreshInterval": 1, "currencySymbol": "€", "showStatusItem": False})
     assert httpx.put(settings, json={"raw": raw}).status_code == 204
     try:
-        page.reload()
+        page.goto(f"{lab['url']}/lab/tree/renamed.ipynb")
         expect(page.locator(".jp-StepwiseSidebar-summary")).to_contain_text("running · €")
         expect(row.locator(".jp-StepwiseSession-cost")).to_have_text(re.compile(r"^€0\.0"))
         expect(page.locator(".jp-StepwiseCost")).to_be_hidden()

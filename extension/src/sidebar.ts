@@ -165,7 +165,7 @@ class SessionRow {
     setFacts(this._facts, [
       ['model', shortModel(session.base_model)],
       ['rank', rank],
-      ['age', formatAge(session.age_s)],
+      ['age', session.remembered ? '' : formatAge(session.age_s)], // a remembered age stopped when it was read
       ['worker', session.worker ? `on ${session.worker}` : '']
     ]);
     const runs = JSON.stringify(session.runs);
@@ -285,8 +285,8 @@ function checkpointItems(checkpoints: ICheckpoint[], snapshots: ISnapshot[], ses
       el(
         'span',
         'jp-StepwiseCheckpoint-type',
-        `sampler snapshot in the backend's memory · ${runLabel(snapshot.training_run_id, session.session_id)} · ` +
-          `${when(snapshot.time)} · no tinker:// path: save_weights_for_sampler(name) saves one`
+        `in-memory sampler snapshot · ${runLabel(snapshot.training_run_id, session.session_id)} · ` +
+          `${when(snapshot.time)} · no tinker:// path (save_weights_for_sampler(name) saves one)`
       )
     );
     return item;

@@ -140,6 +140,7 @@ describe('SessionsSidebar', () => {
     const [c] = rows(group);
     expect(c.classList.contains('jp-mod-ended')).toBe(true);
     expect(c.querySelector('.jp-StepwiseSession-header')!.getAttribute('title')).toContain('its backend stopped');
+    expect(c.querySelector<HTMLElement>('.jp-StepwiseSession-age')!.hidden).toBe(true); // it stopped when last read
     c.querySelector<HTMLButtonElement>('.jp-StepwiseSession-header')!.click();
     expect(c.querySelector('.jp-StepwiseCheckpoint-path')!.textContent).toBe(path);
     expect(header.textContent).toBe('Ended 2 sessions · checkpoints stay listed');
