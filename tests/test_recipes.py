@@ -110,6 +110,8 @@ def test_rl_reward_and_preference_labels():
     assert preference.label("longer", ([1, 2], "ab"), ([1, 2, 3], "abc")) == -1
     assert preference.label("keyword:sun", ([1], "no"), ([2], "The Sun")) == -1
     assert preference.label("shorter", ([1], "a"), ([2], "b")) == 0
+    with pytest.raises(ValueError, match="label some pairs"):  # not the SDK's "No data provided"
+        preference.train_dpo(None, [], preference.Config(), None)
     with pytest.raises(ValueError):
         rl.run(rl.Config(loss_fn="reinforce", base_url="http://127.0.0.1:9", api_key="tml-x"))
 

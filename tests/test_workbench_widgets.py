@@ -99,7 +99,7 @@ def test_the_dashboard_marks_skipped_steps_and_announces_only_the_metrics_it_exp
     plain = Dashboard(training_run_id="run", connection=FakeUsage({}), poll_interval=None)
     assert "the loss" in plain.note.value and "dashboard.log" not in plain.note.value
     dash = Dashboard(training_run_id="run", connection=FakeUsage({1: 3.0, 2: 2.5, 4: 2.0}), poll_interval=None,
-                     panels={"reward": ["reward", "eval_reward"]})
+                     panels={"reward": ["reward", "eval_reward"]}, labels={"eval_reward": "held-out"})
     dash.flush()
     assert "reward, eval_reward" in dash.note.value and "the loss" not in dash.note.value
     for step, kl in ((1, 0.01), (2, 0.02), (4, 0.01)):
@@ -119,6 +119,7 @@ def test_the_dashboard_marks_skipped_steps_and_announces_only_the_metrics_it_exp
     assert list(kl.y) == [0.01, 0.02, None, 0.01]
     (reward,) = [t for t in dash.figures["reward"].data if t.name == "reward"]
     assert list(reward.y) == [0.1, 0.2, 0.0, 0.3]  # a value at the skipped step stays
+    assert [t.name for t in dash.figures["reward"].data] == ["reward", "held-out", "skipped (every group tied)"]
     assert dash.figures["kl"].data[-1].yaxis == "y2"  # along the bottom, off the panel's own scale
     for d in (plain, dash):
         d.close()

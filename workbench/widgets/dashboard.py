@@ -18,7 +18,8 @@ while the training cell is still running. Several ForwardBackward rows at one st
 accumulation) are summed, as losses are sums over tokens.
 
 Each panel is one plotly figure with a title and labelled axes: the loss, then one per logged
-metric (`panels={"reward": ["reward", "eval_reward"]}` puts several metrics on one panel). A panel
+metric (`panels={"reward": ["reward", "eval_reward"]}` puts several metrics on one panel, and
+`labels={"eval_reward": "held-out"}` names a metric's trace in words). A panel
 is drawn once it has a point; until then the dashboard says in words what will appear: the loss,
 and the metrics named in `panels` (a dashboard given none expects none, so it announces none). The
 panels wrap to the notebook's width.
@@ -120,7 +121,8 @@ class Dashboard(w.VBox):
     error = t.Unicode("")
 
     def __init__(self, training_run_id=None, session=None, *, panels: dict[str, list[str]] | None = None,
-                 connection=None, poll_interval: float | None = 1.0, redraw_interval: float = 0.3):
+                 labels: dict[str, str] | None = None, connection=None, poll_interval: float | None = 1.0,
+                 redraw_interval: float = 0.3):
         from workbench.connect import current
 
         self.connection = connection or current()
@@ -129,6 +131,7 @@ class Dashboard(w.VBox):
             raise ValueError("Dashboard needs training_run_id= (an id or a TrainingClient) or session=")
         self.scope = f"run {run_id}" if run_id else f"session {session_id}"
         self.panel_of = {name: title for title, names in (panels or {}).items() for name in names}
+        self.label_of = dict(labels or {})  # metric -> its trace's name
         self.slots: dict[str, w.Output] = {}  # panel title -> the output that shows it, in drawing order
         self.figures: dict[str, go.Figure] = {}  # panel title -> the figure it shows
         self._drawn: dict[str, dict] = {}  # panel title -> the series its figure shows
@@ -223,7 +226,7 @@ class Dashboard(w.VBox):
         panels = {LOSS_PANEL: ("loss:sum", by_run)} if by_run else {}
         for name, m in self.metrics.items():
             title = self.panel_of.get(name, name)
-            panels.setdefault(title, (title, {}))[1][name] = (m["steps"], m["values"])
+            panels.setdefault(title, (title, {}))[1][self.label_of.get(name, name)] = (m["steps"], m["values"])
         return panels
 
     def _draw_now(self) -> None:
