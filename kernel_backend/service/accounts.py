@@ -158,8 +158,9 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
             last_fb[run_id] = (s.get(UsageRow, row_id).metrics or {})
         checkpoints = list(s.scalars(select(CheckpointRow).where(
             CheckpointRow.model_id.in_(run_ids)).order_by(CheckpointRow.created_at.desc())))
-        snapshots = list(s.scalars(select(SamplerRow).where(
-            SamplerRow.source_model_id.in_(run_ids)).order_by(SamplerRow.created_at.desc())))
+        snapshots = list(s.scalars(select(SamplerRow).where(  # made in their run's session (indexed)
+            SamplerRow.session_id.in_(ids), SamplerRow.source_model_id.in_(run_ids))
+            .order_by(SamplerRow.created_at.desc())))
         # The running totals cover every active session, not only the `limit` listed.
         active = select(SessionRow.id).where(SessionRow.tenant == tenant, SessionRow.status == "active")
         running = {"sessions": s.scalar(select(func.count()).select_from(active.subquery())),

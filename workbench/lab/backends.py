@@ -162,7 +162,9 @@ async def read_report(backends: list[Backend], limit: int = 50, active_only: boo
             continue
         currency = answer.get("currency", currency)
         for row in answer["sessions"]:
-            notebook = notebooks.get(row.get("kernel_pid")) or lab.notebook_of(backend.base_url, row["session_id"])
+            # Only a running session has a kernel: an ended one's pid may be another process's by now.
+            live = notebooks.get(row.get("kernel_pid")) if row.get("status") == "active" else None
+            notebook = live or lab.notebook_of(backend.base_url, row["session_id"])
             sessions.append({**row, "backend": backend.base_url, "notebook": notebook, "remembered": False})
         theirs = answer["running"]
         for key in ("sessions", "prefill_tokens", "sample_tokens", "train_tokens", "cost"):
