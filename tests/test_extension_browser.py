@@ -159,8 +159,12 @@ def test_sidebar_and_cost_meter_follow_a_training_notebook(lab, browser):
     raw = json.dumps({"refreshInterval": 1, "currencySymbol": "€", "showStatusItem": False})
     assert httpx.put(settings, json={"raw": raw}).status_code == 204
     try:
-        page.goto(f"{lab['url']}/lab/tree/renamed.ipynb")
-        expect(page.locator(".jp-StepwiseSidebar-summary")).to_contain_text("running · €")
+        # ?reset: the saved workspace still names train.ipynb, which the rename took away
+        page.goto(f"{lab['url']}/lab/tree/renamed.ipynb?reset")
+        tab = page.locator('.jp-SideBar [data-id="stepwise-sessions"]')
+        if tab.get_attribute("aria-selected") != "true":
+            tab.click()
+        expect(page.locator(".jp-StepwiseSidebar-summary")).to_contain_text("running · €", timeout=30_000)
         expect(row.locator(".jp-StepwiseSession-cost")).to_have_text(re.compile(r"^€0\.0"))
         expect(page.locator(".jp-StepwiseCost")).to_be_hidden()
     finally:
