@@ -157,7 +157,8 @@ def test_a_backend_that_does_not_answer_is_named_with_the_fix(fetch, home):
     announce(home, dead_url, "tml-whatever")
     report = get_report(fetch)
     error = report["backends"][0]["error"]
-    assert dead_url in error and "did not answer" in error and "workbench.connect()" in error
+    assert error.startswith("Backend stopped") and dead_url in error and "workbench.connect()" in error
+    assert report["backends"][0]["stopped"] is True
     assert report["message"].startswith("No Stepwise backend answered")
 
 
@@ -200,14 +201,14 @@ def test_lab_memory_marks_what_a_backend_that_does_not_answer_took_down():
     finished = {**row, "session_id": "f", "status": "finished"}
     memory.update([row, finished])
     by_id = lambda rows: {r["session_id"]: r for r in rows}  # noqa: E731
-    # Announced, but not answering: its active session is unreachable, its snapshots gone, its checkpoints kept.
-    gone = by_id(memory.remembered(set(), answering=set(), announced={"http://b"}))
+    # Announced, but stopped: its active session is unreachable, its snapshots gone, its checkpoints kept.
+    gone = by_id(memory.remembered(set(), stopped={"http://b"}, announced={"http://b"}))
     assert (gone["s"]["status"], gone["s"]["sampler_snapshots"], gone["s"]["checkpoints"]) == \
         ("unreachable", [], row["checkpoints"])
     assert gone["f"]["status"] == "finished"
-    assert by_id(memory.remembered(set(), answering=set(), announced=set()))["s"]["status"] == "ended"
-    # Still answering, only past its listing's limit: as it was last seen.
-    assert by_id(memory.remembered({("http://b", "f")}, answering={"http://b"}, announced={"http://b"})) == \
+    assert by_id(memory.remembered(set(), stopped=set(), announced=set()))["s"]["status"] == "ended"  # no kernel
+    # Alive (announced, not stopped: slow this once, or past its listing's limit): as it was last seen.
+    assert by_id(memory.remembered({("http://b", "f")}, stopped=set(), announced={"http://b"})) == \
         {"s": {**row, "remembered": True}}
     assert memory.totals()["sessions"] == 2 and memory.totals()["cost"] == 1.0
     small = LabMemory(most=1)
@@ -241,3 +242,26 @@ def test_a_session_follows_its_notebook_when_it_is_renamed(fetch, home, tinker_s
         fetch("api", "sessions", created["id"], method="DELETE")
     # The kernel is gone: the session keeps the notebook it last ran.
     assert ours()["notebook"] == "work/renamed.ipynb"
+
+
+def test_a_backend_slow_to_answer_keeps_its_sessions_as_last_read(monkeypatch):
+    """A timeout (a busy machine) is not a stop: the session stays active, its snapshots listed."""
+    import asyncio
+    import socket
+
+    from workbench.lab import backends
+
+    monkeypatch.setattr(backends, "TIMEOUT_S", 0.5)
+    with socket.socket() as hung:  # accepts connections (the kernel's backlog), never answers
+        hung.bind(("127.0.0.1", 0))
+        hung.listen()
+        url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        memory = LabMemory()
+        memory.update([{"backend": url, "session_id": "s", "status": "active", "created_at": memory.since.isoformat(),
+                        "sampler_snapshots": [{"sampler_id": "s:sample:0"}], "checkpoints": []}])
+        slow = backends.Backend(base_url=url, api_key="k", embedded=True, started="", kernel_pids=[os.getpid()])
+        report = asyncio.run(backends.read_report([slow], lab=memory))
+    (listed,) = report["backends"]
+    assert listed["stopped"] is False and "did not answer within 0.5 s" in listed["error"]
+    (row,) = report["sessions"]
+    assert (row["status"], row["remembered"], row["sampler_snapshots"]) == ("active", True, [{"sampler_id": "s:sample:0"}])

@@ -82,6 +82,8 @@ export interface IBackend {
   kernel_pids: number[];
   sessions: number;
   error: string | null;
+  /** Nothing listens at its address any more (its sessions show as 'unreachable'); a slow one is not stopped. */
+  stopped?: boolean;
 }
 
 export interface IReport {

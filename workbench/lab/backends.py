@@ -12,7 +12,7 @@ merges the answers into the one report the sidebar and the status bar draw:
      "running": {"sessions", "prefill_tokens", "sample_tokens", "train_tokens", "cost",
                  "by_kind": {"prefill"|"sample"|"train": {"tokens", "cost"}}},
      "lab": {"since", "sessions", "prefill_tokens", "sample_tokens", "train_tokens", "cost"},
-     "backends": [{"base_url", "embedded", "kernel_pids", "started", "sessions", "error"}],
+     "backends": [{"base_url", "embedded", "kernel_pids", "started", "sessions", "error", "stopped"}],
      "currency": "USD", "runtime_dir": str, "message": str | None}
 
 A backend that does not answer is listed with its `error`; `message` says, in words that name the
@@ -21,8 +21,10 @@ fix, why there is nothing to show. Keys stay on this side: nothing here returns 
 `LabMemory` keeps the last row of every session seen for the life of the Jupyter server: when a
 backend stops (its kernels shut down, or it was killed) its sessions stay in the report, marked
 `"remembered": true` with status "ended" (no kernel announces the backend any more) or
-"unreachable" (announced, but not answering), since their saved checkpoints still exist. Their
-in-memory sampler snapshots are dropped: they were in the memory of the backend that went away.
+"unreachable" (announced, but nothing listens at its address: `"stopped"` in its listing), since
+their saved checkpoints still exist. Their in-memory sampler snapshots are dropped: they were in
+the memory of the backend that went away. A backend that is only slow to answer (a timeout on a
+busy machine) or refuses the key keeps its sessions as last seen.
 """
 
 from __future__ import annotations
@@ -105,17 +107,18 @@ class LabMemory:
             newest = sorted(self._rows.items(), key=lambda item: str(item[1].get("created_at", "")), reverse=True)
             self._rows = dict(newest[:self.most])
 
-    def remembered(self, read: set[tuple[str, str]], answering: set[str], announced: set[str]) -> list[dict]:
+    def remembered(self, read: set[tuple[str, str]], stopped: set[str], announced: set[str]) -> list[dict]:
         """The sessions seen before that this poll did not read (`read`: their keys), as they stand
-        now: a backend that still answers merely listed them no more (past its `limit`); one that does
-        not took its active sessions down with it."""
+        now. A backend that is announced and has not `stopped` is alive: it merely listed them no more
+        (past its `limit`) or answered badly this once, so they are as last seen. One that stopped,
+        or that no kernel announces any more, took its active sessions down with it."""
         rows = []
         for key, row in self._rows.items():
             if key in read:
                 continue
             backend = row["backend"]
             row = {**row, "remembered": True}
-            if backend not in answering:
+            if backend in stopped or backend not in announced:
                 row["sampler_snapshots"] = []  # in-memory, in the backend that went away
                 if row.get("status") == "active":
                     row["status"] = "unreachable" if backend in announced else "ended"
@@ -154,10 +157,10 @@ async def read_report(backends: list[Backend], limit: int = 50, active_only: boo
     running = {"sessions": 0, "prefill_tokens": 0, "sample_tokens": 0, "train_tokens": 0, "cost": 0.0,
                "by_kind": {kind: {"tokens": 0, "cost": 0.0} for kind in KINDS}}
     sessions, listed, currency = [], [], "USD"
-    for backend, (answer, error) in zip(backends, answers):
+    for backend, (answer, error, stopped) in zip(backends, answers):
         listed.append({"base_url": backend.base_url, "embedded": backend.embedded, "started": backend.started,
                        "kernel_pids": backend.kernel_pids, "sessions": len(answer["sessions"]) if answer else 0,
-                       "error": error})
+                       "error": error, "stopped": stopped})
         if answer is None:
             continue
         currency = answer.get("currency", currency)
@@ -174,37 +177,41 @@ async def read_report(backends: list[Backend], limit: int = 50, active_only: boo
             running["by_kind"][kind]["tokens"] += part.get("tokens", 0)
             running["by_kind"][kind]["cost"] += part.get("cost", 0.0)
     lab.update(sessions)
-    answering = {b["base_url"] for b in listed if b["error"] is None}
-    sessions += lab.remembered({(r["backend"], r["session_id"]) for r in sessions}, answering,
-                               {b.base_url for b in backends})
+    sessions += lab.remembered({(r["backend"], r["session_id"]) for r in sessions},
+                               {b["base_url"] for b in listed if b["stopped"]}, {b.base_url for b in backends})
     return {"sessions": sessions, "running": running, "lab": lab.totals(), "backends": listed, "currency": currency,
             "runtime_dir": str(runtime_dir(home)), "message": _message(listed, home)}
 
 
 async def _read_one(client: httpx.AsyncClient, backend: Backend, limit: int,
-                    active_only: bool) -> tuple[dict | None, str | None]:
-    """(the backend's answer, None), or (None, what went wrong and what to do)."""
+                    active_only: bool) -> tuple[dict | None, str | None, bool]:
+    """(the backend's answer, None, False), or (None, what went wrong and what to do, whether the
+    backend stopped: nothing listens at its address any more)."""
     where = f"the backend at {backend.base_url} (kernel pid {', '.join(map(str, backend.kernel_pids))})"
+    hint = f"; its log: {backend.log}" if backend.log else ""
     try:
         response = await client.get(backend.base_url + SESSIONS_PATH,
                                     params={"limit": limit, "active_only": str(active_only).lower()},
                                     headers={"X-API-Key": backend.api_key})
-    except httpx.HTTPError as error:
-        hint = f"; its log: {backend.log}" if backend.log else ""
-        return None, f"{where} did not answer ({type(error).__name__}: {error}); restart it with workbench.connect(){hint}"
+    except httpx.TimeoutException as error:
+        return None, (f"{where} did not answer within {TIMEOUT_S:g} s ({type(error).__name__}): busy or hung; "
+                      f"its sessions show as last read{hint}"), False
+    except httpx.TransportError as error:  # refused, reset, closed: the process is gone
+        return None, (f"Backend stopped: {where} does not answer ({type(error).__name__}: {error}); its sessions "
+                      f"stay listed with their checkpoints. workbench.connect() starts it again{hint}"), True
     if response.status_code == 404:
-        return None, f"{where} has no {SESSIONS_PATH}: it runs an older Stepwise; upgrade it (pip install -U stepwise)"
+        return None, f"{where} has no {SESSIONS_PATH}: it runs an older Stepwise; upgrade it (pip install -U stepwise)", False
     if response.status_code in (401, 403):
-        return None, f"{where} refused the kernel's API key (it was revoked?); run workbench.connect() again"
+        return None, f"{where} refused the kernel's API key (it was revoked?); run workbench.connect() again", False
     if response.status_code >= 400:
-        return None, f"{where} answered {response.status_code}: {response.text[:300]}"
+        return None, f"{where} answered {response.status_code}: {response.text[:300]}", False
     try:
         answer = response.json()
         if not isinstance(answer.get("sessions"), list) or not isinstance(answer.get("running"), dict):
             raise ValueError("not a sessions report")
     except (ValueError, AttributeError):
-        return None, f"{where} answered something that is not a sessions report: {response.text[:200]!r}"
-    return answer, None
+        return None, f"{where} answered something that is not a sessions report: {response.text[:200]!r}", False
+    return answer, None, False
 
 
 def _message(listed: list[dict], home: Path | None) -> str | None:
