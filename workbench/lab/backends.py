@@ -177,8 +177,9 @@ async def read_report(backends: list[Backend], limit: int = 50, active_only: boo
             running["by_kind"][kind]["tokens"] += part.get("tokens", 0)
             running["by_kind"][kind]["cost"] += part.get("cost", 0.0)
     lab.update(sessions)
-    sessions += lab.remembered({(r["backend"], r["session_id"]) for r in sessions},
-                               {b["base_url"] for b in listed if b["stopped"]}, {b.base_url for b in backends})
+    remembered = lab.remembered({(r["backend"], r["session_id"]) for r in sessions},
+                                {b["base_url"] for b in listed if b["stopped"]}, {b.base_url for b in backends})
+    sessions += [r for r in remembered if r["status"] == "active"] if active_only else remembered
     return {"sessions": sessions, "running": running, "lab": lab.totals(), "backends": listed, "currency": currency,
             "runtime_dir": str(runtime_dir(home)), "message": _message(listed, home)}
 
