@@ -191,6 +191,7 @@ def test_a_stopped_backends_sessions_stay_listed_with_their_checkpoints(fetch, h
     assert [c["tinker_path"] for c in ended["checkpoints"]] == [trained_session["checkpoint"]]
     assert report["running"]["sessions"] == 0  # nothing of a stopped backend runs
     assert report["lab"] == before["lab"]  # what the lab spent does not fall
+    assert trained_session["session_id"] not in [s["session_id"] for s in get_report(fetch, active_only="true")["sessions"]]
 
 
 def test_lab_memory_marks_what_a_backend_that_does_not_answer_took_down():
