@@ -108,7 +108,7 @@ export class SessionsSidebar extends Widget {
     const folded = model.isExpanded(ENDED_GROUP); // the group starts open: a toggle folds it
     this._endedHeader.hidden = ended === 0;
     this._endedHeader.setAttribute('aria-expanded', String(!folded));
-    setText(this._endedHeader, `Ended ${plural(ended, 'session')} · checkpoints stay listed`);
+    setText(this._endedHeader, `${plural(ended, 'ended session')} · their checkpoints remain`);
     this._endedList.hidden = ended === 0 || folded;
   }
 

@@ -143,7 +143,7 @@ describe('SessionsSidebar', () => {
     expect(c.querySelector<HTMLElement>('.jp-StepwiseSession-age')!.hidden).toBe(true); // it stopped when last read
     c.querySelector<HTMLButtonElement>('.jp-StepwiseSession-header')!.click();
     expect(c.querySelector('.jp-StepwiseCheckpoint-path')!.textContent).toBe(path);
-    expect(header.textContent).toBe('Ended 2 sessions · checkpoints stay listed');
+    expect(header.textContent).toBe('2 ended sessions · their checkpoints remain');
     expect(group.hidden).toBe(false);
     header.click();
     expect(group.hidden).toBe(true);
