@@ -2,8 +2,9 @@
 (tests/browser.py), a backend of this test's own (a separate STEPWISE_HOME, so that stopping it
 leaves the lab's shared backend to the other tests), Debian's Chromium.
 
-A notebook connects to that backend, trains a step, saves a checkpoint and shows a CostMeter and a
-Dashboard of its run. Then the backend stops while the notebook stays open:
+A notebook connects to that backend, trains a step, samples with the run's weights, saves a
+checkpoint and shows a CostMeter and a Dashboard of its run (both count the run's rollouts). Then
+the backend stops while the notebook stays open:
 
 - the widgets say "Backend stopped" (workbench/widgets/polling.py), not "[Errno 111] Connection refused";
 - the sidebar keeps the session, greyed among the ended ones, "unreachable" (its kernel still
@@ -54,6 +55,8 @@ datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
                     loss_fn_inputs={{"target_tokens": np.array(tokens[1:]), "weights": np.ones(31, np.float32)}})
 tc.forward_backward([datum], "cross_entropy")
 tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+rollout = tc.save_weights_and_get_sampling_client().result().sample(  # sampled with the run's weights
+    types.ModelInput.from_ints(tokens[:8]), 2, types.SamplingParams(max_tokens=4, seed=0)).result()
 print("saved", tc.save_state("kept").result().path)""",
             "workbench.CostMeter(training_run_id=tc, poll_interval=0.5)",
             "workbench.Dashboard(training_run_id=tc, poll_interval=0.5)"]
@@ -72,9 +75,15 @@ def test_widgets_and_sidebar_after_the_backend_stops(lab, browser, own_backend):
     saved = page.get_by_text(re.compile(r"saved tinker://"))
     expect(saved).to_be_visible(timeout=300_000)
     path = re.search(r"tinker://\S+", saved.text_content()).group(0)
+    # The run's meter and dashboard include its rollouts (billed to the sampler, attributed to the run).
+    run_id = path.removeprefix("tinker://").split("/")[0]
+    run = httpx.get(f"{own_backend.base_url}/api/v1/usage", params={"training_run_id": run_id},
+                    headers={"X-API-Key": own_backend.api_key}).json()["totals"]
+    assert run["sample_tokens"] > 0 and run["train_tokens"] == 31
     meter, dashboard = page.locator(".wb-cost"), page.locator(".wb-dashboard-cost")
     expect(meter.locator("tr[data-kind='train'] .wb-cost-tokens")).to_have_text("31")
-    expect(dashboard).to_contain_text("train 31")
+    expect(meter.locator("tr[data-kind='sample'] .wb-cost-tokens")).to_have_text(f"{run['sample_tokens']:,}")
+    expect(dashboard).to_contain_text(f"sample {run['sample_tokens']:,} · train 31")
 
     page.locator('.jp-SideBar [data-id="stepwise-sessions"]').click()
     row = page.locator(f"li.jp-StepwiseSession[data-name='{NOTEBOOK}']")
