@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import httpx
-import numpy as np
 import pytest
 import tinker
 from tinker import types
