@@ -42,6 +42,17 @@ def own_backend(tmp_path, stepwise_home):
     server.stop()
 
 
+def announced(lab: dict, base_url: str) -> bool:
+    """Whether a kernel's registry file (runtime/<pid>.json) still names the backend at `base_url`."""
+    for path in (lab["home"] / "runtime").glob("*.json"):
+        try:
+            if path.stem.isdigit() and f'"{base_url}"' in path.read_text():
+                return True
+        except OSError:
+            pass  # removed while we looked: another kernel exiting
+    return False
+
+
 def cells(base_url: str, api_key: str) -> list[str]:
     return [f"""\
 import numpy as np
@@ -111,8 +122,8 @@ def test_widgets_and_sidebar_after_the_backend_stops(lab, browser, own_backend):
     # the backend any more; the session stays, ended, with its checkpoint.
     (jupyter_session,) = [s for s in httpx.get(f"{lab['url']}/api/sessions").json() if s["path"] == NOTEBOOK]
     assert httpx.delete(f"{lab['url']}/api/sessions/{jupyter_session['id']}").status_code == 204
-    wait_until(lambda: not any(f'"{own_backend.base_url}"' in p.read_text() for p in (lab["home"] / "runtime").glob("*.json")
-                               if p.stem.isdigit()), 60, f"the kernel did not remove its registry file:\n{tail(lab['log'])}")
+    wait_until(lambda: not announced(lab, own_backend.base_url), 60,
+               f"the kernel did not remove its registry file:\n{tail(lab['log'])}")
     expect(ended).to_have_attribute("data-status", "ended", timeout=30_000)
     expect(ended.locator(".jp-StepwiseCheckpoint-path")).to_have_text(path)
     expect(ended.locator(".jp-StepwiseSession-header")).to_have_attribute("title", re.compile("its backend stopped"))
