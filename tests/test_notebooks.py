@@ -8,7 +8,8 @@ next notebook's checks read the sidebar. For each notebook:
 
 - no output shows "Error displaying widget", a traceback, or stderr (ALLOWED_STDERR names the
   warnings a user should see and act on; none today);
-- every plot has a title, labelled axes, and a trace with one point per step run; a panel with
+- every plot has a title, labelled axes, and a trace with a point at every step run (or, at a
+  step skipped for having nothing to train on, that plot's "skipped (why)" mark); a panel with
   nothing to show says so in words (plotly's own data in the page: `el.data`, `el.layout`);
 - the CostMeter, the dashboard's cost line, the sidebar's row and the status bar show the tokens
   by kind and the cost of GET /api/v1/usage for the notebook's session, to their display precision;
@@ -18,7 +19,13 @@ next notebook's checks read the sidebar. For each notebook:
 - a screenshot lands in tests/_artifacts/notebook-<name>.png.
 
 The labeler is also driven by hand, as a person labels: its "cut off" mark, a key press, the next
-pair, the labels file (tests/_artifacts/labeler-cut-off.png).
+pair, the labels file (tests/_artifacts/labeler-cut-off.png). The preference notebook runs as a
+person first runs it, Run All with nobody labelling: it says "label first" and stops short of
+training without an error; then the test labels its pairs by key presses and runs the DPO cell
+and those after it again (tests/_artifacts/labeler-preference.png). The RL notebook runs with
+groups small enough that a step ties and is skipped: one step count everywhere, the skipped step
+marked on the plots and counted in the summary; a rollout's token colours have a legend
+(tests/_artifacts/rollouts-legend.png).
 
 The quickstart and the SFT notebook run at the same time, in two tabs: both train, and both
 sessions are in the sidebar under their notebooks' names.
@@ -33,8 +40,8 @@ from pathlib import Path
 
 import pytest
 
-from browser import (ARTIFACTS, NEEDS_CHROMIUM, backend_api, open_notebook, run_all, save, wait_for_kernel,
-                     wait_until_run, write_notebook)
+from browser import (ARTIFACTS, NEEDS_CHROMIUM, backend_api, open_notebook, run_all, run_state, save,
+                     wait_for_kernel, wait_until_run, write_notebook)
 from workbench.widgets.cost import format_cost
 
 pytestmark = NEEDS_CHROMIUM
@@ -83,23 +90,32 @@ def problems(page) -> list[str]:
 
 
 def plots(page) -> list[dict]:
-    """Every plotly plot in the notebook: its title, axis titles, traces' lengths, and whether it fits."""
+    """Every plotly plot in the notebook: its title, axis titles, each trace's steps (the x of its
+    points; a break in a line, y null, is no point), and whether it fits."""
     return page.evaluate("""() => [...document.querySelectorAll('.jp-Notebook .js-plotly-plot')].map(el => {
         const output = el.closest('.jp-OutputArea-output').getBoundingClientRect();
         const box = el.getBoundingClientRect();
         const title = t => (t && (t.text ?? t)) || '';
         return {title: title(el.layout.title), x: title(el.layout.xaxis.title), y: title(el.layout.yaxis.title),
-                traces: el.data.map(t => ({name: t.name, points: (t.x || []).length})),
+                traces: el.data.map(t => ({name: t.name, steps: [...(t.x || [])].filter((_, i) => t.y[i] !== null),
+                                           y: [...(t.y || [])].filter(y => y !== null)})),
                 fits: box.right <= output.right + 1, drawn: el.querySelectorAll('.scatterlayer .trace').length};
     })""")
+
+
+def skip_marks(plot: dict) -> dict[str, list[int]]:
+    """A plot's "skipped (why)" traces: why -> the steps marked."""
+    return {t["name"]: t["steps"] for t in plot["traces"] if t["name"].startswith("skipped (")}
 
 
 def check_plots(page, steps: int, expected_panels: set[str]) -> list[dict]:
     shown = plots(page)
     assert {p["title"] for p in shown} == expected_panels, shown
+    every_step = set(range(1, steps + 1))
     for plot in shown:
         assert plot["title"] and plot["x"] == "step" and plot["y"], plot
-        assert any(t["points"] == steps for t in plot["traces"]), (steps, plot)
+        skipped = {s for marked in skip_marks(plot).values() for s in marked}
+        assert any(set(t["steps"]) | skipped == every_step for t in plot["traces"]), (steps, plot)
         assert plot["drawn"] == len(plot["traces"]) and plot["fits"], plot
     return shown
 
@@ -229,9 +245,11 @@ def test_quickstart_and_sft_train_side_by_side(lab, browser):
     quickstart, sft = run_notebooks(lab, browser, [("00_quickstart.ipynb", {"steps": 3}),
                                                    ("01_sft.ipynb", {"steps": 3, "sample_questions": 2})])
     assert "answer:" in quickstart.locator(".jp-Notebook").text_content()
-    # The quickstart logs no metrics of its own: the dashboard says so rather than drawing empty axes.
-    assert "Not plotted yet: metrics computed in the notebook" in \
-        quickstart.locator(".wb-dashboard-empty").text_content()
+    # The quickstart logs no metrics of its own, so its dashboard announces none (no hint to call
+    # dashboard.log in a notebook that never does); SFT's, whose panels name its metrics, drew them.
+    for page in (quickstart, sft):
+        assert page.locator(".wb-dashboard-empty").count() == 0
+    assert "dashboard.log(" not in quickstart.locator(".jp-Notebook").text_content()
     assert "eval_loss:" in sft.locator(".jp-Notebook").text_content()
     for page, name, panels in ((quickstart, "00_quickstart.ipynb", {LOSS}),
                                (sft, "01_sft.ipynb", {LOSS, "loss per assistant token"})):
@@ -244,26 +262,144 @@ def test_quickstart_and_sft_train_side_by_side(lab, browser):
     assert {"00_quickstart.ipynb", "01_sft.ipynb"} <= names
 
 
+TIED = "skipped (every group tied)"
+
+
 def test_rl_notebook(lab, browser):
-    (page,) = run_notebooks(lab, browser, [("02_rl.ipynb", {"steps": 2, "loss_fn": "ppo", "eval_prompts": 2,
+    """Two groups of three answers per step, from a policy right about 1 time in 10: with these seeds
+    step 1's groups all tie (a step with nothing to train on) and later steps' do not. One step
+    count everywhere: the summary and the progress bar say 3 steps, how many were skipped and why;
+    the loss and KL plots have a point at every trained step and a mark at every skipped one, the
+    same steps on every plot; the sidebar counts 3 optimizer steps."""
+    (page,) = run_notebooks(lab, browser, [("02_rl.ipynb", {"steps": 3, "loss_fn": "ppo", "eval_prompts": 2,
+                                                            "groups_per_batch": 2, "group_size": 3,
                                                             "inspect_prompts": 2})])
-    text = page.locator(".jp-Notebook").text_content()
+    text = page.locator(".jp-Notebook").text_content().replace("\u2007", " ")  # tqdm's bars pad with figure spaces
     assert "Snakes, following'" in text and "{'correct': 0.0, 'format': 0.0}" in text  # the strict verifier
     assert re.search(r"held-out reward: \d\.\d\d -> \d\.\d\d", text)
-    check_notebook(page, lab, "02_rl.ipynb", 2, {LOSS, "reward", "kl_sampler"})
+    # The held-out evals showed their progress (each bar stays, complete, above the plots).
+    for when in ("before", "after"):
+        assert re.search(rf"held-out eval, {when} training \(2 problems x 4\)\D*100%\D*2/2", text), when
+    summary = re.search(r"rl: 3 steps on \S+ \((\d) skipped: every group tied", text)
+    assert summary, text[-3000:]
+    skipped = int(summary[1])
+    assert 1 <= skipped < 3, "these seeds should give a step whose groups all tied, and one that trained"
+    assert re.search(rf"3/3 \[[^\]]*skipped={skipped} \(every group tied\)\]", text)  # the progress bar
+
+    by_title = {p["title"]: p for p in plots(page)}
+    marked = {title: skip_marks(by_title[title]) for title in (LOSS, "kl_sampler", "reward")}
+    steps_marked = marked[LOSS][TIED]
+    assert len(steps_marked) == skipped and all(m == {TIED: steps_marked} for m in marked.values()), marked
+    for title, name in ((LOSS, None), ("kl_sampler", "kl_sampler")):
+        (trained,) = [t["steps"] for t in by_title[title]["traces"] if t["name"] != TIED and name in (None, t["name"])]
+        assert sorted(trained + steps_marked) == [1, 2, 3], (title, trained, steps_marked)
+    open_sidebar(page)
+    row = page.locator("li.jp-StepwiseSession[data-name='02_rl.ipynb']")
+
+    def sidebar_steps():  # the session's row, or its one training run's, counts 3 optimizer steps
+        assert row.count() == 1
+        assert set(row.evaluate("el => [el, ...el.querySelectorAll('[data-steps]')].map(e => e.dataset.steps)"
+                                ".filter(s => s !== undefined)")) == {"3"}
+    eventually(sidebar_steps)
+
+    # A rollout's tokens, coloured by logprob then by advantage, each time with the legend of its colours.
+    inspector = page.locator(".wb-rollouts")
+    inspector.locator("tr[data-index]").first.click()
+    legend = inspector.locator(".wb-legend")
+
+    def legend_for(mode: str, words: str, swatches: int):
+        assert legend.get_attribute("data-mode") == mode and words in legend.text_content(), legend.text_content()
+        assert legend.locator(".wb-swatch").count() == swatches
+    eventually(lambda: legend_for("logprob", "1 − p", 4))
+    inspector.locator(".wb-color").select_option("advantage")
+    eventually(lambda: legend_for("advantage", "red below 0, green above", 5))
+    ARTIFACTS.mkdir(exist_ok=True)
+    inspector.screenshot(path=str(ARTIFACTS / "rollouts-legend.png"))
+    check_notebook(page, lab, "02_rl.ipynb", 3, {LOSS, "reward", "kl_sampler"})
+
+
+def code_cell(page, containing: str):
+    """The notebook's code cell whose source contains `containing`."""
+    return page.locator(".jp-Notebook .jp-CodeCell").filter(
+        has=page.locator(".jp-InputArea-editor", has_text=containing))
 
 
 def test_preference_notebook(lab, browser):
-    (page,) = run_notebooks(lab, browser, [("03_preference.ipynb", {"steps": 2, "num_prompts": 5, "auto_label": True,
+    """As a person first runs it: Run All, nobody labelling yet. The DPO cell says to label first,
+    nothing errs. Then the pairs are labelled in the page by key presses (with an undo), each answer
+    shown whole, and the DPO cell and the cells after it run again: the margin printed is the one
+    plotted, and it rose."""
+    import json
+
+    (page,) = run_notebooks(lab, browser, [("03_preference.ipynb", {"steps": 2, "num_prompts": 4, "auto_label": False,
                                                                     "rule": "shorter"})])
-    margins = re.search(r"logprob margin: (-?[\d.]+) -> (-?[\d.]+)", page.locator(".jp-Notebook").text_content())
-    assert margins and float(margins[2]) > float(margins[1])
-    check_notebook(page, lab, "03_preference.ipynb", 2, {LOSS, "batch_logprob_margin", "accuracy"})
+    dpo = code_cell(page, "preference.train_dpo(")
+    outputs = dpo.locator(".jp-Cell-outputArea")  # what the cell printed, not its source
+    assert "Nothing labelled yet: label the pairs above, then run this cell again." in outputs.text_content()
+    assert not problems(page), problems(page)
+    assert page.locator(".wb-dashboard").count() == 0  # nothing trained, nothing to plot
+
+    widget = page.locator(".wb-lab")
+    total = int(widget.locator(".wb-count").text_content().split(" / ")[1])
+    assert total >= 3, total
+    shown: dict[str, tuple[str, str]] = {}  # prompt -> (A, B) as the page showed them
+
+    def look() -> None:
+        prompt = widget.locator(".wb-prompt").text_content()
+        shown[prompt] = (widget.locator(".wb-a").text_content(), widget.locator(".wb-b").text_content())
+        # every answer is on the page whole: no side needs scrolling to be read
+        assert widget.evaluate("el => [...el.querySelectorAll('.wb-side')].every(s => s.scrollHeight <= s.clientHeight + 1)")
+
+    def counted(n: int):
+        def check():
+            assert widget.locator(".wb-count").text_content() == f"{n} / {total}"
+        eventually(check)
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    widget.screenshot(path=str(ARTIFACTS / "labeler-preference.png"))  # the first pair, both answers whole
+    widget.focus()
+    done = 0
+    for key in ["1", "2", "t", "z", "1"] + ["b"] * (total - 3):  # A, B, tie, undo it, A, both bad...
+        if key != "z":
+            look()
+        page.keyboard.press(key)
+        done += -1 if key == "z" else 1
+        counted(done)
+    assert widget.locator(".wb-done").is_visible()
+    labels = [json.loads(line) for line in (lab["home"] / "runs" / "preference-labels.jsonl").read_text().splitlines()]
+    assert [r.get("choice", "undo") for r in labels] == ["A", "B", "tie", "undo", "A"] + ["both_bad"] * (total - 3)
+    for record in labels:  # the page showed exactly what was sampled (the record holds the decoded tokens)
+        if record["type"] == "label":
+            assert shown[record["prompt"]] == (record["completion_a"], record["completion_b"]), record
+
+    # Run > Run Selected Cell and All Below, from the DPO cell.
+    counts = run_state(page)["prompts"]
+    dpo.locator(".jp-InputArea-prompt").click()
+    page.get_by_role("menuitem", name="Run", exact=True).click()
+    page.get_by_role("menuitem", name="Run Selected Cell and All Below", exact=True).click()
+
+    def rerun():
+        now = run_state(page)["prompts"]
+        assert now[-1] != counts[-1] and re.match(r"\[\d+\]", now[-1].strip()), now
+    eventually(rerun, timeout=900)
+    text = outputs.text_content()
+    assert "{'A': 2, 'B': 1, 'tie': 0, 'both_bad': %d, 'skip': 0} -> 3 preference pairs" % (total - 3) in text, text
+    printed = re.search(r"logprob margin over all 3 pairs: (-?[\d.]+) before training -> (-?[\d.]+) after", text)
+    assert printed and float(printed[2]) > float(printed[1]), text
+    # The margin printed is the one plotted (at step 0 and at the last step); the batch's is another line.
+    def margin_plotted() -> dict:
+        (margin,) = [p for p in plots(page) if p["title"] == "logprob margin"]
+        traces = {t["name"]: t for t in margin["traces"]}
+        assert traces["all pairs, before / after training"]["steps"] == [0, 2]  # the last draw is throttled
+        return traces
+    traces = eventually(margin_plotted, timeout=10)
+    assert [f"{y:.2f}" for y in traces["all pairs, before / after training"]["y"]] == [printed[1], printed[2]]
+    assert traces["the step's batch, before its update"]["steps"] == [1, 2]
+    check_notebook(page, lab, "03_preference.ipynb", 2, {LOSS, "logprob margin", "accuracy"})
     # The loss plotted is the DPO loss the notebook's function returned (about log 2 = 0.69 at the
     # start), not the linear surrogate forward_backward_custom sends the server (about 0).
-    loss = next(p for p in page.evaluate("""() => [...document.querySelectorAll('.jp-Notebook .js-plotly-plot')]
-        .map(el => ({title: el.layout.title.text, y: [...el.data[0].y]}))""") if p["title"] == LOSS)
-    assert 0.3 < loss["y"][0] < 1.0, loss
+    (loss,) = [p for p in plots(page) if p["title"] == LOSS]
+    assert 0.3 < loss["traces"][0]["y"][0] < 1.0, loss
     (row,) = [s for s in backend_api(lab).get("/api/v1/usage/sessions").json()["sessions"]
               if s["display_name"] == "03_preference.ipynb"]
     assert 0.0 < row["last_loss"] < 1.0, row  # the sidebar's last loss: the DPO loss too
