@@ -12,7 +12,8 @@
   one set up like a server several people share (per-tenant caps on, small limits), for the hardening tests.
 - `vllm_python`: the vLLM venv's interpreter (kernel_backend/vllm_venv.py), waiting for a build under
   way (make test starts one in the background), or a skip that says how to build it. Tests marked
-  `vllm` run after all the others, to give that build time.
+  `vllm` run after all the others, to give that build time; so do those marked `clients` (the real
+  evaluation clients, tests/client_venvs.py).
 Helpers to build data (sft_datum, chat_prompt, ...) live in tests/helpers.py.
 """
 
@@ -59,8 +60,9 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(items):
-    """Tests marked vllm run last (a stable sort keeps every other order)."""
-    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)
+    """Tests marked vllm or clients run last, to give their venvs' background builds time (a stable
+    sort keeps every other order)."""
+    items.sort(key=lambda item: any(item.get_closest_marker(m) is not None for m in ("vllm", "clients")))
 
 
 @pytest.fixture(scope="session")
@@ -69,13 +71,20 @@ def vllm_python():
     from kernel_backend.config import Settings
 
     settings = Settings()
-    if vllm_venv.building(settings):
-        print(f"\nwaiting for the vLLM venv build to finish (log: {vllm_venv.log_path(settings)})", flush=True)
-    python = vllm_venv.wait(settings, timeout_s=1800)
+    if settings.vllm_python:
+        return vllm_venv.python(settings)
+    return wait_for_venv(vllm_venv.venv(settings))
+
+
+def wait_for_venv(venv):
+    """A cached venv's interpreter (kernel_backend/venvs.py), waiting for a build under way (make test
+    starts them in the background), or a skip that says how to build it."""
+    if venv.building():
+        print(f"\nwaiting for the {venv.name} venv build to finish (log: {venv.log_path})", flush=True)
+    python = venv.wait(timeout_s=1800)
     if python is None:
-        log = vllm_venv.log_path(settings)
-        last_build = f" (the last build's log: {log})" if log.exists() else ""
-        pytest.skip(f"the vLLM venv is not built on this machine; build it with: {vllm_venv.BUILD_COMMAND}{last_build}")
+        last_build = f" (the last build's log: {venv.log_path})" if venv.log_path.exists() else ""
+        pytest.skip(f"the {venv.name} venv is not built on this machine; build it with: {venv.build_command}{last_build}")
     return python
 
 
