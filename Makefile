@@ -53,10 +53,11 @@ chromium:
 vllm-venv: install
 	$(PY) -m kernel_backend.vllm_venv build
 
-# The vLLM venv builds in the background while the other tests run (about a minute cold); the vLLM
-# tests run last and wait for it (tests/conftest.py).
+# The vLLM venv and the evaluation clients' venvs (tests/client_venvs.py) build in the background
+# while the other tests run (a minute or two cold); the tests that use them run last and wait (tests/conftest.py).
 test: install chromium
 	@$(PY) -m kernel_backend.vllm_venv build --background
+	@$(PY) tests/client_venvs.py build --background
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 	# The official-SDK service tests once more, unchanged, their server's engines on two Ray workers (about 2 min).
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_service.py --cluster

@@ -1,8 +1,8 @@
 """The FastAPI application: routers, error mapping, the request-size limit and the service's lifetime.
 
 Every error answer is JSON in its route's shape: `{"detail": ...}` on the Tinker and usage routes
-(with `"category"` for bad input and server errors), OpenAI's `{"error": {...}}` under /v1 and
-/oai. A 5xx never carries exception text or a server path: it says what failed and that the
+(with `"category"` for bad input and server errors), Anthropic's `{"type": "error", "error": {...}}`
+on /v1/messages, OpenAI's `{"error": {...}}` elsewhere under /v1 and /oai. A 5xx never carries exception text or a server path: it says what failed and that the
 server log has the details.
 """
 
@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kernel_backend.api import anthropic as anthropic_routes
 from kernel_backend.api import tinker as tinker_routes
 from kernel_backend.api import openai as openai_routes
 from kernel_backend.api import rest as rest_routes
@@ -44,6 +45,8 @@ def create_app(settings: Settings | None = None, preload: list[str] | None = Non
 
     def error(request: Request, status: int, message: str, headers=None, category: str | None = None) -> JSONResponse:
         """An error answer in the shape of the route's protocol."""
+        if anthropic_routes.is_anthropic(request.url.path):  # Anthropic's clients expect Anthropic's shape
+            return anthropic_routes.error_response(status, message, headers)
         if request.url.path.startswith(("/v1/", "/oai/")):  # OpenAI clients expect OpenAI's error shape
             response = openai_routes.OpenAIError(status, message).response()
             response.headers.update(headers or {})
@@ -92,6 +95,8 @@ def create_app(settings: Settings | None = None, preload: list[str] | None = Non
         # 422 with the fields that are wrong; the SDK raises UnprocessableEntityError with this text.
         errors = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
         message = "invalid request: " + "; ".join(errors)
+        if anthropic_routes.is_anthropic(request.url.path):
+            return anthropic_routes.error_response(400, message)
         if request.url.path.startswith(("/v1/", "/oai/")):  # OpenAI clients expect OpenAI's error shape
             param = ".".join(str(p) for p in exc.errors()[0]["loc"][1:]) if exc.errors() else None
             return openai_routes.OpenAIError(400, message, param=param).response()
@@ -107,6 +112,7 @@ def include_routes(app: FastAPI) -> None:
     app.include_router(usage_routes.router)
     app.include_router(openai_routes.build_router("/oai/api/v1"))
     app.include_router(openai_routes.build_router("/v1"))
+    app.include_router(anthropic_routes.router)
 
 
 class BodyLimit:

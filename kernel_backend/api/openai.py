@@ -196,8 +196,8 @@ async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, 
     choices = []
     for prompt, result in zip(prompts, results):
         for seq in result.sequences:
-            visible, finish = _visible(seq, tokenizer, stop or [], eos) if max_tokens else ([], "length")
-            text = _cut_at_stop(tokenizer.decode(visible), stop or [])
+            visible, finish = visible_tokens(seq, tokenizer, stop or [], eos) if max_tokens else ([], "length")
+            text = cut_at_stop(tokenizer.decode(visible), stop or [])
             choice = {"index": len(choices), "finish_reason": finish}  # OpenAI's: prompt by prompt, n each
             if chat:
                 logprobs = _chat_logprobs(seq, visible, tokenizer, top_logprobs) if wants_logprobs else None
@@ -205,8 +205,11 @@ async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, 
             else:
                 logprobs = None
                 if wants_logprobs:
+                    # Every generated token, the end-of-sequence one too (as vLLM does; the text leaves it
+                    # out): lm-eval drops the last entry as the one generated token of a scoring request.
+                    generated = list(seq.tokens) if max_tokens else []
                     logprobs = _completion_logprobs((_prompt_entries(prompt, result, tokenizer) if echo else [])
-                                                    + _entries(seq, visible, tokenizer, top_logprobs))
+                                                    + _entries(seq, generated, tokenizer, top_logprobs))
                 choice.update(text=(tokenizer.decode(prompt) if echo else "") + text, logprobs=logprobs)
             choices.append(choice)
     return {
@@ -225,7 +228,7 @@ def _usage(prompts: list[list[int]], results: list, max_tokens: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(r.cached_prompt_tokens for r in results)}}
 
 
-def _visible(seq, tokenizer, stop: list[str], eos: set[int]) -> tuple[list[int], str]:
+def visible_tokens(seq, tokenizer, stop: list[str], eos: set[int]) -> tuple[list[int], str]:
     """The tokens a reader sees (no end-of-sequence token) and OpenAI's finish_reason."""
     tokens = list(seq.tokens)
     if seq.stop_reason == "stop" and tokens and tokens[-1] in eos:
@@ -233,7 +236,7 @@ def _visible(seq, tokenizer, stop: list[str], eos: set[int]) -> tuple[list[int],
     return tokens, "stop" if seq.stop_reason == "stop" else "length"
 
 
-def _cut_at_stop(text: str, stop: list[str]) -> str:
+def cut_at_stop(text: str, stop: list[str]) -> str:
     """OpenAI leaves the stop sequence out of the returned text."""
     cuts = [text.find(s) for s in stop if s and s in text]
     return text[: min(cuts)] if cuts else text
@@ -279,6 +282,26 @@ def _completion_logprobs(entries: list[dict]) -> dict:
     }
 
 
+async def text_deltas(task, queue, tokenizer, n: int, stop: list[str]):
+    """(row, new text) as the decode loop yields tokens (queued by `on_token` from the scheduler
+    thread), the stop sequences cut off; text is sent once it decodes whole (a token can end
+    mid-character). The Anthropic route streams through this too."""
+    sent = [""] * n  # text already sent per row
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    # Tokens are queued before the task completes, so once the task is done and the queue is
+    # empty, every token has been seen.
+    while not (task.done() and queue.empty()):
+        try:
+            row, token = await asyncio.wait_for(queue.get(), timeout=0.05)
+        except asyncio.TimeoutError:
+            continue
+        tokens[row].append(token)
+        text = cut_at_stop(tokenizer.decode(tokens[row], skip_special_tokens=True), stop)
+        if text.startswith(sent[row]) and len(text) > len(sent[row]) and not text.endswith("\ufffd"):
+            yield row, text[len(sent[row]):]
+            sent[row] = text
+
+
 async def _stream(task, queue, tokenizer, completion_id, created, model, n, chat, stop, usage_of=None):
     """Server-sent events: one chunk per generated token, as the decode loop produces it; with
     `usage_of` (stream_options.include_usage) a last chunk with the usage. A client that goes away
@@ -292,8 +315,6 @@ async def _stream(task, queue, tokenizer, completion_id, created, model, n, chat
 
 async def _events(task, queue, tokenizer, completion_id, created, model, n, chat, stop, usage_of):
     kind = "chat.completion.chunk" if chat else "text_completion"
-    sent = [""] * n  # text already sent per choice (decoding token by token can split characters)
-    tokens: list[list[int]] = [[] for _ in range(n)]
 
     def chunk(index: int, text: str | None, finish: str | None, first: bool = False) -> str:
         if chat:
@@ -307,18 +328,8 @@ async def _events(task, queue, tokenizer, completion_id, created, model, n, chat
     if chat:
         for i in range(n):
             yield chunk(i, None, None, first=True)
-    # Tokens are queued from the scheduler thread before the task completes, so once the task is
-    # done and the queue is empty, every token has been seen.
-    while not (task.done() and queue.empty()):
-        try:
-            row, token = await asyncio.wait_for(queue.get(), timeout=0.05)
-        except asyncio.TimeoutError:
-            continue
-        tokens[row].append(token)
-        text = _cut_at_stop(tokenizer.decode(tokens[row], skip_special_tokens=True), stop)
-        if text.startswith(sent[row]) and len(text) > len(sent[row]) and not text.endswith("\ufffd"):
-            yield chunk(row, text[len(sent[row]):], None)
-            sent[row] = text
+    async for row, piece in text_deltas(task, queue, tokenizer, n, stop):
+        yield chunk(row, piece, None)
     try:
         (result,) = task.result()
     except Exception as e:  # failed while running (already streaming): an error event, then the end

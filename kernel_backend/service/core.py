@@ -58,7 +58,7 @@ PROTO_TYPE = "application/x-protobuf"
 # A long poll answers try_again after this long, well inside the SDK's 45 s timeout.
 POLL_HOLD_S = 20.0
 # Request types whose ledger rows belong to a sampler, not a training run.
-SAMPLER_REQUESTS = ("Sample", "ChatCompletion", "Completion")
+SAMPLER_REQUESTS = ("Sample", "ChatCompletion", "Completion", "Message")
 # The project of a session created without one.
 DEFAULT_PROJECT = "default"
 

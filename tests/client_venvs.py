@@ -1,0 +1,56 @@
+"""The real clients the tests drive, each in a venv of its own (their pins clash with ours and with
+each other's), built once per machine into the cache folder by kernel_backend/venvs.py:
+
+    lm-eval      EleutherAI's lm-evaluation-harness (local-completions, local-chat-completions)
+    inspect-ai   inspect-ai and its openai-api provider
+    anthropic    the official anthropic SDK
+
+Their pinned requirements are tests/clients/<name>.txt. `make test` starts the builds in the
+background before the tests run (about 2 minutes cold, all three; instant once built); a test that
+needs one waits for it (conftest.wait_for_venv).
+
+    python tests/client_venvs.py build [--background] [NAME ...]    # all of them when no NAME
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from the checkout
+
+from kernel_backend.config import Settings  # noqa: E402
+from kernel_backend.venvs import TORCH, Venv  # noqa: E402
+
+REQUIREMENTS = Path(__file__).resolve().with_name("clients")
+BUILD_COMMAND = "python tests/client_venvs.py build {name}"
+CHECKS = {
+    "lm-eval": "import lm_eval.models.openai_completions, transformers",
+    "inspect-ai": "import inspect_ai, openai",
+    "anthropic": "import anthropic",
+}
+NEEDS_TORCH = {"lm-eval"}  # lm-eval imports torch; the CPU wheel, before anything pulls a CUDA build
+
+
+def client(name: str) -> Venv:
+    return Venv(name, REQUIREMENTS / f"{name}.txt", CHECKS[name], Settings().cache_dir,
+                first=[TORCH] if name in NEEDS_TORCH else [], build_command=BUILD_COMMAND.format(name=name))
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] != ["build"]:
+        print(__doc__)
+        return 2
+    lock_fd = int(argv[argv.index("--lock-fd") + 1]) if "--lock-fd" in argv else None
+    names = [a for a in argv[1:] if not a.startswith("--") and not a.isdigit()] or list(CHECKS)
+    for name in names:
+        venv = client(name)
+        if "--background" in argv:  # one detached builder per venv, each holding its own lock
+            print(venv.build_in_background([sys.executable, str(Path(__file__).resolve()), "build", name]))
+        else:
+            venv.build(lock_fd, say=lambda m: print(m, flush=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
