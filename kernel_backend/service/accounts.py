@@ -174,6 +174,9 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
         prefill, sample, train, cost = totals.get(session.id, (0, 0, 0, 0.0))
         mine = runs_of[session.id]
         first = mine[0] if mine else None
+        # Each run on its own: a session's runs are separate models, their steps are not one count.
+        runs = [{"training_run_id": r.id, "base_model": r.base_model, "lora_rank": r.lora_config["rank"],
+                 "steps": int(steps.get(r.id, 0)), "last_loss": last_fb.get(r.id, {}).get("loss:sum")} for r in mine]
         pid = str((session.user_metadata or {}).get("local_pid", ""))
         rows.append({
             "session_id": session.id,
@@ -188,12 +191,10 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
             "lora_rank": first.lora_config["rank"] if first else None,
             "worker": svc.worker_of(first.id) if first else None,  # with Ray workers: where its first run lives
             "training_run_ids": [r.id for r in mine],
-            # Each run on its own: a session's runs are separate models, their steps are not one count.
-            "runs": [{"training_run_id": r.id, "base_model": r.base_model, "lora_rank": r.lora_config["rank"],
-                      "steps": int(steps.get(r.id, 0)), "last_loss": last_fb.get(r.id, {}).get("loss:sum")}
-                     for r in mine],
-            "steps": sum(int(steps.get(r.id, 0)) for r in mine),
-            "last_loss": _newest_loss(mine, last_fb),
+            "runs": runs,
+            "steps": sum(run["steps"] for run in runs),
+            # the newest run's that has one (what a single-number summary shows)
+            "last_loss": next((run["last_loss"] for run in reversed(runs) if run["last_loss"] is not None), None),
             "prefill_tokens": int(prefill or 0),
             "sample_tokens": int(sample or 0),
             "train_tokens": int(train or 0),
@@ -206,15 +207,6 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
                 [r for r in snapshots if session_of_run[r.source_model_id] == session.id]),
         })
     return {"sessions": rows, "running": running, "currency": "USD"}
-
-
-def _newest_loss(runs: list[ModelRow], last_fb: dict) -> float | None:
-    """The last loss of the session's newest run that has one (what a single-number summary shows)."""
-    for run in reversed(runs):
-        loss = last_fb.get(run.id, {}).get("loss:sum")
-        if loss is not None:
-            return loss
-    return None
 
 
 def _kept_snapshots(samplers: list[SamplerRow]) -> list[dict]:
