@@ -15,7 +15,6 @@ tokens), message_stop.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from typing import Literal
@@ -26,7 +25,7 @@ from pydantic import BaseModel, Field
 
 from kernel_backend.admission import SEED_RANGE
 from kernel_backend.api.auth import tenant_of
-from kernel_backend.api.openai import cut_at_stop, text_deltas, visible_tokens
+from kernel_backend.api.openai import cut_at_stop, start_streaming, text_deltas, visible_tokens
 from kernel_backend.api.tinker import service
 from kernel_backend.service import Service, sampling
 from kernel_backend.types import SamplingParams, UserError, redact_paths
@@ -92,15 +91,7 @@ async def messages(body: MessagesRequest, tenant: str = Depends(tenant_of), svc:
                             top_k=body.top_k or -1, seed=body.seed, stop=stop or None)
     message_id = "msg_" + uuid.uuid4().hex
     if body.stream:
-        queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-
-        def on_token(row: int, token: int, logprob: float) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, (row, token))
-
-        # generate() bounds and admits now: bad input is a 4xx before the stream starts.
-        task = asyncio.create_task(sampling.generate(svc, tenant, REQUEST_TYPE, base, path, [prompt], 1, params,
-                                                     on_token=on_token))
+        task, queue = start_streaming(svc, tenant, REQUEST_TYPE, base, path, prompt, 1, params)
         return StreamingResponse(_events(task, queue, tokenizer, message_id, body.model, len(prompt), stop),
                                  media_type="text/event-stream")
     (result,) = await sampling.generate(svc, tenant, REQUEST_TYPE, base, path, [prompt], 1, params)

@@ -176,15 +176,7 @@ async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, 
     if body.stream:
         if len(prompts) > 1:
             raise OpenAIError(400, "stream takes one prompt per request", param="prompt")
-        queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-
-        def on_token(row: int, token: int, logprob: float) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, (row, token))
-
-        # generate() bounds and admits the request as it is called, so bad input is a 400 before the stream starts.
-        task = asyncio.create_task(sampling.generate(svc, tenant, request_type, base, path, prompts, body.n, params,
-                                                     options, on_token=on_token))
+        task, queue = start_streaming(svc, tenant, request_type, base, path, prompts[0], body.n, params, options)
         wants_usage = body.stream_options is not None and body.stream_options.include_usage
         usage_of = (lambda results: _usage(prompts, results, max_tokens)) if wants_usage else None
         return StreamingResponse(
@@ -280,6 +272,21 @@ def _completion_logprobs(entries: list[dict]) -> dict:
                          for e in entries],
         "text_offset": offsets,
     }
+
+
+def start_streaming(svc: Service, tenant: str, request_type: str, base: str, path: str | None, prompt: list[int],
+                    n: int, params: SamplingParams, options: SampleOptions | None = None):
+    """Start generating `prompt` with each token queued as the decoder makes it: (task, queue) for
+    text_deltas. sampling.generate bounds and admits the request now, so bad input is a 4xx before
+    the stream starts. The Anthropic route streams through this too."""
+    queue: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+
+    def on_token(row: int, token: int, logprob: float) -> None:  # on the scheduler thread
+        loop.call_soon_threadsafe(queue.put_nowait, (row, token))
+
+    generation = sampling.generate(svc, tenant, request_type, base, path, [prompt], n, params, options, on_token=on_token)
+    return asyncio.create_task(generation), queue
 
 
 async def text_deltas(task, queue, tokenizer, n: int, stop: list[str]):

@@ -9,6 +9,7 @@ bounded and admitted before it is queued (admission.check_sampling).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 
@@ -183,11 +184,12 @@ def generate(svc: Service, tenant: str, request_type: str, base_model: str, path
     outputs: list[dict] = [{} for _ in prompts]
     jobs = []
     cancel = threading.Event()  # set when the caller goes away (a closed stream)
+    first = SampleOp(None, prompts[0], num_samples, params, options)
+    if path is not None:  # where the checkpoint is: looked up once, for every prompt's op
+        first.adapter_id, first.owner = lane, tenant
+        locate(svc, first, path)
     for prompt, output in zip(prompts, outputs):
-        op = SampleOp(None, prompt, num_samples, params, options)
-        if path is not None:
-            op.adapter_id, op.owner = lane, tenant
-            locate(svc, op, path)
+        op = dataclasses.replace(first, prompt=prompt)
 
         def keep(result, output=output):
             output["result"] = result
