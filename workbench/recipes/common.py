@@ -322,8 +322,9 @@ def fetch_usage(base_url: str, api_key: str, **filters) -> dict:
 @dataclass
 class Summary:
     """What a recipe run did. `cost` and `tokens` are the training run's (forward, forward_backward,
-    optim: GET /api/v1/usage?training_run_id=...); `session_cost`/`session_tokens` add everything
-    else the run's session did (sampling, reference logprobs, teacher logprobs)."""
+    optim, and the sampling done with its weights, its rollouts: GET /api/v1/usage?training_run_id=...);
+    `session_cost`/`session_tokens` add everything else the run's session did (sampling the base
+    model, reference logprobs, teacher logprobs)."""
 
     recipe: str
     training_run_id: str
