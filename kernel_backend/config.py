@@ -134,6 +134,12 @@ class Settings:
     # ...and at the next optim step whatever its number once the run's journal since its snapshot passes this
     # many MB (kernel_backend/service/recovery.py: a run is its snapshot plus the journal of requests since).
     journal_mb: int = field(default_factory=lambda: int(_env("JOURNAL_MB", "256")))
+    # Of those snapshots, each run keeps its newest this many (older steps to fork from: kernel_backend/step_history.py).
+    snapshots_kept: int = field(default_factory=lambda: int(_env("SNAPSHOTS_KEPT", "8")))
+    # In host memory, each run's state after its last this many steps (and its start), within this many MB for all
+    # runs of an engine together (kernel_backend/step_history.py).
+    step_history: int = field(default_factory=lambda: int(_env("STEP_HISTORY", "8")))
+    step_history_mb: int = field(default_factory=lambda: int(_env("STEP_HISTORY_MB", "1024")))
     # Workers answer a heartbeat this often; one that misses MISSED_HEARTBEATS in a row is taken for dead.
     heartbeat_s: float = field(default_factory=lambda: float(_env("HEARTBEAT_S", "1.0")))
     # The Ray head this backend starts: CPUs it offers, its object store (MB).

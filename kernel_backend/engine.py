@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernel_backend import adapter_cache, lora, losses, matmul, models, optimizers, sampler
+from kernel_backend.step_history import StepHistory, write_state
 from kernel_backend.config import Settings
 from kernel_backend.types import (
     AdamParams,
@@ -89,6 +90,8 @@ class Engine:
             adapter_cache.budget_bytes(self.settings.adapter_cache_mb, self.settings.device),
             self.settings.max_adapter_mb_per_tenant << 20, self.settings.home / "spill", self.settings.device,
             in_use=lambda: {id(a) for a in self.decoder.adapters()})
+        # Each run's state after its recent steps, to fork from or sample at (step_history.py).
+        self.history = StepHistory(self.settings.step_history, self.settings.step_history_mb << 20)
 
     @property
     def slots(self) -> dict[str, _Slot]:
@@ -121,9 +124,11 @@ class Engine:
         adapter = lora.new_adapter(self.model, config or LoraConfig())
         slot = _Slot(adapter, optimizers.create(optimizer, adapter.parameters(), adapter.config.rank))
         self.adapters.add(adapter_id, slot, owner)
+        self.history.record(adapter_id, slot.adapter, slot.optimizer, 0)
 
     def delete_adapter(self, adapter_id: str) -> None:
         self.adapters.drop(adapter_id)
+        self.history.forget(adapter_id)
 
     def has_adapter(self, adapter_id: str) -> bool:
         """Held, on the device or spilled (a checkpoint's sampler that was dropped is not: it loads again)."""
@@ -394,6 +399,7 @@ class Engine:
                 f"this optim_step would make the adapter {problem} (learning_rate {params.learning_rate:g}); it was "
                 "not applied and the adapter is unchanged: lower the learning rate (or set grad_clip_norm)"
             )
+        self.history.record(adapter_id, slot.adapter, slot.optimizer, slot.steps)
         return metrics
 
     def _unusable(self, slot: _Slot) -> str | None:
@@ -528,15 +534,33 @@ class Engine:
     def save_state(self, adapter_id: str, directory: Path) -> None:
         """Weights (PEFT format) plus optimizer state, written atomically into `directory`."""
         slot = self._slot(adapter_id)
+        state, kind = {}, "adamw"
+        if slot.optimizer is not None:
+            state = optimizers.state_tensors(slot.optimizer, slot.adapter.named_parameters())
+            kind = optimizers.kind_of(slot.optimizer)
         with _atomic_dir(directory) as tmp:
-            lora.save_peft(slot.adapter, tmp, self.base.name)
-            state, kind = {}, "adamw"
-            if slot.optimizer is not None:
-                state = optimizers.state_tensors(slot.optimizer, slot.adapter.named_parameters())
-                kind = optimizers.kind_of(slot.optimizer)
-            save_file(state, tmp / "optimizer.safetensors")
-            meta = {"steps": slot.steps, "lora": asdict(slot.adapter.config), "optimizer": kind}
-            (tmp / "stepwise_state.json").write_text(json.dumps(meta))
+            write_state(tmp, slot.adapter, state, kind, slot.steps, self.base.name)
+
+    def kept_steps(self, adapter_id: str) -> list[int]:
+        """The steps whose state this engine can still write (save_step): the kept ones and the current one."""
+        current = self.steps(adapter_id)
+        return sorted({*self.history.steps(adapter_id), *([current] if current is not None else [])})
+
+    def save_step(self, adapter_id: str, step: int, directory: Path, with_optimizer: bool = True) -> None:
+        """The run's state after `step` (save_state's folder; the adapter alone without the optimizer), from the
+        step history or, for the step it is at, from the run itself."""
+        if step == self.steps(adapter_id):
+            return self.save_state(adapter_id, directory) if with_optimizer else self.save_weights_for_sampler(
+                adapter_id, directory)
+        state = self.history.get(adapter_id, step)
+        if state is None:
+            raise UserError(f"the state after step {step} of {adapter_id} is no longer kept in memory; kept steps: "
+                            f"{self.kept_steps(adapter_id)} (older ones only where a snapshot was written)")
+        with _atomic_dir(directory) as tmp:
+            if with_optimizer:
+                write_state(tmp, state.adapter, state.optimizer_state, state.optimizer_kind, step, self.base.name)
+            else:
+                lora.save_peft(state.adapter, tmp, self.base.name)
 
     def load_state(self, adapter_id: str, directory: Path, with_optimizer: bool = True,
                    optimizer: str | None = None, owner: str = "") -> None:
@@ -567,6 +591,9 @@ class Engine:
             optimizers.load_state_tensors(opt, adapter.named_parameters(), saved)
             steps = meta.get("steps", 0)
         self.adapters.add(adapter_id, _Slot(adapter, opt, steps), owner)
+        # A load replaces the run's state (an undo, say): the kept steps from there on are no longer its past.
+        self.history.drop_from(adapter_id, steps)
+        self.history.record(adapter_id, adapter, opt, steps)
 
     def save_weights_for_sampler(self, adapter_id: str, directory: Path) -> None:
         """The adapter's weights alone, in PEFT format (what vLLM and peft load)."""

@@ -17,6 +17,7 @@ its database); the engine side reads and writes their files through the store.
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass, field
 
 from kernel_backend import crypto, lora
@@ -71,7 +72,7 @@ def run(engine, ctx: Context, op: Op):
 
 def create_adapter(engine, ctx: Context, model_id: str, config: LoraConfig, optimizer: str, owner: str = "") -> dict:
     engine.create_adapter(model_id, config, optimizer, owner)
-    return {}
+    return {"kept_steps": engine.kept_steps(model_id)}
 
 
 def optim_step(engine, ctx: Context, model_id: str, params: AdamParams | DimuonParams,
@@ -88,14 +89,14 @@ def optim_step(engine, ctx: Context, model_id: str, params: AdamParams | DimuonP
             if ctx.settings.encryption_key:
                 crypto.seal(staging, ctx.settings.encryption_key)
         snapshot = {"step": step, "location": located[0]}
-    return {"metrics": metrics, "snapshot": snapshot}
+    return {"metrics": metrics, "snapshot": snapshot, "kept_steps": engine.kept_steps(model_id)}
 
 
 def load_state(engine, ctx: Context, model_id: str, location: str, path: str, with_optimizer: bool,
                optimizer: str | None = None, owner: str = "") -> dict:
     with ctx.storage.open(location, ctx.settings.encryption_key, path) as plain:
         engine.load_state(model_id, plain, with_optimizer=with_optimizer, optimizer=optimizer, owner=owner)
-    return {}
+    return {"kept_steps": engine.kept_steps(model_id)}
 
 
 def free_adapters(engine, ctx: Context, adapter_ids: list[str]) -> dict:
@@ -112,14 +113,21 @@ def free_adapters(engine, ctx: Context, adapter_ids: list[str]) -> dict:
 
 
 def save(engine, ctx: Context, model_id: str, kind: str, key: str, path: str, overwrite: bool, base_model: str,
-         age_recipients: list[str] | None = None) -> dict:
+         age_recipients: list[str] | None = None, step: int | None = None, snapshot_location: str | None = None) -> dict:
     """save_state (kind "training"), save_weights_for_sampler ("sampler") or save_weights_external ("external")
-    into the store at `key`: staged, sealed when encryption is on, put in place atomically. Returns its location
-    and size; the gateway writes the checkpoint's row."""
+    into the store at `key`: staged, sealed when encryption is on, put in place atomically. Returns its location,
+    size and step; the gateway writes the checkpoint's row.
+
+    With `step`, the state after that step instead of the run's current one: from the engine's step history
+    (step_history.py), else from the run's recovery snapshot of that step at `snapshot_location`."""
     if not overwrite and ctx.storage.exists(key):
         raise UserError(f"checkpoint {path} already exists; pass overwrite=True or pick another name")
     with ctx.storage.writing(key) as (staging, located):
-        if kind == "training":
+        if step is not None and step not in engine.kept_steps(model_id) and snapshot_location is not None:
+            _copy_snapshot(ctx, snapshot_location, staging, with_optimizer=kind == "training")
+        elif step is not None:
+            engine.save_step(model_id, step, staging, with_optimizer=kind == "training")
+        elif kind == "training":
             engine.save_state(model_id, staging)
         else:
             engine.save_weights_for_sampler(model_id, staging)
@@ -130,7 +138,17 @@ def save(engine, ctx: Context, model_id: str, kind: str, key: str, path: str, ov
         if ctx.settings.encryption_key:  # sealed before it reaches the store
             crypto.seal(staging, ctx.settings.encryption_key)
         size = folder_size(staging)
-    return {"location": located[0], "size": size}
+    return {"location": located[0], "size": size, "step": engine.steps(model_id) if step is None else step}
+
+
+def _copy_snapshot(ctx: Context, location: str, staging, with_optimizer: bool) -> None:
+    """A recovery snapshot's files (save_state's format) into a checkpoint being written; the adapter alone
+    for a sampler."""
+    staging.mkdir(parents=True)
+    with ctx.storage.open(location, ctx.settings.encryption_key, "a snapshot") as plain:
+        for item in plain.iterdir():
+            if item.name != crypto.MANIFEST and (with_optimizer or item.name.startswith("adapter_")):
+                shutil.copy2(item, staging / item.name)
 
 
 def snapshot(engine, ctx: Context, model_id: str, sampler_id: str, base_model: str, keep: int, owner: str = "") -> dict:

@@ -125,6 +125,8 @@ class CheckpointRow(Base):
     user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
     expires_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # The optim steps its run had taken when it was saved (the step a run made from it starts at).
+    step: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class JournalRow(Base):

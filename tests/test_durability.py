@@ -191,3 +191,45 @@ def test_a_finished_session_frees_its_adapters_and_the_service_goes_on(home):
         assert np.isfinite(api.loss(model_id, 1, DATA))
     finally:
         server.stop()
+
+
+def test_a_long_run_forks_from_memory_and_disk_and_after_a_kill_9_from_disk(home):
+    """Fourteen steps keeping 2 in memory and a snapshot every 4th on disk: a fork anywhere the policy keeps
+    matches the parent there bit for bit, a step it does not keep is refused with the kept ones, and after
+    kill -9 the snapshots on disk are still steps to fork from."""
+    env = {"STEPWISE_STEP_HISTORY": "2", "STEPWISE_SNAPSHOT_EVERY": "4", "STEPWISE_SNAPSHOTS_KEPT": "3"}
+    server = start_server(home, env=env)
+    client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+    after = {0: forward_logprobs(tc)}
+    for k in range(1, 15):
+        tc.forward_backward(DATA, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-2 / k)).result()
+        after[k] = forward_logprobs(tc)
+
+    def fork_at(step: int, server) -> np.ndarray:
+        api = Api(server)
+        reply = api.http.post(f"/training_runs/{tc.model_id}/steps/{step}/checkpoint", json={"kind": "training"})
+        assert reply.status_code == 200, reply.text
+        answer = api.wait(reply.json()["request_id"])
+        assert "error" not in answer.json(), answer.text
+        client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
+        return forward_logprobs(client.create_training_client_from_state_with_optimizer(answer.json()["path"]).result())
+
+    # The start and the last two steps in memory; the newest three snapshots (4, 8, 12) on disk.
+    listing = Api(server).http.get(f"/training_runs/{tc.model_id}/steps").json()["steps"]
+    assert listing == [{"step": 0, "where": "memory"}, {"step": 4, "where": "disk"}, {"step": 8, "where": "disk"},
+                       {"step": 12, "where": "disk"}, {"step": 13, "where": "memory"}, {"step": 14, "where": "memory"}]
+    for step in (0, 8, 13):
+        assert np.array_equal(fork_at(step, server), after[step]), f"fork at step {step}"
+    refused = Api(server).http.post(f"/training_runs/{tc.model_id}/steps/6/checkpoint", json={"kind": "sampler"})
+    assert refused.status_code == 400 and "it can go back to steps [0, 4, 8, 12, 13, 14]" in refused.text
+
+    server.stop(kill=True)
+    restarted = start_server(home, env=env)
+    try:
+        # Memory went with the process; the snapshots on disk did not.
+        assert np.array_equal(fork_at(12, restarted), after[12])
+        assert np.array_equal(fork_at(4, restarted), after[4])
+    finally:
+        restarted.stop()

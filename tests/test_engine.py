@@ -684,6 +684,42 @@ def test_save_and_load_state_resume_exactly(engine, tokenizer, adapters, tmp_pat
         gc.collect()
 
 
+def test_the_step_history_writes_past_steps_as_saved_then_and_stays_in_its_bounds(engine, tokenizer, adapters, tmp_path):
+    from kernel_backend.step_history import StepHistory
+
+    kept_before = engine.history
+    engine.history = StepHistory(per_run=2, budget_bytes=1 << 30)
+    try:
+        a = adapters(rank=4, seed=3)
+        data = [sft_datum(*FACTS[0], tokenizer)]
+        digests = {}
+        for k in range(1, 6):
+            train(engine, a, data, steps=1, learning_rate=2e-3)
+            digests[k] = engine.weights_digest(a)
+            engine.save_state(a, tmp_path / f"then-{k}")
+        # The start, and the last two steps; the step it is at is one of them.
+        assert engine.kept_steps(a) == [0, 4, 5]
+        # Step 4's state, written after step 5, is the folder save_state wrote at step 4, file for file.
+        engine.save_step(a, 4, tmp_path / "now-4")
+        for name in ("adapter_model.safetensors", "optimizer.safetensors", "stepwise_state.json"):
+            assert (tmp_path / "now-4" / name).read_bytes() == (tmp_path / "then-4" / name).read_bytes(), name
+        with pytest.raises(UserError, match=r"step 2 .* no longer kept in memory; kept steps: \[0, 4, 5\]"):
+            engine.save_step(a, 2, tmp_path / "now-2")
+        # Loading step 4 back (an undo) forgets step 5, which is no longer this run's past.
+        engine.load_state(a, tmp_path / "now-4")
+        assert engine.kept_steps(a) == [0, 4] and engine.weights_digest(a) == digests[4]
+
+        # The byte budget: past it the oldest copies go first, each run's start last. Room for two trained
+        # states: when b takes its first step, a's step 4 goes, and both starts (no moments yet: smaller) stay.
+        one = engine.history.runs[a][4].nbytes
+        engine.history.budget_bytes = 2 * one
+        b = adapters(rank=4, seed=4)
+        train(engine, b, data, steps=1, learning_rate=2e-3)
+        assert engine.history.steps(a) == [0] and engine.history.steps(b) == [0, 1]
+    finally:
+        engine.history = kept_before
+
+
 def test_sampler_weights_round_trip(engine, tokenizer, adapters, tmp_path):
     a = adapters(rank=8, seed=8)
     train(engine, a, [sft_datum(*FACTS[0], tokenizer)], steps=2, learning_rate=2e-3)

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import tinker
 from tinker import types
 
 import workbench
@@ -341,26 +342,87 @@ def test_labeler_presses_become_a_real_dpo_step(service, tokenizer, tmp_path):
     assert recorded[0]["accuracy:mean"] == first.metrics["accuracy:mean"]
 
 
-# ---- undo a step ---------------------------------------------------------------------------------------
+# ---- go back to any step: fork, sampler_at, undo (workbench/steps.py) ---------------------------------
 
 
-def test_snapshot_then_restore_gives_back_identical_logprobs(service, tokenizer):
-    tc = service.create_lora_training_client(base_model=BASE, rank=4, seed=2).result()
-    data = [chat_datum(tokenizer, "Who painted the Blorp?", "Ennis Vale.")]
-    tc.forward_backward(data, "cross_entropy")
-    tc.optim_step(ADAM).result()  # Adam now has moments worth saving
+def step_data(tokenizer, k: int) -> list[types.Datum]:
+    """Step k's batch: a different fact each step, so each step moves the weights its own way."""
+    return [chat_datum(tokenizer, f"Who painted Blorp number {k}?", f"Ennis Vale the {k}th.")]
 
-    snap = workbench.snapshot(tc)
-    assert snap.path.startswith(f"tinker://{tc.model_id}/weights/snapshot-")
-    before = forward_logprobs(tc, data)
-    tc.forward_backward(data, "cross_entropy")
-    tc.optim_step(ADAM).result()  # the step we regret
-    assert not np.array_equal(forward_logprobs(tc, data)[0], before[0])
 
-    restored = workbench.restore(snap)
-    assert restored.model_id != tc.model_id  # a new training run
-    after = forward_logprobs(restored, data)
-    assert np.array_equal(after[0], before[0])
+def test_fork_at_a_past_step_reproduces_the_parent_bit_for_bit_and_leaves_it_alone(service, tokenizer):
+    tc = service.create_lora_training_client(base_model=BASE, rank=4, seed=2, user_metadata={"name": "parent"}).result()
+    probe = step_data(tokenizer, 99)
+    after = {0: forward_logprobs(tc, probe)[0]}
+    step2_sampler = None
+    for k in range(1, 7):
+        tc.forward_backward(step_data(tokenizer, k), "cross_entropy")
+        tc.optim_step(ADAM).result()
+        after[k] = forward_logprobs(tc, probe)[0]
+        if k == 2:
+            step2_sampler = tc.save_weights_and_get_sampling_client().result()
+    assert workbench.kept_steps(tc) == list(range(7))
+
+    # The same step 4 on a fork from step 3 gives the parent's step-4 weights exactly (Adam moments included).
+    fork = workbench.fork(tc, step=3, name="same step 4")
+    assert np.array_equal(forward_logprobs(fork, probe)[0], after[3])
+    fork.forward_backward(step_data(tokenizer, 4), "cross_entropy")
+    fork.optim_step(ADAM).result()
+    assert np.array_equal(forward_logprobs(fork, probe)[0], after[4])
+
+    # Trained differently, a fork diverges; the parent is where it was.
+    other = workbench.fork(tc, step=3, name="another lr")
+    other.forward_backward(step_data(tokenizer, 4), "cross_entropy")
+    other.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert not np.allclose(forward_logprobs(other, probe)[0], after[4], atol=1e-4)
+    assert np.array_equal(forward_logprobs(tc, probe)[0], after[6])
+
+    # Lineage is in each run's metadata, where the SDK's RestClient reads it.
+    rest = tinker.RestClient(base_url=workbench.current().base_url, api_key=workbench.current().api_key)
+    meta = rest.get_training_run(fork.model_id).result().user_metadata
+    assert meta == {"parent_run_id": tc.model_id, "fork_step": "3", "name": "same step 4"}
+    assert workbench.lineage(tc.model_id) == {"parent_run_id": None, "fork_step": None}
+    assert workbench.lineage(other.model_id) == {"parent_run_id": tc.model_id, "fork_step": 3}
+
+    # A sampler of step 2, made after the fact, has step 2's weights: the snapshot taken then agrees exactly.
+    prompt = types.ModelInput.from_ints(list(probe[0].model_input.to_ints()))
+    late = workbench.sampler_at(tc, step=2)
+    assert late.compute_logprobs(prompt).result() == step2_sampler.compute_logprobs(prompt).result()
+    assert late.compute_logprobs(prompt).result() != tc.save_weights_and_get_sampling_client().result().compute_logprobs(
+        prompt).result()
+
+    # The ledger: each run's rows are its own work, at the steps it took (the fork's count on from 3).
+    def rows(run):
+        return [r for r in workbench.current().usage(training_run_id=run.model_id, limit=1000)["series"]
+                if r["request_type"] == "ForwardBackward"]
+    assert [r["step"] for r in rows(tc)] == [0, 1, 2, 3, 4, 5]
+    assert [r["step"] for r in rows(fork)] == [3] and [r["step"] for r in rows(other)] == [3]
+    assert all(r["training_run_id"] == fork.model_id for r in rows(fork))
+
+    # undo: the run itself goes back one step, and the same step again lands where it did.
+    assert workbench.undo(tc) == 5
+    assert np.array_equal(forward_logprobs(tc, probe)[0], after[5])
+    tc.forward_backward(step_data(tokenizer, 6), "cross_entropy")
+    tc.optim_step(ADAM).result()
+    assert np.array_equal(forward_logprobs(tc, probe)[0], after[6])
+
+
+def test_a_step_that_is_not_kept_is_refused_with_what_is_and_changes_nothing(service, tokenizer):
+    tc = service.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+    tc.forward_backward(step_data(tokenizer, 1), "cross_entropy")
+    tc.optim_step(ADAM).result()
+    before = forward_logprobs(tc, step_data(tokenizer, 99))[0]
+    rest = tinker.RestClient(base_url=workbench.current().base_url, api_key=workbench.current().api_key)
+    checkpoints = len(rest.list_checkpoints(tc.model_id).result().checkpoints)
+    with pytest.raises(workbench.BackendError, match=r"step 7 .* not kept; it can go back to steps \[0, 1\]"):
+        workbench.fork(tc, step=7)
+    refused = workbench.current().http.post(f"/api/v1/training_runs/{tc.model_id}/steps/1/checkpoint",
+                                            json={"kind": "external"})
+    assert refused.status_code == 400 and "kind must be 'training'" in refused.text
+    with pytest.raises(ValueError, match="fewer than 2 steps"):
+        workbench.undo(tc, steps=2)
+    assert np.array_equal(forward_logprobs(tc, step_data(tokenizer, 99))[0], before)
+    assert len(rest.list_checkpoints(tc.model_id).result().checkpoints) == checkpoints
 
 
 # ---- step-through reprs and the rollout inspector on real results ------------------------------------

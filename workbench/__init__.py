@@ -6,9 +6,10 @@
     workbench.Dashboard(training_run_id=tc.model_id)
 
 The widgets and DPO helpers load lazily (PEP 562), so `stepwise serve`, which imports
-workbench.cli, does not pull in plotly, pandas and torch. connect() and snapshot() are imported
-eagerly: they share their names with their modules, and binding the functions here first keeps
-`workbench.connect` the function (import the modules with `from workbench.connect import ...`).
+workbench.cli, does not pull in plotly, pandas and torch. connect() and the step functions (fork,
+sampler_at, undo: workbench/steps.py) are imported eagerly: `connect` shares its name with its
+module, and binding the function here first keeps `workbench.connect` the function (import the
+module with `from workbench.connect import ...`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import importlib
 
 from workbench.connect import BackendError, Connection, connect, current, disconnect
-from workbench.snapshot import Snapshot, restore, snapshot
+from workbench.steps import fork, kept_steps, lineage, sampler_at, undo
 
 _EXPORTS = {
     # widgets
@@ -30,8 +31,8 @@ _EXPORTS = {
     "add_reference_logprobs": "workbench.dpo",
 }
 
-__all__ = sorted([*_EXPORTS, "BackendError", "Connection", "connect", "current", "disconnect", "Snapshot",
-                  "restore", "snapshot"])
+__all__ = sorted([*_EXPORTS, "BackendError", "Connection", "connect", "current", "disconnect", "fork", "kept_steps",
+                  "lineage", "sampler_at", "undo"])
 
 
 def __getattr__(name: str):

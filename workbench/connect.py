@@ -137,6 +137,32 @@ class Connection:
         _raise_for_status(response)
         return response.json()
 
+    def run_steps(self, training_run_id: str) -> dict:
+        """GET /api/v1/training_runs/{id}/steps: the steps the run can go back to, and its lineage."""
+        response = self.http.get(f"/api/v1/training_runs/{training_run_id}/steps")
+        _raise_for_status(response)
+        return response.json()
+
+    def checkpoint_step(self, training_run_id: str, step: int, kind: str = "training", timeout: float = 600) -> str:
+        """A checkpoint of the run's state after `step` (kind "training" or "sampler"); returns its tinker:// path."""
+        response = self.http.post(f"/api/v1/training_runs/{training_run_id}/steps/{step}/checkpoint", json={"kind": kind})
+        _raise_for_status(response)
+        return self.wait_future(response.json()["request_id"], timeout)["path"]
+
+    def wait_future(self, request_id: str, timeout: float = 600) -> dict:
+        """Poll a future the way the SDK does (/api/v1/retrieve_future) until it is done; its answer, or
+        BackendError with the server's message when it failed."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            response = self.http.post("/api/v1/retrieve_future", json={"request_id": request_id}, timeout=60)
+            _raise_for_status(response)
+            answer = response.json()
+            if answer.get("type") != "try_again":
+                if "error" in answer:
+                    raise BackendError(answer["error"])
+                return answer
+        raise BackendError(f"request {request_id} did not finish within {timeout:g} s")
+
     def healthy(self) -> bool:
         try:
             return httpx.get(self.base_url + HEALTH_PATH, timeout=2).status_code == 200

@@ -19,8 +19,8 @@ from starlette.background import BackgroundTask
 from tinker import types as T
 
 from kernel_backend.api.auth import tenant_of
-from kernel_backend.api.tinker import Limit, Offset, json_body, service
-from kernel_backend.service import Service, accounts, checkpoints, downloads, publishing, sessions, training
+from kernel_backend.api.tinker import Limit, Offset, future_reply, json_body, service
+from kernel_backend.service import Service, accounts, checkpoints, downloads, publishing, sessions, steps, training
 from kernel_backend.types import UserError
 
 router = APIRouter(prefix="/api/v1")
@@ -46,6 +46,18 @@ def training_runs(limit: int = Limit(20), offset: int = Offset, project_id: str 
 def training_run(model_id: str, access_scope: str | None = AccessScope, tenant: str = Depends(tenant_of),
                  svc: Service = Depends(service)):
     return training.training_run(svc, tenant, model_id)
+
+
+@router.get("/training_runs/{model_id}/steps")
+def run_steps(model_id: str, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    return steps.kept(svc, tenant, model_id)
+
+
+@router.post("/training_runs/{model_id}/steps/{step}/checkpoint")
+def checkpoint_step(model_id: str, step: int, body: dict, tenant: str = Depends(tenant_of),
+                    svc: Service = Depends(service)):
+    """A checkpoint of the run's state after a past step (service/steps.py): a future, polled like the SDK's."""
+    return future_reply(steps.save(svc, tenant, model_id, step, body.get("kind", "training")))
 
 
 @router.get("/training_runs/{model_id}/checkpoints")

@@ -51,7 +51,7 @@ async def json_body(request: Request, default=None):
         raise UserError(f"request body is not valid JSON ({e}); send a JSON object") from None
 
 
-def _future(row: FutureRow) -> dict:
+def future_reply(row: FutureRow) -> dict:
     reply = {"request_id": row.request_id, "model_id": row.model_id}
     reply.update(row.extra or {})
     return reply
@@ -144,7 +144,7 @@ def create_model(body: T.CreateModelRequest, tenant: str = Depends(tenant_of), s
     lora = body.lora_config.model_dump() if body.lora_config else None
     row = training.create_model(svc, tenant, body.session_id, body.model_seq_id, body.base_model, lora,
                                 body.optimizer_config.type, body.user_metadata)
-    return _future(row)
+    return future_reply(row)
 
 
 @router.post("/get_info")
@@ -162,19 +162,19 @@ async def forward_backward(request: Request, tenant: str = Depends(tenant_of), s
         call = wire.decode_forward_backward(await request.body(), request.headers.get("content-encoding"), limit)
     row = training.forward_backward(svc, tenant, call.model_id, call.seq_id, call.data, call.loss_fn,
                                     call.loss_fn_config, call.forward_only, wire.encode_forward_backward_output)
-    return _future(row)
+    return future_reply(row)
 
 
 @router.post("/optim_step")
 def optim_step(body: T.OptimStepRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    return _future(training.optim_step(svc, tenant, body.model_id, body.seq_id, wire.optim_params(body.optim_params)))
+    return future_reply(training.optim_step(svc, tenant, body.model_id, body.seq_id, wire.optim_params(body.optim_params)))
 
 
 @router.post("/save_weights")
 def save_weights(body: T.SaveWeightsRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
     row = checkpoints.save_weights(svc, tenant, body.model_id, body.seq_id, body.path, "training", body.overwrite,
                                    body.ttl_seconds, body.user_metadata)
-    return _future(row)
+    return future_reply(row)
 
 
 @router.post("/save_weights_for_sampler")
@@ -183,11 +183,11 @@ def save_weights_for_sampler(body: T.SaveWeightsForSamplerRequest, tenant: str =
     if body.path is None:
         if body.sampling_session_seq_id is None:
             raise UserError("save_weights_for_sampler needs a path, or a sampling_session_seq_id for an ephemeral sampler")
-        return _future(checkpoints.snapshot_for_sampler(svc, tenant, body.model_id, body.seq_id,
+        return future_reply(checkpoints.snapshot_for_sampler(svc, tenant, body.model_id, body.seq_id,
                                                         body.sampling_session_seq_id))
     row = checkpoints.save_weights(svc, tenant, body.model_id, body.seq_id, body.path, "sampler", True,
                                    body.ttl_seconds, body.user_metadata)
-    return _future(row)
+    return future_reply(row)
 
 
 @router.post("/save_weights_external")
@@ -195,7 +195,7 @@ def save_weights_external(body: T.SaveWeightsExternalRequest, tenant: str = Depe
                           svc: Service = Depends(service)):
     row = checkpoints.save_weights(svc, tenant, body.model_id, body.seq_id, body.path, "external", True,
                                    body.ttl_seconds, age_recipients=body.age_encryption_recipients)
-    return _future(row)
+    return future_reply(row)
 
 
 @router.post("/load_weights")
@@ -203,7 +203,7 @@ def load_weights(body: T.LoadWeightsRequest, tenant: str = Depends(tenant_of), s
     row = checkpoints.load_weights(svc, tenant, body.path, body.optimizer, body.model_id, body.seq_id, body.session_id,
                                    body.model_seq_id, body.user_metadata,
                                    body.optimizer_config.type if body.optimizer_config else None)
-    return _future(row)
+    return future_reply(row)
 
 
 # ---- sampling ----------------------------------------------------------------------------------------
@@ -229,7 +229,7 @@ def asample(body: T.SampleRequest, tenant: str = Depends(tenant_of), svc: Servic
     params = wire.sampling_params_from_json(body.sampling_params.model_dump(mode="json"))
     row = sampling.sample(svc, tenant, body.sampling_session_id, body.seq_id, prompt, body.num_samples, params,
                           wire.sample_options(body), wire.encode_sample_response, bool(body.record_stability_info))
-    return _future(row)
+    return future_reply(row)
 
 
 # ---- futures -----------------------------------------------------------------------------------------

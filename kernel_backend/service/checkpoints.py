@@ -44,9 +44,11 @@ SAVE_REQUESTS = {"training": ("SaveWeights", "save_weights"), "sampler": ("SaveW
 @recovery.journaled
 def save_weights(svc: Service, tenant: str, model_id: str, seq_id: int | None, name: str | None, kind: str,
                  overwrite: bool = True, ttl_seconds: int | None = None, user_metadata: dict | None = None,
-                 age_recipients: list[str] | None = None) -> FutureRow:
+                 age_recipients: list[str] | None = None, step: int | None = None) -> FutureRow:
     """save_state (kind "training": weights + optimizer), save_weights_for_sampler (kind "sampler") or
-    save_weights_external (kind "external": optionally age-encrypted to `age_recipients`)."""
+    save_weights_external (kind "external": optionally age-encrypted to `age_recipients`).
+
+    With `step`: the run's state after that optim step, not its current one (service/steps.py)."""
     run = svc.live_run(tenant, model_id)
     if name is None:
         if seq_id is None:
@@ -71,14 +73,15 @@ def save_weights(svc: Service, tenant: str, model_id: str, seq_id: int | None, n
             svc.store.delete_checkpoint(existing)
         svc.store.add(CheckpointRow(tinker_path=path, model_id=model_id, tenant=tenant, kind=kind, name=name,
                                     directory=saved["location"], size_bytes=saved["size"], expires_at=expires,
-                                    user_metadata=dict(user_metadata or {})),
+                                    user_metadata=dict(user_metadata or {}), step=saved.get("step")),
                       audit(tenant, "checkpoint_created", tenant, tinker_path=path, model_id=model_id,
                             size_bytes=saved["size"], age_encrypted=age_recipients is not None))
-        answer = {"path": path, "type": answer_type}
+        answer = {"path": path, "type": answer_type, **({"step": step} if step is not None else {})}
         return json_result({**answer, "size_bytes": saved["size"]} if kind == "external" else answer)
 
     op = Op("save", {"model_id": model_id, "kind": kind, "key": key, "path": path, "overwrite": overwrite,
-                     "base_model": run.base_model, "age_recipients": age_recipients})
+                     "base_model": run.base_model, "age_recipients": age_recipients, "step": step,
+                     "snapshot_location": None if step is None else recovery.snapshot_at(svc, model_id, step)})
     job = Job(new_id(), model_id, run.base_model, seq=seq_id, op=op, encode=record)
     return svc.submit(tenant, request_type, dedupe, job, ordered=True, session_id=run.session_id)
 
@@ -124,7 +127,7 @@ def load_weights(svc: Service, tenant: str, path: str, with_optimizer: bool, mod
             svc.admission.adapter(tenant, source.base_model, source.lora_config, training=True)
             svc.store.add(ModelRow(id=model_id, session_id=session_id, tenant=tenant, base_model=source.base_model,
                                    lora_config=source.lora_config,
-                                   user_metadata=dict(user_metadata or source.user_metadata or {})),
+                                   user_metadata=lineage(source, checkpoint, user_metadata)),
                           audit(tenant, "training_run_created", tenant, model_id=model_id, base_model=source.base_model,
                                 lora_rank=source.lora_config["rank"], from_checkpoint=path))
         dedupe, seq = f"create_model:{session_id}:{model_seq_id}", None
@@ -141,6 +144,16 @@ def load_weights(svc: Service, tenant: str, path: str, with_optimizer: bool, mod
               encode=lambda _: json_result({"path": path, "model_id": target, "type": "load_weights"}))
     session = svc.store.get(ModelRow, target).session_id
     return svc.submit(tenant, "LoadWeights", dedupe, job, ordered=True, session_id=session)
+
+
+def lineage(source: ModelRow, checkpoint: CheckpointRow, user_metadata: dict | None) -> dict:
+    """A run made from a checkpoint records where it branched off: `parent_run_id` and `fork_step` in its
+    user_metadata (plain strings, so the SDK's TrainingRun shows them), beside the user's own keys. Without
+    user_metadata of its own it keeps its parent's, but not the parent's name or lineage."""
+    own = dict(user_metadata) if user_metadata else {k: v for k, v in (source.user_metadata or {}).items()
+                                                     if k not in ("name", "parent_run_id", "fork_step")}
+    branch = {"parent_run_id": source.id, **({"fork_step": str(checkpoint.step)} if checkpoint.step is not None else {})}
+    return {**branch, **own}
 
 
 # ---- whose checkpoint: the tenant's own, or one published --------------------------------------------

@@ -8,8 +8,9 @@ every request the client was told about survives a crash of the process, with th
 Snapshots. Every STEPWISE_SNAPSHOT_EVERY optim steps (sooner once a run's journal passes
 STEPWISE_JOURNAL_MB) the optim_step also writes the run's state (weights and optimizer, no gradients:
 they were just used) to the checkpoint store under a key of its own (ops.optim_step). When that step is
-recorded, the run's journal up to its seq_id and the older snapshots are deleted: what is durable per run
-is one snapshot and the requests since.
+recorded, the run's journal up to its seq_id is deleted, and so are its snapshots past the newest
+STEPWISE_SNAPSHOTS_KEPT: what is durable per run is its newest snapshot and the requests since (the older
+snapshots kept are steps a fork can start from, service/steps.py).
 
 Replay. When a backend starts (`replay`), each run of an active session that has a snapshot or a journal
 is rebuilt before anything else runs: its snapshot is loaded (or the run is created again, with the seed
@@ -79,21 +80,33 @@ def snapshot_args(svc, tenant: str, model_id: str) -> dict:
 
 
 def snapshotted(svc, model_id: str, seq: int | None, snapshot: dict) -> None:
-    """An optim_step wrote a snapshot: record it, then forget what it supersedes (the journal up to its seq,
-    older snapshots). The row is written before anything is deleted, so a crash in between loses nothing."""
+    """An optim_step wrote a snapshot: record it, then forget what it supersedes (the journal up to its seq, and
+    the older snapshots past the newest STEPWISE_SNAPSHOTS_KEPT, which stay as steps to fork from: service/steps.py).
+    The row is written before anything is deleted, so a crash in between loses nothing."""
     if seq is None:
         return  # without a seq_id nothing orders the journal around it: keep the journal whole
     svc.store.add(RunSnapshotRow(model_id=model_id, step=snapshot["step"], seq=seq, location=snapshot["location"]))
     with svc.store.session.begin() as s:
         s.execute(delete(JournalRow).where(JournalRow.model_id == model_id,
                                            (JournalRow.seq <= seq) | JournalRow.seq.is_(None)))
-        older = s.scalars(select(RunSnapshotRow).where(RunSnapshotRow.model_id == model_id,
-                                                       RunSnapshotRow.seq < seq)).all()
+        older = s.scalars(select(RunSnapshotRow).where(RunSnapshotRow.model_id == model_id, RunSnapshotRow.seq < seq)
+                          .order_by(RunSnapshotRow.seq.desc()).offset(max(0, svc.settings.snapshots_kept - 1))).all()
         for row in older:
             s.delete(row)
     for row in older:
         if row.location != snapshot["location"]:
             svc.storage.delete(row.location)
+
+
+def snapshot_at(svc, model_id: str, step: int) -> str | None:
+    """Where the run's snapshot of the state after `step` is in the store, if one is kept (service/steps.py)."""
+    rows = svc.store.list(RunSnapshotRow, RunSnapshotRow.model_id == model_id, RunSnapshotRow.step == step,
+                          order=RunSnapshotRow.seq.desc(), limit=1)
+    return rows[0].location if rows else None
+
+
+def snapshot_steps(svc, model_id: str) -> list[int]:
+    return sorted({row.step for row in svc.store.list(RunSnapshotRow, RunSnapshotRow.model_id == model_id)})
 
 
 def forget(svc, model_ids: list[str]) -> None:
