@@ -12,8 +12,16 @@ The SDK's results carry numbers, not what produced them, and a custom loss never
    dashboard, would show the surrogate (about 0). The wrapper reports the loss the user's
    function returned (POST /api/v1/usage/custom_loss) once the result is in, and keeps it here for
    this process's dashboards (`user_loss`), which may have read the row before the report.
+3. A widget that measures the weights after every step (widgets/probes.py) needs to know when the
+   loop took one. `on_optim_step(client, callback)` registers a listener for one TrainingClient;
+   right after that client's `optim_step` is *called* (its request numbered and submitted, not yet
+   done) the wrapper calls `callback(client, future)` on the caller's thread, so whatever the
+   listener submits lands in the run's request order right after that step. A listener that raises
+   is reported as a warning; the loop goes on.
 
 Each wrapper calls the SDK's own method and changes nothing it returns. `install()` is idempotent.
+`sdk_method(cls, name)` is the SDK's own method under a wrapper, for calls a widget makes that should
+not be remembered as the user's (a probe's forward must not be taken for the loop's by a repr).
 """
 
 from __future__ import annotations
@@ -22,13 +30,19 @@ import collections
 import functools
 import math
 import threading
+import warnings
+import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 RECENT = 32  # calls remembered; a repr looks for its result's call among them
 
 _lock = threading.Lock()
 _recent: collections.deque = collections.deque(maxlen=RECENT)
 _custom_losses: dict[str, list[tuple[float, float]]] = {}  # run id -> [(surrogate loss, the user's loss)]
+# TrainingClient -> its optim_step listeners. Weak on the client, so a client that is gone leaves no entry;
+# a listener holding its client (Probes does) keeps it until removed (Probes.close()).
+_optim_listeners: "weakref.WeakKeyDictionary[object, list[Callable]]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -57,6 +71,40 @@ def user_loss(training_run_id: str, loss: float) -> float:
     return loss
 
 
+def on_optim_step(training_client, callback: Callable[[object, object], None]) -> Callable[[], None]:
+    """Call `callback(training_client, future)` right after each `training_client.optim_step(...)` call
+    (on the caller's thread, once the step is submitted). Installs the hooks. Returns a function that
+    removes the listener."""
+    install()
+    with _lock:
+        _optim_listeners.setdefault(training_client, []).append(callback)
+
+    def remove() -> None:
+        with _lock:
+            listeners = _optim_listeners.get(training_client, [])
+            if callback in listeners:
+                listeners.remove(callback)
+
+    return remove
+
+
+def sdk_method(cls, name: str):
+    """The SDK's own `cls.name`, under the wrapper install() put there (the method itself when none)."""
+    method = getattr(cls, name)
+    return method.__wrapped__ if getattr(method, "_stepwise_wrapped", False) else method
+
+
+def connection_of(client):
+    """The workbench Connection (workbench.connect) to the backend `client` talks to, or None."""
+    from workbench.connect import _connections
+
+    base_url = (getattr(getattr(client, "holder", None), "_base_url", None) or "").rstrip("/")
+    for conn in list(_connections):
+        if base_url and conn.base_url.rstrip("/") == base_url:
+            return conn
+    return None
+
+
 def _remember(call: Call) -> None:
     with _lock:
         _recent.append(call)
@@ -68,6 +116,7 @@ def install() -> None:
     for cls, name, wrapper in ((TrainingClient, "forward", _wrap_forward),
                                (TrainingClient, "forward_backward", _wrap_forward),
                                (TrainingClient, "forward_backward_custom", _wrap_custom),
+                               (TrainingClient, "optim_step", _wrap_optim_step),
                                (SamplingClient, "sample", _wrap_sample)):
         method = getattr(cls, name)
         if not getattr(method, "_stepwise_wrapped", False):
@@ -92,6 +141,21 @@ def _wrap_sample(method):
     return sample
 
 
+def _wrap_optim_step(method):
+    def optim_step(self, *args, **kwargs):
+        future = method(self, *args, **kwargs)
+        with _lock:
+            listeners = list(_optim_listeners.get(self, ()))
+        for callback in listeners:
+            try:
+                callback(self, future)
+            except Exception as error:  # noqa: BLE001 - a widget's trouble must not stop the training loop
+                warnings.warn(f"an optim_step listener failed: {error!r}", RuntimeWarning, stacklevel=2)
+        return future
+
+    return optim_step
+
+
 def _wrap_custom(method):
     def forward_backward_custom(self, data, loss_fn, *args, **kwargs):
         _remember(Call("forward_backward", self, data=list(data)))
@@ -114,15 +178,12 @@ def _report_custom_loss(training_client, done) -> None:
     with _lock:
         _custom_losses.setdefault(training_client.model_id, []).append(
             (float(metrics["surrogate_loss:sum"]), float(metrics["loss:sum"])))
-    from workbench.connect import _connections
-
-    base_url = getattr(training_client.holder, "_base_url", None) or ""
-    for conn in list(_connections):
-        if conn.base_url.rstrip("/") == base_url.rstrip("/"):
-            try:
-                conn.http.post("/api/v1/usage/custom_loss", timeout=10, json={
-                    "training_run_id": training_client.model_id, "surrogate_loss": metrics["surrogate_loss:sum"],
-                    "metrics": {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}})
-            except Exception:  # noqa: BLE001 - a display nicety; training goes on without it
-                pass
-            return
+    conn = connection_of(training_client)
+    if conn is None:
+        return
+    try:
+        conn.http.post("/api/v1/usage/custom_loss", timeout=10, json={
+            "training_run_id": training_client.model_id, "surrogate_loss": metrics["surrogate_loss:sum"],
+            "metrics": {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}})
+    except Exception:  # noqa: BLE001 - a display nicety; training goes on without it
+        pass

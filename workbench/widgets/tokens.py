@@ -5,6 +5,7 @@ so they are easy to test and work in any front end that renders text/html.
 
     logprob:   clear when the model was sure of the token (p near 1), red as p falls to 0
     advantage: green for positive, red for negative, shaded by |value| / the largest |value|
+    change:    the same diverging colours, for a change of logprob (a probe's after minus before)
 
 `legend_html(mode, scale)` says that in the page, with swatches of the same colours; token_html
 adds it under the tokens with `legend=True`.
@@ -19,6 +20,7 @@ from typing import Sequence
 
 MAX_ALPHA = 0.85  # keep the text readable on the strongest colour
 RED, GREEN = (220, 40, 40), (30, 160, 60)
+DIVERGING = ("advantage", "change")  # modes coloured red below 0, green above
 
 
 @functools.lru_cache(maxsize=4)
@@ -49,10 +51,10 @@ def token_color(value: float | None, mode: str = "logprob", scale: float = 1.0) 
         return None
     if mode == "logprob":
         alpha, rgb = 1.0 - math.exp(min(value, 0.0)), RED  # 1 - p: how surprised the model was
-    elif mode == "advantage":
+    elif mode in DIVERGING:
         alpha, rgb = min(abs(value) / scale, 1.0) if scale > 0 else 0.0, GREEN if value >= 0 else RED
     else:
-        raise ValueError(f"unknown colour mode {mode!r}; use 'logprob' or 'advantage'")
+        raise ValueError(f"unknown colour mode {mode!r}; use 'logprob', 'advantage' or 'change'")
     return f"rgba({rgb[0]},{rgb[1]},{rgb[2]},{alpha * MAX_ALPHA:.3f})"
 
 
@@ -69,13 +71,14 @@ def legend_html(mode: str = "logprob", scale: float = 1.0) -> str:
         swatches = [_swatch(token_color(math.log(p), mode), label) for p, label in
                     ((1.0, "p ≈ 1"), (0.5, "p = 0.5"), (0.1, "p = 0.1"), (1e-4, "p ≈ 0"))]
         meaning = "how unlikely the model found each token (red = 1 − p)"
-    elif mode == "advantage":
+    elif mode in DIVERGING:
         swatches = [_swatch(token_color(v, mode, scale), label) for v, label in
                     ((-scale, f"−{scale:.3g}"), (-scale / 2, f"−{scale / 2:.3g}"), (0.0, "0"),
                      (scale / 2, f"+{scale / 2:.3g}"), (scale, f"+{scale:.3g}"))]
-        meaning = f"red below 0, green above, full colour at ±{scale:.3g} (the largest |advantage| here)"
+        what = "advantage" if mode == "advantage" else "logprob change"
+        meaning = f"red below 0, green above, full colour at ±{scale:.3g} (the largest |{what}| here)"
     else:
-        raise ValueError(f"unknown colour mode {mode!r}; use 'logprob' or 'advantage'")
+        raise ValueError(f"unknown colour mode {mode!r}; use 'logprob', 'advantage' or 'change'")
     return (f'<div class="wb-legend" data-mode="{mode}" style="font:11px sans-serif;color:#555;margin:4px 0">'
             f"<b>colour = {mode}</b>: {html.escape(meaning)} &nbsp;{''.join(swatches)}"
             " &nbsp;(hover a token for its value)</div>")
@@ -93,7 +96,7 @@ def token_html(tokens: Sequence[str], values: Sequence[float | None] | None, mod
     if len(values) != len(tokens):
         raise ValueError(f"{len(tokens)} tokens but {len(values)} values")
     finite = [abs(v) for v in values if v is not None and math.isfinite(v)]
-    scale = max(finite, default=1.0) or 1.0  # advantage: the largest magnitude is full colour
+    scale = max(finite, default=1.0) or 1.0  # advantage, change: the largest magnitude is full colour
     spans = []
     muted = list(muted) if muted is not None else [False] * len(tokens)
     for text, value, faded in zip(tokens, values, muted + [False] * (len(tokens) - len(muted))):
