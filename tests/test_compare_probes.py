@@ -174,6 +174,22 @@ def test_probes_count_steps_from_where_the_run_is(tinker_server):
         assert probes.steps == [2]
         tc.optim_step(types.AdamParams(learning_rate=1e-4))
         assert probes.wait().steps == [2, 3] and "step 3, the change since step 2" in probes.html
+
+        # Two steps sent back to back, nothing waited for: each measurement still sees the weights
+        # after exactly its own step (it is in the run's request order right after it).
+        tokenizer = tc.get_tokenizer()
+        datum = completion_datum(*encode_pair(QUESTION, ANSWER, tokenizer))
+        for _ in range(2):
+            tc.forward_backward([datum], "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=5e-3))
+        measured = [h["logprobs"][0] for h in probes.wait()._history]
+        assert probes.steps == [2, 3, 4, 5]
+        prompt_ids, full = encode_pair(QUESTION, "Paris.", tokenizer)
+        for step, logprobs in zip((4, 5), measured[2:]):
+            sampler = workbench.sampler_at(tc, step=step)
+            expected = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()[len(prompt_ids):]
+            assert logprobs == pytest.approx(expected, abs=1e-3)
+        assert max(abs(a - b) for a, b in zip(measured[2], measured[3])) > 0.01  # the two steps differ
     finally:
         workbench.disconnect()
 
