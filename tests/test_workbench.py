@@ -425,6 +425,52 @@ def test_a_step_that_is_not_kept_is_refused_with_what_is_and_changes_nothing(ser
     assert len(rest.list_checkpoints(tc.model_id).result().checkpoints) == checkpoints
 
 
+def test_the_runs_tree_and_the_dashboard_overlay_forks_on_their_parents_axis(service, tokenizer):
+    from workbench.widgets.dashboard import LOSS_PANEL
+
+    tc = service.create_lora_training_client(base_model=BASE, rank=4, seed=5, user_metadata={"name": "base lr"}).result()
+    dash = workbench.Dashboard(session=service, poll_interval=None)
+    for k in range(1, 4):
+        tc.forward_backward(step_data(tokenizer, k), "cross_entropy")
+        tc.optim_step(ADAM).result()
+        dash.log(k, run=tc, acc=k)
+    hot = workbench.fork(tc, step=1, name="hot")
+    for k in range(2, 4):
+        hot.forward_backward(step_data(tokenizer, k), "cross_entropy")
+        hot.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        dash.log(k, run=hot, acc=10 + k)
+    hotter = workbench.fork(hot, step=3, name="hotter")
+    dash.refresh()
+    panels = dash.panel_series()
+    loss = panels[LOSS_PANEL][1]
+    assert loss["base lr"][0] == [1, 2, 3] and loss["hot"][0] == [2, 3]  # the fork's curve starts after its fork step
+    assert panels["acc"][1]["acc · base lr"] == ([1, 2, 3], [1.0, 2.0, 3.0])
+    assert panels["acc"][1]["acc · hot"] == ([2, 3], [12.0, 13.0])
+
+    runs = workbench.Runs(session=service, dashboard=dash, poll_interval=None)
+    mine = [r for r in runs.runs if r["training_run_id"] in (tc.model_id, hot.model_id, hotter.model_id)]
+    assert [(r["name"], r["depth"], r["first_step"], r["step"]) for r in mine] == [
+        ("base lr", 0, 0, 3), ("hot", 1, 1, 3), ("hotter", 2, 3, 3)]
+    assert mine[1]["metrics"] == {"acc": 13.0} and mine[0]["cost"] > mine[2]["cost"] == 0.0
+    assert "⑂ base lr @ step 1" in runs.table.value and "⑂ hot @ step 3" in runs.table.value
+
+    # After an undo, the step taken again replaces the undone step's loss (it is not added to it).
+    workbench.undo(tc)
+    redone = tc.forward_backward(step_data(tokenizer, 7), "cross_entropy").result().metrics["loss:sum"]
+    tc.optim_step(ADAM).result()
+    dash.refresh()
+    steps, values = dash.panel_series()[LOSS_PANEL][1]["base lr"]
+    assert steps == [1, 2, 3] and values[-1] == pytest.approx(redone)
+
+    smooth = workbench.Dashboard(session=service, poll_interval=None, smoothing=0.5)
+    smooth.log(1, run=tc, acc=0.0)
+    smooth.log(2, run=tc, acc=1.0)
+    assert smooth.panel_series()["acc"][1]["acc · base lr"] == ([1, 2], [0.0, pytest.approx(2 / 3)])
+    assert smooth.metrics["acc"]["values"] == [0.0, 1.0]  # the state keeps the raw values
+    for widget in (dash, runs, smooth):
+        widget.close()
+
+
 # ---- step-through reprs and the rollout inspector on real results ------------------------------------
 
 

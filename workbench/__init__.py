@@ -26,6 +26,7 @@ _EXPORTS = {
     "rollouts_frame": "workbench.widgets.rollouts", "Labeler": "workbench.widgets.labeler",
     "read_labels": "workbench.widgets.labeler", "enable_reprs": "workbench.widgets.reprs",
     "token_html": "workbench.widgets.tokens", "Compare": "workbench.widgets.compare", "Probes": "workbench.widgets.probes",
+    "Runs": "workbench.widgets.runs",
     # training helpers
     "dpo_loss": "workbench.dpo", "make_dpo_loss": "workbench.dpo", "preference_datums": "workbench.dpo",
     "add_reference_logprobs": "workbench.dpo",

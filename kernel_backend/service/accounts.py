@@ -149,6 +149,8 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
         runs = list(s.scalars(select(ModelRow).where(ModelRow.session_id.in_(ids)).order_by(ModelRow.created_at)))
         run_ids = [r.id for r in runs]
         totals = {row[0]: row[2:] for row in s.execute(_ledger_sums(UsageRow.session_id, UsageRow.session_id.in_(ids)))}
+        run_cost = {row[0]: float(row[5] or 0.0) for row in s.execute(_ledger_sums(UsageRow.model_id,
+                                                                               UsageRow.model_id.in_(run_ids)))}
         steps = dict(s.execute(select(UsageRow.model_id, func.count()).where(
             UsageRow.model_id.in_(run_ids), UsageRow.request_type == "OptimStep").group_by(UsageRow.model_id)).all())
         last_fb = {}  # run -> metrics of its newest forward_backward
@@ -178,6 +180,7 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
         # Its user_metadata carries its name and, for a fork, its lineage (parent_run_id, fork_step: service/steps.py).
         runs = [{"training_run_id": r.id, "base_model": r.base_model, "lora_rank": r.lora_config["rank"],
                  "steps": int(steps.get(r.id, 0)), "last_loss": last_fb.get(r.id, {}).get("loss:sum"),
+                 "cost": run_cost.get(r.id, 0.0),  # its own training work (its rollouts are in the run scope of usage)
                  "user_metadata": {k: str(v) for k, v in (r.user_metadata or {}).items()}} for r in mine]
         pid = str((session.user_metadata or {}).get("local_pid", ""))
         rows.append({

@@ -24,6 +24,14 @@ is drawn once it has a point; until then the dashboard says in words what will a
 and the metrics named in `panels` (a dashboard given none expects none, so it announces none). The
 panels wrap to the notebook's width.
 
+Several runs. A session-scoped dashboard overlays the session's runs: the loss has one trace per
+run, named by the run's name (its user_metadata "name", which `workbench.fork(..., name=)` sets)
+or its number, and `log(step, run=tc, **values)` gives each logged metric one trace per run too. A
+fork's steps count on from its fork step (workbench/steps.py), so its traces start there, on its
+parent's x axis. `smoothing=0.6` draws each trace as an exponential moving average (the state
+keeps the raw values). After `workbench.undo(tc)` the steps the run takes again replace the undone
+ones' losses (a forward_backward at a step the run had already passed starts that step anew).
+
 A step the loop took without training on anything (an RL step whose groups all tied: optim_step
 with no forward_backward, so the step counter advances and the weights do not move) has no loss
 and no per-datum metrics. `skip(step, why)` marks it on every panel, as a trace named
@@ -49,6 +57,7 @@ import traitlets as t
 from workbench import sdk_hooks
 from workbench.widgets.cost import format_cost, run_id_of, session_id_of
 from workbench.widgets.polling import Poller
+from workbench.widgets.runs import run_label
 from workbench.widgets.throttle import Throttle
 
 LOSS_TYPE = "ForwardBackward"
@@ -100,6 +109,20 @@ def _as_output(figure: go.Figure) -> dict:
                      "text/plain": f"<plotly figure: {figure.layout.title.text}>"}}
 
 
+def _smoothed(values: list, weight: float) -> list:
+    """An exponential moving average (as TensorBoard's smoothing): each point is weight x the previous
+    average + (1 - weight) x its value, debiased so the first points are not pulled towards 0."""
+    out, average, count = [], 0.0, 0
+    for value in values:
+        if value is None:
+            out.append(None)
+            continue
+        count += 1
+        average = weight * average + (1 - weight) * value
+        out.append(average / (1 - weight ** count))
+    return out
+
+
 def _dtick(last_step: int) -> int:
     """Whole steps on the x axis, at most about eight ticks."""
     return max(1, math.ceil(last_step / 8))
@@ -112,7 +135,7 @@ class Dashboard(w.VBox):
     loss_steps = t.List()
     loss_values = t.List()
     loss_runs = t.List()
-    metrics = t.Dict()  # name -> {"steps": [...], "values": [...]} from log()
+    metrics = t.Dict()  # name -> {"steps": [...], "values": [...], "runs": [...]} from log() (runs: ids or None)
     skipped = t.Dict()  # why -> the steps skipped for that reason, from skip()
     cost = t.Float(0.0)
     tokens = t.Dict()  # prefill / sample / train token totals
@@ -121,8 +144,8 @@ class Dashboard(w.VBox):
     error = t.Unicode("")
 
     def __init__(self, training_run_id=None, session=None, *, panels: dict[str, list[str]] | None = None,
-                 labels: dict[str, str] | None = None, connection=None, poll_interval: float | None = 1.0,
-                 redraw_interval: float = 0.3):
+                 labels: dict[str, str] | None = None, smoothing: float = 0.0, connection=None,
+                 poll_interval: float | None = 1.0, redraw_interval: float = 0.3):
         from workbench.connect import current
 
         self.connection = connection or current()
@@ -132,6 +155,11 @@ class Dashboard(w.VBox):
         self.scope = f"run {run_id}" if run_id else f"session {session_id}"
         self.panel_of = {name: title for title, names in (panels or {}).items() for name in names}
         self.label_of = dict(labels or {})  # metric -> its trace's name
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"smoothing is the moving average's weight of the past, from 0 (none) to below 1, not {smoothing}")
+        self.smoothing = smoothing
+        self._run_names: dict[str, str] = {}  # run id -> what its traces are called
+        self._closed: dict[str, int] = {}  # run id -> the newest optimizer step the ledger shows it took
         self.slots: dict[str, w.Output] = {}  # panel title -> the output that shows it, in drawing order
         self.figures: dict[str, go.Figure] = {}  # panel title -> the figure it shows
         self._drawn: dict[str, dict] = {}  # panel title -> the series its figure shows
@@ -166,10 +194,7 @@ class Dashboard(w.VBox):
                                            after=self.cursor, limit=PAGE)
             rows = report["series"]
             for row in rows:
-                loss = (row.get("metrics") or {}).get("loss:sum")
-                if row["request_type"] == LOSS_TYPE and loss is not None and row.get("step") is not None:
-                    key = (row["training_run_id"], int(row["step"]) + 1)  # the optimizer step it leads to
-                    self._losses.setdefault(key, []).append(float(loss))
+                self._take(row)
             totals = report["totals"]
             # A custom loss's surrogate becomes the user's loss once this process has its result.
             values = [sum(sdk_hooks.user_loss(run, loss) for loss in losses) for (run, _), losses in self._losses.items()]
@@ -187,13 +212,34 @@ class Dashboard(w.VBox):
             if len(rows) < PAGE:
                 return new
 
-    def log(self, step: int, **values: float) -> None:
-        """Record metrics computed in the notebook (reward=..., kl=...) at `step` (see the module doc)."""
-        metrics = {name: {"steps": list(m["steps"]), "values": list(m["values"])} for name, m in self.metrics.items()}
+    def _take(self, row: dict) -> None:
+        """One ledger row: a forward_backward's loss goes to the optimizer step it leads to."""
+        run, step = row.get("training_run_id"), row.get("step")
+        if step is None:
+            return
+        if row["request_type"] == "OptimStep":
+            self._closed[run] = int(step)
+            return
+        loss = (row.get("metrics") or {}).get("loss:sum")
+        if row["request_type"] != LOSS_TYPE or loss is None:
+            return
+        key = (run, int(step) + 1)
+        if key[1] <= self._closed.get(run, 0):  # a step already taken, taken again: the run was taken back (undo)
+            self._losses[key] = []
+            self._closed[run] = key[1] - 1
+        self._losses.setdefault(key, []).append(float(loss))
+
+    def log(self, step: int, run=None, **values: float) -> None:
+        """Record metrics computed in the notebook (reward=..., kl=...) at `step`, of `run` (a TrainingClient or
+        run id: one trace per run) or of no run in particular (see the module doc)."""
+        run_id = run_id_of(run)
+        metrics = {name: {"steps": list(m["steps"]), "values": list(m["values"]),
+                          "runs": list(m.get("runs", [None] * len(m["steps"])))} for name, m in self.metrics.items()}
         for name, value in values.items():
-            series = metrics.setdefault(name, {"steps": [], "values": []})
+            series = metrics.setdefault(name, {"steps": [], "values": [], "runs": []})
             series["steps"].append(int(step))
             series["values"].append(float(value))
+            series["runs"].append(run_id)
         self.metrics = metrics  # a new dict, so traitlets observers see the change
         self._redraw()
 
@@ -217,17 +263,39 @@ class Dashboard(w.VBox):
             self._draw_now()
 
     def panel_series(self) -> dict[str, tuple[str, dict[str, tuple[list, list]]]]:
-        """What each panel shows: title -> (y-axis title, {trace name: (steps, values)})."""
+        """What each panel shows: title -> (y-axis title, {trace name: (steps, values)}), smoothed if asked."""
         by_run: dict[str, tuple[list, list]] = {}
         for run, step, value in zip(self.loss_runs, self.loss_steps, self.loss_values):
-            xs, ys = by_run.setdefault(run or "loss", ([], []))
+            xs, ys = by_run.setdefault(self.run_name(run) if run else "loss", ([], []))
             xs.append(step)
             ys.append(value)
         panels = {LOSS_PANEL: ("loss:sum", by_run)} if by_run else {}
         for name, m in self.metrics.items():
             title = self.panel_of.get(name, name)
-            panels.setdefault(title, (title, {}))[1][self.label_of.get(name, name)] = (m["steps"], m["values"])
+            label = self.label_of.get(name, name)
+            runs = m.get("runs") or [None] * len(m["steps"])
+            for run in dict.fromkeys(runs):  # one trace per run, in the order they were first logged
+                points = [(s, v) for s, v, r in zip(m["steps"], m["values"], runs) if r == run]
+                trace = label if run is None else f"{label} · {self.run_name(run)}"
+                panels.setdefault(title, (title, {}))[1][trace] = ([s for s, _ in points], [v for _, v in points])
+        if self.smoothing:
+            for _, series in panels.values():
+                for trace, (xs, ys) in series.items():
+                    series[trace] = (xs, _smoothed(ys, self.smoothing))
         return panels
+
+    def run_name(self, run_id: str) -> str:
+        """What a run's traces are called (runs.run_label), asked of the backend once per run."""
+        if run_id not in self._run_names:
+            meta = None
+            try:
+                response = self.connection.http.get(f"/api/v1/training_runs/{run_id}")
+                if response.status_code == 200:
+                    meta = response.json().get("user_metadata")
+            except Exception:  # noqa: BLE001 - a name is a nicety; a backend that went away shows in the stats line
+                pass
+            self._run_names[run_id] = run_label(run_id, meta)
+        return self._run_names[run_id]
 
     def _draw_now(self) -> None:
         panels = self.panel_series()
@@ -269,6 +337,14 @@ class Dashboard(w.VBox):
             return ""
         return ("<div class='wb-dashboard-empty' style='font:12px sans-serif;color:#666'>Not plotted yet: "
                 + "; ".join(waiting) + ".</div>")
+
+    def watch(self, probes, training_client, **kwargs):
+        """Show what each of `training_client`'s steps changes on `probes` below the plots (workbench/widgets/probes.py)."""
+        from workbench.widgets.probes import Probes
+
+        self.probes = Probes(training_client, probes, connection=self.connection, **kwargs)
+        self.children = (*self.children, self.probes)
+        return self.probes
 
     def _show_error(self, error: Exception) -> None:
         self.error = str(error)
