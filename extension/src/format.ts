@@ -5,7 +5,7 @@
  * whole training run: below a cent we keep three significant digits instead.
  */
 
-import { ILab, ISession, ITotals, Kind } from './types';
+import { ILab, IRun, ISession, ITotals, Kind } from './types';
 
 export function formatCost(cost: number, symbol = '$'): string {
   if (!Number.isFinite(cost) || cost <= 0) {
@@ -74,6 +74,36 @@ export function sessionTitle(session: ISession): string {
 /** "train:0" from "<session id>:train:0": a run's id within its session's row. */
 export function runLabel(runId: string, sessionId: string): string {
   return runId.startsWith(`${sessionId}:`) ? runId.slice(sessionId.length + 1) : runId;
+}
+
+/** What a run is called: its user_metadata name (workbench.fork(..., name=)), else its short id. */
+export function runName(run: IRun, sessionId: string): string {
+  return run.user_metadata?.name || runLabel(run.training_run_id, sessionId);
+}
+
+/**
+ * A session's runs as a tree: each run, then the forks made from it (in their order), each with its
+ * depth. A run whose parent is not among them (another session's) is a root.
+ */
+export function runTree(runs: IRun[]): { run: IRun; depth: number }[] {
+  const ids = new Set(runs.map(r => r.training_run_id));
+  const children = new Map<string | null, IRun[]>();
+  for (const run of runs) {
+    const parent = run.user_metadata?.parent_run_id;
+    const key = parent && ids.has(parent) ? parent : null;
+    children.set(key, [...(children.get(key) ?? []), run]);
+  }
+  const ordered: { run: IRun; depth: number }[] = [];
+  const visit = (run: IRun, depth: number) => {
+    ordered.push({ run, depth });
+    for (const child of children.get(run.training_run_id) ?? []) {
+      visit(child, depth + 1);
+    }
+  };
+  for (const root of children.get(null) ?? []) {
+    visit(root, 0);
+  }
+  return ordered;
 }
 
 /** Whether a session is still running (the others are drawn greyed, in their own group). */

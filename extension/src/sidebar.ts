@@ -20,6 +20,8 @@ import {
   isActive,
   plural,
   runLabel,
+  runName,
+  runTree,
   sessionTitle,
   shortModel
 } from './format';
@@ -171,7 +173,7 @@ class SessionRow {
     const runs = JSON.stringify(session.runs);
     if (runs !== this._drawnRuns) {
       this._drawnRuns = runs;
-      this._runs.replaceChildren(...session.runs.map(run => runItem(run, session)));
+      this._runs.replaceChildren(...runTree(session.runs).map(({ run, depth }) => runItem(run, depth, session)));
     }
     setFacts(this._tokens, [
       ['prefill', `prefill ${formatTokens(session.prefill_tokens)}`],
@@ -215,18 +217,30 @@ function headerTooltip(session: ISession, title: string): string {
   return lines.join('\n');
 }
 
-/** One run: "train:0 · 12 steps · loss 3.21", with its model and rank when they differ from the session's. */
-function runItem(run: IRun, session: ISession): HTMLElement {
+/**
+ * One run: "train:0 · 12 steps · loss 3.21", with its model and rank when they differ from the session's.
+ * A fork (workbench.fork) is indented under the run it branched from: "lr 3e-3 · ⑂ train:0 @ step 3 · ...".
+ */
+function runItem(run: IRun, depth: number, session: ISession): HTMLElement {
   const item = el('li', 'jp-StepwiseRun');
   item.dataset.runId = run.training_run_id;
   item.dataset.steps = String(run.steps);
+  item.dataset.depth = String(depth);
+  item.style.paddingLeft = `${depth * 14}px`;
   item.title = run.training_run_id;
+  const parent = run.user_metadata?.parent_run_id;
+  const parentRun = session.runs.find(r => r.training_run_id === parent);
   const other =
     run.base_model !== session.base_model || run.lora_rank !== session.lora_rank
       ? `${shortModel(run.base_model)} r${run.lora_rank}`
       : '';
+  item.append(el('span', 'jp-StepwiseRun-name', runName(run, session.session_id)));
+  if (parent) {
+    const from = parentRun ? runName(parentRun, session.session_id) : parent;
+    item.dataset.parent = parent;
+    item.append(el('span', 'jp-StepwiseRun-fork', `⑂ ${from} @ step ${run.user_metadata?.fork_step ?? '?'}`));
+  }
   item.append(
-    el('span', 'jp-StepwiseRun-name', runLabel(run.training_run_id, session.session_id)),
     el('span', 'jp-StepwiseRun-steps', plural(run.steps, 'step')),
     el('span', 'jp-StepwiseRun-loss', `loss ${formatLoss(run.last_loss)}`)
   );

@@ -27,6 +27,9 @@ export interface IRun {
   lora_rank: number;
   steps: number;
   last_loss: number | null;
+  /** Its name ("name") and, for a fork, where it branched off ("parent_run_id", "fork_step"). */
+  user_metadata?: Record<string, string>;
+  cost?: number;
 }
 
 export interface ISession {

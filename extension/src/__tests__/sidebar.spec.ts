@@ -96,6 +96,32 @@ describe('SessionsSidebar', () => {
     model.dispose();
   });
 
+  it('draws forks indented under the run they branched from, named, with their fork step', async () => {
+    const run = (n: number, meta: Record<string, string> = {}) => ({
+      training_run_id: `a:train:${n}`, base_model: 'HuggingFaceTB/SmolLM2-135M-Instruct', lora_rank: 8,
+      steps: 2, last_loss: 1.5, user_metadata: meta
+    });
+    // Made in this order: the grandchild (3) before the second child (2) of the root.
+    const runs = [run(0, { name: 'base' }), run(1, { name: 'hot', parent_run_id: 'a:train:0', fork_step: '3' }),
+                  run(3, { parent_run_id: 'a:train:1', fork_step: '5' }),
+                  run(2, { name: 'cold', parent_run_id: 'a:train:0', fork_step: '1' }),
+                  run(4, { name: 'elsewhere', parent_run_id: 'b:train:0', fork_step: '2' })];
+    const { node, model } = await drawn([report([session('a', { runs })])]);
+    const [row] = rows(node);
+    const items = Array.from(row.querySelectorAll<HTMLElement>('li.jp-StepwiseRun'));
+    expect(items.map(i => [i.dataset.runId, i.dataset.depth])).toEqual([
+      ['a:train:0', '0'], ['a:train:1', '1'], ['a:train:3', '2'], ['a:train:2', '1'], ['a:train:4', '0']]);
+    expect(runTexts(row)).toEqual([
+      'base · 2 steps · loss 1.500',
+      'hot · ⑂ base @ step 3 · 2 steps · loss 1.500',
+      'train:3 · ⑂ hot @ step 5 · 2 steps · loss 1.500',
+      'cold · ⑂ base @ step 1 · 2 steps · loss 1.500',
+      'elsewhere · ⑂ b:train:0 @ step 2 · 2 steps · loss 1.500'
+    ]);
+    expect(items[2].style.paddingLeft).toBe('28px');
+    model.dispose();
+  });
+
   it("shows each of a session's runs with its own steps and loss, never their sum", async () => {
     const run = (n: number, steps: number, loss: number | null, rank = 8) => ({
       training_run_id: `a:train:${n}`, base_model: 'HuggingFaceTB/SmolLM2-135M-Instruct', lora_rank: rank,
