@@ -26,10 +26,11 @@ panels wrap to the notebook's width.
 
 Several runs. A session-scoped dashboard overlays the session's runs: the loss has one trace per
 run, named by the run's name (its user_metadata "name", which `workbench.fork(..., name=)` sets)
-or its number, and `log(step, run=tc, **values)` gives each logged metric one trace per run too. A
-fork's steps count on from its fork step (workbench/steps.py), so its traces start there, on its
-parent's x axis. `smoothing=0.6` draws each trace as an exponential moving average (the state
-keeps the raw values). After `workbench.undo(tc)` the steps the run takes again replace the undone
+or its number, and `log(step, run=tc, **values)` gives each logged metric one trace per run too
+(`run=` may also be a run's name). `Dashboard(training_run_id=[tc1, tc2])` overlays just those
+runs, their rollouts' cost included. A fork's steps count on from its fork step (workbench/steps.py),
+so its traces start there, on its parent's x axis. `smoothing=0.6` draws each trace as an
+exponential moving average (the state keeps the raw values). After `workbench.undo(tc)` the steps the run takes again replace the undone
 ones' losses (a forward_backward at a step the run had already passed starts that step anew).
 
 A step the loop took without training on anything (an RL step whose groups all tied: optim_step
@@ -129,7 +130,8 @@ def _dtick(last_step: int) -> int:
 
 
 class Dashboard(w.VBox):
-    training_run_id = t.Unicode(None, allow_none=True)
+    training_run_id = t.Unicode(None, allow_none=True)  # the run, or the first of training_run_ids
+    training_run_ids = t.List()  # the runs given (training_run_id=[tc1, tc2] overlays them); [] in session scope
     session_id = t.Unicode(None, allow_none=True)
     # Loss points in arrival order; loss_runs says which training run each belongs to.
     loss_steps = t.List()
@@ -140,7 +142,7 @@ class Dashboard(w.VBox):
     cost = t.Float(0.0)
     tokens = t.Dict()  # prefill / sample / train token totals
     requests = t.Int(0)
-    cursor = t.Int(0)
+    cursor = t.Int(0)  # the newest ledger row read (each scope keeps its own: _cursors)
     error = t.Unicode("")
 
     def __init__(self, training_run_id=None, session=None, *, panels: dict[str, list[str]] | None = None,
@@ -149,10 +151,16 @@ class Dashboard(w.VBox):
         from workbench.connect import current
 
         self.connection = connection or current()
-        run_id, session_id = run_id_of(training_run_id), session_id_of(session)
-        if run_id is None and session_id is None:
-            raise ValueError("Dashboard needs training_run_id= (an id or a TrainingClient) or session=")
-        self.scope = f"run {run_id}" if run_id else f"session {session_id}"
+        given = training_run_id if isinstance(training_run_id, (list, tuple)) else [training_run_id]
+        run_ids, session_id = [r for r in map(run_id_of, given) if r is not None], session_id_of(session)
+        if not run_ids and session_id is None:
+            raise ValueError("Dashboard needs training_run_id= (an id or a TrainingClient, or a list of them) or session=")
+        self.scope = f"run{'s' if len(run_ids) > 1 else ''} {', '.join(run_ids)}" if run_ids else f"session {session_id}"
+        # What the usage API is asked, one query per run given (each run's scope holds its rollouts,
+        # which a session filter would not narrow to the runs), else one for the session; each with its
+        # own cursor, since one run's rows and another's interleave in the ledger.
+        self._scopes = [{"training_run_id": r, "session_id": session_id} for r in run_ids] or [{"session_id": session_id}]
+        self._cursors = [0] * len(self._scopes)
         self.panel_of = {name: title for title, names in (panels or {}).items() for name in names}
         self.label_of = dict(labels or {})  # metric -> its trace's name
         if not 0.0 <= smoothing < 1.0:
@@ -168,7 +176,8 @@ class Dashboard(w.VBox):
         self.stats = w.HTML()
         super().__init__([self.note, self.panels, self.stats])
         self.add_class("wb-dashboard")
-        self.training_run_id, self.session_id = run_id, session_id
+        self.training_run_ids, self.session_id = run_ids, session_id
+        self.training_run_id = run_ids[0] if run_ids else None
         self._losses: dict[tuple[str, int], list[float]] = {}  # (run, step) -> its losses, insertion-ordered
         self._lock = threading.Lock()  # refresh() runs on the poller thread and on demand
         self._draw_lock = threading.Lock()  # so do redraws (the throttle's timer and the caller)
@@ -188,29 +197,31 @@ class Dashboard(w.VBox):
         return rows
 
     def _pull(self) -> int:
-        new = 0
-        while True:  # the API pages at PAGE rows; a long run read for the first time takes several
-            report = self.connection.usage(training_run_id=self.training_run_id, session_id=self.session_id,
-                                           after=self.cursor, limit=PAGE)
-            rows = report["series"]
-            for row in rows:
-                self._take(row)
-            totals = report["totals"]
-            # A custom loss's surrogate becomes the user's loss once this process has its result.
-            values = [sum(sdk_hooks.user_loss(run, loss) for loss in losses) for (run, _), losses in self._losses.items()]
-            with self.hold_trait_notifications():
-                if values != self.loss_values:
-                    self.loss_runs = [run for run, _ in self._losses]
-                    self.loss_steps = [step for _, step in self._losses]
-                    self.loss_values = values
-                self.cursor = report["cursor"]
-                self.cost = totals["cost"]
-                self.requests = totals["requests"]
-                self.tokens = {k: totals[f"{k}_tokens"] for k in ("prefill", "sample", "train")}
-                self.error = ""
-            new += len(rows)
-            if len(rows) < PAGE:
-                return new
+        new, totals = 0, []
+        for i, scope in enumerate(self._scopes):
+            while True:  # the API pages at PAGE rows; a long run read for the first time takes several
+                report = self.connection.usage(**scope, after=self._cursors[i], limit=PAGE)
+                rows = report["series"]
+                for row in rows:
+                    self._take(row)
+                self._cursors[i] = report["cursor"]
+                new += len(rows)
+                if len(rows) < PAGE:
+                    totals.append(report["totals"])
+                    break
+        # A custom loss's surrogate becomes the user's loss once this process has its result.
+        values = [sum(sdk_hooks.user_loss(run, loss) for loss in losses) for (run, _), losses in self._losses.items()]
+        with self.hold_trait_notifications():
+            if values != self.loss_values:
+                self.loss_runs = [run for run, _ in self._losses]
+                self.loss_steps = [step for _, step in self._losses]
+                self.loss_values = values
+            self.cursor = max(self._cursors)
+            self.cost = sum(part["cost"] for part in totals)
+            self.requests = sum(part["requests"] for part in totals)
+            self.tokens = {k: sum(part[f"{k}_tokens"] for part in totals) for k in ("prefill", "sample", "train")}
+            self.error = ""
+        return new
 
     def _take(self, row: dict) -> None:
         """One ledger row: a forward_backward's loss goes to the optimizer step it leads to."""
@@ -232,7 +243,7 @@ class Dashboard(w.VBox):
     def log(self, step: int, run=None, **values: float) -> None:
         """Record metrics computed in the notebook (reward=..., kl=...) at `step`, of `run` (a TrainingClient or
         run id: one trace per run) or of no run in particular (see the module doc)."""
-        run_id = run_id_of(run)
+        run_id = self.run_id_named(run) if isinstance(run, str) else run_id_of(run)
         metrics = {name: {"steps": list(m["steps"]), "values": list(m["values"]),
                           "runs": list(m.get("runs", [None] * len(m["steps"])))} for name, m in self.metrics.items()}
         for name, value in values.items():
@@ -283,6 +294,24 @@ class Dashboard(w.VBox):
                 for trace, (xs, ys) in series.items():
                     series[trace] = (xs, _smoothed(ys, self.smoothing))
         return panels
+
+    def run_id_named(self, run: str) -> str:
+        """`run` as a run id: the id of the run this dashboard knows by that name (its scope's runs, the
+        session's, those it has plotted), else `run` itself, taken as an id."""
+        known = [*self.training_run_ids, *self.loss_runs,
+                 *(r for m in self.metrics.values() for r in m.get("runs", []) if r)]
+        if run in known:
+            return run
+        if not any(self.run_name(r) == run for r in known):
+            # A run named before any of its rows reached this dashboard (a fork about to take its first step):
+            # look among its session's runs, this dashboard's session or that of the runs it was given (a run id
+            # is "<session>:train:<n>", service/checkpoints.py).
+            for session_id in dict.fromkeys([self.session_id] if self.session_id else
+                                            [r.split(":train:")[0] for r in self.training_run_ids]):
+                response = self.connection.http.get(f"/api/v1/sessions/{session_id}")
+                if response.status_code == 200:
+                    known += response.json().get("training_run_ids", [])
+        return next((r for r in dict.fromkeys(known) if self.run_name(r) == run), run)
 
     def run_name(self, run_id: str) -> str:
         """What a run's traces are called (runs.run_label), asked of the backend once per run."""
