@@ -30,8 +30,9 @@ or its number, and `log(step, run=tc, **values)` gives each logged metric one tr
 (`run=` may also be a run's name). `Dashboard(training_run_id=[tc1, tc2])` overlays just those
 runs, their rollouts' cost included. A fork's steps count on from its fork step (workbench/steps.py),
 so its traces start there, on its parent's x axis. `smoothing=0.6` draws each trace as an
-exponential moving average (the state keeps the raw values). After `workbench.undo(tc)` the steps the run takes again replace the undone
-ones' losses (a forward_backward at a step the run had already passed starts that step anew).
+exponential moving average (the state keeps the raw values). After `workbench.undo(tc)` the steps
+the run takes again replace the undone ones' losses (a forward_backward at a step the run had
+already passed starts that step anew).
 
 A step the loop took without training on anything (an RL step whose groups all tied: optim_step
 with no forward_backward, so the step counter advances and the weights do not move) has no loss
