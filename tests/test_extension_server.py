@@ -266,3 +266,18 @@ def test_a_backend_slow_to_answer_keeps_its_sessions_as_last_read(monkeypatch):
     assert listed["stopped"] is False and "did not answer within 0.5 s" in listed["error"]
     (row,) = report["sessions"]
     assert (row["status"], row["remembered"], row["sampler_snapshots"]) == ("active", True, [{"sampler_id": "s:sample:0"}])
+
+
+def test_each_run_carries_the_lineage_the_sidebar_draws_its_tree_from(fetch, home, tinker_server, trained_session):
+    # A fork of the trained run (from its state after step 2), in a session of its own: the sidebar's tree
+    # (extension/src/format.ts, runTree and runName) reads its name and lineage from the run's user_metadata.
+    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
+    fork = client.create_training_client_from_state_with_optimizer(
+        trained_session["checkpoint"], user_metadata={"name": "the fork"}).result()
+    announce(home, tinker_server.base_url, tinker_server.api_key)
+    sessions = get_report(fetch)["sessions"]
+    runs = {run["training_run_id"]: run for s in sessions for run in s["runs"]}
+    assert runs[fork.model_id]["user_metadata"] == {"name": "the fork", "parent_run_id": trained_session["run"],
+                                                    "fork_step": "2"}
+    assert "parent_run_id" not in runs[trained_session["run"]]["user_metadata"]
+    assert runs[trained_session["run"]]["cost"] > 0 and runs[fork.model_id]["cost"] == 0.0
