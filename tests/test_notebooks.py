@@ -412,6 +412,60 @@ def test_distillation_notebook(lab, browser):
     check_notebook(page, lab, "04_distillation.ipynb", 2, {LOSS, "kl_teacher"})
 
 
+def test_explore_notebook(lab, browser):
+    """Fork at a step with another learning rate, overlay the runs with a metric of the notebook's own,
+    compare four samplers, probes after each step: every plot has a trace per run, the fork's starting
+    at its fork step; the probes' heat map shows the reference's tokens as text; the compare table has
+    a column per sampler; the Runs widget and the sidebar show the fork under its parent. Screenshots of
+    each piece land in tests/_artifacts/explore-*.png (docs/workbench.md shows them)."""
+    steps, fork_step = 4, 2
+    (page,) = run_notebooks(lab, browser, [("05_explore.ipynb", {"steps": steps, "fork_step": fork_step})])
+    text = page.locator(".jp-Notebook").text_content()
+    assert f"'fork_step': {fork_step}" in text, text[-2000:]
+    by_title = {p["title"]: p for p in plots(page)}
+    traces = {title: {t["name"]: t["steps"] for t in by_title[title]["traces"]} for title in by_title}
+    every, after_fork = list(range(1, steps + 1)), list(range(fork_step + 1, steps + 1))
+    assert traces[LOSS] == {"lr 1e-3": every, "lr 3e-3": after_fork}, traces
+    assert traces["held-out loss per token"] == {"eval_loss · lr 1e-3": every,
+                                                 "eval_loss · lr 3e-3": [fork_step, *after_fork]}, traces
+
+    # The probes: a heat map over the reference answer's tokens, as text, and a greedy answer before/after.
+    reference = page.locator(".wb-probe[data-index='0']")
+    assert reference.locator(".wb-tok").count() >= 3
+    assert re.search(r"[A-Za-z]{3}", reference.locator(".wb-tok").first.text_content() +
+                     reference.locator(".wb-tok").nth(1).text_content())
+    assert page.locator(".wb-probe[data-index='1'] .wb-answer").count() >= 2
+
+    # Compare: one column per sampler.
+    heads = page.locator(".wb-compare th.wb-sampler")
+    assert [h.get_attribute("data-sampler") for h in heads.all()] == [
+        "base model", f"lr 1e-3 step {fork_step}", f"lr 1e-3 step {steps}", f"lr 3e-3 step {steps}"]
+    assert page.locator(".wb-compare tr.wb-row").count() == 3
+
+    # The tree, in the Runs widget and in the sidebar.
+    runs = page.locator(".wb-runs tr.wb-run")
+    assert [(r.locator(".wb-run-name").text_content(), r.get_attribute("data-depth")) for r in runs.all()] == [
+        ("lr 1e-3", "0"), ("lr 3e-3", "1")]
+    assert runs.nth(1).locator("td").nth(1).text_content() == f"lr 1e-3 @ step {fork_step}"
+    open_sidebar(page)
+    row = page.locator("li.jp-StepwiseSession[data-name='05_explore.ipynb']")
+
+    def sidebar_tree():
+        items = row.locator("li.jp-StepwiseRun")
+        assert [i.get_attribute("data-depth") for i in items.all()] == ["0", "1"]
+        assert items.nth(1).locator(".jp-StepwiseRun-fork").text_content() == f"from lr 1e-3 @ step {fork_step}"
+    eventually(sidebar_tree)
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    for piece, selector in (("dashboard", ".wb-dashboard .wb-dashboard-panels, .wb-dashboard"), ("probes", ".wb-probes"),
+                            ("runs", ".wb-runs"), ("compare", ".wb-compare"),
+                            ("sidebar", "li.jp-StepwiseSession[data-name='05_explore.ipynb']")):
+        element = page.locator(selector).first
+        element.scroll_into_view_if_needed()
+        element.screenshot(path=str(ARTIFACTS / f"explore-{piece}.png"))
+    check_notebook(page, lab, "05_explore.ipynb", steps, {LOSS, "held-out loss per token"})
+
+
 def test_the_labeler_as_a_person_uses_it(lab, browser, tmp_path):
     """The labeler in the page: the "cut off" mark shows beside the answer that hit its token limit
     and not beside the other; pressing 1 labels what is shown as A, and the next pair (both answers

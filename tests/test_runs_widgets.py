@@ -104,6 +104,6 @@ def test_runs_tree_and_a_dashboard_of_chosen_runs(service, tokenizer):
     assert rows[b.model_id]["last_loss"] is None
     assert rows[root.model_id]["cost"] > 0 and rows[b.model_id]["cost"] == 0.0
     assert rows[a.model_id]["metrics"] == {"acc": 0.5} and rows[other.model_id]["metrics"] == {}
-    assert "⑂ root @ step 2" in runs.table.value and "⑂ A @ step 3" in runs.table.value
+    assert "root @ step 2" in runs.table.value and "A @ step 3" in runs.table.value
     for widget in (dash, runs):
         widget.close()

@@ -452,7 +452,7 @@ def test_the_runs_tree_and_the_dashboard_overlay_forks_on_their_parents_axis(ser
     assert [(r["name"], r["depth"], r["first_step"], r["step"]) for r in mine] == [
         ("base lr", 0, 0, 3), ("hot", 1, 1, 3), ("hotter", 2, 3, 3)]
     assert mine[1]["metrics"] == {"acc": 13.0} and mine[0]["cost"] > mine[2]["cost"] == 0.0
-    assert "⑂ base lr @ step 1" in runs.table.value and "⑂ hot @ step 3" in runs.table.value
+    assert "base lr @ step 1" in runs.table.value and "hot @ step 3" in runs.table.value
 
     # After an undo, the step taken again replaces the undone step's loss (it is not added to it).
     workbench.undo(tc)

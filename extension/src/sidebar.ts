@@ -219,7 +219,7 @@ function headerTooltip(session: ISession, title: string): string {
 
 /**
  * One run: "train:0 · 12 steps · loss 3.21", with its model and rank when they differ from the session's.
- * A fork (workbench.fork) is indented under the run it branched from: "lr 3e-3 · ⑂ train:0 @ step 3 · ...".
+ * A fork (workbench.fork) is indented under the run it branched from: "lr 3e-3 · from train:0 @ step 3 · ...".
  */
 function runItem(run: IRun, depth: number, session: ISession): HTMLElement {
   const item = el('li', 'jp-StepwiseRun');
@@ -238,7 +238,7 @@ function runItem(run: IRun, depth: number, session: ISession): HTMLElement {
   if (parent) {
     const from = parentRun ? runName(parentRun, session.session_id) : parent;
     item.dataset.parent = parent;
-    item.append(el('span', 'jp-StepwiseRun-fork', `⑂ ${from} @ step ${run.user_metadata?.fork_step ?? '?'}`));
+    item.append(el('span', 'jp-StepwiseRun-fork', `from ${from} @ step ${run.user_metadata?.fork_step ?? '?'}`));
   }
   item.append(
     el('span', 'jp-StepwiseRun-steps', plural(run.steps, 'step')),

@@ -112,7 +112,7 @@ class Runs(w.VBox):
             branch = ""
             if r["parent_run_id"]:
                 parent = names.get(r["parent_run_id"], r["parent_run_id"])
-                branch = f"⑂ {html.escape(parent)} @ step {r['fork_step']}"
+                branch = f"{html.escape(parent)} @ step {r['fork_step']}"
             loss = "" if r["last_loss"] is None else f"{r['last_loss']:.4g}"
             values = "".join(f"<td>{r['metrics'][m]:.4g}</td>" if m in r["metrics"] else "<td></td>" for m in metrics)
             rows.append(

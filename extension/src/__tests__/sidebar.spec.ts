@@ -113,10 +113,10 @@ describe('SessionsSidebar', () => {
       ['a:train:0', '0'], ['a:train:1', '1'], ['a:train:3', '2'], ['a:train:2', '1'], ['a:train:4', '0']]);
     expect(runTexts(row)).toEqual([
       'base · 2 steps · loss 1.500',
-      'hot · ⑂ base @ step 3 · 2 steps · loss 1.500',
-      'train:3 · ⑂ hot @ step 5 · 2 steps · loss 1.500',
-      'cold · ⑂ base @ step 1 · 2 steps · loss 1.500',
-      'elsewhere · ⑂ b:train:0 @ step 2 · 2 steps · loss 1.500'
+      'hot · from base @ step 3 · 2 steps · loss 1.500',
+      'train:3 · from hot @ step 5 · 2 steps · loss 1.500',
+      'cold · from base @ step 1 · 2 steps · loss 1.500',
+      'elsewhere · from b:train:0 @ step 2 · 2 steps · loss 1.500'
     ]);
     expect(items[2].style.paddingLeft).toBe('28px');
     model.dispose();
