@@ -47,8 +47,8 @@ def save(svc: Service, tenant: str, model_id: str, step: int, kind: str) -> Futu
     the adapter alone ("sampler", to sample at that step)."""
     if kind not in ("training", "sampler"):
         raise UserError(f"kind must be 'training' (to fork) or 'sampler' (to sample), not {kind!r}")
-    if not isinstance(step, int) or step < 0:
-        raise UserError(f"step must be a whole number from 0, got {step!r}")
+    if not isinstance(step, int) or not 0 <= step < 2**31:
+        raise UserError(f"step must be a whole number from 0 (an optim step the run took), got {step!r}")
     known = [s["step"] for s in kept(svc, tenant, model_id)["steps"]]
     # Refused now when this server knows the run's steps; after a restart, before the run's next step, it does
     # not, and the engine says whether it has the state (a failed future with the same advice).
