@@ -90,16 +90,18 @@ def test_runs_tree_and_a_dashboard_of_chosen_runs(service, tokenizer):
     assert callable(dash.watch)
 
     # The session's runs as a tree, in order, with lineage, steps, last loss, cost and the logged metric.
+    # (connect() hands back the module's client, whose session may hold runs of tests before this one.)
     runs = Runs(session=service, dashboard=dash, poll_interval=None)
-    rows = {r["training_run_id"]: r for r in runs.runs}
-    ids = [r["training_run_id"] for r in runs.runs]
-    assert ids == [root.model_id, a.model_id, b.model_id, other.model_id]
-    assert [r["depth"] for r in runs.runs] == [0, 1, 2, 0]
-    assert [r["name"] for r in runs.runs[:3]] == ["root", "A", "B"]
-    assert runs.runs[3]["name"] != "root" and runs.runs[3]["parent_run_id"] is None
+    made = (root.model_id, a.model_id, b.model_id, other.model_id)
+    mine = [r for r in runs.runs if r["training_run_id"] in made]
+    rows = {r["training_run_id"]: r for r in mine}
+    assert [r["training_run_id"] for r in mine] == list(made)
+    assert [r["depth"] for r in mine] == [0, 1, 2, 0]
+    assert [r["name"] for r in mine[:3]] == ["root", "A", "B"]
+    assert mine[3]["name"] != "root" and mine[3]["parent_run_id"] is None
     assert (rows[a.model_id]["parent_run_id"], rows[a.model_id]["fork_step"]) == (root.model_id, 2)
     assert (rows[b.model_id]["parent_run_id"], rows[b.model_id]["fork_step"]) == (a.model_id, 3)
-    assert [(r["first_step"], r["step"]) for r in runs.runs] == [(0, 2), (2, 3), (3, 3), (0, 1)]
+    assert [(r["first_step"], r["step"]) for r in mine] == [(0, 2), (2, 3), (3, 3), (0, 1)]
     assert rows[root.model_id]["last_loss"] == pytest.approx(root_losses[-1], rel=1e-5)
     assert rows[b.model_id]["last_loss"] is None
     assert rows[root.model_id]["cost"] > 0 and rows[b.model_id]["cost"] == 0.0
