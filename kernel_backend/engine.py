@@ -16,12 +16,12 @@ import json
 import math
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from kernel_backend import adapter_cache, lora, losses, matmul, models, optimizers, sampler
 from kernel_backend.step_history import StepHistory, write_state

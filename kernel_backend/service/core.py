@@ -245,6 +245,8 @@ class Service:
         self.store.delete_stability(StabilityRow.session_id == session_id)  # nothing can train on it any more
         lanes = self.store.list(ModelRow, ModelRow.session_id == session_id)
         recovery.forget(self, [run.id for run in lanes])
+        for run in lanes:  # their engines free them: no step of theirs is kept any more
+            self.kept_steps.pop(run.id, None)
         lanes += self.store.list(SamplerRow, SamplerRow.session_id == session_id)
         for lane in lanes:
             free = Job(new_id(), f"free:{lane.id}", lane.base_model, seq=None,
