@@ -285,9 +285,8 @@ class Dashboard(w.VBox):
         for name, m in self.metrics.items():
             title = self.panel_of.get(name, name)
             label = self.label_of.get(name, name)
-            runs = m.get("runs") or [None] * len(m["steps"])
-            for run in dict.fromkeys(runs):  # one trace per run, in the order they were first logged
-                points = [(s, v) for s, v, r in zip(m["steps"], m["values"], runs) if r == run]
+            for run in dict.fromkeys(m.get("runs") or [None]):  # one trace per run, in the order first logged
+                points = self.points(name, run)
                 trace = label if run is None else f"{label} · {self.run_name(run)}"
                 panels.setdefault(title, (title, {}))[1][trace] = ([s for s, _ in points], [v for _, v in points])
         if self.smoothing:
@@ -313,6 +312,12 @@ class Dashboard(w.VBox):
                 if response.status_code == 200:
                     known += response.json().get("training_run_ids", [])
         return next((r for r in dict.fromkeys(known) if self.run_name(r) == run), run)
+
+    def points(self, name: str, run_id: str | None) -> list[tuple[int, float]]:
+        """The (step, value) points logged for metric `name` of one run (None: of no run in particular)."""
+        m = self.metrics.get(name, {"steps": [], "values": []})
+        runs = m.get("runs") or [None] * len(m["steps"])
+        return [(s, v) for s, v, r in zip(m["steps"], m["values"], runs) if r == run_id]
 
     def run_name(self, run_id: str) -> str:
         """What a run's traces are called (runs.run_label), asked of the backend once per run."""

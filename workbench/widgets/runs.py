@@ -76,14 +76,15 @@ class Runs(w.VBox):
         session = next((s for s in report.json()["sessions"] if s["session_id"] == self.session_id), None)
         runs = []
         for run in (session or {}).get("runs", []):
-            meta = run.get("user_metadata") or {}
-            fork_step = int(meta["fork_step"]) if meta.get("fork_step", "").isdigit() else None
-            kept = http.get(f"/api/v1/training_runs/{run['training_run_id']}/steps")
-            memory = [s["step"] for s in kept.json()["steps"] if s["where"] == "memory"] if kept.status_code == 200 else []
-            first = fork_step or 0
+            # Its kept steps, and its lineage as the backend reads it from its user_metadata (service/steps.py).
+            listing = http.get(f"/api/v1/training_runs/{run['training_run_id']}/steps")
+            listing.raise_for_status()
+            steps = listing.json()
+            memory = [s["step"] for s in steps["steps"] if s["where"] == "memory"]
+            first = steps["fork_step"] or 0
             runs.append({
-                "training_run_id": run["training_run_id"], "name": run_label(run["training_run_id"], meta),
-                "parent_run_id": meta.get("parent_run_id"), "fork_step": fork_step,
+                "training_run_id": run["training_run_id"], "name": run_label(run["training_run_id"], run.get("user_metadata")),
+                "parent_run_id": steps["parent_run_id"], "fork_step": steps["fork_step"],
                 "first_step": first, "step": max(memory) if memory else first + run["steps"],
                 "last_loss": run["last_loss"], "cost": run.get("cost", 0.0), "metrics": self._metrics_of(run["training_run_id"]),
             })
@@ -95,8 +96,8 @@ class Runs(w.VBox):
     def _metrics_of(self, run_id: str) -> dict[str, float]:
         """The latest value of each metric the dashboard logged for this run."""
         latest = {}
-        for name, m in (self.dashboard.metrics if self.dashboard is not None else {}).items():
-            points = [(s, v) for s, v, r in zip(m["steps"], m["values"], m.get("runs", [])) if r == run_id]
+        for name in (self.dashboard.metrics if self.dashboard is not None else {}):
+            points = self.dashboard.points(name, run_id)
             if points:
                 latest[name] = max(points)[1]
         return latest
