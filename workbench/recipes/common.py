@@ -278,9 +278,12 @@ class MetricsLog:
         self.close()
 
 
-def plot_to(dashboard, *names: str) -> Callable[[dict], None]:
+def plot_to(dashboard, *names: str, tokenizer=None) -> Callable[[dict], None]:
     """An `on_step` callback that plots the named metrics of each logged row on a workbench.Dashboard,
-    and marks the steps a row says were skipped (`"skipped": why`: taken with nothing to train on)."""
+    marks the steps a row says were skipped (`"skipped": why`: taken with nothing to train on) and
+    those it flags (`"flags": [{"kind", "detail"}]`: the rl recipe's collapse and KL alerts), and shows
+    the rollouts a row names (`"rollouts"`: the folder the rl recipe stores each step's groups in)
+    below the plots, their tokens decoded with `tokenizer`."""
 
     def on_step(row: dict) -> None:
         values = {n: row[n] for n in names if isinstance(row.get(n), (int, float)) and math.isfinite(row[n])}
@@ -288,6 +291,10 @@ def plot_to(dashboard, *names: str) -> Callable[[dict], None]:
             dashboard.log(row["step"], **values)
         if row.get("skipped"):
             dashboard.skip(row["step"], row["skipped"])
+        for flag in row.get("flags") or ():
+            dashboard.flag(row["step"], flag["kind"], flag["detail"])
+        if row.get("rollouts"):
+            dashboard.rollouts(row["rollouts"], tokenizer)
 
     return on_step
 
@@ -422,6 +429,8 @@ def main(config_cls, run, argv: list[str] | None = None) -> Summary:
     parser = argparse.ArgumentParser(prog=f"python -m {name}", description=(module.__doc__ or "").split("\n\n")[0],
                                      epilog="Without --base-url it uses the local backend (workbench.connect()), started if none runs.")
     for f in dataclasses.fields(config_cls):
+        if not f.metadata.get("cli", True):  # a Python object (a function): set in code, not on the command line
+            continue
         kind = _arg_type(f.type)
         flag = "--" + f.name.replace("_", "-")
         if kind is bool:

@@ -35,6 +35,37 @@ logprob|: on-policy, the numerical gap between the sampler, say vLLM, and the tr
 weights), sample/train tokens, loss; on a skipped step, `skipped` (why) instead of loss and KL.
 With `eval_prompts` > 0, a held-out set of prompts is scored before and after training.
 
+Seeing the run think (docs/cookbook.md, "Watching an RL run", shows it in a notebook):
+- Rollouts of every step. Each step's groups (prompt, answers, rewards, advantages, reward parts,
+  tokens and logprobs, tied or not, dropped or not) are stored under `rollouts_dir` (default: the
+  metrics file's name with `.rollouts`), one file a step (workbench/rollout_log.py); each row names
+  the folder (`rollouts`), so `common.plot_to(dashboard, ..., tokenizer=)` shows them below the plots
+  and a click on a point opens that step. Bounded: at most 64 training groups a step, and
+  `rollouts_max_mb` (64 MB) for the run, past which the oldest steps but the first are deleted.
+- Groups that teach nothing. A group whose rewards all tie has zero advantage. Logged per step, as
+  the tinker cookbook does: `frac_mixed` (the share of groups with both outcomes), `all_good`,
+  `all_bad` (tied groups at reward >= 0.5 / below), and what was left out of forward_backward:
+  `dropped_tied` (with `drop_constant_groups`, the default; the cookbook's
+  remove_constant_reward_groups) and `dropped_filtered` (`group_filter(group)` returned False).
+- Collapse and reward hacking. Per step: `distinct_in_group` and `distinct_in_batch` (the share of
+  distinct answers), `completion_tokens` (mean length), `entropy` (the mean -logprob of the sampled
+  tokens), and on `monitor_prompts` fixed held-out problems, answered once each with the same seeds
+  every step, `probe_distinct` and `kl_policy_base` (mean over their tokens of the policy's logprob
+  minus the base model's: the KL(policy || base) per token). A step whose probe answers are at most
+  `collapse_distinct` distinct is flagged "collapse", one whose KL passes `kl_alert` "kl"; the row's
+  `flags` say it with the answers ("8 of 8 held-out answers identical: 'The benevolent one'"), and the
+  dashboard marks the step (common.plot_to).
+- The leash, `kl_penalty_coef`. Each kept answer's tokens get, on top of the group advantage,
+  coef x (the batch's mean of (policy - base logprob) - this token's), the base logprobs from a base
+  model sampler's compute_logprobs (the tinker cookbook's incorporate_kl_penalty). Those are prefill
+  tokens, metered like any other (`kl_penalty_tokens` per step). With each loss: importance_sampling
+  and stable_reinforce weight the penalty, like the advantage, by the (truncated) importance ratio;
+  ppo clips it with the advantage, so a token already outside the trust region gets no penalty
+  gradient that step; cispo clips the weight but never drops a token, so the penalty always acts; dro's
+  own quadratic term holds the policy near the sampler, not the base, and the penalty adds the base.
+  The penalty is centred on the batch, so it changes no group's mean advantage: it moves probability
+  between answers' tokens, towards what the base model finds likely.
+
 Measured with `python -m workbench.recipes.rl` (defaults: operands 1..5, 12 steps of 4 prompts x 8
 samples, importance_sampling, lr 1e-3, rank 8; local backend, 2 shared CPU cores, 2.5 minutes):
 held-out eval_reward (16 problems x 4 samples, the same before and after) 0.125 -> 0.72; per-step
@@ -48,12 +79,16 @@ from __future__ import annotations
 
 import json
 import re
+import typing
+from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import tinker
 from tinker import types
 
+from workbench import rollout_log
 from workbench.recipes import common
 from workbench.recipes.common import BaseConfig, Summary
 
@@ -62,17 +97,45 @@ TIED = "every group tied"  # why a step is skipped
 
 
 # ---------------------------------------------------------------------------------------------
-# The task
+# The task: what a custom task implements
 
 
 @dataclass
 class Problem:
     question: str
-    answer: str
+    answer: str = ""
     operands: tuple[int, ...] = ()
 
 
-class AdditionTask:
+class Task:
+    """What the recipe asks of a task. Subclass it (or write any class with these methods) and pass
+    an instance, `rl.Config(task=MyTask())`:
+
+    - `problems(n, rng)`: n fresh problems (`Problem(question, answer)`), drawn with the numpy generator;
+    - `render(tokenizer, problem)`: the prompt's tokens (here: the question as one user turn of the
+      chat template; override it for a system prompt or few-shot turns);
+    - `reward(text, problem)`: the number the policy is trained to raise;
+    - `grade(text, problem)`: the reward's parts, {name: value}, each logged per step and stored with
+      the rollouts (none here);
+    - `eval_metric`: what the held-out eval averages, "reward" or one of grade's parts.
+    """
+
+    eval_metric = "reward"
+
+    def problems(self, n: int, rng: np.random.Generator) -> list[Problem]:
+        raise NotImplementedError("a task's problems(n, rng) returns n Problem(question, answer)")
+
+    def render(self, tokenizer, problem: Problem) -> list[int]:
+        return common.user_prompt(tokenizer, problem.question)
+
+    def grade(self, text: str, problem: Problem) -> dict[str, float]:
+        return {}
+
+    def reward(self, text: str, problem: Problem) -> float:
+        raise NotImplementedError("a task's reward(text, problem) scores one reply")
+
+
+class AdditionTask(Task):
     """Questions "What is a plus b? Reply with only the number." for a, b in [low, high].
 
     The verifier is strict: a reply is correct when it is the sum and nothing else, allowing only a
@@ -83,6 +146,8 @@ class AdditionTask:
     `correct + format_weight * format` (format_weight 0 by default: the format is logged, not
     trained on); the held-out eval counts `correct` only.
     """
+
+    eval_metric = "correct"
 
     def __init__(self, low: int = 1, high: int = 9, template: str = "What is {a} plus {b}? Reply with only the number.",
                  format_weight: float = 0.0):
@@ -110,7 +175,15 @@ class AdditionTask:
         return grade["correct"] + self.format_weight * grade["format"]
 
 
-TASKS = {"addition": AdditionTask}
+TASKS = {"addition": AdditionTask}  # config.task by name: each is built with (high=max_operand, format_weight=)
+
+
+def task_for(config: "Config"):
+    if not isinstance(config.task, str):
+        return config.task
+    if config.task not in TASKS:
+        raise ValueError(f"unknown task {config.task!r}: one of {', '.join(TASKS)}, or pass a Task instance")
+    return TASKS[config.task](high=config.max_operand, format_weight=config.format_weight)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,7 +191,7 @@ TASKS = {"addition": AdditionTask}
 
 @dataclass
 class Config(BaseConfig):
-    task: str = "addition"
+    task: typing.Any = "addition"    # a name in TASKS, or a Task instance (see Task)
     max_operand: int = 5             # operands are drawn from 1..max_operand
     format_weight: float = 0.0       # reward += this x "the reply is only a number" (logged as `format` either way)
     steps: int = 12
@@ -130,76 +203,230 @@ class Config(BaseConfig):
     loss_fn_config: dict | str | None = None  # e.g. {"clip_low_threshold": 0.8, ...}; JSON text on the CLI
     learning_rate: float = 1e-3
     lr_schedule: str = "constant"
+    # Groups that teach nothing: a group whose rewards all tie has zero advantage (centred on its mean).
+    drop_constant_groups: bool = True   # leave tied groups out of forward_backward (cookbook: remove_constant_reward_groups)
+    group_filter: typing.Any = field(default=None, metadata={"cli": False})  # keep a group only if group_filter(group)
+    # The leash: advantages += kl_penalty_coef x (mean - this token's (policy - base) logprob), per completion token.
+    kl_penalty_coef: float = 0.0
+    # Watching for collapse: each step also answers `monitor_prompts` fixed held-out problems, once each.
+    monitor_prompts: int = 8
+    collapse_distinct: float = 0.25  # flag "collapse" when the share of distinct held-out answers is at most this
+    kl_alert: float = 1.0            # flag "kl" when the held-out answers' KL to the base passes this (nats per token)
+    rollouts_dir: str | None = None  # None: next to the metrics file (<metrics>.rollouts/)
+    rollouts_max_mb: float = rollout_log.MAX_MB
     eval_prompts: int = 16           # score this many held-out problems before and after training (0: skip)
     eval_samples: int = 4            # samples per held-out prompt
     save_every: int = 0              # save_state every N steps (0: never)
     checkpoint_prefix: str = "rl"
 
 
+# ---------------------------------------------------------------------------------------------
+# Sampling groups
+
+
+@dataclass
+class Group:
+    """One prompt and the answers sampled to it: what drop_constant_groups and group_filter judge."""
+
+    problem: Problem
+    prompt: list[int]        # the rendered prompt's tokens
+    sequences: list          # the SDK's SampledSequence per answer: tokens, logprobs
+    texts: list[str]
+    rewards: np.ndarray
+    parts: dict[str, list[float]]  # the task's grade() of each answer, by part
+    kind: str = "train"      # "train", or "probe" (the fixed held-out set watched every step)
+    dropped: str = ""        # why it is not trained on: "tied" or "filtered"
+
+    @property
+    def advantages(self) -> np.ndarray:
+        return self.rewards - self.rewards.mean()
+
+    @property
+    def tied(self) -> bool:
+        return bool(np.all(self.rewards == self.rewards[0]))
+
+    def record(self, index: int) -> dict:
+        """The group as rollout_log stores it."""
+        return {"group": index, "kind": self.kind, "prompt": self.problem.question, "completions": self.texts,
+                "rewards": self.rewards.tolist(), "advantages": self.advantages.tolist() if self.kind == "train" else [],
+                "parts": self.parts, "tokens": [list(s.tokens) for s in self.sequences],
+                "logprobs": [[round(float(x), 4) for x in s.logprobs] for s in self.sequences],
+                "tied": self.tied, "dropped": self.dropped}
+
+
 @dataclass
 class Rollouts:
-    data: list[types.Datum] = field(default_factory=list)
-    rewards: list[float] = field(default_factory=list)
-    formats: list[float] = field(default_factory=list)  # per sample: the reply is only a number
-    correct: list[float] = field(default_factory=list)  # per sample: the verifier's verdict
-    sample_tokens: int = 0
-    groups_used: int = 0
+    groups: list[Group] = field(default_factory=list)
+    data: list[types.Datum] = field(default_factory=list)  # the kept groups' answers, as datums
     starts: list[int] = field(default_factory=list)  # per datum: the first completion position
-    examples: list[dict] = field(default_factory=list)
-    table: list[dict] = field(default_factory=list)  # every sample: the RolloutInspector widget's rows
+
+    @property
+    def kept(self) -> list[Group]:
+        return [g for g in self.groups if not g.dropped]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [float(r) for g in self.groups for r in g.rewards]
+
+    def part(self, name: str) -> list[float]:
+        """Every answer's value of one reward part ("reward" itself, or one of the task's grade())."""
+        return self.rewards if name == "reward" else [float(v) for g in self.groups for v in g.parts.get(name, [])]
+
+    @property
+    def sample_tokens(self) -> int:
+        return sum(len(s.tokens) for g in self.groups for s in g.sequences)
+
+    @property
+    def table(self) -> list[dict]:
+        """Every answer, a row of the RolloutInspector."""
+        return [row for i, g in enumerate(self.groups) for row in rollout_log.rows_of(g.record(i))]
+
+
+def submit(sampler, tokenizer, task, problems: list[Problem], n: int, max_tokens: int, temperature: float,
+           seed: int) -> list:
+    """Ask for `n` answers to each problem at once (the backend batches them); collect() waits."""
+    prompts = [task.render(tokenizer, p) for p in problems]
+    return [(problem, prompt, sampler.sample(types.ModelInput.from_ints(prompt), n,
+                                             types.SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                                                  seed=seed * 1000 + i)))
+            for i, (problem, prompt) in enumerate(zip(problems, prompts))]
+
+
+def collect(pending: list, tokenizer, task, kind: str = "train", on_group=None) -> list[Group]:
+    """The submitted samples as scored groups, in order; `on_group()` as each arrives (a progress bar)."""
+    groups = []
+    for problem, prompt, future in pending:
+        sequences = future.result().sequences
+        texts = [tokenizer.decode(s.tokens, skip_special_tokens=True) for s in sequences]
+        grades = [task.grade(t, problem) for t in texts]
+        groups.append(Group(problem, prompt, sequences, texts,
+                            np.array([task.reward(t, problem) for t in texts], dtype=float),
+                            {name: [float(g[name]) for g in grades] for name in (grades[0] if grades else {})}, kind))
+        if on_group is not None:
+            on_group()
+    return groups
+
+
+def triage(groups: list[Group], drop_constant_groups: bool = True, group_filter=None) -> None:
+    """Mark the groups not to train on: tied ones (with drop_constant_groups), then those the
+    user's filter rejects. Their counts are logged (dropped_tied, dropped_filtered)."""
+    for group in groups:
+        if drop_constant_groups and group.tied:
+            group.dropped = "tied"
+        elif group_filter is not None and not group_filter(group):
+            group.dropped = "filtered"
+
+
+def rollouts_of(groups: list[Group], provenance: bool = False, extra_advantages: list | None = None) -> Rollouts:
+    """The kept groups' answers as policy-gradient datums (with `provenance`, datums that name their
+    sampled sequences: for stable_reinforce). `extra_advantages[i]` is added to the i-th kept answer's
+    advantage per token (the KL penalty)."""
+    out = Rollouts(groups)
+    i = 0
+    for group in out.kept:
+        for seq, advantage in zip(group.sequences, group.advantages):
+            if not seq.tokens:
+                continue
+            per_token = advantage + (extra_advantages[i] if extra_advantages is not None else 0.0)
+            i += 1
+            out.data.append(common.rollout_datum(group.prompt, seq.tokens, seq.logprobs, per_token,
+                                                 seq.sequence_id if provenance else None))
+            out.starts.append(len(group.prompt) - 1)
+    return out
 
 
 def sample_groups(sampler, tokenizer, task, problems: list[Problem], group_size: int, max_tokens: int,
-                  temperature: float, seed: int, provenance: bool = False, on_group=None) -> Rollouts:
-    """Sample a group per problem, score it, and turn groups with reward variance into datums (with
-    `provenance`, datums that name their sampled sequences: for stable_reinforce). `on_group()` is
-    called as each group's samples arrive (a progress bar)."""
-    prompts = [common.user_prompt(tokenizer, p.question) for p in problems]
-    futures = [
-        sampler.sample(types.ModelInput.from_ints(prompt), group_size,
-                       types.SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed * 1000 + i))
-        for i, prompt in enumerate(prompts)
-    ]
-    out = Rollouts()
-    for problem, prompt, future in zip(problems, prompts, futures):
-        sequences = future.result().sequences
-        if on_group is not None:
-            on_group()
-        texts = [tokenizer.decode(s.tokens, skip_special_tokens=True) for s in sequences]
-        grades = [task.grade(t, problem) for t in texts]
-        rewards = np.array([task.reward(t, problem) for t in texts])
-        out.rewards.extend(rewards.tolist())
-        out.correct.extend(g["correct"] for g in grades)
-        out.formats.extend(g["format"] for g in grades)
-        out.sample_tokens += sum(len(s.tokens) for s in sequences)
-        out.examples.append({"question": problem.question, "answer": texts[0], "reward": float(rewards[0])})
-        advantages = rewards - rewards.mean()
-        out.table.extend({"prompt": problem.question, "completion": text, "reward": float(r), "correct": g["correct"],
-                          "format": g["format"], "advantage": float(a), "tokens": list(seq.tokens),
-                          "logprobs": list(seq.logprobs)}
-                         for seq, text, r, g, a in zip(sequences, texts, rewards, grades, advantages))
-        if np.all(advantages == 0):
-            continue
-        out.groups_used += 1
-        for seq, advantage in zip(sequences, advantages):
-            if seq.tokens:
-                out.data.append(common.rollout_datum(prompt, seq.tokens, seq.logprobs, advantage,
-                                                     seq.sequence_id if provenance else None))
-                out.starts.append(len(prompt) - 1)
-    return out
+                  temperature: float, seed: int, provenance: bool = False, on_group=None,
+                  drop_constant_groups: bool = True, group_filter=None, step: int | None = None,
+                  log: "rollout_log.RolloutLog | None" = None) -> Rollouts:
+    """Sample a group per problem, score it, triage it, and turn the kept groups into datums. Given a
+    `step` and a `log` (a rollout_log.RolloutLog), the groups are stored as that step's."""
+    groups = collect(submit(sampler, tokenizer, task, problems, group_size, max_tokens, temperature, seed),
+                     tokenizer, task, on_group=on_group)
+    triage(groups, drop_constant_groups, group_filter)
+    if step is not None and log is not None:
+        log.write(step, [g.record(i) for i, g in enumerate(groups)])
+    return rollouts_of(groups, provenance)
 
 
 def evaluate(sampler, tokenizer, task, problems: list[Problem], samples: int, max_tokens: int,
              temperature: float, seed: int, progress: bool = False, desc: str = "held-out eval") -> float:
-    """The share of correct answers over `samples` answers to each problem (the format not counted);
-    with `progress`, a bar that counts the problems answered (on a CPU the eval takes a while)."""
+    """The mean of the task's eval_metric over `samples` answers to each problem; with `progress`, a
+    bar that counts the problems answered (on a CPU the eval takes a while)."""
     bar = common.progress_bar(len(problems), f"{desc} ({len(problems)} problems x {samples})", progress)
     try:
         rollouts = sample_groups(sampler, tokenizer, task, problems, samples, max_tokens, temperature, seed,
                                  on_group=lambda: bar.update(1))
     finally:
         bar.close()
-    return float(np.mean(rollouts.correct))
+    return float(np.mean(rollouts.part(getattr(task, "eval_metric", "reward"))))
+
+
+# ---------------------------------------------------------------------------------------------
+# What a step's rollouts say: triage, diversity, the distance to the base model
+
+
+def group_metrics(groups: list[Group]) -> dict[str, float]:
+    """The tinker cookbook's by-group counts (a tied group is all good when its reward is at least
+    0.5, else all bad), what was dropped, and the rollouts' diversity, length and entropy (the mean
+    surprisal, -logprob, of the sampled tokens: an estimate of the policy's per-token entropy)."""
+    n = len(groups)
+    tied = [g for g in groups if g.tied]
+    texts = [t.strip() for g in groups for t in g.texts]
+    lengths = [len(s.tokens) for g in groups for s in g.sequences]
+    logprobs = [x for g in groups for s in g.sequences for x in s.logprobs]
+    return {"frac_mixed": (n - len(tied)) / n, "all_good": sum(g.rewards[0] >= 0.5 for g in tied) / n,
+            "all_bad": sum(g.rewards[0] < 0.5 for g in tied) / n,
+            "dropped_tied": sum(g.dropped == "tied" for g in groups),
+            "dropped_filtered": sum(g.dropped == "filtered" for g in groups),
+            "distinct_in_group": float(np.mean([len({t.strip() for t in g.texts}) / len(g.texts) for g in groups])),
+            "distinct_in_batch": len(set(texts)) / len(texts),
+            "completion_tokens": float(np.mean(lengths)), "entropy": float(-np.mean(logprobs)) if logprobs else 0.0}
+
+
+def base_logprobs(base_sampler, groups: list[Group]) -> list[list[np.ndarray]]:
+    """The base model's logprob of each sampled token, per group and answer, all asked at once
+    (compute_logprobs: prefill only, metered on the session)."""
+    futures = [[base_sampler.compute_logprobs(types.ModelInput.from_ints(g.prompt + list(s.tokens)))
+                for s in g.sequences] for g in groups]
+    return [[np.asarray(f.result()[len(g.prompt):], dtype=float) for f in fs] for g, fs in zip(groups, futures)]
+
+
+def kl_to_base(groups: list[Group], base: list[list[np.ndarray]]) -> tuple[list[np.ndarray], float]:
+    """Per answer, each sampled token's logprob under the policy minus under the base model, and the
+    mean over all tokens: the estimate of KL(policy || base) per token (the cookbook's kl_policy_base)."""
+    diffs = [np.asarray(s.logprobs, dtype=float) - b for g, bs in zip(groups, base) for s, b in zip(g.sequences, bs)]
+    tokens = np.concatenate(diffs) if diffs else np.zeros(0)
+    return diffs, float(tokens.mean()) if tokens.size else 0.0
+
+
+def kl_penalty(diffs: list[np.ndarray], mean: float, coef: float) -> list[np.ndarray]:
+    """The KL penalty as per-token advantages (the cookbook's incorporate_kl_penalty): coef x (the
+    batch's mean difference - this token's). Tokens the policy likes more than the base does are
+    pushed down, the rest up; centred, so it moves no group's mean advantage."""
+    return [coef * (mean - d) for d in diffs]
+
+
+def probe_metrics(probes: list[Group], base: list[list[np.ndarray]]) -> tuple[dict, int, str]:
+    """The held-out probes' diversity and KL to the base, and the most common answer (count, text)."""
+    answers = [t.strip() for g in probes for t in g.texts]
+    common_answer, count = Counter(answers).most_common(1)[0]
+    _, kl = kl_to_base(probes, base)
+    return {"probe_distinct": len(set(answers)) / len(answers), "kl_policy_base": kl}, count, common_answer
+
+
+def flags_for(metrics: dict, count: int, answer: str, n: int, config: Config) -> list[dict]:
+    """The collapse and KL flags of a step, with the answers that show it."""
+    flags = []
+    if metrics["probe_distinct"] <= config.collapse_distinct:
+        distinct = round(metrics["probe_distinct"] * n)
+        detail = (f"{n} of {n} held-out answers identical: {answer!r}" if count == n else
+                  f"{distinct} distinct of {n} held-out answers; {count} are {answer!r}")
+        flags.append({"kind": "collapse", "detail": detail})
+    if metrics["kl_policy_base"] > config.kl_alert:
+        flags.append({"kind": "kl", "detail": f"KL to the base {metrics['kl_policy_base']:.2f} nats/token on the "
+                                              f"held-out answers (alert above {config.kl_alert:g}); e.g. {answer!r}"})
+    return flags
 
 
 def sampler_vs_learner(data: list[types.Datum], outputs: list[dict], starts: list[int]) -> dict[str, float]:
@@ -214,19 +441,36 @@ def sampler_vs_learner(data: list[types.Datum], outputs: list[dict], starts: lis
             "logprob_gap_max": float(np.abs(d).max())}
 
 
+def rollouts_dir_for(config: Config, metrics_path) -> Path:
+    return Path(config.rollouts_dir) if config.rollouts_dir else Path(metrics_path).with_suffix(".rollouts")
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+
+
 def run(config: Config, service_client: tinker.ServiceClient | None = None, on_step=None) -> Summary:
     """Run the recipe; `on_step(row)` sees every metrics row as it is logged (see common.MetricsLog)."""
     if config.loss_fn not in LOSSES:
         raise ValueError(f"loss_fn must be one of {', '.join(LOSSES)}, not {config.loss_fn!r}")
     loss_fn_config = json.loads(config.loss_fn_config) if isinstance(config.loss_fn_config, str) else config.loss_fn_config
-    task = TASKS[config.task](high=config.max_operand, format_weight=config.format_weight)
+    if config.kl_penalty_coef < 0 or config.monitor_prompts < 0 or not 0 <= config.collapse_distinct <= 1:
+        raise ValueError(f"kl_penalty_coef ({config.kl_penalty_coef}) and monitor_prompts ({config.monitor_prompts}) "
+                         f"must be >= 0, collapse_distinct ({config.collapse_distinct}) a share from 0 to 1")
+    task = task_for(config)
     service_client = common.service_client_for(config, service_client)
     rng = np.random.default_rng(config.seed)
     eval_problems = task.problems(config.eval_prompts, np.random.default_rng(config.seed + 10_000))
+    probe_problems = task.problems(config.monitor_prompts, np.random.default_rng(config.seed + 20_000))
     tc = service_client.create_lora_training_client(base_model=config.base_model, rank=config.rank,
                                                     seed=config.seed).result()
     tokenizer = tc.get_tokenizer()
+    # The base model's logprobs: for the KL leash, and for the probes' KL to the base.
+    base = (service_client.create_sampling_client(base_model=config.base_model).result()
+            if config.kl_penalty_coef or probe_problems else None)
     log = common.MetricsLog(common.metrics_path_for(config, "rl"), on_step)
+    rollouts_path = rollouts_dir_for(config, log.path)
+    store = rollout_log.RolloutLog(rollouts_path, max_mb=config.rollouts_max_mb)
     extra: dict = {}
     if eval_problems:
         sampler = tc.save_weights_and_get_sampling_client().result()
@@ -235,19 +479,41 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
                                                progress=config.progress, desc="held-out eval, before training")
         log.log(0, eval_reward=extra["eval_reward_before"])
 
-    rewards_by_step, checkpoints, skipped = [], [], 0
+    rewards_by_step, checkpoints, skipped, skipped_why, flagged = [], [], 0, "", []
     stable = config.loss_fn == "stable_reinforce"  # its sampler records what it sampled
     bar = common.progress_bar(config.steps, f"rl ({config.loss_fn})", config.progress)
     try:
         for step in range(1, config.steps + 1):
             sampler = tc.save_weights_and_get_sampling_client(record_stability_info=stable).result()
-            problems = task.problems(config.groups_per_batch, rng)
-            rollouts = sample_groups(sampler, tokenizer, task, problems, config.group_size, config.max_tokens,
-                                     config.temperature, seed=config.seed * 100_000 + step, provenance=stable)
+            seed = config.seed * 100_000 + step
+            pending = submit(sampler, tokenizer, task, task.problems(config.groups_per_batch, rng), config.group_size,
+                             config.max_tokens, config.temperature, seed)
+            # The probes always get the same seeds, so a change in their answers is the policy's.
+            probing = submit(sampler, tokenizer, task, probe_problems, 1, config.max_tokens, config.temperature,
+                             seed=20_000 + config.seed)
+            groups = collect(pending, tokenizer, task)
+            probes = collect(probing, tokenizer, task, kind="probe")
+            triage(groups, config.drop_constant_groups, config.group_filter)
+            kept = [g for g in groups if not g.dropped]
+            row = {"reward": float(np.mean([r for g in groups for r in g.rewards])),
+                   **{name: float(np.mean(values)) for name, values in _parts_of(groups).items()},
+                   **group_metrics(groups), "groups_used": len(kept)}
+            # Base logprobs for the kept answers (the leash) and the probes, asked for together.
+            base_lp = base_logprobs(base, (kept if config.kl_penalty_coef else []) + probes) if base else []
+            penalty = None
+            if config.kl_penalty_coef and kept:
+                diffs, row["kl_batch_base"] = kl_to_base(kept, base_lp[:len(kept)])
+                penalty = kl_penalty(diffs, row["kl_batch_base"], config.kl_penalty_coef)
+                row["kl_penalty_tokens"] = sum(len(g.prompt) + len(s.tokens) for g in kept for s in g.sequences)
+            if probes:
+                probe_row, count, answer = probe_metrics(probes, base_lp[len(base_lp) - len(probes):])
+                row.update(probe_row)
+                row["flags"] = flags_for(probe_row, count, answer, len(probes), config)
+                if row["flags"]:
+                    flagged.append(step)
+            rollouts = rollouts_of(groups, provenance=stable, extra_advantages=penalty)
             lr = common.lr_at(step - 1, config.steps, config.learning_rate, config.lr_schedule)
-            row = {"reward": float(np.mean(rollouts.rewards)), "format": float(np.mean(rollouts.formats)),
-                   "groups_used": rollouts.groups_used,
-                   "sample_tokens": rollouts.sample_tokens, "lr": lr}
+            row.update(sample_tokens=rollouts.sample_tokens + sum(len(s.tokens) for g in probes for s in g.sequences), lr=lr)
             if rollouts.data:
                 fb = tc.forward_backward(rollouts.data, config.loss_fn, loss_fn_config=loss_fn_config)
                 optim = tc.optim_step(common.adam(lr))
@@ -258,18 +524,22 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
                 if "importance_ratio:mean" in out.metrics:  # stable_reinforce's truncated weights
                     row.update(importance_ratio=out.metrics["importance_ratio:mean"],
                                truncated=out.metrics["truncated_fraction:mean"])
-            else:  # every group tied: the step is taken with nothing to train on (see the module doc)
+            else:  # no group kept: the step is taken with nothing to train on (see the module doc)
                 tc.optim_step(common.adam(lr)).result()
-                row.update(train_tokens=0, skipped=TIED)
-                skipped += 1
+                row.update(train_tokens=0, skipped=_why_skipped(groups))
+                skipped, skipped_why = skipped + 1, row["skipped"]
             if config.save_every and step % config.save_every == 0:
                 checkpoints.append(row.setdefault("checkpoint", tc.save_state(f"{config.checkpoint_prefix}-{step}").result().path))
-            row["example"] = rollouts.examples[0]
+            store.write(step, [g.record(i) for i, g in enumerate(groups + probes)])
+            row["rollouts"] = str(rollouts_path)  # common.plot_to shows them on the dashboard
+            row["example"] = {"question": groups[0].problem.question, "answer": groups[0].texts[0],
+                              "reward": float(groups[0].rewards[0])}
             rewards_by_step.append(row["reward"])
             log.log(step, **row)
             bar.set_postfix(reward=f"{row['reward']:.2f}",
                             **({"kl": f"{row['kl_sampler']:.4f}"} if "kl_sampler" in row else {}),
-                            **({"skipped": f"{skipped} ({TIED})"} if skipped else {}))
+                            **({"skipped": f"{skipped} ({skipped_why})"} if skipped else {}),
+                            **({"flags": ", ".join(f["kind"] for f in row["flags"])} if row.get("flags") else {}))
             bar.update(1)
         bar.close()
         sampler_path = tc.save_weights_for_sampler(f"{config.checkpoint_prefix}-final").result().path
@@ -285,14 +555,30 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
     # The headline: the held-out reward before/after when there is an eval set, else the first
     # step's reward (sampled from the initial weights) against the mean of the last few steps.
     first, last, window = common.before_after(rewards_by_step)
-    extra.update(reward_first_step=first, reward_last_steps=last, reward_window=window)
+    extra.update(reward_first_step=first, reward_last_steps=last, reward_window=window,
+                 rollouts=str(rollouts_path), flagged_steps=flagged)
     if eval_problems:
         metric, initial, final = "eval_reward", extra["eval_reward_before"], extra["eval_reward_after"]
     else:
         metric, initial, final = "reward", first, last
     return common.summarize("rl", config, service_client, tc, config.steps, metric, initial, final, log,
                             checkpoints=checkpoints, sampler_path=sampler_path, extra=extra,
-                            skipped_steps=skipped, skipped_why=TIED if skipped else "")
+                            skipped_steps=skipped, skipped_why=skipped_why)
+
+
+def _parts_of(groups: list[Group]) -> dict[str, list[float]]:
+    parts: dict[str, list[float]] = {}
+    for g in groups:
+        for name, values in g.parts.items():
+            parts.setdefault(name, []).extend(values)
+    return parts
+
+
+def _why_skipped(groups: list[Group]) -> str:
+    if all(g.dropped == "tied" for g in groups):
+        return TIED
+    tied = sum(g.dropped == "tied" for g in groups)
+    return f"no group kept ({tied} tied, {len(groups) - tied} filtered)"
 
 
 if __name__ == "__main__":

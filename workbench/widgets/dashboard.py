@@ -41,6 +41,15 @@ and no per-datum metrics. `skip(step, why)` marks it on every panel, as a trace 
 the same steps 1..N and a gap says why it is one. A panel's figure is drawn anew whenever its points change (see
 _draw_now for why), at most a few times a second.
 
+A step that shows trouble (an RL run's answers collapsing onto one, its KL to the base model
+jumping: workbench/recipes/rl.py) is marked with `flag(step, kind, detail)`: a red mark along the
+top of every panel, named "flag: kind", whose hover gives the detail, and a line above the plots
+that says it in words ("step 9 · collapse: 8 of 8 held-out answers identical: 'The benevolent one'").
+
+An RL run's stored rollouts (rl.Config's rollouts_dir, workbench/rollout_log.py) are shown with
+`rollouts(path, tokenizer)`: a RolloutInspector below the plots, on the newest step while the run
+goes on, and clicking a point of any panel opens that step's groups (workbench/widgets/plot_clicks.py).
+
 State is plain traitlets (loss_steps, loss_values, metrics, cost, tokens), so tests read it
 without a browser; redraws are throttled (a few per second) because plotly re-sends whole traces.
 """
@@ -69,9 +78,10 @@ PANEL_WIDTH, PANEL_HEIGHT = 440, 250
 
 
 def _figure(title: str, y_title: str, series: dict[str, tuple[list, list]],
-            skipped: dict[str, list[int]] | None = None) -> go.Figure:
-    """One panel: a line per series, broken at skipped steps, and a row of marks per skip reason."""
-    skipped = skipped or {}
+            skipped: dict[str, list[int]] | None = None, flags: list[dict] | None = None) -> go.Figure:
+    """One panel: a line per series, broken at skipped steps, a row of marks per skip reason along
+    the bottom, and one of red marks per kind of flag along the top."""
+    skipped, flags = skipped or {}, flags or []
     marked = sorted(s for steps in skipped.values() for s in steps)
     last = max([max(xs) for xs, _ in series.values() if xs] + marked, default=1)
     data = [go.Scatter(x=xs, y=ys, mode="lines+markers", name=name)
@@ -82,6 +92,12 @@ def _figure(title: str, y_title: str, series: dict[str, tuple[list, list]],
                         marker=dict(symbol="x-thin-open", size=10, color="#888", line=dict(width=2)),
                         hovertemplate=f"step %{{x}}: skipped ({why})<extra></extra>")
              for why, steps in skipped.items()]
+    for kind in dict.fromkeys(f["kind"] for f in flags):
+        mine = [f for f in flags if f["kind"] == kind]
+        data.append(go.Scatter(x=[f["step"] for f in mine], y=[0.96] * len(mine), yaxis="y2", mode="markers",
+                               name=f"flag: {kind}", text=[f["detail"] for f in mine],
+                               marker=dict(symbol="triangle-down", size=10, color="#d62728"),
+                               hovertemplate=f"step %{{x}}: {kind}<br>%{{text}}<extra></extra>"))
     return go.Figure(
         data=data,
         layout=go.Layout(
@@ -125,6 +141,17 @@ def _smoothed(values: list, weight: float) -> list:
     return out
 
 
+def _alerts(flags: list[dict], shown: int = 6) -> str:
+    """The flagged steps in words, the newest `shown` of them (a long run can flag many)."""
+    if not flags:
+        return ""
+    lines = "".join(f"<div class='wb-flag' data-step='{f['step']}' data-kind='{html.escape(f['kind'])}'>"
+                    f"⚠ step {f['step']} · {html.escape(f['kind'])}: {html.escape(f['detail'])}</div>"
+                    for f in flags[-shown:])
+    more = f"<div>… and {len(flags) - shown} earlier</div>" if len(flags) > shown else ""
+    return f"<div class='wb-flags' style='font:12px sans-serif;color:#b42318'>{more}{lines}</div>"
+
+
 def _dtick(last_step: int) -> int:
     """Whole steps on the x axis, at most about eight ticks."""
     return max(1, math.ceil(last_step / 8))
@@ -140,6 +167,7 @@ class Dashboard(w.VBox):
     loss_runs = t.List()
     metrics = t.Dict()  # name -> {"steps": [...], "values": [...], "runs": [...]} from log() (runs: ids or None)
     skipped = t.Dict()  # why -> the steps skipped for that reason, from skip()
+    flags = t.List()  # [{"step", "kind", "detail"}] from flag(), in the order flagged
     cost = t.Float(0.0)
     tokens = t.Dict()  # prefill / sample / train token totals
     requests = t.Int(0)
@@ -174,8 +202,11 @@ class Dashboard(w.VBox):
         self._drawn: dict[str, dict] = {}  # panel title -> the series its figure shows
         self.panels = w.Box(layout=w.Layout(display="flex", flex_flow="row wrap", width="100%"))
         self.note = w.HTML()  # what is not drawn yet, in words
+        self.alerts = w.HTML()  # the flagged steps, in words
+        self.clicks = None  # a PlotClicks, once something listens to clicks on the plots (on_click)
+        self.inspector = None  # the RolloutInspector of rollouts()
         self.stats = w.HTML()
-        super().__init__([self.note, self.panels, self.stats])
+        super().__init__([self.note, self.alerts, self.panels, self.stats])
         self.add_class("wb-dashboard")
         self.training_run_ids, self.session_id = run_ids, session_id
         self.training_run_id = run_ids[0] if run_ids else None
@@ -264,6 +295,49 @@ class Dashboard(w.VBox):
         self.skipped = skipped
         self._redraw()
 
+    def flag(self, step: int, kind: str, detail: str) -> None:
+        """Mark `step` as showing trouble of `kind` ("collapse", "kl"), with the evidence in words (see the module doc)."""
+        flag = {"step": int(step), "kind": str(kind), "detail": str(detail)}
+        if flag not in self.flags:
+            self.flags = [*self.flags, flag]
+            self._redraw()
+
+    # ---- clicks and rollouts -------------------------------------------------------------------------
+
+    def on_click(self, callback) -> None:
+        """Call `callback(step, panel_title, trace_name)` when a point of any panel is clicked in the page."""
+        if self.clicks is None:
+            from workbench.widgets.plot_clicks import PlotClicks
+
+            self.clicks = PlotClicks()
+            self.children = (self.clicks, *self.children)
+        self.clicks.on_click(callback)
+
+    def rollouts(self, path, tokenizer=None):
+        """Show the rollouts an RL run stores per step (a folder, or a rollout_log.RolloutLog) below the
+        plots, on the newest step until a step is chosen; clicking a point opens its step. Called again
+        (common.plot_to does, every step), it picks up the steps written since."""
+        from workbench.widgets.rollouts import RolloutInspector
+
+        if self.inspector is None or str(self.inspector.store.path) != str(getattr(path, "path", path)):
+            old, self.inspector = self.inspector, RolloutInspector.from_log(path, tokenizer=tokenizer)
+            self.children = (*[c for c in self.children if c is not old], self.inspector)
+            if self.clicks is None:
+                self.on_click(self._open_step)
+            self.clicks.hint = "Click a point of a plot to open that step's rollouts below."
+        else:
+            self.inspector.refresh()
+        return self.inspector
+
+    def _open_step(self, step: int, title: str, trace: str) -> None:
+        if self.inspector is None:
+            return
+        if step not in self.inspector.store.steps():
+            self.inspector.error = f"no rollouts stored for step {step} ({title}): steps kept are {self.inspector.store.describe()}"
+            return
+        self.inspector.follow = False  # the person chose a step: later steps of the run do not move it
+        self.inspector.show_step(step)
+
     # ---- drawing -------------------------------------------------------------------------------------
 
     def flush(self) -> None:
@@ -335,8 +409,9 @@ class Dashboard(w.VBox):
     def _draw_now(self) -> None:
         panels = self.panel_series()
         skipped = {why: sorted(steps) for why, steps in self.skipped.items()}
+        flags = list(self.flags)
         for title, (y_title, series) in panels.items():
-            if self._drawn.get(title) == (series, skipped):
+            if self._drawn.get(title) == (series, skipped, flags):
                 continue
             # Each panel is an Output showing the figure as data (plotly's mimetype), replaced whole
             # when its points change. Not a plotly FigureWidget: each of those carries plotly.js
@@ -346,10 +421,11 @@ class Dashboard(w.VBox):
             if title not in self.slots:
                 self.slots[title] = w.Output(layout=w.Layout(width=f"{PANEL_WIDTH + 10}px"))
                 self.panels.children = (*self.panels.children, self.slots[title])
-            self.figures[title] = _figure(title, y_title, series, skipped)
+            self.figures[title] = _figure(title, y_title, series, skipped, flags)
             self.slots[title].outputs = (_as_output(self.figures[title]),)
-            self._drawn[title] = copy.deepcopy((series, skipped))
+            self._drawn[title] = copy.deepcopy((series, skipped, flags))
         self.note.value = self._note(panels)
+        self.alerts.value = _alerts(flags)
         tok = self.tokens
         error = f" · <span style='color:#b00'>{html.escape(self.error)}</span>" if self.error else ""
         self.stats.value = (
@@ -396,6 +472,7 @@ class Dashboard(w.VBox):
 
     def close(self) -> None:
         self.stop()
-        for child in (*self.slots.values(), self.panels, self.note, self.stats):
+        for child in (*self.slots.values(), self.panels, self.note, self.alerts, self.stats,
+                      *(c for c in (self.clicks, self.inspector) if c is not None)):
             child.close()
         super().close()

@@ -10,6 +10,14 @@ advantage, and per token: `tokens` (ids, or strings), `logprobs`, optionally `to
 (else the row's advantage colours every token). Filtering is pandas `DataFrame.query`; selecting is
 by the frame's index label. State is traitlets: the browser sets query / sort_column / ascending /
 selected / color_by and Python recomputes `rows` and `tokens_html` (so tests drive it the same way).
+
+A run's steps. `RolloutInspector.from_log(path)` reads the rollouts an RL run stored per step
+(workbench/rollout_log.py): `steps` lists the steps kept, `step` is the one shown (the browser's
+◀ ▶ and its step menu set it; `show_step(k)` too), and the rows are grouped by prompt, a group whose
+rewards all tie marked (it teaches nothing: its centred advantages are 0) with why it was dropped.
+`across_steps(prompt)` shows one prompt's answers at every step kept (the browser's "this prompt
+across steps" on a selected row; `across_steps("")` goes back to the step). `summary` says in words
+what the step was: its groups, how many mixed, tied, dropped, and its held-out probes' diversity.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import numpy as np
 import pandas as pd
 import traitlets as t
 
+from workbench.rollout_log import RolloutLog
 from workbench.widgets.tokens import token_html, token_pieces
 
 PER_TOKEN = ("tokens", "logprobs", "token_advantages")  # list columns: shown in the detail, not the table
@@ -50,6 +59,22 @@ def rollouts_frame(prompts, responses, rewards, tokenizer=None, advantages=None)
     return pd.DataFrame(rows)
 
 
+def step_summary(groups: list[dict]) -> str:
+    """One stored step in words: "step 7: 4 groups, 3 mixed, 1 tied (dropped: 1 tied, 0 filtered);
+    8 held-out probe answers: 2 distinct"."""
+    train = [g for g in groups if g.get("kind", "train") == "train"]
+    probes = [g for g in groups if g.get("kind") == "probe"]
+    tied = sum(bool(g.get("tied")) for g in train)
+    text = f"step {groups[0]['step'] if groups else '?'}: {len(train)} groups, {len(train) - tied} mixed, {tied} tied"
+    dropped = [g["dropped"] for g in train if g.get("dropped")]
+    if dropped:
+        text += f" (dropped: {dropped.count('tied')} tied, {dropped.count('filtered')} filtered)"
+    answers = [c.strip() for g in probes for c in g["completions"]]
+    if answers:
+        text += f"; {len(answers)} held-out probe answers: {len(set(answers))} distinct"
+    return text
+
+
 def _cell(value):
     if isinstance(value, (float, np.floating)):
         return round(float(value), 4)
@@ -71,22 +96,44 @@ class RolloutInspector(anywidget.AnyWidget):
     color_by = t.Enum(["logprob", "advantage"], "logprob").tag(sync=True)
     tokens_html = t.Unicode("").tag(sync=True)
     error = t.Unicode("").tag(sync=True)
+    # A run's steps (from_log): the steps kept, the one shown (-1: rows not from a log), the prompt
+    # followed across steps ("": none), and the shown step in words.
+    steps = t.List().tag(sync=True)
+    step = t.Int(-1).tag(sync=True)
+    history_prompt = t.Unicode("").tag(sync=True)
+    summary = t.Unicode("").tag(sync=True)
+    follow = t.Bool(True).tag(sync=True)  # refresh() moves to the newest step, until a step is chosen by hand
 
-    def __init__(self, rollouts, tokenizer=None, max_rows: int = 200):
+    def __init__(self, rollouts=(), tokenizer=None, max_rows: int = 200, store: RolloutLog | None = None):
         super().__init__()
-        frame = rollouts if isinstance(rollouts, pd.DataFrame) else pd.DataFrame(list(rollouts))
-        missing = {"prompt", "completion"} - set(frame.columns)
-        if missing:
-            raise ValueError(f"rollouts need columns {sorted(missing)}")
-        self.df = frame.reset_index(drop=True)  # integer labels: the browser selects by them
         self.tokenizer = tokenizer
         self.max_rows = max_rows
-        self.view = self.df
-        self.columns = [c for c in self.df.columns if c not in PER_TOKEN]
-        self.total = len(self.df)
+        self.store = store  # a run's stored rollouts (from_log), else None
+        self._shown = None  # the (step, history_prompt) whose rows are shown
+        self._set_frame(rollouts)
         self.observe(self._update_view, names=["query", "sort_column", "ascending"])
         self.observe(self._update_tokens, names=["selected", "color_by"])
-        self._update_view()
+        self.observe(self._load, names=["step", "history_prompt"])
+        self.on_msg(self._on_message)
+
+    @classmethod
+    def from_log(cls, log: "RolloutLog | str | Path", tokenizer=None, step: int | None = None,
+                 max_rows: int = 200) -> "RolloutInspector":
+        """An inspector over a run's stored rollouts (rl.Config's rollouts_dir), on `step` (default: the newest)."""
+        inspector = cls(tokenizer=tokenizer, max_rows=max_rows, store=log if isinstance(log, RolloutLog) else RolloutLog(log))
+        return inspector.refresh(step)
+
+    def _set_frame(self, rollouts) -> None:
+        frame = rollouts if isinstance(rollouts, pd.DataFrame) else pd.DataFrame(list(rollouts))
+        missing = {"prompt", "completion"} - set(frame.columns)
+        if missing and (len(frame) or self.store is None):  # an inspector on a log may start with no step yet
+            raise ValueError(f"rollouts need columns {sorted(missing)}")
+        self.df = frame.reset_index(drop=True)  # integer labels: the browser selects by them
+        with self.hold_trait_notifications():
+            self.columns = [c for c in self.df.columns if c not in PER_TOKEN]
+            self.total = len(self.df)
+            self.selected = -1
+            self._update_view()
 
     # ---- the Python API (the browser sets the same traitlets) --------------------------------------
 
@@ -108,6 +155,67 @@ class RolloutInspector(anywidget.AnyWidget):
         """Select a row by index label; returns the HTML of its coloured tokens."""
         self.selected = int(index)
         return self.tokens_html
+
+    # ---- a run's steps (from_log) -------------------------------------------------------------------
+
+    def refresh(self, step: int | None = None) -> "RolloutInspector":
+        """Re-read which steps the log keeps; show `step`, or else the newest (a run still going adds steps)."""
+        self._need_log()
+        self.steps = self.store.steps()
+        if step is not None:
+            return self.show_step(step)
+        if self.steps and self.follow and not self.history_prompt:
+            self.show_step(self.steps[-1])
+        return self
+
+    def show_step(self, step: int) -> "RolloutInspector":
+        """Show one step's groups (KeyError, naming the steps kept, for a step the log does not have)."""
+        self._need_log()
+        self.store.read(int(step))  # raises the KeyError that says which steps are kept
+        if int(step) not in self.steps:
+            self.steps = self.store.steps()
+        with self.hold_trait_notifications():
+            self.history_prompt = ""
+            self.step = int(step)
+        self._load()
+        return self
+
+    def across_steps(self, prompt: str) -> "RolloutInspector":
+        """Show `prompt`'s answers at every step kept ("": back to the step)."""
+        self._need_log()
+        self.history_prompt = prompt
+        self._load()
+        return self
+
+    def _on_message(self, widget, content, buffers) -> None:
+        """The browser's "this prompt across steps" on the selected row (whose cell may be cut short)."""
+        if content.get("type") == "across_steps" and self.store is not None and self.selected in self.df.index:
+            self.across_steps(str(self.df.loc[self.selected, "prompt"]))
+
+    def _need_log(self) -> None:
+        if self.store is None:
+            raise ValueError("this inspector shows the table it was given; RolloutInspector.from_log(path) reads a run's steps")
+
+    def _load(self, change=None) -> None:
+        """Show the chosen step's rows, or the followed prompt's; once per choice (a browser's change
+        and the Python call that made it both land here)."""
+        shown = (self.step, self.history_prompt)
+        if self.store is None or (self.step < 0 and not self.history_prompt) or shown == self._shown:
+            return
+        try:
+            if self.history_prompt:
+                rows = self.store.prompt_history(self.history_prompt)
+                self.summary = (f"{self.history_prompt!r} at {len({r['step'] for r in rows})} steps: {len(rows)} answers"
+                                " (◀ ▶ go back to one step)")
+            else:
+                rows = self.store.samples(self.step)
+                self.summary = step_summary(self.store.read(self.step))
+        except KeyError as error:
+            self.error = str(error.args[0])
+            return
+        self._shown, self.error = shown, ""
+        # Grouped by prompt: each group's answers together, the groups in the order they were sampled.
+        self._set_frame(sorted(rows, key=lambda r: (r.get("step", 0), r.get("kind") != "train", r["group"])))
 
     # ---- recomputing ----------------------------------------------------------------------------
 

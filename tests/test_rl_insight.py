@@ -1,0 +1,198 @@
+"""Seeing an RL run think (workbench/recipes/rl.py, workbench/rollout_log.py): the per-step rollout
+store and its bounds, the triage of groups that teach nothing, the diversity / entropy / KL
+measures and the flags they raise, the KL leash folded into the advantages, the inspector over a
+run's steps, and the dashboard's flags, clicks and rollouts.
+
+The pieces are checked here on groups built by hand (numbers a reader can verify); the recipe's
+acceptance run, a reward the default model hacks within a few steps, flagged without the leash and
+held with it, runs against a real backend at the end (test_the_collapse_flag_fires_without_the_leash
+_and_not_with_it). The notebook in a browser is tests/test_notebooks.py::test_rl_insight_notebook.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from test_workbench_widgets import FakeUsage
+from workbench import rollout_log
+from workbench.recipes import common, rl
+from workbench.rollout_log import RolloutLog
+from workbench.widgets.dashboard import LOSS_PANEL, Dashboard
+from workbench.widgets.rollouts import RolloutInspector, step_summary
+
+
+def seq(tokens, logprobs):
+    return SimpleNamespace(tokens=list(tokens), logprobs=list(logprobs), sequence_id=None)
+
+
+def group(question, texts, rewards, kind="train", logprob=-1.0):
+    """A group of answers, each answer's tokens one per word, each token at `logprob`."""
+    sequences = [seq(range(len(t.split())), [logprob] * len(t.split())) for t in texts]
+    return rl.Group(rl.Problem(question), [1, 2, 3], sequences, list(texts), np.array(rewards, dtype=float), {}, kind)
+
+
+# ---- triage and the step's measures ------------------------------------------------------------------------
+
+
+def test_tied_groups_are_counted_dropped_and_filtered_as_asked():
+    groups = [group("a", ["x y z", "x y"], [1, 0]),          # mixed
+              group("b", ["x y z", "p q r"], [1, 1]),        # tied, all good
+              group("c", ["x", "y"], [0, 0]),                # tied, all bad
+              group("d", ["p q r s", "p q r"], [0, 1])]      # mixed, but the filter rejects it
+    rl.triage(groups, drop_constant_groups=True, group_filter=lambda g: g.problem.question != "d")
+    assert [g.dropped for g in groups] == ["", "tied", "tied", "filtered"]
+    m = rl.group_metrics(groups)
+    assert (m["frac_mixed"], m["all_good"], m["all_bad"]) == (0.5, 0.25, 0.25)
+    assert (m["dropped_tied"], m["dropped_filtered"]) == (2, 1)
+    rollouts = rl.rollouts_of(groups)
+    assert len(rollouts.data) == 2 and [g.problem.question for g in rollouts.kept] == ["a"]
+    # Kept, a tied group trains on nothing anyway (its advantages are 0), but the choice is the user's.
+    rl.triage(groups := [group("b", ["x y z", "p q r"], [1, 1])], drop_constant_groups=False)
+    assert groups[0].dropped == "" and len(rl.rollouts_of(groups).data) == 2
+    assert np.all(groups[0].advantages == 0)
+
+
+def test_diversity_length_and_entropy_of_a_step():
+    groups = [group("a", ["the one", "the one", "the one", "other"], [1, 1, 1, 0], logprob=-0.5),
+              group("b", ["the one", "x y z", "x y z", "w"], [1, 0, 0, 0], logprob=-2.0)]
+    m = rl.group_metrics(groups)
+    assert m["distinct_in_group"] == pytest.approx((2 / 4 + 3 / 4) / 2)
+    assert m["distinct_in_batch"] == pytest.approx(4 / 8)  # "the one", "other", "x y z", "w"
+    assert m["completion_tokens"] == pytest.approx((2 + 2 + 2 + 1 + 2 + 3 + 3 + 1) / 8)
+    # entropy: the mean surprisal of the sampled tokens, 7 tokens at 0.5 and 9 at 2.0
+    assert m["entropy"] == pytest.approx((7 * 0.5 + 9 * 2.0) / 16)
+
+
+def test_the_kl_to_the_base_and_its_penalty_per_token():
+    groups = [group("a", ["x y", "z"], [1, 0], logprob=-1.0)]
+    base = [[np.array([-1.5, -1.0]), np.array([-3.0])]]  # the base model's logprob of each sampled token
+    diffs, mean = rl.kl_to_base(groups, base)
+    assert [d.tolist() for d in diffs] == [[0.5, 0.0], [2.0]]
+    assert mean == pytest.approx(2.5 / 3)
+    penalty = rl.kl_penalty(diffs, mean, coef=0.1)
+    # coef x (mean - token's): the token the policy likes far more than the base is pushed down most
+    assert np.concatenate(penalty).tolist() == pytest.approx([0.1 * (mean - 0.5), 0.1 * mean, 0.1 * (mean - 2.0)])
+    assert sum(float(p.sum()) for p in penalty) == pytest.approx(0.0, abs=1e-12)  # centred: no group's mean moves
+    data = rl.rollouts_of(groups, extra_advantages=penalty).data
+    advantages = [d.loss_fn_inputs["advantages"].to_numpy()[-len(s.tokens):] for d, s in zip(data, groups[0].sequences)]
+    assert advantages[0].tolist() == pytest.approx([0.5 + 0.1 * (mean - 0.5), 0.5 + 0.1 * mean], abs=1e-6)
+    assert advantages[1].tolist() == pytest.approx([-0.5 + 0.1 * (mean - 2.0)], abs=1e-6)
+
+
+def test_the_collapse_and_kl_flags_name_the_answers_that_show_them():
+    config = rl.Config(collapse_distinct=0.25, kl_alert=1.0)
+    collapsed = [group(f"q{i}", ["The benevolent one"], [1], kind="probe") for i in range(8)]
+    base = [[np.array([-4.0, -4.0, -4.0])] for _ in collapsed]  # the policy at -1: 3 nats a token above the base
+    metrics, count, answer = rl.probe_metrics(collapsed, base)
+    assert metrics == {"probe_distinct": 1 / 8, "kl_policy_base": pytest.approx(3.0)}
+    flags = rl.flags_for(metrics, count, answer, 8, config)
+    assert flags == [{"kind": "collapse", "detail": "8 of 8 held-out answers identical: 'The benevolent one'"},
+                     {"kind": "kl", "detail": "KL to the base 3.00 nats/token on the held-out answers (alert above 1); "
+                                              "e.g. 'The benevolent one'"}]
+    healthy = [group(f"q{i}", [f"answer number {i}"], [1], kind="probe") for i in range(8)]
+    metrics, count, answer = rl.probe_metrics(healthy, [[np.array([-1.0, -1.0, -1.0])] for _ in healthy])
+    assert rl.flags_for(metrics, count, answer, 8, config) == []
+    two = [group(f"q{i}", ["yes" if i % 2 else "no"], [1], kind="probe") for i in range(8)]
+    metrics, count, answer = rl.probe_metrics(two, [[np.array([-1.0])] for _ in two])
+    assert rl.flags_for(metrics, count, answer, 8, config)[0]["detail"] == "2 distinct of 8 held-out answers; 4 are 'no'"
+
+
+# ---- the store ------------------------------------------------------------------------------------------
+
+
+def records(step_groups):
+    return [g.record(i) for i, g in enumerate(step_groups)]
+
+
+def test_the_rollout_store_is_bounded_per_step_and_per_run(tmp_path):
+    log = RolloutLog(tmp_path / "r", max_groups_per_step=3, max_mb=0.01)  # 10 KB for the run
+    many = [group(f"q{i}", ["a b c"] * 4, [1, 0, 1, 0]) for i in range(5)] + [group("probe", ["p"], [0], "probe")]
+    log.write(1, records(many))
+    kept = log.read(1)
+    assert [g["prompt"] for g in kept] == ["q0", "q1", "q2", "probe"]  # 3 training groups, the probes always
+    long = [group(f"q{i}", ["word " * 40] * 4, [1, 0, 1, 0]) for i in range(3)]
+    one = log.write(2, records(long)).stat().st_size
+    log.max_bytes = int(5.5 * one)  # room for five such steps and the (smaller) first
+    for step in range(3, 30):
+        log.write(step, records(long))
+    total = sum(f.stat().st_size for f in (tmp_path / "r").glob("step-*.jsonl"))
+    assert log.steps() == [1, 25, 26, 27, 28, 29] and total <= log.max_bytes  # the first and the newest stay
+    with pytest.raises(KeyError, match=r"no rollouts for step 2 .* steps kept: 1, 25-29"):
+        log.read(2)
+    assert not list((tmp_path / "r").glob("*.partial"))  # each step's file appears whole
+
+
+def test_a_prompt_across_steps_and_a_step_in_words(tmp_path):
+    log = RolloutLog(tmp_path / "r")
+    for step, answer in ((1, "four"), (2, "4"), (3, "4")):
+        g = [group("2+2?", [answer, answer], [1, 1]), group("3+3?", ["6", "six"], [1, 0]),
+             group("probe", [answer], [1], "probe")]
+        rl.triage(g[:2])
+        log.write(step, records(g))
+    history = log.prompt_history("2+2?")
+    assert [(r["step"], r["completion"]) for r in history] == [(1, "four"), (1, "four"), (2, "4"), (2, "4"), (3, "4"), (3, "4")]
+    assert all(r["tied"] and r["dropped"] == "tied" for r in history)
+    assert step_summary(log.read(2)) == ("step 2: 2 groups, 1 mixed, 1 tied (dropped: 1 tied, 0 filtered); "
+                                         "1 held-out probe answers: 1 distinct")
+
+
+def test_the_inspector_walks_a_runs_steps_and_follows_one_prompt(tmp_path):
+    log = RolloutLog(tmp_path / "r")
+    inspector = RolloutInspector.from_log(log)
+    assert inspector.steps == [] and inspector.total == 0  # a run that has not stored a step yet
+    for step in (1, 2, 3):
+        log.write(step, records([group("q", [f"s{step} a", f"s{step} b"], [step, 0]), group("r", ["x", "x"], [0, 0])]))
+    inspector.refresh()
+    assert (inspector.steps, inspector.step) == ([1, 2, 3], 3)  # follows the newest
+    inspector.step = 1  # as the browser's ◀ or menu sets it
+    inspector.follow = False
+    assert [r["completion"] for r in inspector.rows] == ["s1 a", "s1 b", "x", "x"]
+    assert [r["tied"] for r in inspector.rows] == [False, False, True, True]  # the tied group, marked
+    assert inspector.summary.startswith("step 1: 2 groups, 1 mixed, 1 tied")
+    log.write(4, records([group("q", ["s4 a", "s4 b"], [1, 0])]))
+    inspector.refresh()
+    assert (inspector.steps, inspector.step) == ([1, 2, 3, 4], 1)  # a chosen step stays chosen
+    inspector.select(1)
+    inspector._on_message(inspector, {"type": "across_steps"}, [])  # the browser's "this prompt across steps"
+    assert inspector.history_prompt == "q"
+    assert [(r["step"], r["completion"]) for r in inspector.rows] == [
+        (s, f"s{s} {x}") for s in (1, 2, 3, 4) for x in "ab"]
+    inspector.show_step(2)
+    assert inspector.history_prompt == "" and inspector.rows[0]["completion"] == "s2 a"
+    with pytest.raises(KeyError, match="steps kept: 1-4"):
+        inspector.show_step(9)
+    with pytest.raises(ValueError, match="from_log"):
+        RolloutInspector([{"prompt": "p", "completion": "c"}]).show_step(1)
+
+
+# ---- the dashboard ------------------------------------------------------------------------------------------
+
+
+def test_the_dashboard_flags_steps_in_words_and_marks_every_panel(tmp_path):
+    dash = Dashboard(training_run_id="run", connection=FakeUsage({1: 3.0, 2: 2.5, 3: 2.0}), poll_interval=None)
+    on_step = common.plot_to(dash, "reward", "probe_distinct")
+    log = RolloutLog(tmp_path / "r")
+    for step, distinct in ((1, 1.0), (2, 0.5), (3, 0.125)):
+        log.write(step, records([group("q", ["a b c", "a b"], [1, 0])]))
+        flags = [{"kind": "collapse", "detail": "8 of 8 held-out answers identical: 'The benevolent one'"}] if step == 3 else []
+        on_step({"step": step, "reward": 0.5, "probe_distinct": distinct, "flags": flags, "rollouts": str(log.path)})
+    dash.flush()
+    assert dash.flags == [{"step": 3, "kind": "collapse", "detail": "8 of 8 held-out answers identical: 'The benevolent one'"}]
+    assert "step 3 · collapse: 8 of 8 held-out answers identical: &#x27;The benevolent one&#x27;" in dash.alerts.value
+    for title in (LOSS_PANEL, "reward", "probe_distinct"):
+        (mark,) = [t for t in dash.figures[title].data if t.name == "flag: collapse"]
+        assert list(mark.x) == [3] and mark.yaxis == "y2"
+    # The rollouts below the plots, on the newest step; a click on a point opens its step.
+    assert dash.inspector is not None and dash.inspector.step == 3 and dash.inspector in dash.children
+    assert dash.clicks.hint.startswith("Click a point")
+    dash.clicks.clicked = {"title": "reward", "trace": "reward", "step": 1, "n": 1}
+    assert dash.inspector.step == 1 and not dash.inspector.follow
+    on_step({"step": 4, "reward": 0.5, "rollouts": str(log.path)})  # step 4 has no rollouts stored: nothing moves
+    assert dash.inspector.step == 1
+    dash.clicks.clicked = {"title": "reward", "trace": "reward", "step": 4, "n": 2}
+    assert "no rollouts stored for step 4" in dash.inspector.error and dash.inspector.step == 1
+    dash.close()
