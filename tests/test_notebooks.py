@@ -518,3 +518,123 @@ def test_the_labeler_as_a_person_uses_it(lab, browser, tmp_path):
     finally:
         page.close()
         (lab["root"] / name).unlink()  # this test's notebook is not the notebooks' output
+
+
+# The rl insight notebook's parameters in the test: the run that tests/test_rl_insight.py measures (the
+# held-out answers collapse onto "I'm sorry for" from step 3 of 8; the leash keeps the second run diverse).
+RL_INSIGHT = {"steps": 8, "learning_rate": 1e-3, "kl_penalty_coef": 1.0, "groups_per_batch": 4, "group_size": 4,
+              "max_tokens": 4, "temperature": 0.7, "monitor_prompts": 8}
+
+
+def click_point(page, title: str, trace: str) -> int:
+    """Click, with the mouse, a point of `trace` in the plot titled `title`: the one farthest from every
+    other trace's point at its step, so the click cannot land on another run's (plotly's own axes say
+    where each is drawn). Returns the step clicked."""
+    where = page.evaluate("""([title, trace]) => {
+        const gd = [...document.querySelectorAll('.jp-Notebook .js-plotly-plot')]
+            .find(el => ((el.layout.title || {}).text ?? el.layout.title) === title);
+        gd.scrollIntoView({block: 'center'});
+        const full = gd._fullLayout, box = gd.getBoundingClientRect();
+        // the lines shown (marks along the edges are on y2; a trace hidden from its legend is not shown)
+        const lines = gd.data.filter(t => (!t.yaxis || t.yaxis === 'y') && t.visible !== 'legendonly');
+        const pixel = (t, i) => ({x: box.left + full._size.l + full.xaxis.l2p(t.x[i]),
+                                  y: box.top + full._size.t + full.yaxis.l2p(t.y[i])});
+        const mine = lines.find(t => t.name === trace);
+        if (!mine) return {gap: -1, traces: gd.data.map(t => [t.name, t.visible, t.yaxis])};
+        let best = null;
+        [...mine.x].forEach((step, i) => {
+            if (mine.y[i] === null) return;
+            const p = pixel(mine, i);
+            const gap = Math.min(1e9, ...lines.filter(t => t !== mine).map(t => {
+                const j = [...t.x].indexOf(step);
+                return j < 0 || t.y[j] === null ? 1e9 : Math.abs(pixel(t, j).y - p.y);
+            }));
+            if (!best || gap > best.gap) best = {...p, step, gap};
+        });
+        return best;
+    }""", [title, trace])
+    assert where["gap"] >= 0, where
+    if where["gap"] > 12:
+        page.mouse.move(where["x"], where["y"])
+        page.mouse.click(where["x"], where["y"])
+        return where["step"]
+    # Every point shares its place with another trace's: hide the others (a click on their legend
+    # entries, as a person does, slower than plotly's double click: two clicks on an entry within
+    # 300 ms would show that entry alone), click, and show them again.
+    plot = page.locator(".jp-Notebook .js-plotly-plot").filter(has=page.locator(".gtitle", has_text=title)).first
+    others = [e for e in plot.locator(".legend .traces").all()
+              if e.locator(".legendtext").text_content() != trace and "·" in e.locator(".legendtext").text_content()]
+    for entry in others:
+        entry.locator(".legendtoggle").click()
+        page.wait_for_timeout(500)
+    step = click_point(page, title, trace) if others else None
+    assert step is not None, f"no point of {trace} in {title} can be clicked on its own"
+    for entry in others:
+        entry.locator(".legendtoggle").click()
+        page.wait_for_timeout(500)
+    return step
+
+
+def test_rl_insight_notebook(lab, browser):
+    """A custom task whose reward the model games (exactly three words), run without and then with the
+    KL leash, on one dashboard: every plot has each run's trace at every step; run 1's collapse is
+    flagged in words and marked on the plots; a click on a point of run 1's reward opens that step's
+    groups in the inspector (its run and step in the page, the step's triage in words, the tied groups
+    marked), ◀ goes to the step before, "this prompt across steps" follows one prompt; nothing breaks
+    after a reload.
+    Screenshots: tests/_artifacts/rl-insight-*.png."""
+    steps = RL_INSIGHT["steps"]
+    (page,) = run_notebooks(lab, browser, [("06_rl_insight.ipynb", RL_INSIGHT)])
+    text = page.locator(".jp-Notebook").text_content()
+    assert "I'm sorry for" in text and "reward 1.0" in text and "reward 0.0" in text  # the reward, tried
+    assert re.search(r"step \d+: collapse: ", text), text[-3000:]  # run 1 printed its flagged steps
+
+    by_title = {p["title"]: p for p in plots(page)}
+    panels = {LOSS, "reward", "groups that teach nothing (share of groups)", "diversity (share of distinct answers)",
+              "KL to the base model (nats per token)"}
+    assert set(by_title) == panels, by_title.keys()
+    runs = ("no leash", f"leash {RL_INSIGHT['kl_penalty_coef']:g}")
+    every = list(range(1, steps + 1))
+    traces = {t["name"]: t["steps"] for t in by_title["reward"]["traces"]}
+    assert all(traces[f"reward · {run}"] == every for run in runs), traces
+    skipped = {s for marked in skip_marks(by_title[LOSS]).values() for s in marked}  # a step of either run that tied
+    losses = {t["name"]: t["steps"] for t in by_title[LOSS]["traces"] if t["name"] in runs}
+    assert set(losses) == set(runs) and all(set(steps) | skipped == set(every) for steps in losses.values()), losses
+    flagged = traces["flag: collapse"]
+    assert flagged and all(p["traces"][-1]["name"].startswith("flag: ") for p in by_title.values())
+    alerts = page.locator(".wb-flag[data-kind='collapse']")
+    assert alerts.count() >= 1 and "of no leash · collapse: " in alerts.first.text_content()
+
+    # A click on run 1's reward at step 2 opens step 2 of run 1 below the plots.
+    assert "Click a point" in page.locator(".wb-plot-clicks").text_content()
+    inspector = page.locator(".wb-rollouts")
+    step = click_point(page, "reward", "reward · no leash")
+
+    def shows_step(step: int):
+        assert inspector.get_attribute("data-step") == str(step)
+        assert inspector.locator(".wb-label").text_content() == "no leash"
+        summary = inspector.locator(".wb-summary").text_content()
+        assert summary.startswith(f"step {step}: {RL_INSIGHT['groups_per_batch']} groups, "), summary
+        assert f"{RL_INSIGHT['monitor_prompts']} held-out probe answers" in summary
+        rows = inspector.locator("tr[data-index]")
+        assert rows.count() == RL_INSIGHT["groups_per_batch"] * RL_INSIGHT["group_size"] + RL_INSIGHT["monitor_prompts"]
+        tied = int(re.search(r"(\d+) tied", summary)[1])
+        assert inspector.locator("tr.wb-tied").count() >= tied * RL_INSIGHT["group_size"]
+    eventually(lambda: shows_step(step))
+    ARTIFACTS.mkdir(exist_ok=True)
+    inspector.screenshot(path=str(ARTIFACTS / "rl-insight-step.png"))
+    inspector.locator(".wb-prev" if step > 1 else ".wb-next").click()
+    eventually(lambda: shows_step(step - 1 if step > 1 else 2))
+    inspector.locator("tr[data-index]").last.click()  # a held-out probe: its prompt is asked at every step
+    inspector.locator(".wb-across").click()
+
+    def across():
+        summary = inspector.locator(".wb-summary").text_content()
+        found = re.search(rf"at {steps} steps: (\d+) answers", summary)
+        assert found and int(found[1]) >= steps, summary
+        assert inspector.get_attribute("data-step") == ""  # one prompt, no one step
+    eventually(across)
+    dashboard = page.locator(".wb-dashboard").first
+    dashboard.scroll_into_view_if_needed()
+    dashboard.screenshot(path=str(ARTIFACTS / "rl-insight-dashboard.png"))
+    check_notebook(page, lab, "06_rl_insight.ipynb", steps, panels)

@@ -196,3 +196,130 @@ def test_the_dashboard_flags_steps_in_words_and_marks_every_panel(tmp_path):
     dash.clicks.clicked = {"title": "reward", "trace": "reward", "step": 4, "n": 2}
     assert "no rollouts stored for step 4" in dash.inspector.error and dash.inspector.step == 1
     dash.close()
+
+
+class FakeBackend(FakeUsage):
+    """FakeUsage whose backend knows no run by name (a run is then called by its number: "run 1")."""
+
+    http = SimpleNamespace(get=lambda *a, **k: SimpleNamespace(status_code=404, json=dict))
+
+
+def test_two_runs_on_one_dashboard_a_click_opens_the_clicked_runs_step(tmp_path):
+    dash = Dashboard(training_run_id="s:train:0", connection=FakeBackend({}), poll_interval=None)
+    logs = {}
+    for run in ("s:train:0", "s:train:1"):
+        logs[run] = RolloutLog(tmp_path / run.replace(":", "-"))
+        on_step = common.plot_to(dash, "probe_distinct", run=run)
+        for step in (1, 2):
+            logs[run].write(step, records([group("q", [f"{run} step {step}", "x"], [1, 0])]))
+            flags = [{"kind": "collapse", "detail": "all alike"}] if (run, step) == ("s:train:1", 2) else []
+            on_step({"step": step, "probe_distinct": 0.5, "flags": flags, "rollouts": str(logs[run].path)})
+    dash.flush()
+    assert set(dash.figures["probe_distinct"].data[i].name for i in range(2)) == {"probe_distinct · run 0",
+                                                                                  "probe_distinct · run 1"}
+    assert "step 2 of run 1 · collapse: all alike" in dash.alerts.value
+    inspector = dash.inspector
+    assert (inspector.label, inspector.step, inspector.rows[0]["completion"]) == ("run 1", 2, "s:train:1 step 2")
+    dash.clicks.clicked = {"title": "probe_distinct", "trace": "probe_distinct · run 0", "step": 1, "n": 1}
+    assert (inspector.label, inspector.step, inspector.rows[0]["completion"]) == ("run 0", 1, "s:train:0 step 1")
+    dash.clicks.clicked = {"title": "probe_distinct", "trace": "probe_distinct · run 1", "step": 1, "n": 2}
+    assert (inspector.label, inspector.rows[0]["completion"]) == ("run 1", "s:train:1 step 1")
+    dash.close()
+
+
+def test_a_collapse_onto_white_space_is_named_in_words():
+    blank = [group(f"q{i}", ["\n\n\n"], [0], kind="probe") for i in range(4)]
+    metrics, count, answer = rl.probe_metrics(blank, [[np.array([])] for _ in blank])
+    (flag,) = rl.flags_for(metrics, count, answer, 4, rl.Config())
+    assert flag["detail"] == "4 of 4 held-out answers identical: '(nothing but white space)'"
+
+
+@pytest.mark.parametrize("bad", [{"kl_penalty_coef": -0.1}, {"monitor_prompts": -1}, {"collapse_distinct": 1.5},
+                                 {"task": "subtraction"}])
+def test_a_bad_insight_setting_is_refused_before_anything_runs(bad):
+    # Port 9 has no backend: the error comes from the config, before any connection is made.
+    with pytest.raises(ValueError, match="must be|unknown task 'subtraction': one of addition"):
+        rl.run(rl.Config(base_url="http://127.0.0.1:9", api_key="tml-x", progress=False, **bad))
+
+
+# ---- the acceptance run: a reward the model hacks, with and without the leash -----------------------------
+
+THINGS = ["the ocean", "a cat", "winter", "your city", "music", "a forest", "the moon", "coffee", "a library",
+          "the desert", "a train", "friendship", "rain", "a mountain", "the internet", "a garden"]
+
+
+class ThreeWords(rl.Task):
+    """Any answer of exactly three words scores 1: what the words say is not checked, so it can be gamed."""
+
+    templates = ["How do you feel about {}?", "Do you like {}?"]
+
+    def problems(self, n, rng):
+        return [rl.Problem(self.templates[rng.integers(len(self.templates))].format(THINGS[rng.integers(len(THINGS))]))
+                for _ in range(n)]
+
+    def reward(self, text, problem):
+        return float(len(text.split()) == 3)
+
+
+# Answers cut at 4 tokens: "I'm sorry for", the base model's own favourite opener, whatever the question,
+# is three words. Measured (seed 0): without the leash the 8 held-out answers are all "I'm sorry for" from
+# step 3 on; with kl_penalty_coef=1 they stay at 6 to 8 distinct and the KL to the base under 0.6. A
+# bigger learning rate collapses the policy at step 1, before the leash can pull (its penalty is 0 while
+# the policy is the base model); at temperature 1 the collapse comes late, as gibberish.
+HACKABLE = dict(steps=8, groups_per_batch=4, group_size=4, max_tokens=4, temperature=0.7, learning_rate=1e-3,
+                monitor_prompts=8, eval_prompts=0, seed=0, progress=False, verbose=False)
+LEASH = 1.0
+
+
+def hack(server, tmp_path, name: str, **overrides) -> tuple[common.Summary, list[dict]]:
+    """One run of the three-word task in a session of its own (so the session's usage is this run's)."""
+    import tinker
+
+    service = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
+    rows = []
+    config = rl.Config(task=ThreeWords(), metrics_path=str(tmp_path / f"{name}.jsonl"), run_name=name,
+                       **{**HACKABLE, **overrides})
+    return rl.run(config, service_client=service, on_step=rows.append), rows
+
+
+def base_prefill(server, summary) -> int:
+    """The prefill tokens of the session's base-model requests (the probes' and the leash's compute_logprobs)."""
+    import httpx
+
+    series = httpx.get(f"{server.base_url}/api/v1/usage", params={"session_id": summary.session_id, "limit": 10_000},
+                       headers={"X-API-Key": server.api_key}).json()["series"]
+    return sum(r["prefill_tokens"] for r in series if r["request_type"] == "Sample" and r["training_run_id"] is None)
+
+
+def test_the_collapse_flag_fires_without_the_leash_and_not_with_it(tinker_server, tmp_path):
+    free, free_rows = hack(tinker_server, tmp_path, "no leash")
+    collapsed = [r for r in free_rows if any(f["kind"] == "collapse" for f in r["flags"])]
+    assert collapsed, [(r["step"], r["probe_distinct"], r["reward"]) for r in free_rows]
+    first = collapsed[0]
+    assert first["step"] < HACKABLE["steps"] and first["probe_distinct"] <= rl.Config.collapse_distinct
+    detail = next(f["detail"] for f in first["flags"] if f["kind"] == "collapse")
+    assert "held-out answers" in detail and ("identical" in detail or "distinct of 8" in detail), detail
+    assert max(r["reward"] for r in free_rows[first["step"] - 1:]) > free_rows[0]["reward"]  # it games the reward
+
+    leashed, leashed_rows = hack(tinker_server, tmp_path, "leash", kl_penalty_coef=LEASH)
+    assert not any(f["kind"] == "collapse" for r in leashed_rows for f in r["flags"]), \
+        [(r["step"], r["probe_distinct"], r["flags"]) for r in leashed_rows]
+    assert max(r["kl_policy_base"] for r in leashed_rows) < max(r["kl_policy_base"] for r in free_rows)
+    assert min(r["probe_distinct"] for r in leashed_rows) > rl.Config.collapse_distinct
+
+    # The leash is metered: its base-model logprobs are prefill tokens of the session, about what its rows
+    # say (the probes' own base logprobs differ between the runs by at most their completions' tokens).
+    penalty = sum(r.get("kl_penalty_tokens", 0) for r in leashed_rows)
+    assert penalty > 0 and all(r.get("kl_penalty_tokens", 0) > 0 for r in leashed_rows if r.get("train_tokens"))
+    difference = base_prefill(tinker_server, leashed) - base_prefill(tinker_server, free)
+    assert abs(difference - penalty) <= HACKABLE["steps"] * HACKABLE["monitor_prompts"] * HACKABLE["max_tokens"]
+
+    # Every step's groups were stored: the training groups and the probes, the tied ones marked.
+    store = RolloutLog(free.extra["rollouts"])
+    assert store.steps() == list(range(1, HACKABLE["steps"] + 1))
+    stored = store.read(first["step"])
+    probes = [g for g in stored if g["kind"] == "probe"]
+    assert len(stored) == HACKABLE["groups_per_batch"] + HACKABLE["monitor_prompts"] and len(probes) == 8
+    assert len({c.strip() for g in probes for c in g["completions"]}) == round(first["probe_distinct"] * 8)
+    assert sum(g["tied"] for g in stored if g["kind"] == "train") == \
+        round((1 - first["frac_mixed"]) * HACKABLE["groups_per_batch"])

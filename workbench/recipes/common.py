@@ -45,6 +45,14 @@ class BaseConfig:
     metrics_path: str | None = None  # JSONL, one line per step; None: $STEPWISE_HOME/runs/<recipe>-<time>.jsonl
     progress: bool = True            # a tqdm bar (tqdm.auto: a widget in notebooks)
     verbose: bool = True             # print the summary at the end
+    run_name: str | None = None      # the run's name on dashboards and in the sidebar (its user_metadata "name")
+
+
+def training_client(service_client: tinker.ServiceClient, config: BaseConfig):
+    """The recipe's LoRA training run on config's base model, rank and seed, named `config.run_name` if set."""
+    return service_client.create_lora_training_client(
+        base_model=config.base_model, rank=config.rank, seed=config.seed,
+        user_metadata={"name": config.run_name} if config.run_name else None).result()
 
 
 def service_client_for(config: BaseConfig, service_client: tinker.ServiceClient | None) -> tinker.ServiceClient:
@@ -278,23 +286,24 @@ class MetricsLog:
         self.close()
 
 
-def plot_to(dashboard, *names: str, tokenizer=None) -> Callable[[dict], None]:
+def plot_to(dashboard, *names: str, tokenizer=None, run: str | None = None) -> Callable[[dict], None]:
     """An `on_step` callback that plots the named metrics of each logged row on a workbench.Dashboard,
     marks the steps a row says were skipped (`"skipped": why`: taken with nothing to train on) and
     those it flags (`"flags": [{"kind", "detail"}]`: the rl recipe's collapse and KL alerts), and shows
     the rollouts a row names (`"rollouts"`: the folder the rl recipe stores each step's groups in)
-    below the plots, their tokens decoded with `tokenizer`."""
+    below the plots, their tokens decoded with `tokenizer`. With `run` (the config's run_name), the
+    metrics are that run's traces, so several runs overlay on one session dashboard."""
 
     def on_step(row: dict) -> None:
         values = {n: row[n] for n in names if isinstance(row.get(n), (int, float)) and math.isfinite(row[n])}
         if values:
-            dashboard.log(row["step"], **values)
+            dashboard.log(row["step"], run=run, **values)
         if row.get("skipped"):
             dashboard.skip(row["step"], row["skipped"])
         for flag in row.get("flags") or ():
-            dashboard.flag(row["step"], flag["kind"], flag["detail"])
+            dashboard.flag(row["step"], flag["kind"], flag["detail"], run=run)
         if row.get("rollouts"):
-            dashboard.rollouts(row["rollouts"], tokenizer)
+            dashboard.rollouts(row["rollouts"], tokenizer, run=run)
 
     return on_step
 

@@ -102,8 +102,7 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
     service_client = common.service_client_for(config, service_client)
     prompts = common.read_prompts(config.prompts_path, PROMPTS)
     rng = np.random.default_rng(config.seed)
-    tc = service_client.create_lora_training_client(base_model=config.base_model, rank=config.rank,
-                                                    seed=config.seed).result()
+    tc = common.training_client(service_client, config)
     tokenizer = tc.get_tokenizer()
     teacher = service_client.create_sampling_client(base_model=config.base_model).result()
     log = common.MetricsLog(common.metrics_path_for(config, "distillation"), on_step)

@@ -220,8 +220,7 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
     service_client = common.service_client_for(config, service_client)
     prompts = common.read_prompts(config.prompts_path, PROMPTS)
     prompts = prompts[: config.num_prompts]
-    tc = service_client.create_lora_training_client(base_model=config.base_model, rank=config.rank,
-                                                    seed=config.seed).result()
+    tc = common.training_client(service_client, config)
     tokenizer = tc.get_tokenizer()
     base = service_client.create_sampling_client(base_model=config.base_model).result()
     pairs = label_by_rule(sample_candidates(base, tokenizer, prompts, config), config.rule)

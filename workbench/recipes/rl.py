@@ -45,8 +45,9 @@ Seeing the run think (docs/cookbook.md, "Watching an RL run", shows it in a note
 - Groups that teach nothing. A group whose rewards all tie has zero advantage. Logged per step, as
   the tinker cookbook does: `frac_mixed` (the share of groups with both outcomes), `all_good`,
   `all_bad` (tied groups at reward >= 0.5 / below), and what was left out of forward_backward:
-  `dropped_tied` (with `drop_constant_groups`, the default; the cookbook's
-  remove_constant_reward_groups) and `dropped_filtered` (`group_filter(group)` returned False).
+  `dropped_tied` (`drop_constant_groups`, the cookbook's remove_constant_reward_groups; by default
+  tied groups are dropped unless there is a leash, under which they still carry the penalty's
+  gradient) and `dropped_filtered` (`group_filter(group)` returned False).
 - Collapse and reward hacking. Per step: `distinct_in_group` and `distinct_in_batch` (the share of
   distinct answers), `completion_tokens` (mean length), `entropy` (the mean -logprob of the sampled
   tokens), and on `monitor_prompts` fixed held-out problems, answered once each with the same seeds
@@ -64,7 +65,11 @@ Seeing the run think (docs/cookbook.md, "Watching an RL run", shows it in a note
   gradient that step; cispo clips the weight but never drops a token, so the penalty always acts; dro's
   own quadratic term holds the policy near the sampler, not the base, and the penalty adds the base.
   The penalty is centred on the batch, so it changes no group's mean advantage: it moves probability
-  between answers' tokens, towards what the base model finds likely.
+  between answers' tokens, towards what the base model finds likely. It acts on the answers trained
+  on, so a leashed run keeps its tied groups (drop_constant_groups=None): a policy that games the
+  reward makes every group tie at 1.0, and dropping them would let go of the leash just then. At
+  step 1 the policy is the base model and the penalty is 0: a first step big enough to collapse the
+  policy by itself (a high learning rate) is not held back.
 
 Measured with `python -m workbench.recipes.rl` (defaults: operands 1..5, 12 steps of 4 prompts x 8
 samples, importance_sampling, lr 1e-3, rank 8; local backend, 2 shared CPU cores, 2.5 minutes):
@@ -204,7 +209,9 @@ class Config(BaseConfig):
     learning_rate: float = 1e-3
     lr_schedule: str = "constant"
     # Groups that teach nothing: a group whose rewards all tie has zero advantage (centred on its mean).
-    drop_constant_groups: bool = True   # leave tied groups out of forward_backward (cookbook: remove_constant_reward_groups)
+    # Leave tied groups out of forward_backward (cookbook: remove_constant_reward_groups). None: unless
+    # kl_penalty_coef is set, since with the leash a tied group still carries the penalty's gradient.
+    drop_constant_groups: bool | None = None
     group_filter: typing.Any = field(default=None, metadata={"cli": False})  # keep a group only if group_filter(group)
     # The leash: advantages += kl_penalty_coef x (mean - this token's (policy - base) logprob), per completion token.
     kl_penalty_coef: float = 0.0
@@ -251,7 +258,7 @@ class Group:
                 "rewards": self.rewards.tolist(), "advantages": self.advantages.tolist() if self.kind == "train" else [],
                 "parts": self.parts, "tokens": [list(s.tokens) for s in self.sequences],
                 "logprobs": [[round(float(x), 4) for x in s.logprobs] for s in self.sequences],
-                "tied": self.tied, "dropped": self.dropped}
+                "tied": self.tied and self.kind == "train", "dropped": self.dropped}  # a probe is not trained on
 
 
 @dataclass
@@ -285,7 +292,8 @@ class Rollouts:
 def submit(sampler, tokenizer, task, problems: list[Problem], n: int, max_tokens: int, temperature: float,
            seed: int) -> list:
     """Ask for `n` answers to each problem at once (the backend batches them); collect() waits."""
-    prompts = [task.render(tokenizer, p) for p in problems]
+    render = getattr(task, "render", None) or (lambda tok, p: Task.render(task, tok, p))  # duck-typed tasks too
+    prompts = [render(tokenizer, p) for p in problems]
     return [(problem, prompt, sampler.sample(types.ModelInput.from_ints(prompt), n,
                                              types.SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                                                   seed=seed * 1000 + i)))
@@ -412,7 +420,8 @@ def probe_metrics(probes: list[Group], base: list[list[np.ndarray]]) -> tuple[di
     answers = [t.strip() for g in probes for t in g.texts]
     common_answer, count = Counter(answers).most_common(1)[0]
     _, kl = kl_to_base(probes, base)
-    return {"probe_distinct": len(set(answers)) / len(answers), "kl_policy_base": kl}, count, common_answer
+    shown = common_answer if common_answer else "(nothing but white space)"  # a policy can collapse onto "\n\n\n"
+    return {"probe_distinct": len(set(answers)) / len(answers), "kl_policy_base": kl}, count, shown
 
 
 def flags_for(metrics: dict, count: int, answer: str, n: int, config: Config) -> list[dict]:
@@ -458,12 +467,12 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
         raise ValueError(f"kl_penalty_coef ({config.kl_penalty_coef}) and monitor_prompts ({config.monitor_prompts}) "
                          f"must be >= 0, collapse_distinct ({config.collapse_distinct}) a share from 0 to 1")
     task = task_for(config)
+    drop_tied = config.drop_constant_groups if config.drop_constant_groups is not None else not config.kl_penalty_coef
     service_client = common.service_client_for(config, service_client)
     rng = np.random.default_rng(config.seed)
     eval_problems = task.problems(config.eval_prompts, np.random.default_rng(config.seed + 10_000))
     probe_problems = task.problems(config.monitor_prompts, np.random.default_rng(config.seed + 20_000))
-    tc = service_client.create_lora_training_client(base_model=config.base_model, rank=config.rank,
-                                                    seed=config.seed).result()
+    tc = common.training_client(service_client, config)
     tokenizer = tc.get_tokenizer()
     # The base model's logprobs: for the KL leash, and for the probes' KL to the base.
     base = (service_client.create_sampling_client(base_model=config.base_model).result()
@@ -493,7 +502,7 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
                              seed=20_000 + config.seed)
             groups = collect(pending, tokenizer, task)
             probes = collect(probing, tokenizer, task, kind="probe")
-            triage(groups, config.drop_constant_groups, config.group_filter)
+            triage(groups, drop_tied, config.group_filter)
             kept = [g for g in groups if not g.dropped]
             row = {"reward": float(np.mean([r for g in groups for r in g.rewards])),
                    **{name: float(np.mean(values)) for name, values in _parts_of(groups).items()},

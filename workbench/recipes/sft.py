@@ -98,8 +98,7 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
     """Run the recipe; `on_step(row)` sees every metrics row as it is logged (see common.MetricsLog)."""
     service_client = common.service_client_for(config, service_client)
     rng = np.random.default_rng(config.seed)
-    tc = service_client.create_lora_training_client(base_model=config.base_model, rank=config.rank,
-                                                    seed=config.seed).result()
+    tc = common.training_client(service_client, config)
     tokenizer = tc.get_tokenizer()
     train_records, eval_records = load_splits(config, rng)
     train_data = [common.chat_datum(tokenizer, r["messages"], config.train_on) for r in train_records]

@@ -145,9 +145,12 @@ def _alerts(flags: list[dict], shown: int = 6) -> str:
     """The flagged steps in words, the newest `shown` of them (a long run can flag many)."""
     if not flags:
         return ""
-    lines = "".join(f"<div class='wb-flag' data-step='{f['step']}' data-kind='{html.escape(f['kind'])}'>"
-                    f"⚠ step {f['step']} · {html.escape(f['kind'])}: {html.escape(f['detail'])}</div>"
-                    for f in flags[-shown:])
+    def line(f: dict) -> str:
+        of_run = f" of {f['run']}" if f.get("run") else ""
+        return (f"<div class='wb-flag' data-step='{f['step']}' data-kind='{html.escape(f['kind'])}'>"
+                f"⚠ step {f['step']}{html.escape(of_run)} · {html.escape(f['kind'])}: {html.escape(f['detail'])}</div>")
+
+    lines = "".join(line(f) for f in flags[-shown:])
     more = f"<div>… and {len(flags) - shown} earlier</div>" if len(flags) > shown else ""
     return f"<div class='wb-flags' style='font:12px sans-serif;color:#b42318'>{more}{lines}</div>"
 
@@ -205,6 +208,7 @@ class Dashboard(w.VBox):
         self.alerts = w.HTML()  # the flagged steps, in words
         self.clicks = None  # a PlotClicks, once something listens to clicks on the plots (on_click)
         self.inspector = None  # the RolloutInspector of rollouts()
+        self._rollout_logs: dict = {}  # run name (None: no run given) -> its RolloutLog, from rollouts()
         self.stats = w.HTML()
         super().__init__([self.note, self.alerts, self.panels, self.stats])
         self.add_class("wb-dashboard")
@@ -295,9 +299,12 @@ class Dashboard(w.VBox):
         self.skipped = skipped
         self._redraw()
 
-    def flag(self, step: int, kind: str, detail: str) -> None:
-        """Mark `step` as showing trouble of `kind` ("collapse", "kl"), with the evidence in words (see the module doc)."""
-        flag = {"step": int(step), "kind": str(kind), "detail": str(detail)}
+    def flag(self, step: int, kind: str, detail: str, run=None) -> None:
+        """Mark `step` (of `run`, a name or id, if given) as showing trouble of `kind` ("collapse", "kl"),
+        with the evidence in words (see the module doc)."""
+        flag = {"step": int(step), "kind": str(kind), "detail": str(detail),
+                **({"run": self.run_name(self.run_id_named(run) if isinstance(run, str) else run_id_of(run))}
+                   if run is not None else {})}
         if flag not in self.flags:
             self.flags = [*self.flags, flag]
             self._redraw()
@@ -313,29 +320,40 @@ class Dashboard(w.VBox):
             self.children = (self.clicks, *self.children)
         self.clicks.on_click(callback)
 
-    def rollouts(self, path, tokenizer=None):
+    def rollouts(self, path, tokenizer=None, run=None):
         """Show the rollouts an RL run stores per step (a folder, or a rollout_log.RolloutLog) below the
-        plots, on the newest step until a step is chosen; clicking a point opens its step. Called again
-        (common.plot_to does, every step), it picks up the steps written since."""
+        plots, on the newest step until a step is chosen; clicking a point opens its step (of the run
+        whose trace it is, when several runs' rollouts were given with `run=`, a name or id). Called
+        again (common.plot_to does, every step), it picks up the steps written since."""
+        from workbench.rollout_log import RolloutLog
         from workbench.widgets.rollouts import RolloutInspector
 
-        if self.inspector is None or str(self.inspector.store.path) != str(getattr(path, "path", path)):
-            old, self.inspector = self.inspector, RolloutInspector.from_log(path, tokenizer=tokenizer)
-            self.children = (*[c for c in self.children if c is not old], self.inspector)
+        store = path if isinstance(path, RolloutLog) else RolloutLog(path)
+        name = None if run is None else self.run_name(self.run_id_named(run) if isinstance(run, str) else run_id_of(run))
+        self._rollout_logs[name] = store
+        if self.inspector is None:
+            self.inspector = RolloutInspector(tokenizer=tokenizer, store=store, label=name or "")
+            self.children = (*self.children, self.inspector)
             if self.clicks is None:
                 self.on_click(self._open_step)
             self.clicks.hint = "Click a point of a plot to open that step's rollouts below."
-        else:
-            self.inspector.refresh()
+        elif self.inspector.follow and self.inspector.store.path != store.path:
+            self.inspector.show_log(store, label=name or "")  # a new run's rollouts, followed until a step is chosen
+        self.inspector.refresh()
         return self.inspector
 
     def _open_step(self, step: int, title: str, trace: str) -> None:
         if self.inspector is None:
             return
-        if step not in self.inspector.store.steps():
-            self.inspector.error = f"no rollouts stored for step {step} ({title}): steps kept are {self.inspector.store.describe()}"
+        # The run whose trace was clicked: a metric's trace is "metric · run", the loss's is "run".
+        name = next((n for n in self._rollout_logs if n and (trace == n or trace.endswith(f" · {n}"))), None)
+        store = self._rollout_logs.get(name, self.inspector.store)
+        if step not in store.steps():
+            self.inspector.error = f"no rollouts stored for step {step} ({title}): steps kept are {store.describe()}"
             return
         self.inspector.follow = False  # the person chose a step: later steps of the run do not move it
+        if store is not self.inspector.store:
+            self.inspector.show_log(store, label=name or "")
         self.inspector.show_step(step)
 
     # ---- drawing -------------------------------------------------------------------------------------

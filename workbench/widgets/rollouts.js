@@ -14,6 +14,7 @@ export default {
     el.classList.add("wb-rollouts");
     el.innerHTML = `
       <div class="wb-steps" style="display:none;gap:6px;align-items:center;font:12px sans-serif;margin-bottom:4px">
+        <b class="wb-label"></b>
         <button class="wb-prev" title="the step before">◀</button>
         <select class="wb-step"></select>
         <button class="wb-next" title="the step after">▶</button>
@@ -53,6 +54,7 @@ export default {
       stepMenu.value = String(step);
       el.dataset.step = following ? "" : String(step);
       el.querySelector(".wb-summary").textContent = model.get("summary");
+      el.querySelector(".wb-label").textContent = model.get("label");
       el.querySelector(".wb-across").disabled = model.get("selected") < 0;
       const rows = model.get("rows"), cols = model.get("columns");
       el.querySelector(".wb-count").textContent = `${rows.length} of ${model.get("total")} rows`;
@@ -79,7 +81,7 @@ export default {
     });
     draw();
     const fields = ["rows", "columns", "sort_column", "ascending", "selected", "tokens_html", "query", "color_by", "error",
-                    "total", "steps", "step", "history_prompt", "summary"];
+                    "total", "steps", "step", "history_prompt", "summary", "label"];
     for (const f of fields) model.on(`change:${f}`, draw);
     return () => { for (const f of fields) model.off(`change:${f}`, draw); };
   },

@@ -103,9 +103,11 @@ class RolloutInspector(anywidget.AnyWidget):
     history_prompt = t.Unicode("").tag(sync=True)
     summary = t.Unicode("").tag(sync=True)
     follow = t.Bool(True).tag(sync=True)  # refresh() moves to the newest step, until a step is chosen by hand
+    label = t.Unicode("").tag(sync=True)  # whose rollouts these are (a run's name), shown before the steps
 
-    def __init__(self, rollouts=(), tokenizer=None, max_rows: int = 200, store: RolloutLog | None = None):
-        super().__init__()
+    def __init__(self, rollouts=(), tokenizer=None, max_rows: int = 200, store: RolloutLog | None = None,
+                 label: str = ""):
+        super().__init__(label=label)
         self.tokenizer = tokenizer
         self.max_rows = max_rows
         self.store = store  # a run's stored rollouts (from_log), else None
@@ -164,9 +166,16 @@ class RolloutInspector(anywidget.AnyWidget):
         self.steps = self.store.steps()
         if step is not None:
             return self.show_step(step)
-        if self.steps and self.follow and not self.history_prompt:
+        if self.steps and (self.follow or self.step not in self.steps) and not self.history_prompt:
             self.show_step(self.steps[-1])
         return self
+
+    def show_log(self, store: RolloutLog, label: str = "") -> "RolloutInspector":
+        """Show another run's stored rollouts (its newest step, unless show_step follows)."""
+        self.store, self.label, self._shown = store, label, None
+        with self.hold_trait_notifications():
+            self.history_prompt, self.step = "", -1
+        return self.refresh()
 
     def show_step(self, step: int) -> "RolloutInspector":
         """Show one step's groups (KeyError, naming the steps kept, for a step the log does not have)."""
