@@ -12,6 +12,7 @@ _and_not_with_it). The notebook in a browser is tests/test_notebooks.py::test_rl
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -218,6 +219,7 @@ def test_two_runs_on_one_dashboard_a_click_opens_the_clicked_runs_step(tmp_path)
     assert set(dash.figures["probe_distinct"].data[i].name for i in range(2)) == {"probe_distinct · run 0",
                                                                                   "probe_distinct · run 1"}
     assert "step 2 of run 1 · collapse: all alike" in dash.alerts.value
+    assert "skipped (every group tied)" not in str(dash.skipped)
     inspector = dash.inspector
     assert (inspector.label, inspector.step, inspector.rows[0]["completion"]) == ("run 1", 2, "s:train:1 step 2")
     dash.clicks.clicked = {"title": "probe_distinct", "trace": "probe_distinct · run 0", "step": 1, "n": 1}
@@ -323,3 +325,19 @@ def test_the_collapse_flag_fires_without_the_leash_and_not_with_it(tinker_server
     assert len({c.strip() for g in probes for c in g["completions"]}) == round(first["probe_distinct"] * 8)
     assert sum(g["tied"] for g in stored if g["kind"] == "train") == \
         round((1 - first["frac_mixed"]) * HACKABLE["groups_per_batch"])
+
+
+def test_a_lasting_collapse_is_one_line_and_each_runs_skips_are_its_own():
+    dash = Dashboard(training_run_id="s:train:0", connection=FakeBackend({}), poll_interval=None)
+    for step in (3, 4, 5, 6):
+        dash.flag(step, "collapse", f"8 of 8 identical at {step}", run="s:train:0")
+    dash.flag(5, "kl", "KL 1.2", run="s:train:0")
+    dash.flag(8, "collapse", "again", run="s:train:0")
+    dash.flag(4, "collapse", "the other run", run="s:train:1")
+    dash.skip(2, "every group tied", run="s:train:1")
+    dash.flush()
+    lines = [re.sub("<[^>]+>", "", line) for line in dash.alerts.value.split("</div>") if "⚠" in line]
+    assert lines == ["⚠ step 4 of run 1 · collapse: the other run", "⚠ step 5 of run 0 · kl: KL 1.2",
+                     "⚠ steps 3-6 of run 0 · collapse: 8 of 8 identical at 6", "⚠ step 8 of run 0 · collapse: again"]
+    assert dash.skipped == {"every group tied · run 1": [2]}
+    dash.close()

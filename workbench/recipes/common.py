@@ -299,7 +299,7 @@ def plot_to(dashboard, *names: str, tokenizer=None, run: str | None = None) -> C
         if values:
             dashboard.log(row["step"], run=run, **values)
         if row.get("skipped"):
-            dashboard.skip(row["step"], row["skipped"])
+            dashboard.skip(row["step"], row["skipped"], run=run)
         for flag in row.get("flags") or ():
             dashboard.flag(row["step"], flag["kind"], flag["detail"], run=run)
         if row.get("rollouts"):

@@ -438,6 +438,22 @@ def flags_for(metrics: dict, count: int, answer: str, n: int, config: Config) ->
     return flags
 
 
+def against_base(base, kept: list[Group], probes: list[Group], config: Config) -> tuple[dict, list | None]:
+    """A step's measures against the base model, from one batch of its compute_logprobs: with the leash,
+    the kept answers' KL and their per-token penalty; the probes' diversity, KL and flags."""
+    leashed = kept if config.kl_penalty_coef else []
+    base_lp = base_logprobs(base, leashed + probes) if base is not None and (leashed or probes) else []
+    row, penalty = {}, None
+    if leashed:
+        diffs, row["kl_batch_base"] = kl_to_base(leashed, base_lp[:len(leashed)])
+        penalty = kl_penalty(diffs, row["kl_batch_base"], config.kl_penalty_coef)
+        row["kl_penalty_tokens"] = sum(len(g.prompt) + len(s.tokens) for g in leashed for s in g.sequences)
+    if probes:
+        probe_row, count, answer = probe_metrics(probes, base_lp[len(leashed):])
+        row.update(probe_row, flags=flags_for(probe_row, count, answer, len(probes), config))
+    return row, penalty
+
+
 def sampler_vs_learner(data: list[types.Datum], outputs: list[dict], starts: list[int]) -> dict[str, float]:
     """Over completion tokens, d = sampler logprob - learner logprob: kl_sampler (mean d) and the
     sampler-vs-trainer gap (mean and max |d|)."""
@@ -507,19 +523,10 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
             row = {"reward": float(np.mean([r for g in groups for r in g.rewards])),
                    **{name: float(np.mean(values)) for name, values in _parts_of(groups).items()},
                    **group_metrics(groups), "groups_used": len(kept)}
-            # Base logprobs for the kept answers (the leash) and the probes, asked for together.
-            base_lp = base_logprobs(base, (kept if config.kl_penalty_coef else []) + probes) if base else []
-            penalty = None
-            if config.kl_penalty_coef and kept:
-                diffs, row["kl_batch_base"] = kl_to_base(kept, base_lp[:len(kept)])
-                penalty = kl_penalty(diffs, row["kl_batch_base"], config.kl_penalty_coef)
-                row["kl_penalty_tokens"] = sum(len(g.prompt) + len(s.tokens) for g in kept for s in g.sequences)
-            if probes:
-                probe_row, count, answer = probe_metrics(probes, base_lp[len(base_lp) - len(probes):])
-                row.update(probe_row)
-                row["flags"] = flags_for(probe_row, count, answer, len(probes), config)
-                if row["flags"]:
-                    flagged.append(step)
+            measured, penalty = against_base(base, kept, probes, config)
+            row.update(measured)
+            if row.get("flags"):
+                flagged.append(step)
             rollouts = rollouts_of(groups, provenance=stable, extra_advantages=penalty)
             lr = common.lr_at(step - 1, config.steps, config.learning_rate, config.lr_schedule)
             row.update(sample_tokens=rollouts.sample_tokens + sum(len(s.tokens) for g in probes for s in g.sequences), lr=lr)

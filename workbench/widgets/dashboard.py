@@ -142,16 +142,29 @@ def _smoothed(values: list, weight: float) -> list:
 
 
 def _alerts(flags: list[dict], shown: int = 6) -> str:
-    """The flagged steps in words, the newest `shown` of them (a long run can flag many)."""
-    if not flags:
-        return ""
-    def line(f: dict) -> str:
-        of_run = f" of {f['run']}" if f.get("run") else ""
-        return (f"<div class='wb-flag' data-step='{f['step']}' data-kind='{html.escape(f['kind'])}'>"
-                f"⚠ step {f['step']}{html.escape(of_run)} · {html.escape(f['kind'])}: {html.escape(f['detail'])}</div>")
+    """The flagged steps in words: one line per stretch of consecutive steps flagged for the same trouble
+    in the same run (a collapse lasts), with its newest evidence; the newest `shown` stretches."""
+    stretches: list[dict] = []  # {"first", "last", "kind", "run", "detail"}
+    for f in sorted(flags, key=lambda f: (f.get("run") or "", f["kind"], f["step"])):
+        last = stretches[-1] if stretches else None
+        if last and (last["run"], last["kind"]) == (f.get("run"), f["kind"]) and f["step"] == last["last"] + 1:
+            last.update(last=f["step"], detail=f["detail"])
+        else:
+            stretches.append({"first": f["step"], "last": f["step"], "kind": f["kind"], "run": f.get("run"),
+                              "detail": f["detail"]})
+    stretches.sort(key=lambda s: s["last"])
 
-    lines = "".join(line(f) for f in flags[-shown:])
-    more = f"<div>… and {len(flags) - shown} earlier</div>" if len(flags) > shown else ""
+    def line(s: dict) -> str:
+        steps = f"step {s['first']}" if s["first"] == s["last"] else f"steps {s['first']}-{s['last']}"
+        of_run = f" of {s['run']}" if s["run"] else ""
+        return (f"<div class='wb-flag' data-step='{s['first']}' data-last-step='{s['last']}' "
+                f"data-kind='{html.escape(s['kind'])}'>⚠ {steps}{html.escape(of_run)} · {html.escape(s['kind'])}: "
+                f"{html.escape(s['detail'])}</div>")
+
+    if not stretches:
+        return ""
+    more = f"<div>… and {len(stretches) - shown} earlier</div>" if len(stretches) > shown else ""
+    lines = "".join(line(s) for s in stretches[-shown:])
     return f"<div class='wb-flags' style='font:12px sans-serif;color:#b42318'>{more}{lines}</div>"
 
 
@@ -290,8 +303,11 @@ class Dashboard(w.VBox):
         self.metrics = metrics  # a new dict, so traitlets observers see the change
         self._redraw()
 
-    def skip(self, step: int, why: str) -> None:
-        """Mark `step` as taken without training (e.g. why="every group tied"): see the module doc."""
+    def skip(self, step: int, why: str, run=None) -> None:
+        """Mark `step` (of `run`, a name or id, if given: the mark names it) as taken without training
+        (e.g. why="every group tied"): see the module doc."""
+        if run is not None:
+            why = f"{why} · {self._called(run)}"
         skipped = {reason: list(steps) for reason, steps in self.skipped.items()}
         steps = skipped.setdefault(why, [])
         if int(step) not in steps:
@@ -303,8 +319,7 @@ class Dashboard(w.VBox):
         """Mark `step` (of `run`, a name or id, if given) as showing trouble of `kind` ("collapse", "kl"),
         with the evidence in words (see the module doc)."""
         flag = {"step": int(step), "kind": str(kind), "detail": str(detail),
-                **({"run": self.run_name(self.run_id_named(run) if isinstance(run, str) else run_id_of(run))}
-                   if run is not None else {})}
+                **({"run": self._called(run)} if run is not None else {})}
         if flag not in self.flags:
             self.flags = [*self.flags, flag]
             self._redraw()
@@ -329,7 +344,7 @@ class Dashboard(w.VBox):
         from workbench.widgets.rollouts import RolloutInspector
 
         store = path if isinstance(path, RolloutLog) else RolloutLog(path)
-        name = None if run is None else self.run_name(self.run_id_named(run) if isinstance(run, str) else run_id_of(run))
+        name = None if run is None else self._called(run)
         self._rollout_logs[name] = store
         if self.inspector is None:
             self.inspector = RolloutInspector(tokenizer=tokenizer, store=store, label=name or "")
@@ -404,6 +419,10 @@ class Dashboard(w.VBox):
                 if response.status_code == 200:
                     known += response.json().get("training_run_ids", [])
         return next((r for r in dict.fromkeys(known) if self.run_name(r) == run), run)
+
+    def _called(self, run) -> str:
+        """What a run given as a name, an id or a TrainingClient is called on this dashboard."""
+        return self.run_name(self.run_id_named(run) if isinstance(run, str) else run_id_of(run))
 
     def points(self, name: str, run_id: str | None) -> list[tuple[int, float]]:
         """The (step, value) points logged for metric `name` of one run (None: of no run in particular)."""
