@@ -28,7 +28,8 @@ marked on the plots and counted in the summary; a rollout's token colours have a
 (tests/_artifacts/rollouts-legend.png).
 
 The quickstart and the SFT notebook run at the same time, in two tabs: both train, and both
-sessions are in the sidebar under their notebooks' names.
+sessions are in the sidebar under their notebooks' names. The RL insight notebook (06) is driven by
+the mouse: a click on a point of a plot opens that step's rollouts (tests/_artifacts/rl-insight-*.png).
 """
 
 from __future__ import annotations
