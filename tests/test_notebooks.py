@@ -73,6 +73,14 @@ def eventually(check, timeout: float = 30.0, what: str = ""):
         time.sleep(0.5)
 
 
+def until(predicate, timeout: float = 30.0, what=""):
+    """Wait until `predicate()` is true (an AssertionError naming `what` after `timeout` seconds; a
+    callable `what` is called then, to say what the page showed instead)."""
+    def check():
+        assert predicate(), f"waited {timeout:.0f} s for {what() if callable(what) else what}"
+    eventually(check, timeout, what)
+
+
 # ---- what the page shows ----------------------------------------------------------------------------
 
 
@@ -327,82 +335,151 @@ def code_cell(page, containing: str):
         has=page.locator(".jp-InputArea-editor", has_text=containing))
 
 
+# Held-out pairs for the preference notebook, written by hand: a short answer beats a long one, as the
+# test labels. The notebook imports them (preferences.import_jsonl) and never trains on them.
+HELDOUT = [
+    ("Describe a river.", "A river is flowing water.", "A river is a long, winding body of fresh water that flows "
+     "from the mountains down through valleys and plains until it finally reaches the sea."),
+    ("What is a good lunch?", "A sandwich.", "A good lunch is a balanced meal with some protein, plenty of "
+     "vegetables, a little grain and a piece of fruit, eaten slowly."),
+    ("Tell me about owls.", "Owls hunt at night.", "Owls are nocturnal birds of prey with large forward-facing eyes, "
+     "soft feathers for silent flight and sharp talons for catching mice."),
+    ("Why do we laugh?", "Laughing shows joy.", "We laugh because humor and social connection trigger a response in "
+     "the brain that releases tension and helps people bond with each other."),
+    ("What is snow?", "Frozen rain.", "Snow is precipitation made of small ice crystals that form in clouds when "
+     "water vapor freezes and then falls to the ground in flakes."),
+    ("How do fish breathe?", "With gills.", "Fish breathe by passing water over their gills, thin feathery organs "
+     "that pull dissolved oxygen out of the water and into the blood."),
+]
+
+
 def test_preference_notebook(lab, browser):
-    """As a person first runs it: Run All, nobody labelling yet. The DPO cell says to label first,
-    nothing errs. Then the pairs are labelled in the page by key presses (with an undo), each answer
-    shown whole, and the DPO cell and the cells after it run again: the margin printed is the one
-    plotted, and it rose."""
+    """Human-in-the-loop DPO, as a person labels: Run All, then 12 key presses (the shorter answer wins,
+    as a person reading them would judge) with updates every 4 labels. Three updates run in the
+    background; a key pressed while one trains is taken; the pairs after the first update come from
+    the new weights (v >= 1); the held-out margin plotted rises; an edit (e, type, Ctrl+Enter) trains
+    at once as a fourth update; undoing it says that update stays; the export holds the pairs."""
     import json
 
-    (page,) = run_notebooks(lab, browser, [("03_preference.ipynb", {"steps": 2, "num_prompts": 4, "auto_label": False,
-                                                                    "rule": "shorter"})])
-    dpo = code_cell(page, "preference.train_dpo(")
-    outputs = dpo.locator(".jp-Cell-outputArea")  # what the cell printed, not its source
-    assert "Nothing labelled yet: label the pairs above, then run this cell again." in outputs.text_content()
+    heldout = lab["home"] / "runs" / "preference-heldout.jsonl"
+    heldout.parent.mkdir(parents=True, exist_ok=True)
+    heldout.write_text("".join(json.dumps({"prompt": f"{p} Answer in one sentence.", "chosen": c, "rejected": r}) + "\n"
+                               for p, c, r in HELDOUT))
+    (page,) = run_notebooks(lab, browser, [("03_preference.ipynb", {"update_every": 4, "auto_label": False, "labels": 0,
+                                                                    "rule": "shorter", "heldout_path": str(heldout)})])
+    summary = code_cell(page, "summary = live.summary()")
+    outputs = summary.locator(".jp-Cell-outputArea")  # what the cell printed, not its source
+    assert "0 pairs labelled" in outputs.text_content() and "0 updates" in outputs.text_content()
     assert not problems(page), problems(page)
-    assert page.locator(".wb-dashboard").count() == 0  # nothing trained, nothing to plot
 
     widget = page.locator(".wb-lab")
-    total = int(widget.locator(".wb-count").text_content().split(" / ")[1])
-    assert total >= 3, total
-    shown: dict[str, tuple[str, str]] = {}  # prompt -> (A, B) as the page showed them
+    text = lambda selector: widget.locator(selector).text_content()  # noqa: E731
+    updates_done = lambda: int(re.match(r"(\d+) updates done", text(".wb-updates"))[1])  # noqa: E731
 
-    def look() -> None:
-        prompt = widget.locator(".wb-prompt").text_content()
-        shown[prompt] = (widget.locator(".wb-a").text_content(), widget.locator(".wb-b").text_content())
-        # every answer is on the page whole: no side needs scrolling to be read
-        assert widget.evaluate("el => [...el.querySelectorAll('.wb-side')].every(s => s.scrollHeight <= s.clientHeight + 1)")
+    def versions() -> tuple[int, int]:
+        """(the weights that sampled the pair on show, the latest weights), as the widget says them."""
+        found = re.match(r"this pair: sampled by weights v(\d+) · latest weights v(\d+)", text(".wb-version"))
+        assert found, text(".wb-version")
+        return int(found[1]), int(found[2])
 
-    def counted(n: int):
-        def check():
-            assert widget.locator(".wb-count").text_content() == f"{n} / {total}"
-        eventually(check)
+    def on_show():
+        assert widget.locator(".wb-pair").is_visible()
+        return versions()
 
     ARTIFACTS.mkdir(exist_ok=True)
-    widget.screenshot(path=str(ARTIFACTS / "labeler-preference.png"))  # the first pair, both answers whole
     widget.focus()
-    done = 0
-    for key in ["1", "2", "t", "z", "1"] + ["b"] * (total - 3):  # A, B, tie, undo it, A, both bad...
-        if key != "z":
-            look()
-        page.keyboard.press(key)
-        done += -1 if key == "z" else 1
-        counted(done)
-    assert widget.locator(".wb-done").is_visible()
-    labels = [json.loads(line) for line in (lab["home"] / "runs" / "preference-labels.jsonl").read_text().splitlines()]
-    assert [r.get("choice", "undo") for r in labels] == ["A", "B", "tie", "undo", "A"] + ["both_bad"] * (total - 3)
-    for record in labels:  # the page showed exactly what was sampled (the record holds the decoded tokens)
-        if record["type"] == "label":
-            assert shown[record["prompt"]] == (record["completion_a"], record["completion_b"]), record
+    latest_at_press = []
+    ready = lambda: int((re.search(r"queue: (\d+) pairs ready", text(".wb-status")) or [0, 0])[1])  # noqa: E731
+    for n in range(12):
+        eventually(on_show, timeout=300, what="a pair on show")
+        if n == 3:  # the fourth label starts an update: have the fifth pair ready, to label while it trains
+            until(lambda: ready() >= 1, timeout=300, what=lambda: f"a pair ready: {text('.wb-status')!r}")
+        if n == 4:  # the fourth label started an update: press while it trains
+            until(lambda: "an update is training now" in text(".wb-updates"), timeout=60,
+                  what=lambda: f"an update training; the widget says {text('.wb-count')!r} {text('.wb-live')!r} {text('.wb-message')!r}")
+            widget.screenshot(path=str(ARTIFACTS / "labeler-live-updating.png"))
+            assert "an update is training now" in text(".wb-updates")
+        a, b = text(".wb-a"), text(".wb-b")
+        latest_at_press.append(versions()[1])
+        before = page.evaluate("() => document.activeElement.closest('.wb-lab') !== null")
+        assert before, "the labeler lost the keyboard focus"
+        last = text(".wb-last")  # "<pair id>: <choice>" of the latest label (a hidden repeat adds no pair to the count)
+        page.keyboard.press("t" if len(a) == len(b) else "1" if len(a) < len(b) else "2")
+        until(lambda: text(".wb-last") != last, timeout=30, what="the key taken")
+    until(lambda: updates_done() == 3, timeout=300, what=lambda: f"3 updates; the widget says {text('.wb-count')!r} {text('.wb-live')!r} {text('.wb-message')!r}")
+    assert "an update is training now" not in text(".wb-updates")
 
-    # Run > Run Selected Cell and All Below, from the DPO cell.
+    records = [json.loads(line) for line in (lab["home"] / "runs" / "preference-live-labels.jsonl").read_text().splitlines()]
+    labels = [r for r in records if r["type"] == "label"]
+    assert len(labels) == 12 and all(r["choice"] in ("A", "B", "tie") for r in labels), labels
+    # The pairs follow the weights (a hidden repeat shows an earlier pair again: not counted here).
+    fresh = [(r["policy_version"], latest) for r, latest in zip(labels, latest_at_press) if not r.get("repeat_of")]
+    shown = [version for version, _ in fresh]
+    assert shown == sorted(shown) and shown[0] == 0 and shown[-1] >= 1, shown
+    after_first = [version for version, latest in fresh if latest >= 1]
+    assert after_first and after_first.count(0) <= 1, (shown, latest_at_press)  # at most the pair on show then
+    for record in labels:  # what the person picked is what was recorded (the shorter one, in characters)
+        if record["choice"] != "tie":
+            assert len(record["chosen"]) < len(record["rejected"]), record
+
+    # The held-out margin, as plotted and as the widget's own chart, rose with the updates.
+    def gains() -> list[float]:
+        (plot,) = [p for p in plots(page) if p["title"] == "held-out margin gain"]
+        assert plot["traces"][0]["steps"] == [1, 2, 3], plot
+        return plot["traces"][0]["y"]
+    gain = eventually(gains, timeout=30)
+    assert gain[-1] > gain[0] and gain[-1] > 0, gain
+    assert widget.locator(".wb-chart .wb-point").count() == 4  # update 0 (the start) to 3
+    widget.screenshot(path=str(ARTIFACTS / "labeler-live-3-updates.png"))
+
+    # An edit: the person rewrites answer A; "edited beats the original" trains at once (update 4).
+    eventually(on_show, timeout=300, what="a pair on show")
+    original = text(".wb-a")
+    widget.focus()
+    page.keyboard.press("e")
+    editor = widget.locator(".wb-edit-text")
+    assert editor.is_visible() and editor.input_value() == original
+    editor.fill("Short and right.")
+    editor.press("Control+Enter")
+    until(lambda: updates_done() == 4, timeout=300, what="the edit's update")
+    assert "update 4 done (an edit" in text(".wb-status"), text(".wb-status")
+    edit = json.loads((lab["home"] / "runs" / "preference-live-labels.jsonl").read_text().splitlines()[-1])
+    assert (edit["choice"], edit["chosen"], edit["rejected"]) == ("edit", "Short and right.", original), edit
+
+    # Undo of a label that already fed an update: it says what it cannot undo.
+    widget.focus()
+    page.keyboard.press("z")
+    until(lambda: "update 4 already trained on it and stays" in text(".wb-message"), what="the undo's message")
+    assert text(".wb-a") == original  # the edited pair is on show again
+    widget.screenshot(path=str(ARTIFACTS / "labeler-live-undo.png"))
+
+    # The summary cell again: what the page says matches the labels file; the export has the pairs.
     counts = run_state(page)["prompts"]
-    dpo.locator(".jp-InputArea-prompt").click()
-    page.get_by_role("menuitem", name="Run", exact=True).click()
-    page.get_by_role("menuitem", name="Run Selected Cell and All Below", exact=True).click()
+    summary.locator(".jp-InputArea-prompt").click()
+    page.keyboard.press("Shift+Enter")
+    until(lambda: run_state(page)["prompts"] != counts, timeout=60)
+    printed = outputs.text_content()
+    preferences_in_force = [r for r in labels if r["choice"] in ("A", "B") and not r.get("repeat_of")]
+    pairs = len({r["item_id"] for r in labels if not r.get("repeat_of")})
+    assert f"{pairs} pairs labelled" in printed and "4 updates, the weights are now v4" in printed, printed
+    held = re.search(r"held-out margin gain over the start: ([+-][\d.]+) on 6 pairs", printed)
+    assert held and float(held[1]) > 0, printed
+    assert f"{len(preferences_in_force)} preference pairs exported" in printed, printed
+    exported = [json.loads(line) for line in (lab["home"] / "runs" / "preference-live.jsonl").read_text().splitlines()]
+    assert [(r["prompt"], r["chosen"], r["rejected"]) for r in exported] == \
+        [(r["prompt"], r["chosen"], r["rejected"]) for r in preferences_in_force]
+    repeats = [r for r in labels if r.get("repeat_of")]
+    if repeats:  # a hidden repeat came back swapped; the rule judged it the same way
+        assert f"{len(repeats)} of {len(repeats)} repeats agreed" in text(".wb-agreement")
 
-    def rerun():
-        now = run_state(page)["prompts"]
-        assert now[-1] != counts[-1] and re.match(r"\[\d+\]", now[-1].strip()), now
-    eventually(rerun, timeout=900)
-    text = outputs.text_content()
-    assert "{'A': 2, 'B': 1, 'tie': 0, 'both_bad': %d, 'skip': 0} -> 3 preference pairs" % (total - 3) in text, text
-    printed = re.search(r"logprob margin over all 3 pairs: (-?[\d.]+) before training -> (-?[\d.]+) after", text)
-    assert printed and float(printed[2]) > float(printed[1]), text
-    # The margin printed is the one plotted (at step 0 and at the last step); the batch's is another line.
-    def margin_plotted() -> dict:
-        (margin,) = [p for p in plots(page) if p["title"] == "logprob margin"]
-        traces = {t["name"]: t for t in margin["traces"]}
-        assert traces["all pairs, before / after training"]["steps"] == [0, 2]  # the last draw is throttled
-        return traces
-    traces = eventually(margin_plotted, timeout=10)
-    assert [f"{y:.2f}" for y in traces["all pairs, before / after training"]["y"]] == [printed[1], printed[2]]
-    assert traces["the step's batch, before its update"]["steps"] == [1, 2]
-    check_notebook(page, lab, "03_preference.ipynb", 2, {LOSS, "logprob margin", "accuracy"})
-    # The loss plotted is the DPO loss the notebook's function returned (about log 2 = 0.69 at the
-    # start), not the linear surrogate forward_backward_custom sends the server (about 0).
+    # The queue full, the loop rests (it samples only up to queue_size ahead): the costs stop moving.
+    until(lambda: ready() >= 4 and "sampling more" not in text(".wb-status"), timeout=300,
+          what=lambda: f"a full queue: {text('.wb-status')!r}")
+    check_notebook(page, lab, "03_preference.ipynb", 4, {LOSS, "held-out margin gain"})
+    # The loss plotted is the DPO loss the notebook's function returned (log 2 = 0.69 at the first
+    # update, where policy and reference coincide), not the linear surrogate the server sees (about 0).
     (loss,) = [p for p in plots(page) if p["title"] == LOSS]
-    assert 0.3 < loss["traces"][0]["y"][0] < 1.0, loss
+    assert loss["traces"][0]["y"][0] == pytest.approx(math.log(2), abs=0.01), loss
     (row,) = [s for s in backend_api(lab).get("/api/v1/usage/sessions").json()["sessions"]
               if s["display_name"] == "03_preference.ipynb"]
     assert 0.0 < row["last_loss"] < 1.0, row  # the sidebar's last loss: the DPO loss too

@@ -342,6 +342,76 @@ def test_labeler_presses_become_a_real_dpo_step(service, tokenizer, tmp_path):
     assert recorded[0]["accuracy:mean"] == first.metrics["accuracy:mean"]
 
 
+def test_live_labeler_trains_from_labels_while_it_samples_ahead(service, tmp_path):
+    """The live loop against a real backend, driven from Python: pairs from v0, whose reference
+    logprobs (the sampler's own) equal compute_logprobs; 2 labels -> an update -> the next pairs come
+    from v1; an update whose loss fails says so and leaves the weights and the version as they were;
+    an edit trains at once on the edited tokens; an undo says whether the label already trained."""
+    from workbench.dpo import completion_datum
+
+    tc = service.create_lora_training_client(base_model=BASE, rank=4, seed=2).result()
+    tokenizer = tc.get_tokenizer()
+    prompts = ["Name a colour.", "Name a fruit.", "Name an animal.", "Name a city."]
+    with pytest.raises(ValueError, match="ordering must be one of"):
+        workbench.LiveLabeler(tc, prompts, ordering="best", path=tmp_path / "x.jsonl")
+    with pytest.raises(ValueError, match="needs prompts"):
+        workbench.LiveLabeler(tc, [], path=tmp_path / "x.jsonl")
+    live = workbench.LiveLabeler(tc, prompts, update_every=2, path=tmp_path / "live.jsonl", max_tokens=10,
+                                 queue_size=2, repeat_share=0.0, holdout_every=0, temperature=1.0,
+                                 metrics_path=tmp_path / "metrics.jsonl")
+    try:
+        assert live.wait_for_pair(120), live.status
+        pair = live.shown()
+        assert pair["policy_version"] == 0 and live.current_version == 0
+        item = live.loop._items[pair["id"]]
+        prompt, answer = item["prompt_tokens"], item["completion_tokens"][0]
+        (cached,) = live.loop._reference_logprobs([(prompt, answer)])
+        base = service.create_sampling_client(base_model=BASE).result()
+        computed = base.compute_logprobs(types.ModelInput.from_ints(prompt + answer)).result()[len(prompt):]
+        np.testing.assert_allclose(cached[len(prompt) - 1:], computed, atol=2e-3)
+
+        live.choose("A")
+        undone = live.undo()  # not trained yet: nothing of it remains
+        assert "it had not trained yet" in live.message and live.item_id == undone["item_id"]
+        live.choose("A")
+        assert live.wait_for_pair(120)
+        live.choose("B")  # the second label: update 1
+        assert live.wait_for_updates(300) and live.updates_done == 1 and live.current_version == 1, live.status
+        assert live.wait_for_pair(120) and live.shown()["policy_version"] == 1  # the queue refilled from v1
+
+        # A loss that fails: the update says so; no optimizer step, the weights and version unchanged.
+        probe = [completion_datum(prompt, prompt + answer)]
+        before = tc.forward(probe, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        live.config.objective = lambda data, logprobs: (_ for _ in ()).throw(RuntimeError("my loss broke"))
+        live.choose("A")
+        assert live.wait_for_pair(120)
+        live.choose("A")
+        assert live.wait_for_updates(300)
+        assert "update 2 failed: " in live.status and "my loss broke" in live.status, live.status
+        assert live.loop.version == 1 and live.updates_done == 1
+        after = tc.forward(probe, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        np.testing.assert_array_equal(before, after)
+        live.config.objective = "dpo"
+
+        # An edit trains at once, on the edited answer's tokens.
+        assert live.wait_for_pair(120)
+        shown = live.shown()
+        edit = live.edit("B", "Blue.")
+        assert live.wait_for_updates(300) and live.updates_done == 2, live.status
+        assert live.loop.fed[edit["item_id"]] == 2
+        eos = tokenizer.eos_token_id
+        assert live.loop.pair_tokens(edit) == (shown and live.loop._items[shown["id"]]["prompt_tokens"],
+                                                tokenizer.encode("Blue.", add_special_tokens=False) + [eos],
+                                                shown["b_tokens"])
+        live.undo()
+        assert "update 2 already trained on it and stays" in live.message, live.message
+        rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert [(r["step"], r["reason"]) for r in rows] == [(1, "2 labels"), (2, "an edit")]
+        assert rows[0]["dpo_loss"] == pytest.approx(math.log(2), abs=1e-3)  # policy = reference at update 1
+    finally:
+        live.close()
+
+
 # ---- go back to any step: fork, sampler_at, undo (workbench/steps.py) ---------------------------------
 
 

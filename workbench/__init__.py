@@ -24,7 +24,8 @@ _EXPORTS = {
     "Dashboard": "workbench.widgets.dashboard", "CostMeter": "workbench.widgets.cost",
     "estimate_cost": "workbench.widgets.cost", "RolloutInspector": "workbench.widgets.rollouts",
     "rollouts_frame": "workbench.widgets.rollouts", "Labeler": "workbench.widgets.labeler",
-    "read_labels": "workbench.widgets.labeler", "enable_reprs": "workbench.widgets.reprs",
+    "read_labels": "workbench.widgets.labeler", "LiveLabeler": "workbench.widgets.live_labeler",
+    "enable_reprs": "workbench.widgets.reprs",
     "token_html": "workbench.widgets.tokens", "Compare": "workbench.widgets.compare", "Probes": "workbench.widgets.probes",
     "Runs": "workbench.widgets.runs",
     # training helpers

@@ -11,7 +11,10 @@ tokens only, so `logprobs @ weights` is log pi(completion | prompt). DPO (Rafail
     loss = -mean_pairs log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))
 
 The reference log-likelihoods ride along in loss_fn_inputs["ref_logprobs"] (the SDK hands every
-loss_fn_inputs field to a custom loss but sends only target_tokens and weights to the server).
+loss_fn_inputs field to a custom loss but sends only target_tokens and weights to the server), and
+so does a pair's confidence p (loss_fn_inputs["confidence"] of its chosen datum; 1 when absent),
+which makes the label soft: loss = -(p log sigmoid(m) + (1 - p) log sigmoid(-m)) with m the
+pair's beta-scaled margin, plain DPO at p = 1 (workbench/preferences.py says why strength maps to p).
 Without them the reference terms are zero: a reference-free variant, fine for a first step from
 the base model, where policy and reference coincide.
 """
@@ -63,13 +66,24 @@ def completion_datum(prompt_tokens: list[int], full_tokens: list[int]) -> types.
 
 
 def preference_datums(records, tokenizer, chat: bool = True) -> list[types.Datum]:
-    """{prompt, chosen, rejected} records -> [chosen0, rejected0, chosen1, rejected1, ...]."""
+    """{prompt, chosen, rejected} records -> [chosen0, rejected0, chosen1, rejected1, ...]; a record's
+    strength (workbench.preferences) rides on its chosen datum as its confidence."""
+    from workbench.preferences import confidence
+
     data = []
     for record in records:
         for key in ("chosen", "rejected"):
             prompt_ids, full = encode_pair(record["prompt"], record[key], tokenizer, chat)
             data.append(completion_datum(prompt_ids, full))
+        with_confidence(data[-2], confidence(record))
     return data
+
+
+def with_confidence(chosen: types.Datum, p: float) -> types.Datum:
+    """Mark a pair's chosen datum with the label's confidence p (in place; returned for chaining)."""
+    if p != 1.0:
+        chosen.loss_fn_inputs["confidence"] = np.asarray([p], dtype=np.float32)
+    return chosen
 
 
 def add_reference_logprobs(data: list[types.Datum], reference) -> list[types.Datum]:
@@ -99,7 +113,8 @@ def dpo_loss(data: list[types.Datum], logprobs_list: list[torch.Tensor], beta: f
     """The DPO loss over consecutive (chosen, rejected) datums; a `forward_backward_custom` loss.
 
     Returns (loss, metrics): dpo_loss, accuracy (share of pairs the policy already ranks right),
-    margin (the mean implicit reward difference), chosen/rejected rewards.
+    margin (the mean implicit reward difference), chosen/rejected rewards. A pair's confidence p
+    (loss_fn_inputs["confidence"] on its chosen datum) makes its label soft; see the module doc.
     """
     if len(data) % 2:
         raise ValueError("DPO data come in (chosen, rejected) pairs: an even number of datums")
@@ -112,7 +127,9 @@ def dpo_loss(data: list[types.Datum], logprobs_list: list[torch.Tensor], beta: f
         scores.append(beta * (policy - reference))
     chosen, rejected = torch.stack(scores[0::2]), torch.stack(scores[1::2])
     margins = chosen - rejected
-    loss = -torch.nn.functional.logsigmoid(margins).mean()
+    p = torch.tensor([_confidence(d) for d in data[0::2]], dtype=margins.dtype)
+    logsigmoid = torch.nn.functional.logsigmoid
+    loss = -(p * logsigmoid(margins) + (1 - p) * logsigmoid(-margins)).mean()
     metrics = {
         "dpo_loss:mean": float(loss.detach()),
         "accuracy:mean": float((margins > 0).float().mean()),
@@ -121,6 +138,11 @@ def dpo_loss(data: list[types.Datum], logprobs_list: list[torch.Tensor], beta: f
         "rejected_reward:mean": float(rejected.detach().mean()),
     }
     return loss, metrics
+
+
+def _confidence(datum: types.Datum) -> float:
+    p = datum.loss_fn_inputs.get("confidence")
+    return 1.0 if p is None else float(np.asarray(p.to_numpy() if hasattr(p, "to_numpy") else p).reshape(-1)[0])
 
 
 def make_dpo_loss(beta: float = 0.1):

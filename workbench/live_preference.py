@@ -1,0 +1,394 @@
+"""The live preference loop: pairs sampled from a run's latest weights, shown most informative
+first, and every few labels a DPO update in the background. workbench.LiveLabeler is its widget.
+
+    loop = LiveLoop(training_client, prompts, LiveConfig(update_every=4), records=lambda: labels)
+    loop.take()                    # the most informative pair ready (a Labeler item), or None
+    loop.request_update("4 labels")  # trains on the labelled pairs, off this thread
+    loop.wait(timeout=300)         # until the requested updates are done (tests, scripts)
+
+Versions. Weights v0 are the training client's when the loop starts (a fresh LoRA adapter: the
+base model); update k leaves weights vk and a sampler on them
+(`save_weights_and_get_sampling_client`). Every pair carries the version that sampled it. When an
+update lands, the pairs sampled ahead by older weights are dropped and the queue refills from the
+new ones, so what the person labels next comes from the model as it now is.
+
+Ordering (`LiveConfig.ordering`), which pair of the queue is shown next:
+  "margin"        the smallest |log pi(a) - log pi(b)| under the weights that sampled it: the
+                  policy cannot tell the two apart, so a label moves it most (uncertainty sampling).
+                  Free: the sampler returns each token's logprob.
+  "disagreement"  the largest |policy margin - reference margin|: where training has moved the
+                  policy furthest from the starting weights (a pair whose ranking the labels
+                  changed). Costs a prefill of both answers on the reference (v0) sampler.
+  "random"        a seeded coin.
+
+Updates. Every `update_every` labels (an edit at once) an update runs `steps_per_update` DPO
+steps (workbench.dpo.dpo_loss, or `objective`: any forward_backward_custom loss over
+[chosen0, rejected0, chosen1, ...] datums carrying loss_fn_inputs "ref_logprobs" and, for slight
+preferences, "confidence") on at most `pairs_per_update` pairs: the ones not trained yet first,
+then the most recent trained ones again. The reference is v0 (DPO's starting policy); its
+logprobs for a pair sampled by v0 are the sampler's own, else one compute_logprobs prefill.
+Every `holdout_every`-th preference is held out of training: after each update the loop measures
+the held-out pairs' margin gain, the mean of (log pi(chosen) - log pi(rejected)) minus the same
+under v0 (0 at the start; it rises when the labels generalise), on the held-out labels and any
+`heldout` pairs passed in (imported ones, say).
+
+Cost is bounded before the work: a queue refill samples at most `queue_size` pairs of
+`max_tokens`-token answers; an update trains at most `pairs_per_update` pairs x `steps_per_update`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+from tinker import types
+
+from workbench.dpo import completion_datum, with_confidence
+from workbench.preferences import confidence, is_training_pair
+from workbench.recipes import common
+
+ORDERINGS = ("margin", "disagreement", "random")
+
+
+@dataclass
+class LiveConfig:
+    update_every: int = 4          # labels per update (an edit updates at once)
+    objective: object = "dpo"      # "dpo", or a forward_backward_custom loss (data, logprobs_list) -> (loss, metrics)
+    beta: float = 0.1
+    learning_rate: float = 1e-3
+    steps_per_update: int = 1
+    pairs_per_update: int = 8
+    ordering: str = "margin"       # margin | disagreement | random (the module doc)
+    queue_size: int = 4            # pairs sampled ahead
+    max_tokens: int = 48
+    temperature: float = 0.9
+    instruction: str = " Answer in one sentence."  # appended to every prompt: answers short enough to read whole
+    holdout_every: int = 4         # every n-th preference is held out to measure generalisation; 0: none
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.ordering not in ORDERINGS:
+            raise ValueError(f"ordering must be one of {ORDERINGS}, not {self.ordering!r}")
+        if self.objective != "dpo" and not callable(self.objective):
+            raise ValueError("objective is 'dpo' or a loss function (data, logprobs_list) -> (loss, metrics)")
+        for name in ("update_every", "steps_per_update", "pairs_per_update", "queue_size", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+
+
+def margin(values) -> float:
+    return float(values[0] - values[1])
+
+
+def informativeness(item: dict, ordering: str) -> float:
+    """How much labelling `item` should teach (higher first); see the module doc."""
+    if ordering == "margin":
+        return -abs(margin(item["policy_logprob"]))
+    if ordering == "disagreement":
+        return abs(margin(item["policy_logprob"]) - margin(item["ref_logprob"])) - 1e-6 * abs(margin(item["policy_logprob"]))
+    return item["coin"]
+
+
+def order(items: list[dict], ordering: str) -> list[dict]:
+    """`items` most informative first."""
+    return sorted(items, key=lambda item: -informativeness(item, ordering))
+
+
+class LiveLoop:
+    def __init__(self, training_client, prompts: list[str], config: LiveConfig,
+                 records: Callable[[], list[dict]], heldout: list[dict] = (),
+                 on_change: Callable[[], None] | None = None, on_update: Callable[[dict], None] | None = None):
+        if not prompts:
+            raise ValueError("LiveLoop needs prompts to sample pairs for")
+        self.tc, self.config, self.prompts = training_client, config, list(prompts)
+        self.tokenizer = training_client.get_tokenizer()
+        self._records, self._heldout = records, list(heldout)
+        self._on_change, self._on_update = on_change, on_update
+        self.version = 0               # the latest weights' version
+        self.updates_done = 0
+        self.updating = False
+        self.sampling = False          # a queue refill is under way
+        self.status = "starting: saving weights v0 for sampling..."  # the latest event, in words
+        self.error = ""
+        self.chart: list[dict] = [{"update": 0, "heldout_gain": 0.0, "heldout_pairs": len(self._heldout), "trained_pairs": 0}]
+        self.fed: dict[str, int] = {}  # item id -> the update that first trained its pair
+        self.training_now: set[str] = set()
+        self._queue: list[dict] = []
+        self._items: dict[str, dict] = {}  # every pair sampled: labels find their tokens here
+        self._ref: dict[tuple, np.ndarray] = {}  # full tokens -> the reference's logprobs of its targets
+        self._sampled = 0
+        self._rng = random.Random(config.seed)
+        self._cv = threading.Condition()
+        self._requests: queue.Queue = queue.Queue()
+        self._pending = 0
+        self._closed = threading.Event()
+        self._sampler = self._reference = None
+        self._threads = [threading.Thread(target=self._sample_forever, name="live-sampler", daemon=True),
+                         threading.Thread(target=self._update_forever, name="live-updater", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    # ---- what the widget calls --------------------------------------------------------------------
+
+    def take(self) -> dict | None:
+        """The most informative pair sampled by the latest weights, off the queue; None when empty."""
+        with self._cv:
+            if not self._queue:
+                return None
+            best = order(self._queue, self.config.ordering)[0]
+            self._queue.remove(best)
+            self._cv.notify_all()  # room in the queue: sample another
+        return best
+
+    def put_back(self, item: dict) -> None:
+        """A pair taken but not labelled (an undo showed an older one instead): back in the queue."""
+        with self._cv:
+            if item["policy_version"] == self.version and item not in self._queue:
+                self._queue.append(item)
+
+    def ready(self) -> int:
+        """How many pairs are sampled and waiting."""
+        with self._cv:
+            return len(self._queue)
+
+    def request_update(self, reason: str) -> None:
+        with self._cv:
+            self._pending += 1
+        self._requests.put(reason)
+        self._changed()
+
+    def wait(self, timeout: float = 600.0) -> bool:
+        """Block until every requested update is done; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._pending and time.monotonic() < deadline:
+                self._cv.wait(timeout=0.5)
+            return not self._pending
+
+    def close(self) -> None:
+        self._closed.set()
+        self._requests.put(None)
+        with self._cv:
+            self._cv.notify_all()
+
+    # ---- sampling, ahead of the person --------------------------------------------------------------
+
+    def _sample_forever(self) -> None:
+        try:
+            self._sampler = self._reference = self.tc.save_weights_and_get_sampling_client().result()
+            self.status = ""
+        except Exception as error:  # noqa: BLE001 - shown on the widget; nothing else to do without a sampler
+            self.error = self.status = f"could not get a sampler for weights v0: {error}"
+            self._changed()
+            return
+        delay = 1.0
+        while not self._closed.is_set():
+            with self._cv:
+                while not self._closed.is_set() and len(self._queue) >= self.config.queue_size:
+                    self._cv.wait()
+                want, sampler, version = self.config.queue_size - len(self._queue), self._sampler, self.version
+                self.sampling = True
+            self._changed()
+            try:
+                items = self._sample(sampler, version, want)
+                delay = 1.0
+            except Exception as error:  # noqa: BLE001 - a backend hiccup: say so, retry slower
+                self.sampling = False
+                self.error = self.status = f"sampling failed ({error}); retrying in {delay:.0f} s"
+                self._changed()
+                self._closed.wait(delay)
+                delay = min(delay * 2, 30.0)
+                continue
+            with self._cv:
+                if version == self.version:  # else an update landed meanwhile: these pairs are stale
+                    self._queue.extend(items)
+                self.sampling = False
+                if self.error:
+                    self.error = self.status = ""
+            self._changed()
+
+    def _sample(self, sampler, version: int, want: int) -> list[dict]:
+        c = self.config
+        pending = []
+        for _ in range(want):
+            n = self._sampled
+            self._sampled += 1
+            prompt = self.prompts[n % len(self.prompts)] + c.instruction
+            tokens = common.user_prompt(self.tokenizer, prompt)
+            params = types.SamplingParams(max_tokens=c.max_tokens, temperature=c.temperature, seed=c.seed * 100_003 + n)
+            pending.append((n, prompt, tokens, sampler.sample(types.ModelInput.from_ints(tokens), 2, params)))
+        items = []
+        for n, prompt, tokens, future in pending:
+            sequences = future.result().sequences
+            answers = [list(s.tokens) for s in sequences]
+            if not all(answers) or answers[0] == answers[1]:
+                continue  # an empty answer, or the same one twice: nothing to choose between
+            item = {"id": f"v{version}-{n}", "prompt": prompt, "prompt_tokens": tokens, "completion_tokens": answers,
+                    "completions": [self.tokenizer.decode(a, skip_special_tokens=True) for a in answers],
+                    "truncated": [s.stop_reason == "length" for s in sequences], "policy_version": version,
+                    "policy_logprob": [float(np.sum(s.logprobs)) for s in sequences], "coin": self._rng.random()}
+            if version == 0:  # the sampler's logprobs are the reference's
+                for answer, sequence in zip(answers, sequences):
+                    self._ref[tuple(tokens + answer)] = self._aligned(tokens, np.asarray(sequence.logprobs))
+            if self.config.ordering == "disagreement":
+                refs = self._reference_logprobs([(tokens, a) for a in answers])
+                item["ref_logprob"] = [float(r.sum()) for r in refs]
+            self._items[item["id"]] = item
+            items.append(item)
+        return items
+
+    # ---- the reference's logprobs ---------------------------------------------------------------------
+
+    @staticmethod
+    def _aligned(prompt: list[int], answer_logprobs: np.ndarray) -> np.ndarray:
+        """An answer's logprobs placed at its targets' positions of a completion_datum (0 elsewhere)."""
+        out = np.zeros(len(prompt) + len(answer_logprobs) - 1, dtype=np.float32)
+        out[len(prompt) - 1:] = answer_logprobs
+        return out
+
+    def _reference_logprobs(self, pairs: list[tuple[list[int], list[int]]]) -> list[np.ndarray]:
+        """The reference's (v0's) logprobs of each (prompt, answer), aligned to its datum's targets;
+        a prefill on the reference sampler for those not known yet (metered as prefill tokens)."""
+        keys = [tuple(p + a) for p, a in pairs]
+        missing = {k: self._reference.compute_logprobs(types.ModelInput.from_ints(list(k)))
+                   for k in dict.fromkeys(keys) if k not in self._ref}
+        for key, future in missing.items():
+            logprobs = np.asarray([0.0 if x is None else x for x in future.result()[1:]], dtype=np.float32)
+            self._ref[key] = logprobs  # position i predicts token i + 1, like the datum's targets
+        return [self._ref[k] * (np.arange(len(self._ref[k])) >= len(p) - 1) for k, (p, _) in zip(keys, pairs)]
+
+    # ---- labels into pairs of tokens ------------------------------------------------------------------
+
+    def _answer_tokens(self, text: str) -> list[int]:
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        return self.tokenizer.encode(text, add_special_tokens=False) + eos
+
+    def pair_tokens(self, record: dict) -> tuple[list[int], list[int], list[int]]:
+        """(prompt, chosen, rejected) tokens of a label: the sampled tokens themselves where the pair
+        was sampled here, the text encoded where it was written (an edit) or read from a file."""
+        item = self._items.get(record.get("repeat_of") or record.get("item_id"))
+        if item is None:
+            prompt = common.user_prompt(self.tokenizer, record["prompt"])
+            return prompt, self._answer_tokens(record["chosen"]), self._answer_tokens(record["rejected"])
+        answers = item["completion_tokens"]
+        if record.get("choice") == "edit":
+            return item["prompt_tokens"], self._answer_tokens(record["chosen"]), answers[record["edited"]]
+        return item["prompt_tokens"], answers[record["preferred"]], answers[1 - record["preferred"]]
+
+    def datums(self, records: list[dict]) -> list[types.Datum]:
+        """[chosen0, rejected0, ...] with the reference's logprobs and each pair's confidence."""
+        tokens = [self.pair_tokens(r) for r in records]
+        answers = [(p, a) for p, chosen, rejected in tokens for a in (chosen, rejected)]
+        refs = self._reference_logprobs(answers)
+        data = []
+        for (prompt, answer), ref in zip(answers, refs):
+            datum = completion_datum(prompt, prompt + answer)
+            data.append(types.Datum(model_input=datum.model_input,
+                                    loss_fn_inputs={**datum.loss_fn_inputs, "ref_logprobs": ref}))
+        for n, record in enumerate(records):
+            with_confidence(data[2 * n], confidence(record))
+        return data
+
+    # ---- updates, off the widget's thread --------------------------------------------------------------
+
+    def _update_forever(self) -> None:
+        while True:
+            reason = self._requests.get()
+            if reason is None or self._closed.is_set():
+                return
+            try:
+                self._update(reason)
+            except Exception as error:  # noqa: BLE001 - shown on the widget; the next update tries again
+                self.error = self.status = f"update {self.updates_done + 1} failed: {error}"
+            finally:
+                with self._cv:
+                    self._pending -= 1
+                    self.updating = False
+                    self.training_now = set()
+                    self._cv.notify_all()
+                self._changed()
+
+    def _update(self, reason: str) -> None:
+        c = self.config
+        while self._reference is None and not self._closed.is_set():
+            self._closed.wait(0.2)  # the v0 sampler (the reference) is still being made
+        labels = [r for r in self._records() if is_training_pair(r)]
+        train = [r for r in labels if not r.get("heldout")]
+        if not train:
+            self.status = f"update skipped ({reason}): no label says which answer is better yet"
+            return
+        fresh = [r for r in train if r["item_id"] not in self.fed]
+        again = [r for r in reversed(train) if r["item_id"] in self.fed]
+        batch = (fresh + again)[: c.pairs_per_update]
+        number = self.updates_done + 1
+        with self._cv:
+            self.updating, self.training_now = True, {r["item_id"] for r in batch}
+        self._changed()
+        data = self.datums(batch)
+        loss_fn = c.objective if callable(c.objective) else _dpo(c.beta)
+        metrics: dict = {}
+        for _ in range(c.steps_per_update):
+            # The loss runs here: if it fails, no optimizer step follows, and the weights stay as they were.
+            metrics = self.tc.forward_backward_custom(data, loss_fn).result().metrics
+            self.tc.optim_step(common.adam(c.learning_rate)).result()
+        sampler = self.tc.save_weights_and_get_sampling_client().result()
+        with self._cv:
+            self.version, self._sampler = number, sampler
+            self._queue = []  # sampled by older weights: the next pairs come from these
+            for r in batch:
+                self.fed.setdefault(r["item_id"], number)
+            self.updates_done = number
+            self._cv.notify_all()
+        heldout = [r for r in labels if r.get("heldout")] + self._heldout
+        gain, policy_margin = self._heldout_margins(heldout)
+        row = {"update": number, "heldout_gain": gain, "heldout_pairs": len(heldout), "trained_pairs": len(batch)}
+        self.chart = self.chart + [row]
+        self.status = f"update {number} done ({reason}; {len(batch)} pairs, {len(fresh[: c.pairs_per_update])} new)"
+        if self._on_update is not None:
+            self._on_update({"step": number, "reason": reason, "pairs": len(batch), "labels": len(self._records()),
+                             "dpo_loss": metrics.get("dpo_loss:mean"), "accuracy": metrics.get("accuracy:mean"),
+                             "batch_logprob_margin": metrics.get("logprob_margin:mean"), "heldout_gain": gain,
+                             "heldout_margin": policy_margin, "heldout_pairs": len(heldout),
+                             "train_tokens": sum(d.model_input.length for d in data) * c.steps_per_update})
+
+    def _heldout_margins(self, records: list[dict]) -> tuple[float | None, float | None]:
+        """(mean margin gain over v0, mean margin now) of the held-out pairs; (None, None) without any."""
+        if not records:
+            return None, None
+        data = self.datums(records)
+        plain = [types.Datum(model_input=d.model_input,  # the server takes only its loss's own inputs
+                             loss_fn_inputs={k: d.loss_fn_inputs[k] for k in ("target_tokens", "weights")}) for d in data]
+        outputs = self.tc.forward(plain, "cross_entropy").result().loss_fn_outputs
+        now = np.array([float((common.as_numpy(o["logprobs"]) * common.as_numpy(d.loss_fn_inputs["weights"])).sum())
+                        for o, d in zip(outputs, data)])
+        start = np.array([float(common.as_numpy(d.loss_fn_inputs["ref_logprobs"]).sum()) for d in data])
+        margins_now, margins_start = now[0::2] - now[1::2], start[0::2] - start[1::2]
+        return float(np.mean(margins_now - margins_start)), float(np.mean(margins_now))
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            try:
+                self._on_change()
+            except Exception:  # noqa: BLE001 - a display problem must not stop sampling or training
+                pass
+
+
+def _dpo(beta: float):
+    from workbench.recipes.preference import make_loss  # dpo_loss plus the raw logprob margin
+
+    return make_loss(beta)
+
+
+def config_from(**settings) -> LiveConfig:
+    """A LiveConfig from keyword settings, naming any that is not one of its fields."""
+    fields = {f.name for f in dataclasses.fields(LiveConfig)}
+    unknown = sorted(set(settings) - fields)
+    if unknown:
+        raise TypeError(f"unknown settings {unknown}; LiveConfig has {sorted(fields)}")
+    return LiveConfig(**settings)
