@@ -406,8 +406,8 @@ def test_preference_notebook(lab, browser):
         last = text(".wb-last")  # "<pair id>: <choice>" of the latest label (a hidden repeat adds no pair to the count)
         page.keyboard.press("t" if len(a) == len(b) else "1" if len(a) < len(b) else "2")
         until(lambda: text(".wb-last") != last, timeout=30, what="the key taken")
-    until(lambda: updates_done() == 3, timeout=300, what=lambda: f"3 updates; the widget says {text('.wb-count')!r} {text('.wb-live')!r} {text('.wb-message')!r}")
-    assert "an update is training now" not in text(".wb-updates")
+    until(lambda: updates_done() == 3 and "an update is training now" not in text(".wb-updates"), timeout=300,
+          what=lambda: f"3 updates; the widget says {text('.wb-count')!r} {text('.wb-live')!r} {text('.wb-message')!r}")
 
     records = [json.loads(line) for line in (lab["home"] / "runs" / "preference-live-labels.jsonl").read_text().splitlines()]
     labels = [r for r in records if r["type"] == "label"]
@@ -430,6 +430,9 @@ def test_preference_notebook(lab, browser):
     gain = eventually(gains, timeout=30)
     assert gain[-1] > gain[0] and gain[-1] > 0, gain
     assert widget.locator(".wb-chart .wb-point").count() == 4  # update 0 (the start) to 3
+    assert text(".wb-chart .wb-last-gain") == f"{'+' if gain[-1] >= 0 else ''}{gain[-1]:.2f}"  # its latest value, written
+    bars = {r.get_attribute("data-choice"): int(r.text_content().split()[-1]) for r in widget.locator(".wb-count-row").all()}
+    assert sum(bars.values()) == 12 and set(bars) <= {"A", "B", "tie"}, bars  # a bar per judgment, every label counted
     widget.screenshot(path=str(ARTIFACTS / "labeler-live-3-updates.png"))
 
     # An edit: the person rewrites answer A; "edited beats the original" trains at once (update 4).

@@ -171,3 +171,33 @@ def test_export_and_import_round_trip_the_common_preference_format(tmp_path):
                       json.dumps({"prompt": "p", "chosen": "c"}) + "\n")
     with pytest.raises(ValueError, match=r"broken.jsonl:2: .* \(missing rejected\)"):
         preferences.import_jsonl(broken)
+
+
+@pytest.mark.clients
+def test_the_export_loads_as_a_hugging_face_preference_dataset(tmp_path):
+    """The exported file, read by Hugging Face `datasets` (in the lm-eval client venv, where it is a
+    dependency) as TRL's DPOTrainer reads a local preference set: string prompt/chosen/rejected columns."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import client_venvs
+    from conftest import wait_for_venv
+
+    lab = Labeler(items(3), path=tmp_path / "labels.jsonl", seed=0)
+    lab.choose(good(lab))
+    lab.choose(good(lab).replace("A", "A_slightly").replace("B", "B_slightly"))
+    lab.edit("A", "Rewritten.")
+    assert lab.export(tmp_path / "prefs.jsonl") == 3
+    python = wait_for_venv(client_venvs.client("lm-eval"))
+    script = ("import datasets, json, sys\n"
+              "ds = datasets.load_dataset('json', data_files=sys.argv[1], split='train')\n"
+              "print(json.dumps({'rows': ds.num_rows, 'types': {k: str(ds.features[k].dtype) for k in ('prompt', 'chosen', 'rejected')},"
+              " 'first': ds[0]['chosen'], 'confidence': list(ds['confidence'])}))")
+    out = subprocess.run([str(python), "-c", script, str(tmp_path / "prefs.jsonl")], capture_output=True, text=True,
+                         timeout=300, env={"HF_DATASETS_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    read = json.loads(out.stdout.strip().splitlines()[-1])
+    assert read == {"rows": 3, "types": {"prompt": "string", "chosen": "string", "rejected": "string"},
+                    "first": "good 0", "confidence": [1.0, 0.75, 1.0]}

@@ -377,14 +377,14 @@ def test_live_labeler_trains_from_labels_while_it_samples_ahead(service, tmp_pat
         assert live.wait_for_pair(120)
         live.choose("B")  # the second label: update 1
         assert live.wait_for_updates(300) and live.updates_done == 1 and live.current_version == 1, live.status
-        assert live.wait_for_pair(120) and live.shown()["policy_version"] == 1  # the queue refilled from v1
 
         # A loss that fails: the update says so; no optimizer step, the weights and version unchanged.
         probe = [completion_datum(prompt, prompt + answer)]
         before = tc.forward(probe, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
         live.config.objective = lambda data, logprobs: (_ for _ in ()).throw(RuntimeError("my loss broke"))
-        live.choose("A")
         assert live.wait_for_pair(120)
+        live.choose("A")  # the pair that was on show when update 1 landed (it did not jump away)
+        assert live.wait_for_pair(120) and live.shown()["policy_version"] == 1  # the queue refilled from v1
         live.choose("A")
         assert live.wait_for_updates(300)
         assert "update 2 failed: " in live.status and "my loss broke" in live.status, live.status

@@ -27,6 +27,8 @@ steps (workbench.dpo.dpo_loss, or `objective`: any forward_backward_custom loss 
 preferences, "confidence") on at most `pairs_per_update` pairs: the ones not trained yet first,
 then the most recent trained ones again. The reference is v0 (DPO's starting policy); its
 logprobs for a pair sampled by v0 are the sampler's own, else one compute_logprobs prefill.
+An objective that raises fails its update (the widget says why) with no optimizer step: the
+weights, the optimizer state and the version stay, and the training client stays usable.
 Every `holdout_every`-th preference is held out of training: after each update the loop measures
 the held-out pairs' margin gain, the mean of (log pi(chosen) - log pi(rejected)) minus the same
 under v0 (0 at the start; it rises when the labels generalise), on the held-out labels and any
@@ -52,6 +54,7 @@ from tinker import types
 from workbench.dpo import completion_datum, with_confidence
 from workbench.preferences import confidence, is_training_pair
 from workbench.recipes import common
+from workbench.recipes.preference import answer_logprobs, make_loss, margin_of, sample_candidates
 
 ORDERINGS = ("margin", "disagreement", "random")
 
@@ -214,33 +217,21 @@ class LiveLoop:
             self._changed()
 
     def _sample(self, sampler, version: int, want: int) -> list[dict]:
-        c = self.config
-        pending = []
-        for _ in range(want):
-            n = self._sampled
-            self._sampled += 1
-            prompt = self.prompts[n % len(self.prompts)] + c.instruction
-            tokens = common.user_prompt(self.tokenizer, prompt)
-            params = types.SamplingParams(max_tokens=c.max_tokens, temperature=c.temperature, seed=c.seed * 100_003 + n)
-            pending.append((n, prompt, tokens, sampler.sample(types.ModelInput.from_ints(tokens), 2, params)))
-        items = []
-        for n, prompt, tokens, future in pending:
-            sequences = future.result().sequences
-            answers = [list(s.tokens) for s in sequences]
-            if not all(answers) or answers[0] == answers[1]:
-                continue  # an empty answer, or the same one twice: nothing to choose between
-            item = {"id": f"v{version}-{n}", "prompt": prompt, "prompt_tokens": tokens, "completion_tokens": answers,
-                    "completions": [self.tokenizer.decode(a, skip_special_tokens=True) for a in answers],
-                    "truncated": [s.stop_reason == "length" for s in sequences], "policy_version": version,
-                    "policy_logprob": [float(np.sum(s.logprobs)) for s in sequences], "coin": self._rng.random()}
+        """`want` pairs from `sampler` (weights `version`), on the next prompts in turn."""
+        first, self._sampled = self._sampled, self._sampled + want
+        prompts = [self.prompts[n % len(self.prompts)] for n in range(first, first + want)]
+        items = sample_candidates(sampler, self.tokenizer, prompts, self.config, first=first)
+        for item in items:
+            tokens, answers = item["prompt_tokens"], item["completion_tokens"]
+            item.update(id=f"v{version}-{item['id']}", policy_version=version, coin=self._rng.random(),
+                        policy_logprob=[float(np.sum(lp)) for lp in item["completion_logprobs"]])
             if version == 0:  # the sampler's logprobs are the reference's
-                for answer, sequence in zip(answers, sequences):
-                    self._ref[tuple(tokens + answer)] = self._aligned(tokens, np.asarray(sequence.logprobs))
+                for answer, logprobs in zip(answers, item["completion_logprobs"]):
+                    self._ref[tuple(tokens + answer)] = self._aligned(tokens, np.asarray(logprobs, dtype=np.float32))
             if self.config.ordering == "disagreement":
                 refs = self._reference_logprobs([(tokens, a) for a in answers])
                 item["ref_logprob"] = [float(r.sum()) for r in refs]
             self._items[item["id"]] = item
-            items.append(item)
         return items
 
     # ---- the reference's logprobs ---------------------------------------------------------------------
@@ -331,11 +322,13 @@ class LiveLoop:
             self.updating, self.training_now = True, {r["item_id"] for r in batch}
         self._changed()
         data = self.datums(batch)
-        loss_fn = c.objective if callable(c.objective) else _dpo(c.beta)
+        loss_fn = c.objective if callable(c.objective) else make_loss(c.beta)  # dpo_loss + the raw margin
         metrics: dict = {}
         for _ in range(c.steps_per_update):
-            # The loss runs here: if it fails, no optimizer step follows, and the weights stay as they were.
-            metrics = self.tc.forward_backward_custom(data, loss_fn).result().metrics
+            failures: list[Exception] = []
+            metrics = self.tc.forward_backward_custom(data, _guarded(loss_fn, failures)).result().metrics
+            if failures:  # no optimizer step: the weights and the optimizer state stay as they were
+                raise RuntimeError(f"the objective raised {type(failures[0]).__name__}: {failures[0]}") from failures[0]
             self.tc.optim_step(common.adam(c.learning_rate)).result()
         sampler = self.tc.save_weights_and_get_sampling_client().result()
         with self._cv:
@@ -362,14 +355,9 @@ class LiveLoop:
         if not records:
             return None, None
         data = self.datums(records)
-        plain = [types.Datum(model_input=d.model_input,  # the server takes only its loss's own inputs
-                             loss_fn_inputs={k: d.loss_fn_inputs[k] for k in ("target_tokens", "weights")}) for d in data]
-        outputs = self.tc.forward(plain, "cross_entropy").result().loss_fn_outputs
-        now = np.array([float((common.as_numpy(o["logprobs"]) * common.as_numpy(d.loss_fn_inputs["weights"])).sum())
-                        for o, d in zip(outputs, data)])
-        start = np.array([float(common.as_numpy(d.loss_fn_inputs["ref_logprobs"]).sum()) for d in data])
-        margins_now, margins_start = now[0::2] - now[1::2], start[0::2] - start[1::2]
-        return float(np.mean(margins_now - margins_start)), float(np.mean(margins_now))
+        now = margin_of(self.tc, data)  # a forward at the current weights
+        start = answer_logprobs(data, [d.loss_fn_inputs["ref_logprobs"] for d in data])
+        return now - float(np.mean(start[0::2] - start[1::2])), now
 
     def _changed(self) -> None:
         if self._on_change is not None:
@@ -379,10 +367,19 @@ class LiveLoop:
                 pass
 
 
-def _dpo(beta: float):
-    from workbench.recipes.preference import make_loss  # dpo_loss plus the raw logprob margin
+def _guarded(loss_fn, failures: list):
+    """`loss_fn` that, instead of raising, notes the error and returns a zero loss: an exception inside
+    forward_backward_custom would leave the SDK's TrainingClient unusable ("poisoned") for the rest of
+    the session; a zero loss sends zero gradients, and the caller skips the optimizer step."""
 
-    return make_loss(beta)
+    def guarded(data, logprobs_list):
+        try:
+            return loss_fn(data, logprobs_list)
+        except Exception as error:  # noqa: BLE001 - the caller raises it, after the request is done
+            failures.append(error)
+            return sum((logprobs * 0.0).sum() for logprobs in logprobs_list), {}
+
+    return guarded
 
 
 def config_from(**settings) -> LiveConfig:

@@ -85,29 +85,32 @@ def label(rule: str, a: tuple[list[int], str], b: tuple[list[int], str]) -> int:
     raise ValueError(f"unknown rule {rule!r}: shorter, longer or keyword:WORD")
 
 
-def sample_candidates(sampler, tokenizer, prompts: list[str], config: Config) -> list[dict]:
-    """Two samples per prompt, unlabeled: [{id, prompt, prompt_tokens, completions, completion_tokens, truncated}].
+def sample_candidates(sampler, tokenizer, prompts: list[str], config: Config, first: int = 0) -> list[dict]:
+    """Two samples per prompt, unlabeled: [{id, prompt, prompt_tokens, completions, completion_tokens,
+    completion_logprobs, truncated}].
 
     The records are the Labeler widget's items as they are (`id`, `prompt`, two `completions`). The
     prompt is what the model was asked (with config.instruction). The id names the prompt and its
-    two answers, so a labels file from an earlier sampling never labels these answers."""
+    two answers, so a labels file from an earlier sampling never labels these answers. `first`
+    numbers the prompts (ids and seeds) of a later call, as the live loop makes (live_preference.py).
+    A prompt whose answers are empty or the same twice gives no candidate: nothing to choose."""
     prompts = [p + config.instruction for p in prompts]
     rendered = [common.user_prompt(tokenizer, p) for p in prompts]
     futures = [
         sampler.sample(types.ModelInput.from_ints(tokens), 2,
                        types.SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature,
                                             seed=config.seed * 1000 + i))
-        for i, tokens in enumerate(rendered)
+        for i, tokens in enumerate(rendered, first)
     ]
     candidates = []
-    for i, (prompt, tokens, future) in enumerate(zip(prompts, rendered, futures)):
+    for i, (prompt, tokens, future) in enumerate(zip(prompts, rendered, futures), first):
         samples = future.result().sequences
         sequences = [list(s.tokens) for s in samples]
-        if not all(sequences):
-            continue  # an empty answer (end of turn at once) has nothing to prefer or train on
+        if not all(sequences) or sequences[0] == sequences[1]:
+            continue
         digest = hashlib.sha1(json.dumps([prompt, sequences]).encode()).hexdigest()[:8]
         candidates.append({"id": f"p{i}-{digest}", "prompt": prompt, "prompt_tokens": tokens,
-                           "completion_tokens": sequences,
+                           "completion_tokens": sequences, "completion_logprobs": [list(s.logprobs or []) for s in samples],
                            "completions": [tokenizer.decode(t, skip_special_tokens=True) for t in sequences],
                            "truncated": [s.stop_reason == "length" for s in samples]})
     return candidates

@@ -36,6 +36,9 @@ const CSS = `
 .wb-lab .wb-version{font-weight:600}
 .wb-lab .wb-rating button.wb-on{background:#dbeafe;border-color:#60a5fa}
 .wb-lab .wb-edit{border:1px dashed #60a5fa;border-radius:4px;padding:6px;margin:6px 0}
+.wb-lab .wb-count-row{display:flex;align-items:center;gap:4px;line-height:14px}
+.wb-lab .wb-count-name{display:inline-block;width:68px}
+.wb-lab .wb-bar{display:inline-block;height:9px;background:#93c5fd;border-radius:2px}
 `;
 
 // [action, button text]; the keys bound to each come from the keymap.
@@ -65,7 +68,17 @@ function chartSvg(rows) {
     <path d="${path}" fill="none" stroke="#2563eb" stroke-width="2"/>${dots}
     <text x="${pad}" y="11" font-size="10" fill="#444">held-out margin gain over the start, per update</text>
     <text x="${w - pad}" y="${h - 4}" font-size="10" fill="#666" text-anchor="end">update ${last}</text>
-    <text x="${pad}" y="${h - 4}" font-size="10" fill="#666">0</text></svg>`;
+    <text x="${pad}" y="${h - 4}" font-size="10" fill="#666">0</text>
+    <text class="wb-last-gain" x="${(x(points[points.length - 1].update) - 4).toFixed(1)}" y="${(y(points[points.length - 1].heldout_gain) < 30 ? y(points[points.length - 1].heldout_gain) + 14 : y(points[points.length - 1].heldout_gain) - 6).toFixed(1)}" font-size="10" fill="#2563eb" text-anchor="end">${points[points.length - 1].heldout_gain >= 0 ? "+" : ""}${points[points.length - 1].heldout_gain.toFixed(2)}</text></svg>`;
+}
+
+// The labels so far, one bar per judgment (the LiveLabeler's `counts`: choice -> n).
+function countsHtml(counts) {
+  const rows = Object.entries(counts).filter(([, n]) => n > 0);
+  if (rows.length === 0) return "labels: none yet";
+  const most = Math.max(...rows.map(([, n]) => n));
+  return rows.map(([choice, n]) => `<div class="wb-count-row" data-choice="${choice}"><span class="wb-count-name">${choice.replace("_", " ")}</span>`
+    + `<span class="wb-bar" style="width:${Math.max(2, Math.round(80 * n / most))}px"></span> ${n}</div>`).join("");
 }
 
 export default {
@@ -196,8 +209,7 @@ export default {
       $(".wb-updates").textContent = `${model.get("updates_done")} updates done${model.get("updating") ? " · an update is training now (keep labelling)" : ""}`
         + ` · order: ${model.get("ordering")}`;
       $(".wb-status").textContent = model.get("status");
-      const counts = Object.entries(model.get("counts")).filter(([, n]) => n > 0).map(([c, n]) => `${c} ${n}`);
-      $(".wb-counts").textContent = counts.length ? `labels: ${counts.join(", ")}` : "labels: none yet";
+      $(".wb-counts").innerHTML = countsHtml(model.get("counts"));
       $(".wb-chart-box").innerHTML = chartSvg(model.get("chart"));
     };
     const newItem = () => { shownAt = Date.now(); rationale.value = model.get("rationale"); setRating(null); draw(); drawLive(); };

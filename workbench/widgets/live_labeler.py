@@ -108,9 +108,10 @@ class LiveLabeler(Labeler):
                 "trained": sorted(self._loop.fed)}
 
     def close(self) -> None:
-        if self._loop is not None:
+        if getattr(self, "_loop", None) is not None:  # (a widget whose __init__ failed is closed too)
             self._loop.close()
-        self.metrics.close()
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
         super().close()
 
     # ---- the Labeler's hooks ----------------------------------------------------------------------
