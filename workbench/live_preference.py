@@ -152,7 +152,7 @@ class LiveLoop:
     def put_back(self, item: dict) -> None:
         """A pair taken but not labelled (an undo showed an older one instead): back in the queue."""
         with self._cv:
-            if item["policy_version"] == self.version and item not in self._queue:
+            if item["policy_version"] == self.version and all(queued is not item for queued in self._queue):
                 self._queue.append(item)
 
     def ready(self) -> int:
@@ -307,8 +307,10 @@ class LiveLoop:
 
     def _update(self, reason: str) -> None:
         c = self.config
-        while self._reference is None and not self._closed.is_set():
+        while self._reference is None and not self._closed.is_set() and not self.error:
             self._closed.wait(0.2)  # the v0 sampler (the reference) is still being made
+        if self._reference is None:
+            raise RuntimeError(f"no sampler for weights v0, the reference: {self.error or 'the loop was closed'}")
         labels = [r for r in self._records() if is_training_pair(r)]
         train = [r for r in labels if not r.get("heldout")]
         if not train:
