@@ -24,7 +24,9 @@ nothing: a new Labeler on the same file replays it and resumes at the first unla
 The browser sends choices as anywidget custom messages ({"type": "label", "choice": "A", ...},
 {"type": "edit", "side": "A", "text": ...} or {"type": "undo"}), handled by `_on_message`;
 `choose()` / `edit()` / `undo()` are the same actions from Python. workbench.LiveLabeler
-(live_labeler.py) is this widget fed by a training run, one pair at a time. Items accepted: dicts with `prompt` and `completions` (two), or `a` and `b`, optionally
+(live_labeler.py) is this widget fed by a training run, one pair at a time.
+
+Items accepted: dicts with `prompt` and `completions` (two), or `a` and `b`, optionally
 `models` (two) or `model_a`/`model_b`, an `id`, and `truncated` (two booleans: the sample stopped
 at its token limit, mid-sentence; the labeler marks it so); (prompt, a, b) tuples; or a DataFrame.
 """
@@ -254,8 +256,9 @@ class Labeler(anywidget.AnyWidget):
     @property
     def labels(self) -> pd.DataFrame:
         """The labels in force (undone ones removed), one row per label, in labelling order."""
-        columns = ["item_id", "choice", "preferred", "prompt", "chosen", "rejected", "completion_a", "completion_b",
-                   "sides", "swapped", "model_a", "model_b", "rationale", "labeler", "time", "dwell_s"]
+        columns = ["item_id", "choice", "strength", "preferred", "prompt", "chosen", "rejected", "completion_a",
+                   "completion_b", "sides", "swapped", "model_a", "model_b", "rating", "rationale", "labeler", "time",
+                   "dwell_s", "repeat_of"]
         return pd.DataFrame([{c: r.get(c) for c in columns} for r in self._labels], columns=columns)
 
     @property
