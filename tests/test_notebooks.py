@@ -19,10 +19,10 @@ next notebook's checks read the sidebar. For each notebook:
 - a screenshot lands in tests/_artifacts/notebook-<name>.png.
 
 The labeler is also driven by hand, as a person labels: its "cut off" mark, a key press, the next
-pair, the labels file (tests/_artifacts/labeler-cut-off.png). The preference notebook runs as a
-person first runs it, Run All with nobody labelling: it says "label first" and stops short of
-training without an error; then the test labels its pairs by key presses and runs the DPO cell
-and those after it again (tests/_artifacts/labeler-preference.png). The RL notebook runs with
+pair, the labels file (tests/_artifacts/labeler-cut-off.png). The preference notebook runs the live
+loop as a person does: Run All with nobody labelling (its summary says 0 pairs, nothing errs), then
+12 key presses, one while an update trains, an edit typed in, an undo, and its summary cell again
+(tests/_artifacts/labeler-live-*.png). The RL notebook runs with
 groups small enough that a step ties and is skipped: one step count everywhere, the skipped step
 marked on the plots and counted in the summary; a rollout's token colours have a legend
 (tests/_artifacts/rollouts-legend.png).
