@@ -45,12 +45,15 @@ def encode_pair(prompt: str, completion: str, tokenizer, chat: bool = True) -> t
         if full[: len(prompt_ids)] == prompt_ids:
             return prompt_ids, full
         # A template that rewrites the prompt once an answer follows: fall back to concatenation.
-        completion_ids = tokenizer.encode(completion, add_special_tokens=False)
     else:
         prompt_ids = tokenizer.encode(prompt)
-        completion_ids = tokenizer.encode(completion, add_special_tokens=False)
+    return prompt_ids, prompt_ids + answer_ids(completion, tokenizer)
+
+
+def answer_ids(completion: str, tokenizer) -> list[int]:
+    """An answer's tokens as a sampler ends them: the text, then EOS (no chat template around it)."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    return prompt_ids, prompt_ids + list(completion_ids) + eos
+    return list(tokenizer.encode(completion, add_special_tokens=False)) + eos
 
 
 def completion_datum(prompt_tokens: list[int], full_tokens: list[int]) -> types.Datum:

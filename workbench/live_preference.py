@@ -51,7 +51,7 @@ from typing import Callable
 import numpy as np
 from tinker import types
 
-from workbench.dpo import completion_datum, with_confidence
+from workbench.dpo import answer_ids, completion_datum, with_confidence
 from workbench.preferences import confidence, is_training_pair
 from workbench.recipes import common
 from workbench.recipes.preference import answer_logprobs, make_loss, margin_of, sample_candidates
@@ -119,7 +119,8 @@ class LiveLoop:
         self.sampling = False          # a queue refill is under way
         self.status = "starting: saving weights v0 for sampling..."  # the latest event, in words
         self.error = ""
-        self.chart: list[dict] = [{"update": 0, "heldout_gain": 0.0, "heldout_pairs": len(self._heldout), "trained_pairs": 0}]
+        # One row per update (its metrics; row 0 is the start): the widget's chart and on_update's rows.
+        self.chart: list[dict] = [{"step": 0, "heldout_gain": 0.0, "heldout_pairs": len(self._heldout), "pairs": 0}]
         self.fed: dict[str, int] = {}  # item id -> the update that first trained its pair
         self.training_now: set[str] = set()
         self._queue: list[dict] = []
@@ -256,20 +257,16 @@ class LiveLoop:
 
     # ---- labels into pairs of tokens ------------------------------------------------------------------
 
-    def _answer_tokens(self, text: str) -> list[int]:
-        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-        return self.tokenizer.encode(text, add_special_tokens=False) + eos
-
     def pair_tokens(self, record: dict) -> tuple[list[int], list[int], list[int]]:
         """(prompt, chosen, rejected) tokens of a label: the sampled tokens themselves where the pair
         was sampled here, the text encoded where it was written (an edit) or read from a file."""
         item = self._items.get(record.get("repeat_of") or record.get("item_id"))
         if item is None:
             prompt = common.user_prompt(self.tokenizer, record["prompt"])
-            return prompt, self._answer_tokens(record["chosen"]), self._answer_tokens(record["rejected"])
+            return prompt, answer_ids(record["chosen"], self.tokenizer), answer_ids(record["rejected"], self.tokenizer)
         answers = item["completion_tokens"]
         if record.get("choice") == "edit":
-            return item["prompt_tokens"], self._answer_tokens(record["chosen"]), answers[record["edited"]]
+            return item["prompt_tokens"], answer_ids(record["chosen"], self.tokenizer), answers[record["edited"]]
         return item["prompt_tokens"], answers[record["preferred"]], answers[1 - record["preferred"]]
 
     def datums(self, records: list[dict]) -> list[types.Datum]:
@@ -342,15 +339,15 @@ class LiveLoop:
             self._cv.notify_all()
         heldout = [r for r in labels if r.get("heldout")] + self._heldout
         gain, policy_margin = self._heldout_margins(heldout)
-        row = {"update": number, "heldout_gain": gain, "heldout_pairs": len(heldout), "trained_pairs": len(batch)}
+        row = {"step": number, "reason": reason, "pairs": len(batch), "labels": len(self._records()),
+               "dpo_loss": metrics.get("dpo_loss:mean"), "accuracy": metrics.get("accuracy:mean"),
+               "batch_logprob_margin": metrics.get("logprob_margin:mean"), "heldout_gain": gain,
+               "heldout_margin": policy_margin, "heldout_pairs": len(heldout),
+               "train_tokens": sum(d.model_input.length for d in data) * c.steps_per_update}
         self.chart = self.chart + [row]
         self.status = f"update {number} done ({reason}; {len(batch)} pairs, {len(fresh[: c.pairs_per_update])} new)"
         if self._on_update is not None:
-            self._on_update({"step": number, "reason": reason, "pairs": len(batch), "labels": len(self._records()),
-                             "dpo_loss": metrics.get("dpo_loss:mean"), "accuracy": metrics.get("accuracy:mean"),
-                             "batch_logprob_margin": metrics.get("logprob_margin:mean"), "heldout_gain": gain,
-                             "heldout_margin": policy_margin, "heldout_pairs": len(heldout),
-                             "train_tokens": sum(d.model_input.length for d in data) * c.steps_per_update})
+            self._on_update(row)
 
     def _heldout_margins(self, records: list[dict]) -> tuple[float | None, float | None]:
         """(mean margin gain over v0, mean margin now) of the held-out pairs; (None, None) without any."""

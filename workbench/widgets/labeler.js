@@ -59,17 +59,18 @@ function chartSvg(rows) {
   if (points.length === 0) return `<svg width="${w}" height="${h}"></svg>`;
   const ys = points.map((r) => r.heldout_gain).concat([0]);
   const lo = Math.min(...ys), hi = Math.max(...ys), span = hi - lo || 1;
-  const last = Math.max(1, points[points.length - 1].update);
+  const end = points[points.length - 1], last = Math.max(1, end.step);
   const x = (u) => pad + (u / last) * (w - 2 * pad), y = (v) => h - pad - ((v - lo) / span) * (h - 2 * pad);
-  const path = points.map((r, i) => `${i ? "L" : "M"}${x(r.update).toFixed(1)},${y(r.heldout_gain).toFixed(1)}`).join("");
-  const dots = points.map((r) => `<circle class="wb-point" cx="${x(r.update).toFixed(1)}" cy="${y(r.heldout_gain).toFixed(1)}" r="3" fill="#2563eb"><title>update ${r.update}: ${r.heldout_gain.toFixed(2)} on ${r.heldout_pairs} held-out pairs</title></circle>`).join("");
+  const path = points.map((r, i) => `${i ? "L" : "M"}${x(r.step).toFixed(1)},${y(r.heldout_gain).toFixed(1)}`).join("");
+  const dots = points.map((r) => `<circle class="wb-point" cx="${x(r.step).toFixed(1)}" cy="${y(r.heldout_gain).toFixed(1)}" r="3" fill="#2563eb"><title>update ${r.step}: ${r.heldout_gain.toFixed(2)} on ${r.heldout_pairs} held-out pairs</title></circle>`).join("");
+  const endY = y(end.heldout_gain) < 30 ? y(end.heldout_gain) + 14 : y(end.heldout_gain) - 6;  // below the point near the top
   return `<svg width="${w}" height="${h}" class="wb-chart">
     <line x1="${pad}" x2="${w - pad}" y1="${y(0).toFixed(1)}" y2="${y(0).toFixed(1)}" stroke="#ccc"/>
     <path d="${path}" fill="none" stroke="#2563eb" stroke-width="2"/>${dots}
     <text x="${pad}" y="11" font-size="10" fill="#444">held-out margin gain over the start, per update</text>
     <text x="${w - pad}" y="${h - 4}" font-size="10" fill="#666" text-anchor="end">update ${last}</text>
     <text x="${pad}" y="${h - 4}" font-size="10" fill="#666">0</text>
-    <text class="wb-last-gain" x="${(x(points[points.length - 1].update) - 4).toFixed(1)}" y="${(y(points[points.length - 1].heldout_gain) < 30 ? y(points[points.length - 1].heldout_gain) + 14 : y(points[points.length - 1].heldout_gain) - 6).toFixed(1)}" font-size="10" fill="#2563eb" text-anchor="end">${points[points.length - 1].heldout_gain >= 0 ? "+" : ""}${points[points.length - 1].heldout_gain.toFixed(2)}</text></svg>`;
+    <text class="wb-last-gain" x="${(x(end.step) - 4).toFixed(1)}" y="${endY.toFixed(1)}" font-size="10" fill="#2563eb" text-anchor="end">${end.heldout_gain >= 0 ? "+" : ""}${end.heldout_gain.toFixed(2)}</text></svg>`;
 }
 
 // The labels so far, one bar per judgment (the LiveLabeler's `counts`: choice -> n).

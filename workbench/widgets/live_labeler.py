@@ -26,7 +26,7 @@ from pathlib import Path
 import traitlets as t
 
 from workbench.live_preference import LiveLoop, config_from, informativeness
-from workbench.preferences import REPEAT_SUFFIX, is_training_pair
+from workbench.preferences import REPEAT_SUFFIX, VERDICTS, is_training_pair
 from workbench.recipes import common
 from workbench.widgets.labeler import Labeler
 
@@ -45,7 +45,7 @@ class LiveLabeler(Labeler):
     status = t.Unicode("").tag(sync=True)
     ordering = t.Unicode("").tag(sync=True)
     counts = t.Dict().tag(sync=True)
-    chart = t.List().tag(sync=True)  # one row per update: update, heldout_gain, heldout_pairs, trained_pairs
+    chart = t.List().tag(sync=True)  # one row per update (step 0: the start): heldout_gain, heldout_pairs, pairs, ...
 
     def __init__(self, training_client, prompts: list[str], update_every: int = 4, objective="dpo", *,
                  path: str | Path | None = None, heldout: list[dict] = (), on_update=None,
@@ -130,7 +130,7 @@ class LiveLabeler(Labeler):
     def _annotate(self, item: dict, choice: str) -> dict:
         record = {"policy_version": item.get("policy_version"), "ordering": self.config.ordering,
                   "informativeness": round(informativeness(item, self.config.ordering), 4) if "policy_logprob" in item else None}
-        if self.config.holdout_every and choice not in ("edit", "tie", "both_bad", "skip") and not item.get("repeat_of"):
+        if self.config.holdout_every and VERDICTS[choice][0] is not None and not item.get("repeat_of"):  # an A/B preference
             preferences_so_far = sum(1 for r in self._labels if is_training_pair(r) and r["choice"] != "edit")
             record["heldout"] = (preferences_so_far + 1) % self.config.holdout_every == 0
         return record
