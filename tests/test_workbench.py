@@ -405,8 +405,17 @@ def test_live_labeler_trains_from_labels_while_it_samples_ahead(service, tmp_pat
                                                 shown["b_tokens"])
         live.undo()
         assert "update 2 already trained on it and stays" in live.message, live.message
+        # More updates than the backend keeps unnamed sampler snapshots (4 per run): the reference (v0),
+        # which every update's new pairs need, is a named checkpoint and outlives them.
+        # (The first label only makes up for the undone edit: labels are counted in force since the last update.)
+        live.config.update_every = 1
+        for _ in range(5):
+            assert live.wait_for_pair(120), live.status
+            live.choose("A")
+        assert live.wait_for_updates(300) and live.updates_done == 6, live.status
+        assert "failed" not in live.status and live.loop.version == 6, live.status
         rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-        assert [(r["step"], r["reason"]) for r in rows] == [(1, "2 labels"), (2, "an edit")]
+        assert [(r["step"], r["reason"]) for r in rows] == [(1, "2 labels"), (2, "an edit")] + [(n, "1 labels") for n in range(3, 7)]
         assert rows[0]["dpo_loss"] == pytest.approx(math.log(2), abs=1e-3)  # policy = reference at update 1
     finally:
         live.close()

@@ -7,8 +7,9 @@ first, and every few labels a DPO update in the background. workbench.LiveLabele
     loop.wait(timeout=300)         # until the requested updates are done (tests, scripts)
 
 Versions. Weights v0 are the training client's when the loop starts (a fresh LoRA adapter: the
-base model); update k leaves weights vk and a sampler on them
-(`save_weights_and_get_sampling_client`). Every pair carries the version that sampled it. When an
+base model), saved as a sampler checkpoint named live-reference-<time>, since the reference must
+outlive any number of updates; update k leaves weights vk and a sampler on them
+(`save_weights_and_get_sampling_client`, an in-memory snapshot: only the latest is used). Every pair carries the version that sampled it. When an
 update lands, the pairs sampled ahead by older weights are dropped and the queue refills from the
 new ones, so what the person labels next comes from the model as it now is.
 
@@ -45,6 +46,7 @@ import queue
 import random
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Callable
 
@@ -185,7 +187,11 @@ class LiveLoop:
 
     def _sample_forever(self) -> None:
         try:
-            self._sampler = self._reference = self.tc.save_weights_and_get_sampling_client().result()
+            # The reference is saved under a name: an unnamed sampler snapshot is evicted once a few
+            # newer ones exist (the backend keeps the newest 4 per run), and v0 is needed all session.
+            name = f"live-reference-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+            path = self.tc.save_weights_for_sampler(name).result().path
+            self._sampler = self._reference = self.tc.create_sampling_client(path).result()
             self.status = ""
         except Exception as error:  # noqa: BLE001 - shown on the widget; nothing else to do without a sampler
             self.error = self.status = f"could not get a sampler for weights v0: {error}"
