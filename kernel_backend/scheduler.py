@@ -76,6 +76,7 @@ class Job:
     tenant: str = ""
     session_id: str | None = None
     request_type: str = ""
+    api_key: str | None = None  # the prefix of the key that sent it (budgets.py)
     arrived: float = field(default_factory=time.monotonic)
     # Filled in while it runs, for the ledger: tokens processed, metrics, seconds of compute, and the
     # optim steps its training run has taken when it is done.

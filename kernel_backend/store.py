@@ -1,7 +1,7 @@
 """The service's durable record: SQLAlchemy tables and the checkpoint folder.
 
-Tables: sessions, training runs (models), samplers, futures, checkpoints, the usage ledger, API
-keys, the audit log, the server's secrets and the sampler's recorded stability info (stable_reinforce). SQLite under
+Tables: sessions, training runs (models), samplers, futures, checkpoints, the usage ledger, budgets,
+API keys, the audit log, the server's secrets and the sampler's recorded stability info (stable_reinforce). SQLite under
 $STEPWISE_HOME by default; any SQLAlchemy URL (PostgreSQL) through STEPWISE_DATABASE_URL.
 Every row carries its tenant. Futures are keyed by a `dedupe_key` built from the client's
 sequence numbers, so a retried submission finds the original future instead of running twice.
@@ -30,6 +30,7 @@ from sqlalchemy import (
     inspect,
     select,
     text,
+    UniqueConstraint,
 )
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
@@ -174,6 +175,22 @@ class UsageRow(Base):
     duration_s: Mapped[float] = mapped_column(Float, default=0.0)
     metrics: Mapped[dict] = mapped_column(JSON, default=dict)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now, index=True)
+    # The prefix of the API key that sent it (its key budget counts it); None for the server's own work.
+    api_key: Mapped[str | None] = mapped_column(String(16), nullable=True, index=True)
+
+
+class BudgetRow(Base):
+    """A spending limit on a session, a training run, an API key or a tenant (kernel_backend/budgets.py)."""
+
+    __tablename__ = "budgets"
+    __table_args__ = (UniqueConstraint("scope", "target"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant: Mapped[str] = mapped_column(String(128), index=True)  # whose limit it is
+    scope: Mapped[str] = mapped_column(String(16))  # session | run | key | tenant
+    target: Mapped[str] = mapped_column(String(128))  # session id, training run id, key prefix, tenant
+    usd: Mapped[float | None] = mapped_column(Float, nullable=True)
+    tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
 
 
 class ApiKeyRow(Base):

@@ -32,7 +32,7 @@ from kernel_backend.types import SamplingParams, UserError, redact_paths
 
 PATH = "/v1/messages"
 REQUEST_TYPE = "Message"
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
 
 

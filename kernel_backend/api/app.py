@@ -17,10 +17,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kernel_backend.api import anthropic as anthropic_routes
+from kernel_backend.api import budgets as budget_routes
 from kernel_backend.api import tinker as tinker_routes
 from kernel_backend.api import openai as openai_routes
 from kernel_backend.api import rest as rest_routes
 from kernel_backend.api import usage as usage_routes
+from kernel_backend import budgets
+from kernel_backend.budgets import OverBudget
 from kernel_backend.config import Settings
 from kernel_backend.service import Gone, NotFound, RateLimited, Service
 from kernel_backend.types import UserError, redact_paths
@@ -42,6 +45,7 @@ def create_app(settings: Settings | None = None, preload: list[str] | None = Non
     app = FastAPI(title="Stepwise training-session service", lifespan=lifespan)
     app.state.service = service
     app.add_middleware(BodyLimit, max_bytes=max_body)
+    app.add_middleware(RequestKey)
 
     def error(request: Request, status: int, message: str, headers=None, category: str | None = None) -> JSONResponse:
         """An error answer in the shape of the route's protocol."""
@@ -72,6 +76,11 @@ def create_app(settings: Settings | None = None, preload: list[str] | None = Non
     async def rate_limited(request: Request, exc: RateLimited):
         # The SDK honours Retry-After and backs off.
         return error(request, 429, str(exc), headers={"Retry-After": str(exc.retry_after)})
+
+    @app.exception_handler(OverBudget)
+    async def over_budget(request: Request, exc: OverBudget):
+        # 402, which no client retries (our client/config tells the tinker SDK not to pause on it either).
+        return error(request, 402, str(exc), category="budget")
 
     @app.exception_handler(NotFound)
     async def not_found(request: Request, exc: NotFound):
@@ -110,9 +119,23 @@ def include_routes(app: FastAPI) -> None:
     app.include_router(tinker_routes.router)
     app.include_router(rest_routes.router)
     app.include_router(usage_routes.router)
+    app.include_router(budget_routes.router)
     app.include_router(openai_routes.build_router("/oai/api/v1"))
     app.include_router(openai_routes.build_router("/v1"))
     app.include_router(anthropic_routes.router)
+
+
+class RequestKey:
+    """A holder, per request, for the API key that sent it (budgets.request_key): the auth dependency fills it in,
+    and the work the request queues is charged to that key's budget."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            budgets.new_request_holder()
+        await self.app(scope, receive, send)
 
 
 class BodyLimit:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from fastapi import HTTPException, Request
 
-from kernel_backend import keys, runtime, signing
+from kernel_backend import budgets, keys, runtime, signing
 from kernel_backend.keys import LOCAL_TENANT
 
 
@@ -53,7 +53,7 @@ def caller_of(request: Request) -> Caller:
             raise HTTPException(401, "invalid or expired token: exchange your API key for a new one at "
                                      "/api/v1/auth/token (the tinker SDK does this by itself)",
                                 headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
-        return Caller(row.tenant, row.id)
+        return _caller(row)
     if not key.startswith("tml-"):
         raise HTTPException(401, "malformed API key: keys start with 'tml-'")
     loopback_key = service.settings.loopback_key
@@ -65,6 +65,11 @@ def caller_of(request: Request) -> Caller:
     row = keys.live_key(service.store, key)
     if row is None:
         raise HTTPException(401, "unknown or revoked API key; create one with `stepwise keys create --tenant NAME`")
+    return _caller(row)
+
+
+def _caller(row) -> Caller:
+    budgets.set_request_key(row.prefix)  # the work this request queues counts against the key's budget
     return Caller(row.tenant, row.id)
 
 

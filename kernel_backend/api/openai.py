@@ -42,6 +42,8 @@ class OpenAIError(Exception):
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         if self.status == 404:
             kind = "not_found_error"
+        if self.status == 402:  # a budget refused it (kernel_backend/budgets.py); OpenAI's name for spent credit
+            kind = "insufficient_quota"
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status)
 

@@ -69,7 +69,9 @@ def healthz():
 def client_config(tenant: str = Depends(tenant_of)):
     # JWT auth on: the SDK exchanges its key at /auth/token for short-lived JWTs (and whoami() reads them).
     # Plain JSON bodies and unchunked forward_backward are what this server handles best.
-    return {"pjwt_auth_enabled": True, "proto_compress_fwdbwd": False}
+    # A 402 here is a budget that refuses more work (kernel_backend/budgets.py), not a lapsed payment that
+    # may come back: the SDK should not pause and resend for up to an hour, but stop (after one resend).
+    return {"pjwt_auth_enabled": True, "proto_compress_fwdbwd": False, "billing_exception_max_pause_duration_sec": 0}
 
 
 @router.post("/auth/token")

@@ -5,6 +5,8 @@ and the audit log:
 
     usage_report, sessions_report    the usage API (kernel_backend/api/usage.py) that the workbench
                                      widgets and the JupyterLab sidebar poll
+    set_budget, delete_budget        the budgets API (kernel_backend/api/budgets.py; the counting is in
+                                     kernel_backend/budgets.py)
     billing_usage                    AdminClient.get_billing_usage: hourly buckets of tokens and cost
     checkpoint_storage_usage         AdminClient.get_current_checkpoint_storage_usage
     audit_log                        AdminClient.get_audit_log: a UTC day of the audit log
@@ -18,12 +20,12 @@ from __future__ import annotations
 import datetime as dt
 import math
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import func, select
 
-from kernel_backend import signing
+from kernel_backend import budgets, keys, signing
 from kernel_backend.service import sessions
 from kernel_backend.service.checkpoints import SNAPSHOTS_PER_RUN, checkpoint_json
-from kernel_backend.service.core import NotFound, Service, iso, user_urn
+from kernel_backend.service.core import NotFound, Service, audit, iso, user_urn
 from kernel_backend.store import AuditRow, CheckpointRow, ModelRow, SamplerRow, SessionRow, UsageRow, now, utc
 from kernel_backend.types import UserError
 
@@ -41,7 +43,8 @@ BYTES_PER_GB = 10**9
 def usage_report(svc: Service, tenant: str, session_id: str | None = None, training_run_id: str | None = None,
                  since: dt.datetime | None = None, until: dt.datetime | None = None, after: int = 0,
                  limit: int = 1000) -> dict:
-    """Totals by kind and cost, plus the per-request series after ledger row `after` (a cursor).
+    """Totals by kind and cost, plus the per-request series after ledger row `after` (a cursor), and the
+    budget of the scope asked for (the run's, else the session's, else the tenant's; None if it has none).
 
     A training run's scope holds its own requests and the sampling done with its weights (its
     rollouts, most of an RL run's work), whichever session the sampler was opened in."""
@@ -49,8 +52,7 @@ def usage_report(svc: Service, tenant: str, session_id: str | None = None, train
     if session_id:
         where.append(UsageRow.session_id == session_id)
     if training_run_id:
-        where.append(or_(UsageRow.model_id == training_run_id,
-                         UsageRow.sampler_id.in_(samplers_of_run(tenant, training_run_id))))
+        where += budgets.ledger_scope(tenant, "run", training_run_id)
     if since:
         where.append(UsageRow.created_at >= since)
     if until:
@@ -71,18 +73,9 @@ def usage_report(svc: Service, tenant: str, session_id: str | None = None, train
         ],
         "cursor": rows[-1].id if rows else after,
         "currency": "USD",
+        "budget": svc.budgets.report(svc.budgets.get(*(("run", training_run_id) if training_run_id else
+                                                       ("session", session_id) if session_id else ("tenant", tenant)))),
     }
-
-
-def samplers_of_run(tenant: str, training_run_id: str):
-    """The ids of the samplers that sample `training_run_id`'s weights (a subquery): its in-memory
-    snapshots (save_weights_and_get_sampling_client) and samplers of its checkpoints
-    (tinker://<run>/sampler_weights/... or weights/...). Usage rows of sampling name the sampler,
-    not the run, so this is how a run's rollouts are found."""
-    return select(SamplerRow.id).where(SamplerRow.tenant == tenant, or_(
-        SamplerRow.source_model_id == training_run_id,
-        # autoescape: a run id's "_" or "%" is itself, not a LIKE wildcard
-        SamplerRow.model_path.startswith(f"tinker://{training_run_id}/", autoescape=True)))
 
 
 def record_custom_loss(svc: Service, tenant: str, training_run_id: str, surrogate_loss: float,
@@ -168,6 +161,11 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
         running = {"sessions": s.scalar(select(func.count()).select_from(active.subquery())),
                    **_totals(svc, s.execute(_ledger_sums(UsageRow.base_model, UsageRow.session_id.in_(active))).all())}
 
+    limits = {(b.scope, b.target): b for b in svc.budgets.of_tenant(tenant)}
+
+    def budget(scope: str, target: str) -> dict | None:
+        return svc.budgets.report(limits.get((scope, target)))
+
     runs_of = {i: [r for r in runs if r.session_id == i] for i in ids}
     session_of_run = {r.id: r.session_id for r in runs}
     moment = now()
@@ -181,6 +179,7 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
         runs = [{"training_run_id": r.id, "base_model": r.base_model, "lora_rank": r.lora_config["rank"],
                  "steps": int(steps.get(r.id, 0)), "last_loss": last_fb.get(r.id, {}).get("loss:sum"),
                  "cost": run_cost.get(r.id, 0.0),  # its own training work (its rollouts are in the run scope of usage)
+                 "budget": budget("run", r.id),
                  "user_metadata": {k: str(v) for k, v in (r.user_metadata or {}).items()}} for r in mine]
         pid = str((session.user_metadata or {}).get("local_pid", ""))
         rows.append({
@@ -204,6 +203,7 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
             "sample_tokens": int(sample or 0),
             "train_tokens": int(train or 0),
             "cost": float(cost or 0.0),
+            "budget": budget("session", session.id),
             "checkpoints": [
                 {**checkpoint_json(c), "training_run_id": c.model_id}
                 for c in checkpoints if session_of_run[c.model_id] == session.id
@@ -211,7 +211,7 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
             "sampler_snapshots": _kept_snapshots(
                 [r for r in snapshots if session_of_run[r.source_model_id] == session.id]),
         })
-    return {"sessions": rows, "running": running, "currency": "USD"}
+    return {"sessions": rows, "running": running, "currency": "USD", "budget": budget("tenant", tenant)}
 
 
 def _kept_snapshots(samplers: list[SamplerRow]) -> list[dict]:
@@ -224,6 +224,41 @@ def _kept_snapshots(samplers: list[SamplerRow]) -> list[dict]:
         if per_run[row.source_model_id] <= SNAPSHOTS_PER_RUN:
             kept.append({"sampler_id": row.id, "training_run_id": row.source_model_id, "time": iso(row.created_at)})
     return kept
+
+
+# ---- budgets --------------------------------------------------------------------------------------
+
+
+def budget_owner(svc: Service, tenant: str, scope: str, target: str) -> str:
+    """Whose budget (scope, target) is, once it is clear that `tenant` may see it: its own session, run or
+    key; a tenant's budget is the tenant's (only the operator sets it: api/budgets.py)."""
+    if scope == "session":
+        svc.session(tenant, target)
+    elif scope == "run":
+        svc.run(tenant, target)
+    elif scope == "key":
+        if not any(k.prefix == target and k.tenant == tenant and k.revoked_at is None for k in keys.list_keys(svc.store)):
+            raise NotFound(f"no live API key of yours has the prefix {target!r} (`stepwise keys list` shows them)")
+    else:
+        return target
+    return tenant
+
+
+def set_budget(svc: Service, tenant: str, scope: str, target: str, usd, tokens) -> dict:
+    """Set or change a budget; from the next request on, admission counts against the new one."""
+    owner = budget_owner(svc, tenant, scope, target)
+    row = svc.budgets.set(owner, scope, target, usd, tokens)
+    svc.store.add(audit(owner, "budget_set", tenant, scope=scope, target=target, budget_usd=row.usd,
+                        budget_tokens=row.tokens))
+    return svc.budgets.report(row)
+
+
+def delete_budget(svc: Service, tenant: str, scope: str, target: str) -> dict:
+    owner = budget_owner(svc, tenant, scope, target)
+    if not svc.budgets.delete(scope, target):
+        raise NotFound(f"{scope} {target} has no budget")
+    svc.store.add(audit(owner, "budget_deleted", tenant, scope=scope, target=target))
+    return {"deleted": True, "scope": scope, "target": target}
 
 
 # ---- billing ----------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ checkpoints, sampling, accounts), as plain functions that take the `Service` fir
 
 Errors: `UserError` for bad input (the router answers 400), `NotFound` for ids the caller cannot
 see (404, also for another tenant's ids), `Gone` (410), `RateLimited` (429) from admission
-(kernel_backend/admission.py), which every function that queues work calls first.
+(kernel_backend/admission.py), which every function that queues work calls first, and `OverBudget`
+(402) from the budgets (kernel_backend/budgets.py), which `admit` counts at the same moment.
 
 Every change to a session, run, checkpoint or project writes an audit row (`audit`), in the same
 transaction as the change where the change is an insert.
@@ -26,7 +27,7 @@ import logging
 import threading
 import uuid
 
-from kernel_backend import keys, lora, models, ops, runtime, signing
+from kernel_backend import budgets, keys, lora, models, ops, runtime, signing
 from kernel_backend.admission import Admission
 from kernel_backend.config import Settings
 from kernel_backend.engine import Engine
@@ -113,6 +114,7 @@ class Service:
         self.storage = self.ctx.storage
         self.prices = Prices(self.settings.prices_path or None)
         self.admission = Admission(self.settings, self.store, self.adapter_bytes)
+        self.budgets = budgets.Budgets(self.store)
         self.signing_key = signing.server_secret(self.store, self.settings.signing_key)
         self.scheduler = Scheduler(
             load_engine=lambda name: Engine(name, self.settings),
@@ -259,20 +261,39 @@ class Service:
 
     # ---- futures -------------------------------------------------------------------------------
 
+    def admit(self, tenant: str, request_id: str, base_model: str, bound: Usage, session_id: str | None = None,
+              run_id: str | None = None) -> None:
+        """Count a request's most work (`bound`, tokens by kind) now, when it is admitted: against the tenant's
+        tokens per minute (admission.py) and every budget that covers it (budgets.py), or raise before
+        anything is queued. Its ledger row settles both (`on_done`)."""
+        tokens = bound.prefill_tokens + bound.sample_tokens + bound.train_tokens
+        if not tokens:  # free work (an optim_step, a save) passes every budget
+            return
+        scopes = budgets.Scopes(tenant, session_id, run_id, budgets.request_key())
+        self.budgets.admit(request_id, scopes, self.prices.cost(base_model, bound), tokens)
+        try:
+            self.admission.tokens(tenant, request_id, tokens)
+        except Exception:
+            self.budgets.release(request_id)
+            raise
+
     def submit(self, tenant: str, request_type: str, dedupe_key: str | None, job: Job, ordered: bool, extra=None,
-               session_id: str | None = None, tokens: int = 0) -> FutureRow:
-        """Admit `tokens` of work and queue the job, or return the original future of a retry.
+               session_id: str | None = None, bound: Usage | None = None, run_id: str | None = None) -> FutureRow:
+        """Admit the job's most work (`bound`; None: free work, or admitted already as part of a batch) and queue
+        it, or return the original future of a retry. `run_id`: the training run whose budget it counts against.
 
         `dedupe_key` names the work by the client's sequence numbers; without one (no seq_id) every
         submission is new work."""
         job.tenant, job.request_type, job.session_id = tenant, request_type, session_id
+        job.api_key = budgets.request_key()
         if recovery.replaying() is not None:
             return self._resubmit(job, ordered)
         dedupe_key = dedupe_key or f"once:{job.request_id}"
         existing = self.store.future_by_key(dedupe_key)
         if existing is not None and existing.status != "interrupted":
             return existing  # a retry: admitted when it was first sent
-        self.admission.tokens(tenant, job.request_id, tokens)
+        if bound is not None:
+            self.admit(tenant, job.request_id, job.base_model, bound, session_id, run_id)
         row = FutureRow(
             request_id=job.request_id,
             dedupe_key=dedupe_key,
@@ -282,6 +303,9 @@ class Service:
             extra=extra or {},
         )
         row, created = self.store.insert_future(row, recovery.entry(job) if ordered else None)
+        if not created:  # another thread stored the same request first: this copy does nothing
+            self.admission.settle(job.request_id, 0)
+            self.budgets.release(job.request_id)
         if created and self.vllm is not None and request_type in SAMPLER_REQUESTS:
             self.vllm.submit(job)
         elif created and self.cluster is not None:
@@ -334,8 +358,10 @@ class Service:
                 step=None if is_sampler else job.step,
                 prefill_tokens=usage.prefill_tokens, sample_tokens=usage.sample_tokens, train_tokens=usage.train_tokens,
                 cost=self.prices.cost(job.base_model, usage), duration_s=job.duration_s, metrics=job.metrics,
+                api_key=job.api_key,
             )
         self.store.finish_future(job.request_id, status, payload, content_type, ledger, keep_s=self.settings.result_ttl_s)
+        self.budgets.release(job.request_id)  # only now: its cost is in the ledger
         with self._waiters_lock:
             waiters = self._waiters.pop(job.request_id, [])
         for loop, event in waiters:

@@ -19,7 +19,8 @@ from kernel_backend.service import stability
 from kernel_backend.service.checkpoints import SNAPSHOTS_PER_RUN, loadable
 from kernel_backend.service.core import PROTO_TYPE, NotFound, Service, json_result, new_id
 from kernel_backend.scheduler import Job
-from kernel_backend.store import CheckpointRow, FutureRow, ModelRow, SamplerRow
+from kernel_backend.metering import Usage
+from kernel_backend.store import CheckpointRow, FutureRow, ModelRow, SamplerRow, parse_tinker_path
 from kernel_backend.types import SampleOptions, SamplingParams, UserError
 
 
@@ -53,7 +54,7 @@ def sample(svc: Service, tenant: str, sampler_id: str, seq_id: int, prompt: list
     kept under its sequence id for stable_reinforce (service/stability.py), within the session's cap."""
     sampler = svc.sampler(tenant, sampler_id)
     check_still_published(svc, tenant, sampler)
-    tokens = check_sampling(svc, sampler.base_model, prompt, num_samples, params, options)
+    check_sampling(svc, sampler.base_model, prompt, num_samples, params, options)
     if svc.vllm is not None:
         svc.vllm.check_options(options)
     request_id = new_id()
@@ -73,7 +74,8 @@ def sample(svc: Service, tenant: str, sampler_id: str, seq_id: int, prompt: list
                             stability.most_tokens(len(prompt), num_samples, params.max_tokens))
     try:
         return svc.submit(tenant, "Sample", key, job, ordered=False, extra={"sample_sequence_ids": ids},
-                          session_id=sampler.session_id, tokens=tokens)
+                          session_id=sampler.session_id, bound=most_work(prompt, num_samples, params),
+                          run_id=sampler.source_model_id or run_of(sampler.model_path))
     except Exception:
         svc.stability.settle(request_id)
         raise
@@ -84,6 +86,16 @@ def check_still_published(svc: Service, tenant: str, sampler: SamplerRow) -> Non
     checkpoint = svc.store.checkpoint_by_path(sampler.model_path) if sampler.model_path else None
     if checkpoint is not None and checkpoint.tenant != tenant and not checkpoint.public:
         raise NotFound(f"no checkpoint at {sampler.model_path}: its owner no longer publishes it")
+
+
+def most_work(prompt: list[int], num_samples: int, params: SamplingParams) -> Usage:
+    """A checked sampling request's most work: its prompt once, and every sample at max_tokens."""
+    return Usage(prefill_tokens=len(prompt), sample_tokens=num_samples * params.max_tokens)
+
+
+def run_of(path: str | None) -> str | None:
+    """The training run whose weights a tinker:// path holds."""
+    return parse_tinker_path(path)[0] if path else None
 
 
 def check_sampling(svc: Service, base_model: str, prompt: list[int], num_samples, params: SamplingParams,
@@ -179,7 +191,13 @@ def generate(svc: Service, tenant: str, request_type: str, base_model: str, path
     if svc.vllm is not None:
         svc.vllm.check_options(options)  # what vLLM cannot answer is a 400 now, not a failure later
     batch = new_id()
-    svc.admission.tokens(tenant, batch, sum(bounds))  # the jobs below are admitted as this one batch
+    # A checkpoint's sampling is charged to its run and, when the run is the caller's own, the run's session.
+    run = svc.store.get(ModelRow, run_of(path)) if path else None
+    session_id = run.session_id if run is not None and run.tenant == tenant else None
+    most = [most_work(prompt, num_samples, params) for prompt in prompts]
+    svc.admit(tenant, batch, base_model, Usage(prefill_tokens=sum(u.prefill_tokens for u in most),
+                                               sample_tokens=sum(u.sample_tokens for u in most)),
+              session_id, run_of(path))  # the jobs below are admitted as this one batch
     lane = f"oai:{tenant}:{path or base_model}"
     outputs: list[dict] = [{} for _ in prompts]
     jobs = []
@@ -199,9 +217,10 @@ def generate(svc: Service, tenant: str, request_type: str, base_model: str, path
                         tokens=len(prompt)))
     try:
         for job in jobs:
-            svc.submit(tenant, request_type, None, job, ordered=False, tokens=0)
+            svc.submit(tenant, request_type, None, job, ordered=False, session_id=session_id)
     except Exception:
         svc.admission.settle(batch, 0)
+        svc.budgets.release(batch)
         raise
 
     async def results() -> list:
@@ -213,6 +232,7 @@ def generate(svc: Service, tenant: str, request_type: str, base_model: str, path
         finally:  # what the batch really processed replaces its bound (the ledger rows have it exactly)
             done = [o["result"] for o in outputs if "result" in o]
             svc.admission.settle(batch, sum(len(p) for p in prompts) + sum(len(s.tokens) for r in done for s in r.sequences))
+            svc.budgets.release(batch)  # each job's ledger row has its cost now
         for row in rows:
             if row.status != "done":
                 error = json.loads(row.result)

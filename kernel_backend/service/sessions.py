@@ -14,6 +14,7 @@ import re
 
 from sqlalchemy import and_, func, or_, select
 
+from kernel_backend import budgets
 from kernel_backend.service.core import DEFAULT_PROJECT, Gone, Service, audit, iso, new_id, user_urn
 from kernel_backend.store import CheckpointRow, ModelRow, SamplerRow, SessionRow, UsageRow, now, utc
 from kernel_backend.types import UserError
@@ -49,7 +50,9 @@ def create_session(svc: Service, tenant: str, tags, user_metadata, sdk_version, 
         check_project_id(project_id)
     svc.admission.session(tenant)
     session_id = new_id()[:20]
+    budget = budgets.from_metadata(tenant, "session", session_id, user_metadata)  # {"budget_usd": "0.5"}
     svc.store.add(
+        *([budget] if budget else []),
         SessionRow(
             id=session_id,
             tenant=tenant,

@@ -10,8 +10,9 @@ import random
 
 from sqlalchemy import select
 
-from kernel_backend import admission, models, optimizers
+from kernel_backend import admission, budgets, models, optimizers
 from kernel_backend.engine import Pass
+from kernel_backend.metering import Usage
 from kernel_backend.ops import Op
 from kernel_backend.service.checkpoints import checkpoint_json
 from kernel_backend.service import recovery, sessions, stability
@@ -41,7 +42,9 @@ def create_model(svc: Service, tenant: str, session_id: str, model_seq_id: int, 
         if config.seed is None:
             config.seed = random.getrandbits(63)
         svc.admission.adapter(tenant, base, vars(config), training=True)
-        svc.store.add(ModelRow(id=model_id, session_id=session_id, tenant=tenant, base_model=base,
+        budget = budgets.from_metadata(tenant, "run", model_id, user_metadata)  # {"budget_usd": "0.2"}
+        svc.store.add(*([budget] if budget else []),
+                      ModelRow(id=model_id, session_id=session_id, tenant=tenant, base_model=base,
                                lora_config=vars(config), user_metadata=dict(user_metadata or {})),
                       audit(tenant, "training_run_created", tenant, model_id=model_id, base_model=base,
                             lora_rank=config.rank))
@@ -101,8 +104,9 @@ def forward_backward(svc: Service, tenant: str, model_id: str, seq_id: int | Non
     job = Job(new_id(), model_id, run.base_model, seq=seq_id, fb_pass=fb,
               encode=lambda result: (encode(result), PROTO_TYPE), tokens=tokens)
     kind = "Forward" if forward_only else "ForwardBackward"
+    bound = Usage(prefill_tokens=tokens) if forward_only else Usage(train_tokens=tokens)  # exact: what it will bill
     return svc.submit(tenant, kind, train_key(model_id, seq_id), job, ordered=True, session_id=run.session_id,
-                      tokens=tokens)
+                      bound=bound, run_id=model_id)
 
 
 @recovery.journaled

@@ -1,0 +1,193 @@
+"""Budgets the server enforces (kernel_backend/budgets.py), through the official tinker SDK and the openai client.
+
+Each test works as a tenant of its own (a key made as an operator makes one), so its budgets and its
+ledger are its own on the shared test server. Costs here are real prices of real token counts: a
+forward_backward's cost is known before it is sent (its datums' tokens), so the budget can be set to
+fall between two steps and the refusal must come at exactly that step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+import tinker
+from tinker import types
+
+from kernel_backend.metering import Prices
+from test_service_http import datum
+
+BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+PRICE = Prices().for_model(BASE)
+DATA = [datum([1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 2, 198]),
+        datum([1, 9690, 198, 2683, 359, 253, 5356, 2, 198])]
+TRAIN_TOKENS = sum(d.model_input.length for d in DATA)
+STEP_COST = TRAIN_TOKENS * PRICE["train"] / 1e6  # one forward_backward of DATA
+PROBE = [datum([1, 9690, 198, 2683, 359, 253])]
+PROBE_COST = PROBE[0].model_input.length * PRICE["prefill"] / 1e6  # a forward-only pass is metered as prefill
+
+
+def rest(server, key: str, method: str, path: str, **kwargs) -> httpx.Response:
+    return httpx.request(method, server.base_url + path, headers={"X-API-Key": key}, timeout=60, **kwargs)
+
+
+def probe_logprobs(tc) -> list[float]:
+    return list(tc.forward(PROBE, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist())
+
+
+def test_a_session_budget_stops_the_loop_at_the_step_that_would_pass_it_and_raising_it_goes_on(tinker_server):
+    key = tinker_server.make_key("budget-session")
+    # Three steps, one probe, and half a step: the 4th forward_backward would pass it.
+    budget = 3 * STEP_COST + PROBE_COST + STEP_COST / 2
+    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=key,
+                                  user_metadata={"budget_usd": repr(budget)})
+    tc = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    session_id = tc.model_id.split(":")[0]
+    for _ in range(3):
+        tc.forward_backward(DATA, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    before = probe_logprobs(tc)
+
+    report = rest(tinker_server, key, "GET", "/api/v1/usage", params={"session_id": session_id}).json()
+    assert report["budget"]["state"] == "warning"  # 3 steps + a probe of 3.5 steps' worth: past 80%
+    assert report["budget"]["fraction"] == pytest.approx((3 * STEP_COST + PROBE_COST) / budget)
+
+    started = time.monotonic()
+    with pytest.raises(tinker.APIStatusError) as refused:
+        tc.forward_backward(DATA, "cross_entropy").result()
+    assert refused.value.status_code == 402
+    message = str(refused.value)
+    assert f"the budget of session {session_id} is" in message and "spent" in message
+    assert f"/api/v1/budgets/session/{session_id}" in message
+    # The SDK does not retry it for long: the server's client/config turns the SDK's billing pause off
+    # (one resend, 5 s later, then it raises).
+    assert time.monotonic() - started < 30
+
+    # Nothing beyond the budget was spent, the refused call left no ledger row, and the weights are as they were.
+    report = rest(tinker_server, key, "GET", "/api/v1/usage", params={"session_id": session_id}).json()
+    assert report["totals"]["cost"] <= budget
+    assert report["totals"]["cost"] == pytest.approx(3 * STEP_COST + PROBE_COST, rel=1e-9)
+    assert [r["request_type"] for r in report["series"]].count("ForwardBackward") == 3
+    assert report["budget"]["state"] == "exhausted"  # what is left is too little for the work asked
+
+    # Raising it (the REST route the sidebar and workbench.set_budget use) lets the same loop go on.
+    raised = rest(tinker_server, key, "PUT", f"/api/v1/budgets/session/{session_id}", json={"budget_usd": 1.0})
+    assert raised.status_code == 200 and raised.json()["state"] == "ok"
+    assert probe_logprobs(tc) == before  # the refused call changed nothing, gradients included
+    tc.forward_backward(DATA, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    assert probe_logprobs(tc) != before
+    rows = rest(tinker_server, key, "GET", "/api/v1/usage", params={"session_id": session_id}).json()["series"]
+    assert [r["step"] for r in rows if r["request_type"] == "ForwardBackward"] == [0, 1, 2, 3]
+    listed = rest(tinker_server, key, "GET", "/api/v1/budgets").json()["budgets"]
+    assert [(b["scope"], b["target"], b["budget_usd"]) for b in listed] == [("session", session_id, 1.0)]
+
+
+def test_sampling_counts_its_upper_bound_and_a_run_budget_covers_its_rollouts(tinker_server):
+    """A sample is admitted at max_tokens per sample, settled to what it produced; the run's budget counts the
+    sampling done with its weights, and the refusal names the run."""
+    key = tinker_server.make_key("budget-run")
+    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=key)
+    prompt = types.ModelInput.from_ints([1, 9690, 198, 2683])
+    most = (prompt.length * PRICE["prefill"] + 2 * 16 * PRICE["sample"]) / 1e6  # 2 samples of up to 16 tokens
+    tc = client.create_lora_training_client(base_model=BASE, rank=4,
+                                            user_metadata={"budget_usd": str(STEP_COST + 1.5 * most)}).result()
+    tc.forward_backward(DATA, "cross_entropy").result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    params = types.SamplingParams(max_tokens=16, temperature=1.0, seed=1)
+    sampler.sample(prompt, 2, params).result()  # fits: one step + one bound of 1.5 left
+    spent = rest(tinker_server, key, "GET", "/api/v1/usage", params={"training_run_id": tc.model_id}).json()
+    assert spent["totals"]["cost"] <= STEP_COST + most
+    with pytest.raises(tinker.APIStatusError) as refused:
+        # The ledger may hold less than `most` for the first sample (it stopped at EOS), but the second
+        # sample's bound still passes what is left.
+        sampler.sample(prompt, 2, params).result()
+    assert refused.value.status_code == 402 and f"the budget of run {tc.model_id} is" in str(refused.value)
+    # A smaller request that fits what is left is admitted: the budget counts bounds, not calls.
+    left = STEP_COST + 1.5 * most - spent["totals"]["cost"]
+    small = types.SamplingParams(max_tokens=1, temperature=1.0, seed=1)
+    assert (prompt.length * PRICE["prefill"] + PRICE["sample"]) / 1e6 < left
+    sampler.sample(prompt, 1, small).result()
+    final = rest(tinker_server, key, "GET", "/api/v1/usage", params={"training_run_id": tc.model_id}).json()
+    assert final["totals"]["cost"] <= STEP_COST + 1.5 * most
+
+
+def test_the_openai_routes_are_refused_with_402_in_openai_shape_and_count_against_the_session(tinker_server):
+    key = tinker_server.make_key("budget-openai")
+    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=key)
+    tc = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    session_id = tc.model_id.split(":")[0]
+    path = tc.save_weights_for_sampler("budget-oai").result().path
+    oai = openai.OpenAI(base_url=tinker_server.base_url + "/oai/api/v1", api_key=key)
+    ask = dict(model=path, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8, temperature=0)
+    oai.chat.completions.create(**ask)
+    one = rest(tinker_server, key, "GET", "/api/v1/usage", params={"session_id": session_id}).json()["totals"]["cost"]
+    assert one > 0  # the checkpoint's session was charged for the OpenAI request
+    # A budget of what was spent: no room for another request's upper bound.
+    assert rest(tinker_server, key, "PUT", f"/api/v1/budgets/session/{session_id}",
+                json={"budget_usd": one}).status_code == 200
+    with pytest.raises(openai.APIStatusError) as refused:
+        oai.chat.completions.create(**ask)
+    assert refused.value.status_code == 402
+    assert f"the budget of session {session_id} is" in refused.value.response.json()["error"]["message"]
+    assert refused.value.response.json()["error"]["type"] == "insufficient_quota"
+    # The Anthropic route too, in Anthropic's shape.
+    message = rest(tinker_server, key, "POST", "/v1/messages", json={
+        "model": path, "max_tokens": 8, "messages": [{"role": "user", "content": "Say hi."}]})
+    assert message.status_code == 402 and message.json()["error"]["type"] == "billing_error"
+    streamed = openai.OpenAI(base_url=tinker_server.base_url + "/oai/api/v1", api_key=key, max_retries=0)
+    with pytest.raises(openai.APIStatusError):  # a stream is refused before it starts
+        list(streamed.chat.completions.create(**ask, stream=True))
+    assert rest(tinker_server, key, "GET", "/api/v1/usage",
+                params={"session_id": session_id}).json()["totals"]["cost"] == pytest.approx(one, rel=1e-12)
+
+
+def test_a_key_budget_covers_every_request_sent_with_that_key_and_only_those(tinker_server):
+    key = tinker_server.make_key("budget-key")
+    other = tinker_server.make_key("budget-key")  # the same tenant's second key
+    prefix = key[:12]  # how `stepwise keys list` shows a key
+    assert rest(tinker_server, key, "PUT", f"/api/v1/budgets/key/{prefix}",
+                json={"budget_usd": 2.5 * STEP_COST}).status_code == 200
+    tc = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=key).create_lora_training_client(
+        base_model=BASE, rank=4).result()
+    tc.forward_backward(DATA, "cross_entropy").result()
+    tc.forward_backward(DATA, "cross_entropy").result()
+    with pytest.raises(tinker.APIStatusError) as refused:
+        tc.forward_backward(DATA, "cross_entropy").result()
+    assert refused.value.status_code == 402 and f"the budget of key {prefix} is" in str(refused.value)
+    # The tenant's other key has its own (no) budget.
+    tc2 = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=other).create_lora_training_client(
+        base_model=BASE, rank=4).result()
+    tc2.forward_backward(DATA, "cross_entropy").result()
+
+
+def test_budget_input_is_checked_and_a_bad_one_changes_nothing(tinker_server):
+    key = tinker_server.make_key("budget-input")
+    lavish = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=key, user_metadata={"budget_usd": "lots"})
+    with pytest.raises(tinker.BadRequestError, match="budget_usd must be a number"):  # the SDK opens its session lazily
+        lavish.create_lora_training_client(base_model=BASE, rank=4)
+    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=key, user_metadata={"budget_usd": "0.5"})
+    tc = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    budgets = rest(tinker_server, key, "GET", "/api/v1/budgets").json()["budgets"]
+    assert [(b["scope"], b["budget_usd"], b["state"]) for b in budgets] == [("session", 0.5, "ok")]
+    target = budgets[0]["target"]
+    for body, says in (({"budget_usd": -1}, "budget_usd must be a number from 0"),
+                       ({"budget_usd": "nan"}, "budget_usd must be a number"),
+                       ({"budget_tokens": 1.5}, "budget_tokens must be a whole number"),
+                       ({}, "give budget_usd, budget_tokens or both")):
+        r = rest(tinker_server, key, "PUT", f"/api/v1/budgets/session/{target}", json=body)
+        assert r.status_code in (400, 422) and says in r.text, (body, r.text)
+    assert [b["budget_usd"] for b in rest(tinker_server, key, "GET", "/api/v1/budgets").json()["budgets"]] == [0.5]
+    # Someone else's session is not found; a tenant budget is the operator's.
+    assert rest(tinker_server, tinker_server.make_key("budget-stranger"), "PUT", f"/api/v1/budgets/session/{target}",
+                json={"budget_usd": 9}).status_code == 404
+    assert rest(tinker_server, key, "PUT", "/api/v1/budgets/tenant/budget-input", json={"budget_usd": 9}).status_code == 403
+    # The operator's tenant budget (in tokens here) covers all of the tenant's work.
+    assert rest(tinker_server, tinker_server.api_key, "PUT", "/api/v1/budgets/tenant/budget-input",
+                json={"budget_tokens": TRAIN_TOKENS}).status_code == 200
+    tc.forward_backward(DATA, "cross_entropy").result()
+    with pytest.raises(tinker.APIStatusError, match="the budget of tenant budget-input is"):
+        tc.forward_backward(DATA, "cross_entropy").result()
+    assert rest(tinker_server, key, "DELETE", f"/api/v1/budgets/session/{target}").status_code == 200
