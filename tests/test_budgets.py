@@ -144,7 +144,7 @@ def test_the_openai_routes_are_refused_with_402_in_openai_shape_and_count_agains
                 params={"session_id": session_id}).json()["totals"]["cost"] == pytest.approx(one, rel=1e-12)
 
 
-def test_a_key_budget_covers_every_request_sent_with_that_key_and_only_those(tinker_server):
+def test_a_key_budget_covers_every_request_sent_with_that_key_and_counts_what_is_in_flight(tinker_server):
     key = tinker_server.make_key("budget-key")
     other = tinker_server.make_key("budget-key")  # the same tenant's second key
     prefix = key[:12]  # how `stepwise keys list` shows a key
@@ -152,11 +152,15 @@ def test_a_key_budget_covers_every_request_sent_with_that_key_and_only_those(tin
                 json={"budget_usd": 2.5 * STEP_COST}).status_code == 200
     tc = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=key).create_lora_training_client(
         base_model=BASE, rank=4).result()
-    tc.forward_backward(DATA, "cross_entropy").result()
-    tc.forward_backward(DATA, "cross_entropy").result()
+    # Sent back to back, without waiting: the first two are admitted while nothing is in the ledger yet, so
+    # only counting what is in flight keeps the third out.
+    futures = [tc.forward_backward(DATA, "cross_entropy") for _ in range(3)]
+    futures[0].result(), futures[1].result()
     with pytest.raises(tinker.APIStatusError) as refused:
-        tc.forward_backward(DATA, "cross_entropy").result()
+        futures[2].result()
     assert refused.value.status_code == 402 and f"the budget of key {prefix} is" in str(refused.value)
+    budget = rest(tinker_server, key, "GET", "/api/v1/budgets").json()["budgets"][0]
+    assert budget["spent_usd"] == pytest.approx(2 * STEP_COST, rel=1e-9) and budget["pending_usd"] == 0
     # The tenant's other key has its own (no) budget.
     tc2 = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=other).create_lora_training_client(
         base_model=BASE, rank=4).result()
