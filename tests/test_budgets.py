@@ -124,7 +124,9 @@ def test_the_openai_routes_are_refused_with_402_in_openai_shape_and_count_agains
     ask = dict(model=path, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8, temperature=0)
     oai.chat.completions.create(**ask)
     one = rest(tinker_server, key, "GET", "/api/v1/usage", params={"session_id": session_id}).json()["totals"]["cost"]
-    assert one > 0  # the checkpoint's session was charged for the OpenAI request
+    assert one > 0  # the checkpoint's session was charged for the OpenAI request, and so was its run
+    assert rest(tinker_server, key, "GET", "/api/v1/usage",
+                params={"training_run_id": tc.model_id}).json()["totals"]["cost"] == pytest.approx(one, rel=1e-12)
     # A budget of what was spent: no room for another request's upper bound.
     assert rest(tinker_server, key, "PUT", f"/api/v1/budgets/session/{session_id}",
                 json={"budget_usd": one}).status_code == 200
