@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from kernel_backend import adapter_cache, lora, losses, matmul, models, optimizers, sampler
+from kernel_backend import adapter_cache, families, lora, losses, matmul, models, optimizers, sampler
 from kernel_backend.step_history import StepHistory, write_state
 from kernel_backend.config import Settings
 from kernel_backend.types import (
@@ -325,7 +325,7 @@ class Engine:
         return batches
 
     def _target_logprobs(self, rows: list[_Row], adapters: list[lora.Adapter]) -> list[torch.Tensor]:
-        """Each row's logprobs of its target tokens. Llama-style models run the rows packed end to end,
+        """Each row's logprobs of its target tokens. The families of families.py run the rows packed end to end,
         no padding (the sampler's own forward pass, sampler.flat_forward); others right-padded
         through transformers' forward."""
         if sampler.Decoder.supports(self.model):
@@ -363,7 +363,8 @@ class Engine:
         lengths = [len(r.tokens) for r in rows]
         ids = torch.tensor([t for r in rows for t in r.tokens], device=device)
         positions = torch.cat([torch.arange(n, device=device) for n in lengths])
-        attend = sampler.causal_within_rows(lengths, self.model.model.layers[0].self_attn.scaling, device)
+        attend = sampler.causal_within_rows(lengths, self.model.model.layers[0].self_attn.scaling, device,
+                                            families.sliding_windows(self.model.config))
         with lora.route(self.model, [a for a, n in zip(adapters, lengths) for _ in range(n)]):
             hidden = sampler.flat_forward(self.model, ids, positions, attend)
             logits = self.model.lm_head(hidden).float()  # a no-op in float32

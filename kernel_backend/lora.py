@@ -27,9 +27,10 @@ from torch.nn import functional as F
 from kernel_backend import threads
 from kernel_backend.types import LoraConfig, UserError
 
-# Tinker's target groups, by the module names Llama-style models use.
-ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+# Tinker's target groups, by the module names Llama-style models use (and Phi-3's fused ones: qkv_proj,
+# gate_up_proj; a model has one set or the other).
+ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 UNEMBED_TARGETS = ("lm_head",)
 ALL_TARGETS = ATTN_TARGETS + MLP_TARGETS + UNEMBED_TARGETS
 

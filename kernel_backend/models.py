@@ -85,6 +85,14 @@ def resolve(name: str, models_dir: Path, registered: list[str] = ()) -> tuple[st
                     "STEPWISE_BASE_MODELS)")
 
 
+def architecture(folder: Path) -> str:
+    """The model family a model folder holds (its config.json's model_type: "llama", "qwen3", ...)."""
+    with open(folder / "config.json") as f:
+        config = json.load(f)
+    # A multimodal checkpoint (Gemma 3) keeps its language model's config inside.
+    return config.get("text_config", {}).get("model_type") or config["model_type"]
+
+
 def _converted_gguf_dir(name: str, models_dir: Path) -> Path:
     target = models_dir / name.replace("/", "--")
     if (target / "model.safetensors").exists():

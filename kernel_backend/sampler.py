@@ -23,8 +23,9 @@ What every path keeps, exactly:
 - Tinker's stop rules: end-of-sequence by default, strings or token ids, `[]` never stops; the
   stop token is kept in the returned tokens.
 
-The forward pass is written here for Llama-style models (embed; per layer: norm, attention with
-rotary positions, norm, MLP; norm; lm_head), calling the model's own modules. Tokens travel as one
+The forward pass is written here for Llama's layer (embed; per layer: norm, attention with rotary
+positions, norm, MLP; norm; lm_head) and the families that vary it (families.py: Qwen3, Mistral,
+Phi-3, Gemma, Gemma 3), calling the model's own modules. Tokens travel as one
 flat (tokens, hidden) batch, so rows of different lengths need no padding: attention is the only
 step that knows which tokens belong together, and it reads each row's cache up to its own length.
 Other architectures decode one request at a time with transformers' own forward (`SerialDecoder`,
@@ -42,11 +43,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernel_backend import lora, prefix_cache, threads
+from kernel_backend import families, lora, prefix_cache, threads
 from kernel_backend.types import SampledSequence, SampleOptions, SampleResult, SamplingParams, UserError
 
-# Architectures whose modules the batched forward below calls (same layer structure as Llama).
-BATCHED_ARCHITECTURES = ("llama", "qwen2")
+# Architectures whose modules the batched forward below calls (families.py: Llama's layer and its variants).
+BATCHED_ARCHITECTURES = tuple(families.FAMILIES)
 
 
 @dataclass
@@ -332,16 +333,17 @@ class Decoder:
         self.budget_tokens, self.prefill_tokens, self.max_rows = budget_tokens, prefill_tokens, max_rows
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.windows = families.sliding_windows(config)  # each layer's sliding window (None: all it has seen)
         self.cache = KVCache(config.num_hidden_layers, self.kv_heads, self.head_dim, model.dtype, model.device, budget_tokens)
         # Finished prompts' keys and values, for later prompts that start the same way; a 32nd of the budget.
         self.prefixes = prefix_cache.PrefixCache(budget_tokens // 32)
         self.waiting: list[_Active] = []  # admitted, prefill not finished (FIFO)
         self.rows: list[_Row] = []  # decoding, row i in cache row i
+        self.peak_rows = 0  # the most rows one decode step has run, since the start
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
-        config = model.config
-        return config.model_type in BATCHED_ARCHITECTURES and not getattr(config, "use_sliding_window", False)
+        return families.family_of(model.config) is not None
 
     def admit(self, request: SampleRequest) -> None:
         self.waiting.append(_Active(request, self.decode_text))
@@ -352,7 +354,7 @@ class Decoder:
 
     def stats(self) -> dict:
         """For /admin/stats: rows decoding, requests waiting for their prefill, the prefix cache."""
-        return {"decoder": "batched", "rows": len(self.rows), "waiting": len(self.waiting),
+        return {"decoder": "batched", "rows": len(self.rows), "peak_rows": self.peak_rows, "waiting": len(self.waiting),
                 "prefix_cache": self.prefixes.stats()}
 
     def adapters(self) -> list:
@@ -455,11 +457,15 @@ class Decoder:
             for (active, s, e), (lo, hi) in zip(segments, bounds):
                 active.keys[layer, :, s:e] = k[lo:hi].transpose(0, 1)
                 active.values[layer, :, s:e] = v[lo:hi].transpose(0, 1)
-                # Causal within the prompt: position s + i sees positions 0 .. s + i.
-                mask = None if s == 0 else torch.arange(e, device=device)[None, :] <= torch.arange(s, e, device=device)[:, None]
+                # Causal within the prompt: position s + i sees positions 0 .. s + i (the last `window` of them
+                # in a sliding-window layer). A whole prompt the window does not bind takes the plain causal path.
+                window = self.windows[layer]
+                plain = s == 0 and (window is None or window >= e)
+                mask = None if plain else families.window_mask(torch.arange(s, e, device=device),
+                                                               torch.arange(e, device=device), window)
                 out[lo:hi] = F.scaled_dot_product_attention(
                     q[lo:hi].transpose(0, 1)[None], active.keys[None, layer, :, :e], active.values[None, layer, :, :e],
-                    attn_mask=mask, is_causal=s == 0, scale=self.scaling, enable_gqa=True,
+                    attn_mask=mask, is_causal=plain, scale=self.scaling, enable_gqa=True,
                 )[0].transpose(0, 1)
             return out
 
@@ -504,6 +510,7 @@ class Decoder:
             self.cache.keys[:, rows, :, :length] = active.keys[:, None]
             self.cache.values[:, rows, :, :length] = active.values[:, None]
             self.rows += [_Row(active, i, length, tokens[i]) for i in going]
+            self.peak_rows = max(self.peak_rows, len(self.rows))
         active.keys = active.values = None  # the rows have their own copies
         if active.rows_left == 0:
             active.finish()
@@ -530,7 +537,10 @@ class Decoder:
         longest = int(lengths.max()) + 1
         self.cache.ensure(n, longest, self._reserved(self._actives())[1])
         index = torch.arange(n, device=device)
-        visible = torch.arange(longest, device=device)[None, :] <= lengths[:, None]  # (rows, length)
+        slots = torch.arange(longest, device=device)
+        visible = {window: slots[None, :] <= lengths[:, None] if window is None else  # (rows, length)
+                   (slots[None, :] <= lengths[:, None]) & (slots[None, :] > lengths[:, None] - window)
+                   for window in set(self.windows)}
 
         attention_work = 2 * n * self.heads * self.head_dim * longest  # multiply-adds of a layer's attention
 
@@ -543,7 +553,7 @@ class Decoder:
                 values[index, :, lengths] = v
                 out = F.scaled_dot_product_attention(
                     q[:, :, None], keys[:n, :, :longest], values[:n, :, :longest],
-                    attn_mask=visible[:, None, None, :], scale=self.scaling, enable_gqa=True,
+                    attn_mask=visible[self.windows[layer]][:, None, None, :], scale=self.scaling, enable_gqa=True,
                 )[:, :, 0]
                 return out[forward_order] if permuted else out
 
@@ -612,7 +622,7 @@ class Decoder:
 
 def flat_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
     """Hidden states after the final norm for a flat batch of tokens, (tokens, hidden), for the
-    architectures in BATCHED_ARCHITECTURES, with the model's own modules (LoRA routing included).
+    architectures in families.FAMILIES, with the model's own modules (LoRA routing included).
     The decoder's prefill and decode steps use it, and so does training (engine.py: rows packed, no padding).
 
     `attend(layer, q, k, v)` gets this layer's rotated queries (tokens, heads, head_dim), keys and
@@ -620,61 +630,68 @@ def flat_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Ten
     the attention output (tokens, heads, head_dim): it alone knows which tokens see which.
     """
     inner, config = model.model, model.config
+    family = families.family_of(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     n = len(ids)
     hidden = inner.embed_tokens(ids)
-    cos, sin = inner.rotary_emb(hidden, positions[None])
-    cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # broadcast over heads
+    layer_types = getattr(config, "layer_types", None) if family.rope_by_layer_type else None
+    rotations = {}  # layer type (None: every layer) -> cos, sin broadcast over heads
+    for kind in set(layer_types or [None]):
+        cos, sin = inner.rotary_emb(hidden, positions[None], *([kind] if kind else []))
+        rotations[kind] = cos[0, :, None, :], sin[0, :, None, :]
     for layer_index, layer in enumerate(inner.layers):
         attention, mlp = layer.self_attn, layer.mlp
-        x = _rms_norm(layer.input_layernorm, hidden)
-        q = attention.q_proj(x).view(n, -1, head_dim)
-        k = attention.k_proj(x).view(n, -1, head_dim)
-        v = attention.v_proj(x).view(n, -1, head_dim)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        hidden = hidden + attention.o_proj(attend(layer_index, q, k, v).reshape(n, -1))
-        x = _rms_norm(layer.post_attention_layernorm, hidden)
-        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        cos, sin = rotations[layer_types[layer_index] if layer_types else None]
+        x = families.norm(family, layer.input_layernorm, hidden)
+        q, k, v = families.projections(family, attention, x, head_dim)
+        q, k = families.rotate(q, cos, sin), families.rotate(k, cos, sin)
+        out = attention.o_proj(attend(layer_index, q, k, v).reshape(n, -1))
+        if family.sandwich_norms:  # Gemma 3: its post_attention_layernorm is on the output; a pre_feedforward one follows
+            hidden = hidden + families.norm(family, layer.post_attention_layernorm, out)
+            x = families.norm(family, layer.pre_feedforward_layernorm, hidden)
+        else:
+            hidden = hidden + out
+            x = families.norm(family, layer.post_attention_layernorm, hidden)
+        gate, up = families.gate_and_up(family, mlp, x)
         # Elementwise: one thread was faster than two from a decode step's 32 rows to a prefill's 512
         # (the wake-up of the sleeping workers costs more than the second core saves; threads.py).
         with threads.small(gate.numel()):
-            gate = mlp.act_fn(gate) * up
-        hidden = hidden + mlp.down_proj(gate)
-    return _rms_norm(inner.norm, hidden)
+            gate = families.activation(mlp)(gate) * up
+        out = mlp.down_proj(gate)
+        if family.sandwich_norms:
+            out = families.norm(family, layer.post_feedforward_layernorm, out)
+        hidden = hidden + out
+    return families.norm(family, inner.norm, hidden)
 
 
-def causal_within_rows(lengths: list[int], scale: float, device=None):
+def causal_within_rows(lengths: list[int], scale: float, device=None, windows: list[int | None] | None = None):
     """An `attend` for flat_forward over whole sequences laid end to end (training): each token sees
-    the tokens of its own row up to itself. Attention alone pads: the rows' queries, keys and values
-    go into one right-padded batch for a single causal attention call (a padded key comes after
-    every real query of its row, so the causal mask already hides it), and the real tokens come back."""
+    the tokens of its own row up to itself (and, in a sliding-window layer, only the last `window` of them).
+    Attention alone pads: the rows' queries, keys and values go into one right-padded batch for a single
+    causal attention call (a padded key comes after every real query of its row, so the causal mask
+    already hides it), and the real tokens come back."""
     longest, starts = max(lengths), np.cumsum([0, *lengths[:-1]])
     where = np.zeros((len(lengths), longest), dtype=np.int64)  # flat index of each padded slot (0: padding)
     for row, (start, length) in enumerate(zip(starts, lengths)):
         where[row, :length] = np.arange(start, start + length)
     padded = torch.from_numpy(where.reshape(-1)).to(device)
     real = torch.from_numpy(np.flatnonzero(np.arange(longest)[None, :] < np.array(lengths)[:, None])).to(device)
+    slots = torch.arange(longest, device=device)
+    # A window shorter than the longest row binds: its layers take a mask instead of the plain causal path.
+    masks = {w: families.window_mask(slots, slots, w) for w in set(windows or []) if w is not None and w < longest}
 
     def attend(layer: int, q, k, v):
         rows, (heads, head_dim) = len(lengths), q.shape[1:]
         q_, k_, v_ = (t.index_select(0, padded).view(rows, longest, t.shape[1], head_dim).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=scale, enable_gqa=True)
+        mask = masks.get(windows[layer]) if windows else None
+        out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                             enable_gqa=True)
         return out.transpose(1, 2).reshape(rows * longest, heads, head_dim).index_select(0, real)
     return attend
 
 
 def _adapter_key(active: _Active) -> int:
     return id(active.request.adapter) if active.request.adapter is not None else 0
-
-
-def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The model's RMSNorm (Llama's and Qwen2's formula) as torch's one fused op instead of its six."""
-    return F.rms_norm(x, x.shape[-1:], norm.weight, norm.variance_epsilon)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 # ---- one request at a time (other architectures; the benchmarks' baseline) ---------------------

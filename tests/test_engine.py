@@ -418,21 +418,39 @@ def test_a_training_job_finishes_while_a_long_sample_decodes(engine, tokenizer, 
     assert done[1][1].sequences[0].tokens == expected.sequences[0].tokens
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+# Each family's config, tiny; a sliding window of 8 binds on the 21-token prompt and its samples.
+FAMILY_CONFIGS = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {"head_dim": 16},
+    "mistral": {"sliding_window": 8},
+    "phi3": {"pad_token_id": 0, "partial_rotary_factor": 0.5},  # rotates half of each head
+    "gemma": {"head_dim": 16},
+    "gemma3_text": {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+}
+
+
+def test_every_family_the_packed_forward_claims_is_checked_here():
+    from kernel_backend import sampler
+
+    assert set(sampler.BATCHED_ARCHITECTURES) == set(FAMILY_CONFIGS)
+
+
+@pytest.mark.parametrize("architecture", list(FAMILY_CONFIGS))
 def test_the_batched_forward_matches_transformers_on_each_architecture_it_claims(architecture):
-    """The decoder writes the layer out itself (sampler.flat_forward): on a tiny random model of
-    each architecture in BATCHED_ARCHITECTURES (a shape check, so random weights are fine), its
-    prompt logprobs and sampled-token logprobs equal transformers' own forward pass, and so do the
-    logits of rows packed end to end as training runs them."""
+    """The decoder writes the layer out itself (sampler.flat_forward, with families.py's switches): on a
+    tiny random model of each architecture in BATCHED_ARCHITECTURES (a shape check, so random weights are
+    fine), its prompt logprobs and sampled-token logprobs equal transformers' own forward pass, and so do
+    the logits of rows packed end to end as training runs them, sliding windows included."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kernel_backend import lora, sampler
+    from kernel_backend import families, lora, sampler
     from kernel_backend.types import SampleOptions, SamplingParams
 
     assert architecture in sampler.BATCHED_ARCHITECTURES
     config = AutoConfig.for_model(architecture, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
-                                  max_position_embeddings=256)
+                                  max_position_embeddings=256, **FAMILY_CONFIGS[architecture])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
     reference = AutoModelForCausalLM.from_config(config).eval()
@@ -457,7 +475,8 @@ def test_the_batched_forward_matches_transformers_on_each_architecture_it_claims
     rows = [prompt[:13], prompt]
     ids = torch.tensor([t for row in rows for t in row])
     positions = torch.cat([torch.arange(len(row)) for row in rows])
-    attend = sampler.causal_within_rows([len(row) for row in rows], model.model.layers[0].self_attn.scaling)
+    attend = sampler.causal_within_rows([len(row) for row in rows], model.model.layers[0].self_attn.scaling,
+                                        windows=families.sliding_windows(config))
     with lora.route(model, [None] * len(ids)), torch.no_grad():
         packed = model.lm_head(sampler.flat_forward(model, ids, positions, attend))
         for part, row in zip(packed.split([len(row) for row in rows]), rows):

@@ -75,13 +75,12 @@ def get_info(svc: Service, tenant: str, model_id: str) -> dict:
     run = svc.run(tenant, model_id)
     # The SDK's get_tokenizer() loads tokenizer_id on the client. The embedded backend's client is on
     # this machine, so the local folder works offline; a shared server names the model, never a path.
-    tokenizer_id = run.base_model
-    if svc.settings.embedded:
-        tokenizer_id = str(models.resolve(run.base_model, svc.settings.models_dir, svc.settings.base_models)[1])
+    folder = models.resolve(run.base_model, svc.settings.models_dir, svc.settings.base_models)[1]
+    tokenizer_id = str(folder) if svc.settings.embedded else run.base_model
     return {
         "type": "get_info",
         "model_id": model_id,
-        "model_data": {"arch": "llama", "model_name": run.base_model, "tokenizer_id": tokenizer_id},
+        "model_data": {"arch": models.architecture(folder), "model_name": run.base_model, "tokenizer_id": tokenizer_id},
         "is_lora": True,
         "lora_rank": run.lora_config["rank"],
         "model_name": run.base_model,
