@@ -21,6 +21,9 @@ Five parts, each printing a ratio measured in this one run (higher is better):
             PEFT model (peft.get_peft_model, the same LoRA shape).      Target: >= 1.0x.
 - small:    the server part's workload in this process, through each decoder, with small products
             on one thread (kernel_backend/threads.py, the default) and on every thread.
+- family:   the small part's workload (batched against serial, threads as the server has them) on a
+            tiny random Qwen3 built from its config (hidden 256, 4 layers, the default model's
+            tokenizer): the families beyond Llama take the batched decoder too (kernel_backend/families.py).
 - prefix:   one distillation step's teacher scoring (16 compute_logprobs sharing their prompts) in
             this process, with the prefix cache (kernel_backend/prefix_cache.py) on and off.
 - recipes:  the rl and distillation recipes with their defaults, each against a serial-sampler
@@ -31,6 +34,7 @@ Five parts, each printing a ratio measured in this one run (higher is better):
     .venv/bin/python bench/sample.py --parts server --sampler vllm
     .venv/bin/python bench/sample.py --parts small --rounds 3
     .venv/bin/python bench/sample.py --parts prefix --rounds 3
+    .venv/bin/python bench/sample.py --parts family --rounds 3
     .venv/bin/python bench/sample.py --parts recipes
 """
 
@@ -293,23 +297,13 @@ def bench_small_products(rounds: int) -> None:
 
     from kernel_backend import threads
     from kernel_backend.engine import Engine
-    from kernel_backend.types import LoraConfig, SamplingParams
 
-    engine = Engine(BASE)
-    for seed in range(4):
-        engine.create_adapter(f"bench{seed}", LoraConfig(rank=32, seed=seed))
-    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
-               for q in QUESTIONS]
+    engine = workload_engine(Engine(BASE))
     default_work = threads.SMALL_WORK
 
     def run(decoder: str, small_on: bool) -> int:
         threads.SMALL_WORK = default_work if small_on else 0
-        engine.settings.sampler = decoder
-        engine.reset_decoder()
-        requests = [engine.sample_request(f"bench{i % 4}", prompt, 4, SamplingParams(max_tokens=32, temperature=1.0, seed=i))
-                    for i, prompt in enumerate(prompts)]
-        results = engine.run_requests(requests)
-        return sum(len(s.tokens) for r in results for s in r.sequences)
+        return decode_workload(engine, decoder)
 
     sides = [(decoder, on) for decoder in ("batched", "serial") for on in (True, False)]
     for side in sides:
@@ -332,6 +326,71 @@ def bench_small_products(rounds: int) -> None:
     for decoder in ("batched", "serial"):
         print(f"  ratio {decoder}, one thread / every thread: {rate[(decoder, True)] / rate[(decoder, False)]:.2f}")
     print(f"  ({load_before} before, {load_line()} after)")
+
+
+def workload_engine(engine):
+    """An engine with the four rank-32 adapters the small and family parts sample with."""
+    from kernel_backend.types import LoraConfig
+
+    for seed in range(4):
+        engine.create_adapter(f"bench{seed}", LoraConfig(rank=32, seed=seed))
+    return engine
+
+
+def decode_workload(engine, decoder: str) -> int:
+    """The server part's requests (8 prompts x 4 samples x max 32 tokens, a seed each, over the four adapters)
+    through `decoder` ("batched" or "serial") in this process; returns the tokens sampled."""
+    from kernel_backend.types import SamplingParams
+
+    engine.settings.sampler = decoder
+    engine.reset_decoder()
+    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
+               for q in QUESTIONS]
+    requests = [engine.sample_request(f"bench{i % 4}", prompt, 4, SamplingParams(max_tokens=32, temperature=1.0, seed=i))
+                for i, prompt in enumerate(prompts)]
+    return sum(len(s.tokens) for r in engine.run_requests(requests) for s in r.sequences)
+
+
+# ---- family: a model family beyond Llama on the batched decoder -------------------------------------------
+
+
+def bench_family(rounds: int) -> None:
+    """A tiny random Qwen3 (q/k norms: families.py) through the batched decoder and the serial loop."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kernel_backend.config import Settings
+    from kernel_backend.engine import Engine
+    from helpers import default_tokenizer
+
+    tokenizer = default_tokenizer()
+    folder = Path(tempfile.mkdtemp(prefix="tiny-qwen3-"))
+    config = AutoConfig.for_model("qwen3", vocab_size=len(tokenizer), hidden_size=256, intermediate_size=768,
+                                  num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    settings = Settings()
+    settings.base_models = [f"tiny-qwen3={folder}"]
+    engine = workload_engine(Engine("tiny-qwen3", settings))
+    sides = ("batched", "serial")
+    for side in sides:
+        decode_workload(engine, side)  # warm-up
+    seconds: dict[str, list[float]] = {side: [] for side in sides}
+    tokens: dict[str, int] = {}
+    load_before = load_line()
+    for i in tqdm(range(rounds), desc="rounds (interleaved)"):
+        for side in sides if i % 2 == 0 else reversed(sides):
+            start_time = time.perf_counter()
+            tokens[side] = decode_workload(engine, side)
+            seconds[side].append(time.perf_counter() - start_time)
+    rate = {side: tokens[side] / statistics.median(s) for side, s in seconds.items()}
+    print(f"\n[family] tiny random Qwen3 (hidden 256, 4 layers), 8 requests x 4 samples x max 32 tokens, 4 adapters, "
+          f"{torch.get_num_threads()} threads")
+    for side in sides:
+        print(f"  {side:<8} {rate[side]:7.1f} tokens/s   rounds: " + " ".join(f"{s:.2f}s" for s in seconds[side]))
+    print(f"  ratio batched / serial: {rate['batched'] / rate['serial']:.2f}   ({load_before} before, {load_line()} after)")
 
 
 # ---- prefix: the prefix cache on one distillation step's teacher scoring ----------------------------------
@@ -439,7 +498,7 @@ def bench_recipes() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="server,generate", help="comma-separated: server, generate, small, prefix, recipes")
+    parser.add_argument("--parts", default="server,generate", help="comma-separated: server, generate, small, family, prefix, recipes")
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds per side (after a warm-up)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads in this process (0: torch's default)")
     parser.add_argument("--server-threads", type=int, default=0, help="OMP_NUM_THREADS for the servers (0: default)")
@@ -456,6 +515,7 @@ def main() -> None:
     parts = {"server": lambda: bench_server(args.rounds, args.bf16, args.sampler),
              "generate": lambda: bench_generate(args.rounds),
              "small": lambda: bench_small_products(args.rounds),
+             "family": lambda: bench_family(args.rounds),
              "prefix": lambda: bench_prefix(args.rounds),
              "recipes": bench_recipes}
     for part in args.parts.split(","):

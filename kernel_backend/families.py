@@ -7,14 +7,19 @@ written here, as switches of one `Family` row per architecture, so that one laye
 - Qwen3 and Gemma 3 normalize each head's queries and keys (an RMSNorm over the head) before the rotation;
 - Gemma's norms scale by (1 + weight), in float32, and its embeddings by sqrt(hidden) (its embedding
   module does that itself);
-- Gemma 3 also normalizes the attention's and the MLP's outputs before each residual add ("sandwich"),
-  rotates its sliding-window layers with a base of their own, and alternates sliding and full layers;
+- Gemma 2 and 3 also normalize the attention's and the MLP's outputs before each residual add
+  ("sandwich") and alternate sliding and full layers; Gemma 3 rotates its sliding layers with a base of
+  their own; Gemma 2 soft-caps attention scores and final logits (cap * tanh(x / cap)), which the fused
+  attention call cannot do, so its attention is written out (`attention`);
 - Mistral (and Qwen with use_sliding_window) let each token see only the last `sliding_window` tokens;
 - Phi-3 fuses q, k, v into one qkv_proj and gate, up into one gate_up_proj, and may rotate only part of
-  each head (partial_rotary_factor).
+  each head (partial_rotary_factor);
+- Qwen3-MoE routes each token to a few experts: its mixture-of-experts block runs as the model's own
+  module (router and experts as transformers runs them). Its experts are 3-D parameters, not linear
+  layers, so LoRA there trains attention, lm_head and any dense MLP layers, not the experts.
 
-Architectures not in FAMILIES (and Gemma 2, whose attention-logit soft-capping the fused attention call
-cannot do) run through transformers' own forward instead: padded training, one request at a time sampling.
+Architectures not in FAMILIES run through transformers' own forward instead: padded training, one
+request at a time sampling.
 To add a family: give it a row, add a switch below only for what no row has yet, and add it to the
 architectures test_engine checks against transformers.
 """
@@ -25,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernel_backend import threads
 
 
 @dataclass(frozen=True)
@@ -43,14 +50,14 @@ FAMILIES = {
     "qwen3": Family(qk_norm=True),
     "phi3": Family(fused_projections=True),
     "gemma": Family(unit_offset_norms=True),
+    "gemma2": Family(unit_offset_norms=True, sandwich_norms=True),
     "gemma3_text": Family(qk_norm=True, unit_offset_norms=True, sandwich_norms=True, rope_by_layer_type=True),
+    "qwen3_moe": Family(qk_norm=True),
 }
 
 
 def family_of(config) -> Family | None:
-    """The config's family, or None when the packed forward cannot run it exactly."""
-    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
-        return None
+    """The config's family, or None when the packed forward does not know its architecture."""
     return FAMILIES.get(config.model_type)
 
 
@@ -99,14 +106,46 @@ def projections(family: Family, attention: torch.nn.Module, x: torch.Tensor, hea
     return q, k, v
 
 
-def gate_and_up(family: Family, mlp: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def feed_forward(family: Family, mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's output for (tokens, hidden): a gated MLP written out (its LoRA layers apply), or a block
+    of the model's own that is not one (a mixture of experts: its router and experts as the model runs them)."""
     if family.fused_projections:
-        return mlp.gate_up_proj(x).chunk(2, dim=-1)
-    return mlp.gate_proj(x), mlp.up_proj(x)
+        gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
+    elif hasattr(mlp, "gate_proj"):
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    else:
+        return mlp(x[None])[0]
+    act = mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn  # Phi-3 names it activation_fn
+    # Elementwise: one thread was faster than two from a decode step's 32 rows to a prefill's 512
+    # (the wake-up of the sleeping workers costs more than the second core saves; threads.py).
+    with threads.small(gate.numel()):
+        gate = act(gate) * up
+    return mlp.down_proj(gate)
 
 
-def activation(mlp: torch.nn.Module):
-    return mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn  # Phi-3 names it activation_fn
+def attention(q, k, v, *, scale: float, mask=None, causal: bool = False, softcap: float | None = None):
+    """Scaled dot-product attention over (..., heads, tokens, head_dim), grouped-query heads included: torch's
+    fused call, or, with Gemma 2's soft-capped scores, the same computation written out as transformers does it."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+    groups = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    if causal:  # only ever asked with as many queries as keys
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def attention_softcap(config) -> float | None:
+    return getattr(config, "attn_logit_softcapping", None)
+
+
+def final_logits(config, logits: torch.Tensor) -> torch.Tensor:
+    """lm_head's output as the model returns it: Gemma 2 soft-caps it."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
 
 
 def window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -334,6 +334,7 @@ class Decoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.windows = families.sliding_windows(config)  # each layer's sliding window (None: all it has seen)
+        self.softcap = families.attention_softcap(config)  # Gemma 2 caps attention scores
         self.cache = KVCache(config.num_hidden_layers, self.kv_heads, self.head_dim, model.dtype, model.device, budget_tokens)
         # Finished prompts' keys and values, for later prompts that start the same way; a 32nd of the budget.
         self.prefixes = prefix_cache.PrefixCache(budget_tokens // 32)
@@ -463,9 +464,9 @@ class Decoder:
                 plain = s == 0 and (window is None or window >= e)
                 mask = None if plain else families.window_mask(torch.arange(s, e, device=device),
                                                                torch.arange(e, device=device), window)
-                out[lo:hi] = F.scaled_dot_product_attention(
+                out[lo:hi] = families.attention(
                     q[lo:hi].transpose(0, 1)[None], active.keys[None, layer, :, :e], active.values[None, layer, :, :e],
-                    attn_mask=mask, is_causal=plain, scale=self.scaling, enable_gqa=True,
+                    mask=mask, causal=plain, scale=self.scaling, softcap=self.softcap,
                 )[0].transpose(0, 1)
             return out
 
@@ -551,9 +552,9 @@ class Decoder:
                 keys, values = self.cache.keys[layer], self.cache.values[layer]
                 keys[index, :, lengths] = k
                 values[index, :, lengths] = v
-                out = F.scaled_dot_product_attention(
+                out = families.attention(
                     q[:, :, None], keys[:n, :, :longest], values[:n, :, :longest],
-                    attn_mask=visible[self.windows[layer]][:, None, None, :], scale=self.scaling, enable_gqa=True,
+                    mask=visible[self.windows[layer]][:, None, None, :], scale=self.scaling, softcap=self.softcap,
                 )[:, :, 0]
                 return out[forward_order] if permuted else out
 
@@ -617,7 +618,7 @@ class Decoder:
 
     def _logits(self, hidden: torch.Tensor, adapters: list) -> torch.Tensor:
         with lora.route(self.model, adapters):
-            return self.model.lm_head(hidden).float()
+            return families.final_logits(self.model.config, self.model.lm_head(hidden).float())
 
 
 def flat_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
@@ -652,19 +653,15 @@ def flat_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Ten
         else:
             hidden = hidden + out
             x = families.norm(family, layer.post_attention_layernorm, hidden)
-        gate, up = families.gate_and_up(family, mlp, x)
-        # Elementwise: one thread was faster than two from a decode step's 32 rows to a prefill's 512
-        # (the wake-up of the sleeping workers costs more than the second core saves; threads.py).
-        with threads.small(gate.numel()):
-            gate = families.activation(mlp)(gate) * up
-        out = mlp.down_proj(gate)
+        out = families.feed_forward(family, mlp, x)
         if family.sandwich_norms:
             out = families.norm(family, layer.post_feedforward_layernorm, out)
         hidden = hidden + out
     return families.norm(family, inner.norm, hidden)
 
 
-def causal_within_rows(lengths: list[int], scale: float, device=None, windows: list[int | None] | None = None):
+def causal_within_rows(lengths: list[int], scale: float, device=None, windows: list[int | None] | None = None,
+                       softcap: float | None = None):
     """An `attend` for flat_forward over whole sequences laid end to end (training): each token sees
     the tokens of its own row up to itself (and, in a sliding-window layer, only the last `window` of them).
     Attention alone pads: the rows' queries, keys and values go into one right-padded batch for a single
@@ -684,8 +681,7 @@ def causal_within_rows(lengths: list[int], scale: float, device=None, windows: l
         rows, (heads, head_dim) = len(lengths), q.shape[1:]
         q_, k_, v_ = (t.index_select(0, padded).view(rows, longest, t.shape[1], head_dim).transpose(1, 2) for t in (q, k, v))
         mask = masks.get(windows[layer]) if windows else None
-        out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                             enable_gqa=True)
+        out = families.attention(q_, k_, v_, mask=mask, causal=mask is None, scale=scale, softcap=softcap)
         return out.transpose(1, 2).reshape(rows * longest, heads, head_dim).index_select(0, real)
     return attend
 

@@ -426,7 +426,11 @@ FAMILY_CONFIGS = {
     "mistral": {"sliding_window": 8},
     "phi3": {"pad_token_id": 0, "partial_rotary_factor": 0.5},  # rotates half of each head
     "gemma": {"head_dim": 16},
+    "gemma2": {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+               "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0},  # caps low enough to bind
     "gemma3_text": {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+    # Four experts, two per token, over a small expert MLP, on every layer (as Qwen3-30B-A3B has them).
+    "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
 }
 
 
@@ -476,9 +480,10 @@ def test_the_batched_forward_matches_transformers_on_each_architecture_it_claims
     ids = torch.tensor([t for row in rows for t in row])
     positions = torch.cat([torch.arange(len(row)) for row in rows])
     attend = sampler.causal_within_rows([len(row) for row in rows], model.model.layers[0].self_attn.scaling,
-                                        windows=families.sliding_windows(config))
+                                        windows=families.sliding_windows(config),
+                                        softcap=families.attention_softcap(config))
     with lora.route(model, [None] * len(ids)), torch.no_grad():
-        packed = model.lm_head(sampler.flat_forward(model, ids, positions, attend))
+        packed = families.final_logits(config, model.lm_head(sampler.flat_forward(model, ids, positions, attend)))
         for part, row in zip(packed.split([len(row) for row in rows]), rows):
             torch.testing.assert_close(part, reference(torch.tensor([row])).logits[0], rtol=0, atol=1e-5)
 

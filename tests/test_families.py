@@ -128,16 +128,19 @@ def test_lora_gradients_equal_peft_and_the_exported_adapter_gives_the_same_logit
     generator = torch.Generator().manual_seed(2)
     for _, b in adapter.weights.values():  # B != 0, so that A gets a gradient and the adapter changes the model
         b.data.normal_(0, 0.05, generator=generator)
-    expected_kinds = {"qkv_proj", "gate_up_proj"} if architecture == "phi3" else {"q_proj", "v_proj", "gate_proj"}
+    # Phi-3's fused projections; Qwen3-MoE's experts are 3-D parameters, not linear layers: no MLP LoRA there.
+    expected_kinds = {"phi3": {"qkv_proj", "gate_up_proj"}, "qwen3_moe": {"q_proj", "v_proj", "lm_head"}}.get(
+        architecture, {"q_proj", "v_proj", "gate_proj"})
     assert expected_kinds <= {name.rsplit(".", 1)[-1] for name in adapter.weights}
 
     rows = [torch.randint(0, 300, (n,), generator=generator).tolist() for n in (19, 12)]  # longer than a window of 8
     ids = torch.tensor([t for row in rows for t in row])
     positions = torch.cat([torch.arange(len(row)) for row in rows])
     attend = sampler.causal_within_rows([len(r) for r in rows], model.model.layers[0].self_attn.scaling,
-                                        windows=families.sliding_windows(model.config))
+                                        windows=families.sliding_windows(model.config),
+                                        softcap=families.attention_softcap(model.config))
     with lora.route(model, [adapter] * len(ids)):
-        logits = model.lm_head(sampler.flat_forward(model, ids, positions, attend))
+        logits = families.final_logits(model.config, model.lm_head(sampler.flat_forward(model, ids, positions, attend)))
     ours = sum(torch.nn.functional.cross_entropy(part[:-1], torch.tensor(row[1:]), reduction="sum")
                for part, row in zip(logits.split([len(r) for r in rows]), rows))
     ours.backward()
