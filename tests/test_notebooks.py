@@ -27,6 +27,11 @@ groups small enough that a step ties and is skipped: one step count everywhere, 
 marked on the plots and counted in the summary; a rollout's token colours have a legend
 (tests/_artifacts/rollouts-legend.png).
 
+The budget notebook (07) runs into its budget: while its cells run, the status bar and the sidebar's
+budget bar are watched turning amber at 80% and red when the backend refuses; the meters frozen at
+those moments, and the loss plotted against cost (a point per step), are checked after
+(tests/_artifacts/budget-*.png).
+
 The quickstart and the SFT notebook run at the same time, in two tabs: both train, and both
 sessions are in the sidebar under their notebooks' names. The RL insight notebook (06) is driven by
 the mouse: a click on a point of a plot opens that step's rollouts (tests/_artifacts/rl-insight-*.png).
@@ -43,7 +48,7 @@ import pytest
 
 from browser import (ARTIFACTS, NEEDS_CHROMIUM, backend_api, open_notebook, run_all, run_state, save,
                      wait_for_kernel, wait_until_run, write_notebook)
-from workbench.widgets.cost import format_cost
+from workbench.widgets.cost import budget_text, format_cost
 
 pytestmark = NEEDS_CHROMIUM
 
@@ -723,3 +728,106 @@ def test_rl_insight_notebook(lab, browser):
     dashboard.screenshot(path=str(ARTIFACTS / "rl-insight-dashboard.png"))
     page.set_viewport_size(size)
     check_notebook(page, lab, "06_rl_insight.ipynb", steps, panels)
+
+
+def theme_colour(page, variable: str) -> str:
+    """A JupyterLab theme colour as the browser computes it (e.g. "rgb(245, 124, 0)")."""
+    return page.evaluate("""(variable) => {
+        const probe = document.createElement('div');
+        probe.style.background = `var(${variable})`;
+        document.body.append(probe);
+        const colour = getComputedStyle(probe).backgroundColor;
+        probe.remove();
+        return colour;
+    }""", variable)
+
+
+def budget_marks(page, notebook: str) -> dict:
+    """The budget as the status bar and the notebook's sidebar row show it: state, classes, colours, texts."""
+    return page.evaluate("""(notebook) => {
+        const status = document.querySelector('.jp-StepwiseCost');
+        const row = document.querySelector(`li.jp-StepwiseSession[data-name='${notebook}'] > .jp-StepwiseBudget`);
+        return {state: status.dataset.budgetState, classes: [...status.classList].filter(c => c.startsWith('stepwise-budget')),
+                background: getComputedStyle(status).backgroundColor, title: status.title,
+                sidebar: row && !row.hidden ? {state: row.dataset.state, classes: [...row.classList].filter(c => c.startsWith('stepwise-budget')),
+                                               text: row.querySelector('.jp-StepwiseBudget-text').textContent,
+                                               bar: getComputedStyle(row.querySelector('.jp-StepwiseBudget-bar')).backgroundColor} : null};
+    }""", notebook)
+
+
+def test_budget_notebook(lab, browser):
+    """A session with a budget of 5 steps (at $3.36e-6 a step), run until the backend refuses, then raised:
+    while the cells run, the status bar turns amber (stepwise-budget-warning, the theme's warn colour) at
+    80% and red (stepwise-budget-exhausted, its error colour) once refused, its tooltip naming the session's
+    budget, and the sidebar's budget bar with it; the meters frozen at those moments show the bar in those
+    colours with the text the notebook printed; the live meter ends as the usage API's budget reads; the
+    loss plotted against cost has a point per step, at the run's cumulative cost (the last at the run's
+    cost). Screenshots: tests/_artifacts/budget-*.png."""
+    name = "07_budget.ipynb"
+    write_notebook(lab, NOTEBOOKS / name, {"budget_usd": 0.00002, "more_steps": 2, "pause_s": 3.0})
+    page = browser.new_page()
+    open_notebook(page, lab, name)
+    open_sidebar(page)  # its budget bar is watched too
+    run_all(page)
+    ARTIFACTS.mkdir(exist_ok=True)
+    seen: dict[str, dict] = {}  # state -> the first look at it while the cells ran
+    deadline = time.monotonic() + 600
+    while True:
+        marks = budget_marks(page, name)
+        if marks["state"] in ("warning", "exhausted") and marks["state"] not in seen:
+            seen[marks["state"]] = marks
+            page.screenshot(path=str(ARTIFACTS / f"budget-status-{marks['state']}.png"))
+        state = run_state(page)
+        if state["cells"] and state["done"] == state["cells"] or problems(page):
+            break
+        assert time.monotonic() < deadline, f"the notebook did not finish: {state}"
+        page.wait_for_timeout(200)
+    assert not problems(page), problems(page)
+    text = page.locator(".jp-Notebook").text_content()
+    usage = session_of(lab, name)
+    api = backend_api(lab)
+    budget = api.get("/api/v1/usage", params={"session_id": usage["id"], "limit": 1}).json()["budget"]
+
+    # The status bar and the sidebar at 80% and at 100%, in the theme's colours.
+    colours = {"warning": theme_colour(page, "--jp-warn-color1"), "exhausted": theme_colour(page, "--jp-error-color1")}
+    assert set(seen) == {"warning", "exhausted"}, seen
+    for state, marks in seen.items():
+        assert marks["classes"] == [f"stepwise-budget-{state}"] and marks["background"] == colours[state], marks
+        assert marks["title"].startswith(f"Budget of session {usage['id']}: $0.0000"), marks
+        assert ("nearly spent" if state == "warning" else "the backend refuses more work") in marks["title"], marks
+        sidebar = marks["sidebar"]
+        assert sidebar and sidebar["classes"] == [f"stepwise-budget-{state}"] and sidebar["bar"] == colours[state], marks
+    assert re.match(r"\$0\.0000\d\d of \$0\.000020 \((8\d|9\d)%\)$", seen["warning"]["sidebar"]["text"]), seen
+
+    # The meters: live, as it stood at 80%, as it stood when refused.
+    live, nearly, spent = page.locator(".wb-cost").all()
+    printed = re.search(r"after (\d+) steps: (\$\S+ of \$\S+ \(\d+%\)), warning", text)
+    refused = re.search(r"refused after (\d+) steps: .*over budget: the budget of session (\S+) is", text)
+    assert printed and refused and refused[1] == printed[1] and refused[2] == usage["id"], text[-3000:]
+    for meter, state, words in ((nearly, "warning", printed[2]), (spent, "exhausted", printed[2])):
+        bar = meter.locator(".wb-budget")
+        assert bar.get_attribute("data-state") == state and f"wb-budget-{state}" in bar.get_attribute("class")
+        assert bar.locator(".wb-budget-text").text_content() == words  # nothing was billed for the refused call
+        assert bar.locator(".wb-budget-bar").evaluate("e => getComputedStyle(e).backgroundColor") == colours[state]
+        width = bar.locator(".wb-budget-bar").evaluate("e => e.getBoundingClientRect().width / e.parentElement.getBoundingClientRect().width")
+        assert 0.8 <= width <= 1.0, width
+    assert "set_budget(usd=...) raises it" in spent.locator(".wb-budget-note").text_content()
+    assert budget["state"] == "ok" and budget["budget_usd"] == pytest.approx(0.0001), budget
+    eventually(lambda: live.locator(".wb-budget-text").text_content() == budget_text(budget))
+    assert live.locator(".wb-budget").get_attribute("data-state") == "ok"
+    nearly.scroll_into_view_if_needed()
+    nearly.screenshot(path=str(ARTIFACTS / "budget-meter-warning.png"))
+    spent.screenshot(path=str(ARTIFACTS / "budget-meter-exhausted.png"))
+
+    # The loss against cost: a point per step (five before the refusal, two after), at the run's cost by then.
+    steps = int(refused[1]) + 2
+    assert re.search(rf"\b{steps} steps, ", text), text[-2000:]
+    (plot,) = page.evaluate("""() => [...document.querySelectorAll('.jp-Notebook .wb-dashboard .js-plotly-plot')].map(el => ({
+        x: el.layout.xaxis.title.text, traces: el.data.map(t => ({name: t.name, x: [...t.x], steps: [...t.customdata]}))}))""")
+    (loss,) = plot["traces"]
+    assert plot["x"] == "$" and loss["steps"] == list(range(1, steps + 1)), plot
+    assert all(a < b for a, b in zip(loss["x"], loss["x"][1:])), loss["x"]
+    run_cost = api.get("/api/v1/usage", params={"training_run_id": f"{usage['id']}:train:0", "limit": 1}).json()["totals"]["cost"]
+    assert loss["x"][-1] == pytest.approx(run_cost, rel=1e-9) and usage["cost"] == pytest.approx(run_cost, rel=1e-9)
+    page.locator(".wb-dashboard").first.scroll_into_view_if_needed()
+    page.screenshot(path=str(ARTIFACTS / "notebook-07_budget.png"))

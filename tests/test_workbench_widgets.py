@@ -8,6 +8,7 @@ widget's own JavaScript. Tests against the real backend are in test_workbench.py
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import re
@@ -123,6 +124,201 @@ def test_the_dashboard_marks_skipped_steps_and_announces_only_the_metrics_it_exp
     assert dash.figures["kl"].data[-1].yaxis == "y2"  # along the bottom, off the panel's own scale
     for d in (plain, dash):
         d.close()
+
+
+class FakeLedger:
+    """A usage API over `rows` (ledger order), answering each scope as the backend does: a run's scope
+    holds its own rows and its samplers' ("sampler_of" here), a session's every row; with a budget."""
+
+    def __init__(self, rows: list[dict], budget: dict | None = None):
+        self.rows = [{"id": i + 1, "cost": 0.0, "step": None, "training_run_id": None, "metrics": {}, **row}
+                     for i, row in enumerate(rows)]
+        self.budget = budget
+
+    def usage(self, session_id=None, training_run_id=None, after=0, limit=1000):
+        mine = [r for r in self.rows if training_run_id in (None, r["training_run_id"], r.get("sampler_of"))]
+        page = [r for r in mine if r["id"] > after][:limit]
+        totals = {"cost": sum(r["cost"] for r in mine), "requests": len(mine), "prefill_tokens": 0, "sample_tokens": 0,
+                  "train_tokens": 0, "by_kind": {k: {"tokens": 0, "cost": 0.0} for k in ("prefill", "sample", "train")}}
+        return {"series": page, "totals": totals, "cursor": page[-1]["id"] if page else after, "currency": "USD",
+                "budget": self.budget}
+
+
+def rl_steps(run: str, n: int, rollout_cost: float = 0.5, train_cost: float = 1.0) -> list[dict]:
+    """The ledger of `n` RL steps of `run`: rollouts sampled (rows of its sampler, no step), a
+    forward_backward at step k - 1 with its loss, the optim_step that finishes step k (costless)."""
+    rows = []
+    for k in range(1, n + 1):
+        rows += [{"request_type": "Sample", "sampler_of": run, "cost": rollout_cost},
+                 {"request_type": "ForwardBackward", "training_run_id": run, "step": k - 1, "cost": train_cost,
+                  "metrics": {"loss:sum": 10.0 / k}},
+                 {"request_type": "OptimStep", "training_run_id": run, "step": k}]
+    return rows
+
+
+@pytest.mark.parametrize("scope", ["run", "session"])
+def test_the_dashboard_plots_each_metric_against_what_the_run_had_spent(scope):
+    """x="cost": a point per step, at the run's cumulative cost when it finished that step (its rollouts'
+    sampling included, read from the run's own usage scope even on a session dashboard, whose rows do
+    not say which run a rollout was for); the step rides along as customdata; the x axis is "$"."""
+    ledger = FakeLedger(rl_steps("r", 3))
+    where = {"training_run_id": "r"} if scope == "run" else {"session": "s"}
+    dash = Dashboard(**where, x="cost", connection=ledger, poll_interval=None)
+    for step in range(0, 4):
+        dash.log(step, reward=step / 10, run="r" if scope == "session" else None)
+    dash.flush()
+    assert dash.step_costs == {"r": {0: 0.5, 1: 1.5, 2: 3.0, 3: 4.5}}
+    for title, steps in ((LOSS_PANEL, [1, 2, 3]), ("reward", [0, 1, 2, 3])):
+        figure = dash.figures[title]
+        (trace,) = figure.data
+        assert list(trace.customdata) == steps and list(trace.x) == [dash.step_costs["r"][k] for k in steps]
+        assert figure.layout.xaxis.title.text == "$" and figure.layout.xaxis.dtick is None
+    assert list(dash.figures[LOSS_PANEL].data[0].y) == [10.0, 5.0, 10.0 / 3]
+
+    # The next step's forward_backward is in the ledger, its optim_step not yet: a provisional cost,
+    # settled by the optim_step; the skip is placed by cost too.
+    ledger.rows += FakeLedger(rl_steps("r", 4)[-3:-1]).rows
+    for i, row in enumerate(ledger.rows):
+        row["id"] = i + 1
+    dash.refresh()
+    assert dash.step_costs["r"][4] == 6.0
+    dash.skip(2, "every group tied")
+    dash.flush()
+    (mark,) = [t for t in dash.figures["reward"].data if t.name.startswith("skipped")]
+    assert list(mark.x) == [3.0] and list(mark.customdata) == [2]
+    dash.close()
+
+
+def test_a_step_dashboard_is_unchanged_and_x_is_checked():
+    dash = Dashboard(training_run_id="r", connection=FakeLedger(rl_steps("r", 2)), poll_interval=None)
+    dash.flush()
+    loss = dash.figures[LOSS_PANEL]
+    assert list(loss.data[0].x) == [1, 2] and loss.layout.xaxis.title.text == "step" and dash.step_costs == {}
+    dash.close()
+    with pytest.raises(ValueError, match='"step" or "cost"'):
+        Dashboard(training_run_id="r", x="dollars", connection=FakeLedger([]), poll_interval=None)
+
+
+# ---- budgets ----------------------------------------------------------------------------------------------
+
+
+def budget(**fields) -> dict:
+    return {"scope": "session", "target": "s", "budget_usd": 0.5, "budget_tokens": None, "spent_usd": 0.0,
+            "spent_tokens": 0, "pending_usd": 0.0, "fraction": 0.0, "state": "ok", **fields}
+
+
+def test_budget_text_reads_as_the_extension_writes_it():
+    from workbench.widgets.cost import budget_text
+
+    assert budget_text(budget(spent_usd=0.41, fraction=0.82, state="warning")) == "$0.41 of $0.50 (82%)"
+    # tiny amounts keep two significant digits; the percentage rounds down (79.9% is not 80%)
+    assert budget_text(budget(budget_usd=0.00005, spent_usd=0.00003995, fraction=0.799)) == "$0.000040 of $0.000050 (79%)"
+    assert budget_text(budget(budget_usd=None, budget_tokens=5000, spent_tokens=1200, fraction=0.24)) == \
+        "1,200 of 5,000 tokens (24%)"
+    assert budget_text(budget(budget_usd=12, spent_usd=3.1, budget_tokens=5000, spent_tokens=4500, fraction=0.9)) == \
+        "$3.10 of $12.00 · 4,500 of 5,000 tokens (90%)"
+    assert budget_text(budget(spent_usd=0.29, fraction=0.58)) == "$0.29 of $0.50 (58%)"  # 0.58 * 100 is 57.999...
+    # each amount keeps two significant digits
+    assert budget_text(budget(budget_usd=0.0001, spent_usd=0.0000234, fraction=0.234)) == "$0.000023 of $0.00010 (23%)"
+    assert budget_text(budget(spent_usd=0.041, fraction=0.082)) == "$0.041 of $0.50 (8%)"
+    assert budget_text(budget(spent_usd=0.00041, fraction=0.00082)) == "$0.00041 of $0.50 (0%)"
+
+
+def test_the_cost_meter_shows_its_scopes_budget_and_none_without_one():
+    from workbench.widgets.cost import CostMeter
+
+    ledger = FakeLedger([], budget=budget(spent_usd=0.41, fraction=0.82, state="warning"))
+    meter = CostMeter(session="s", connection=ledger, poll_interval=None)
+    assert meter.budget["state"] == "warning" and meter.budget_text == "$0.41 of $0.50 (82%)"
+    assert {"budget", "budget_text"} <= set(meter.get_state())  # synced to the browser
+    ledger.budget = budget(spent_usd=0.5, fraction=1.0, state="exhausted")
+    meter.refresh()
+    assert meter.budget["state"] == "exhausted" and meter.budget_text == "$0.50 of $0.50 (100%)"
+    ledger.budget = None  # removed
+    meter.refresh()
+    assert meter.budget == {} and meter.budget_text == ""
+    meter.close()
+
+
+def test_the_kernel_scope_shows_the_tightest_budget():
+    from workbench.connect import tightest_budget
+
+    ok, warning, exhausted = (budget(target=t, state=s, fraction=f)
+                              for t, s, f in (("a", "ok", 0.5), ("b", "warning", 0.85), ("c", "exhausted", 0.97)))
+    assert tightest_budget([ok, exhausted, warning]) is exhausted  # exhausted before a fuller fraction elsewhere
+    assert tightest_budget([ok, budget(target="d", fraction=0.6)])["target"] == "d"
+    assert tightest_budget([]) is None
+
+
+def budget_connection(answers: dict):
+    """A Connection whose backend answers `answers[(method, path)]` -> (status, json) and records requests."""
+    import httpx
+
+    from workbench.connect import Connection
+
+    seen = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append((request.method, request.url.path, json.loads(request.content) if request.content else None))
+        status, body = answers.get((request.method, request.url.path), (404, {"detail": "Not Found"}))
+        return httpx.Response(status, json=body)
+
+    conn = Connection(base_url="http://backend.test", api_key="tml-test")
+    conn._http = httpx.Client(base_url=conn.base_url, transport=httpx.MockTransport(handle))
+    return conn, seen
+
+
+def test_set_budget_puts_on_the_run_or_session_named_and_says_what_went_wrong():
+    from workbench.connect import BackendError
+
+    path = "/api/v1/budgets/run/s:train:0"
+    conn, seen = budget_connection({("PUT", path): (200, budget(scope="run", target="s:train:0", budget_usd=0.2)),
+                                    ("DELETE", path): (200, {}),
+                                    ("GET", "/api/v1/budgets"): (200, {"budgets": [budget()]}),
+                                    ("PUT", "/api/v1/budgets/session/gone"): (404, {"detail": "no session 'gone'"})})
+    (answer,) = conn.set_budget(usd=0.2, training_run_id=SimpleNamespace(model_id="s:train:0"))
+    assert answer["budget_usd"] == 0.2
+    assert seen[-1] == ("PUT", path, {"budget_usd": 0.2, "budget_tokens": None})
+    conn.remove_budget(training_run_id="s:train:0")
+    assert seen[-1][:2] == ("DELETE", path)
+    assert conn.budgets() == [budget()]
+    with pytest.raises(BackendError, match="no session 'gone'"):
+        conn.set_budget(tokens=1000, session_id="gone")
+    for wrong, words in (({"usd": -1}, "number from 0 up"), ({"usd": "lots"}, "number from 0 up"),
+                         ({"tokens": 2.5}, "whole number"), ({}, "remove_budget")):
+        with pytest.raises(ValueError, match=words):
+            conn.set_budget(**wrong)
+    old, _ = budget_connection({})  # a backend from before budgets: the framework's own 404
+    with pytest.raises(BackendError, match="older Stepwise; upgrade it"):
+        old.budgets()
+
+
+def test_the_kernels_budget_rides_in_the_session_metadata_until_the_session_opens(monkeypatch, tmp_path):
+    """connect(budget_usd=...) puts it in the ServiceClient's user_metadata (the SDK sends it when it opens
+    the session), as a plain decimal; a re-run with another budget, or set_budget() before the session
+    opened, changes what will be sent; once open, set_budget() PUTs it."""
+    connect_module = importlib.import_module("workbench.connect")  # (workbench.connect is the function)
+    conn, seen = budget_connection({("PUT", "/api/v1/budgets/session/s1"): (200, budget(target="s1", budget_usd=2.0))})
+    monkeypatch.setenv("STEPWISE_HOME", str(tmp_path))
+    monkeypatch.setattr(connect_module, "_bind", lambda base_url, api_key: conn)
+    monkeypatch.setattr(connect_module, "_current", None)
+    try:
+        client = connect_module.connect("http://backend.test", "tml-test", budget_usd=0.00005, budget_tokens=9000)
+        assert client._user_metadata is conn.session_metadata
+        assert {k: v for k, v in conn.session_metadata.items() if k.startswith("budget")} == {
+            "budget_usd": "0.00005", "budget_tokens": "9000"}
+        connect_module.connect("http://backend.test", "tml-test", budget_usd=0.001)  # the cell, run again
+        assert conn.session_metadata["budget_usd"] == "0.001" and "budget_tokens" not in conn.session_metadata
+        assert seen == []  # no session open yet: nothing to PUT
+        client._session_holder = SimpleNamespace(_session_id="s1")  # the SDK opened it
+        (answer,) = connect_module.set_budget(usd=2)
+        assert answer["target"] == "s1" and seen == [("PUT", "/api/v1/budgets/session/s1",
+                                                       {"budget_usd": 2.0, "budget_tokens": None})]
+        with pytest.raises(ValueError, match="number from 0 up"):
+            connect_module.connect("http://backend.test", "tml-test", budget_usd=-0.5)
+    finally:
+        conn.clients.clear()  # nothing to finish: the session above is a stand-in
+        conn.registry_path and conn.registry_path.unlink(missing_ok=True)
 
 
 # ---- rollout inspector ------------------------------------------------------------------------------

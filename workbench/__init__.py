@@ -4,6 +4,7 @@
     service = workbench.connect()              # a tinker.ServiceClient on the local backend (shared)
     tc = service.create_lora_training_client(base_model=..., rank=8).result()
     workbench.Dashboard(training_run_id=tc.model_id)
+    workbench.set_budget(usd=0.50)             # the backend refuses (HTTP 402) what would pass it
 
 The widgets and DPO helpers load lazily (PEP 562), so `stepwise serve`, which imports
 workbench.cli, does not pull in plotly, pandas and torch. connect() and the step functions (fork,
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 import importlib
 
-from workbench.connect import BackendError, Connection, connect, current, disconnect
+from workbench.connect import (BackendError, Connection, budgets, connect, current, disconnect, remove_budget,
+                               set_budget)
 from workbench.steps import fork, kept_steps, lineage, sampler_at, undo
 
 _EXPORTS = {
@@ -33,8 +35,8 @@ _EXPORTS = {
     "add_reference_logprobs": "workbench.dpo",
 }
 
-__all__ = sorted([*_EXPORTS, "BackendError", "Connection", "connect", "current", "disconnect", "fork", "kept_steps",
-                  "lineage", "sampler_at", "undo"])
+__all__ = sorted([*_EXPORTS, "BackendError", "Connection", "budgets", "connect", "current", "disconnect", "fork",
+                  "kept_steps", "lineage", "remove_budget", "sampler_at", "set_budget", "undo"])
 
 
 def __getattr__(name: str):

@@ -25,15 +25,22 @@ process id, so the backend ends them when the process is gone.
 `current()` returns the active `Connection`: base_url, api_key, and small httpx helpers for the
 usage API that the widgets use. This module owns the connection state of the kernel; widgets
 only read it.
+
+Budgets (the backend's kernel_backend/budgets.py refuses, with HTTP 402, a request that would pass
+one): `connect(budget_usd=0.5)` puts one on the kernel's session through its user_metadata, so it
+holds from the session's first request; `set_budget(...)` / `remove_budget(...)` change one later
+(PUT / DELETE /api/v1/budgets/{scope}/{target}); `budgets()` lists the tenant's.
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime as dt
+import decimal
 import fcntl
 import importlib.util
 import logging
+import math
 import os
 import secrets
 import signal
@@ -44,10 +51,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 
 HEALTH_PATH = "/api/v1/healthz"
+BUDGETS_PATH = "/api/v1/budgets"
 START_TIMEOUT_S = 600  # the first start converts the default model (about 20-30 s); slow machines need more
 
 _lock = threading.RLock()  # connect() may be called from threads (e.g. a dashboard's poller); keep state whole
@@ -78,6 +87,10 @@ class Connection:
     registry_path: Path | None = None
     started: str = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc).isoformat())
     clients: list = field(default_factory=list)  # tinker.ServiceClient objects, newest last
+    # The user_metadata the ServiceClients were made with. The SDK reads it when it opens the session
+    # (lazily, at the first training or sampling client), so a budget put here before then still holds
+    # from the session's first request.
+    session_metadata: dict = field(default_factory=dict)
     _http: httpx.Client | None = field(default=None, repr=False)
 
     # ---- what this kernel created -----------------------------------------------------------------
@@ -90,13 +103,7 @@ class Connection:
     def session_ids(self) -> list[str]:
         """Sessions opened through this kernel's ServiceClients (a session exists once a client
         has created its first training or sampling client)."""
-        ids = []
-        for client in self.clients:
-            holder = getattr(client, "_session_holder", None)  # created lazily by the SDK
-            session_id = getattr(holder, "_session_id", None)
-            if session_id:
-                ids.append(session_id)
-        return ids
+        return [session_id for session_id in map(_opened_session, self.clients) if session_id]
 
     # ---- the usage API --------------------------------------------------------------------------
 
@@ -117,19 +124,21 @@ class Connection:
         return response.json()
 
     def kernel_usage(self) -> dict:
-        """Totals over every session this kernel created (the usage API filters one session at a time)."""
+        """Totals over every session this kernel created (the usage API filters one session at a time),
+        and the tightest of their budgets."""
         totals = {"requests": 0, "prefill_tokens": 0, "sample_tokens": 0, "train_tokens": 0, "cost": 0.0,
                   "by_kind": {kind: {"tokens": 0, "cost": 0.0} for kind in ("prefill", "sample", "train")}}
-        currency = "USD"
+        currency, budgets = "USD", []
         for session_id in self.session_ids():
             report = self.usage(session_id=session_id, limit=1)
             currency = report.get("currency", currency)
+            budgets += [report["budget"]] if report.get("budget") else []
             for key in ("requests", "prefill_tokens", "sample_tokens", "train_tokens", "cost"):
                 totals[key] += report["totals"][key]
             for kind, part in report["totals"]["by_kind"].items():
                 totals["by_kind"][kind]["tokens"] += part["tokens"]
                 totals["by_kind"][kind]["cost"] += part["cost"]
-        return {"totals": totals, "series": [], "cursor": 0, "currency": currency}
+        return {"totals": totals, "series": [], "cursor": 0, "currency": currency, "budget": tightest_budget(budgets)}
 
     def estimate(self, **body) -> dict:
         """POST /api/v1/usage/estimate with `body` (see workbench.widgets.cost.estimate_cost)."""
@@ -162,6 +171,57 @@ class Connection:
                     raise BackendError(answer["error"])
                 return answer
         raise BackendError(f"request {request_id} did not finish within {timeout:g} s")
+
+    # ---- budgets --------------------------------------------------------------------------------
+
+    def budgets(self) -> list[dict]:
+        """GET /api/v1/budgets: every budget of this key's tenant (on sessions, runs, keys, the tenant),
+        each with what was spent against it and its state ("ok", "warning" from 80%, "exhausted")."""
+        response = self.http.get(BUDGETS_PATH)
+        _raise_for_budgets(response)
+        return response.json()["budgets"]
+
+    def set_budget(self, usd: float | None = None, tokens: int | None = None, *, session_id=None,
+                   training_run_id=None) -> list[dict]:
+        """Put a budget of `usd` dollars and/or `tokens` tokens on a training run (an id or a TrainingClient),
+        a session (an id or a ServiceClient), or by default on every session this kernel's connect() opened,
+        and on the one it is about to open. A budget is replaced whole: set_budget(usd=2) on a session that
+        had a token budget leaves it a dollar budget only. Returns the budgets as the backend now counts them."""
+        if usd is None and tokens is None:
+            raise ValueError("set_budget needs usd= and/or tokens=; remove_budget() takes a budget off")
+        usd, tokens = _budget_amounts(usd, tokens)
+        if session_id is None and training_run_id is None:
+            self._remember_kernel_budget({"budget_usd": usd, "budget_tokens": tokens})
+        return [self._budget_call("PUT", scope, target, {"budget_usd": usd, "budget_tokens": tokens})
+                for scope, target in self._budget_targets(session_id, training_run_id)]
+
+    def remove_budget(self, *, session_id=None, training_run_id=None) -> None:
+        """Take the budget off a training run, a session, or by default this kernel's sessions."""
+        if session_id is None and training_run_id is None:
+            self._remember_kernel_budget({"budget_usd": None, "budget_tokens": None})
+        for scope, target in self._budget_targets(session_id, training_run_id):
+            self._budget_call("DELETE", scope, target)
+
+    def _budget_targets(self, session_id, training_run_id) -> list[tuple[str, str]]:
+        if training_run_id is not None:
+            return [("run", run_id_of(training_run_id))]
+        if session_id is not None:
+            return [("session", session_id_of(session_id))]
+        return [("session", s) for s in self.session_ids()]
+
+    def _remember_kernel_budget(self, budget: dict) -> None:
+        """The kernel's budget in the sessions' user_metadata: what the SDK sends when it opens a session
+        (a later one gets it too), and what a re-run connect(budget_usd=...) compares its own with."""
+        for key, value in budget.items():
+            if value is None:
+                self.session_metadata.pop(key, None)
+            else:
+                self.session_metadata[key] = _metadata_amount(value)
+
+    def _budget_call(self, method: str, scope: str, target: str, body: dict | None = None) -> dict:
+        response = self.http.request(method, f"{BUDGETS_PATH}/{scope}/{quote(target, safe=':')}", json=body)
+        _raise_for_budgets(response)
+        return response.json() if response.content else {}
 
     def healthy(self) -> bool:
         try:
@@ -221,6 +281,70 @@ def _stop_process(pid: int, process: subprocess.Popen | None, timeout: float = 1
         time.sleep(0.1)
 
 
+def _opened_session(client) -> str | None:
+    """The id of a ServiceClient's session, once the SDK has opened it (lazily: at its first training
+    or sampling client), else None."""
+    return getattr(getattr(client, "_session_holder", None), "_session_id", None)
+
+
+def session_id_of(session) -> str | None:
+    """A session id from a string or a tinker.ServiceClient (whose session the SDK opens lazily)."""
+    if session is None or isinstance(session, str):
+        return session
+    holder = getattr(session, "_session_holder", None) or getattr(session, "holder", None)
+    return holder.get_session_id()
+
+
+def run_id_of(training_run) -> str | None:
+    """A training run id from a string or a tinker.TrainingClient."""
+    if training_run is None or isinstance(training_run, str):
+        return training_run
+    return training_run.model_id
+
+
+BUDGET_STATES = ("ok", "warning", "exhausted")  # kernel_backend/budgets.py: "warning" from 80%; "exhausted" refuses
+
+
+def tightest_budget(budgets: list[dict]) -> dict | None:
+    """The budget nearest to refusing work: the worst state, then the largest fraction spent."""
+    def severity(budget: dict) -> tuple[int, float]:
+        state = budget.get("state")
+        return BUDGET_STATES.index(state) if state in BUDGET_STATES else 0, float(budget.get("fraction") or 0)
+
+    return max(budgets, key=severity, default=None)
+
+
+def _budget_amounts(usd, tokens) -> tuple[float | None, int | None]:
+    """The amounts of a budget as numbers, checked here so that a typo is told before any request."""
+    def number(value):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            return math.nan
+
+    # As the backend checks them (kernel_backend/budgets.py); 0 is a budget too: it refuses all work.
+    if usd is not None and not (math.isfinite(number(usd)) and number(usd) >= 0):
+        raise ValueError(f"a budget in dollars is a number from 0 up (budget_usd=0.5), not {usd!r}")
+    if tokens is not None and not (math.isfinite(number(tokens)) and number(tokens) == int(number(tokens)) >= 0):
+        raise ValueError(f"a budget in tokens is a whole number from 0 up (budget_tokens=100_000), not {tokens!r}")
+    return (None if usd is None else number(usd)), (None if tokens is None else int(number(tokens)))
+
+
+def _metadata_amount(value: float | int) -> str:
+    """A budget as user_metadata carries it (strings): plain decimals, never "5e-05"."""
+    return format(decimal.Decimal(repr(value)), "f")
+
+
+def _raise_for_budgets(response: httpx.Response) -> None:
+    """As _raise_for_status, saying what to do when the backend predates budgets."""
+    if response.status_code == 404 and response.headers.get("content-type", "").startswith("application/json") \
+            and response.json().get("detail") == "Not Found":  # the framework's answer: no such route
+        raise BackendError(f"the backend at {response.request.url.host}:{response.request.url.port} has no budgets "
+                           f"({response.request.method} {response.request.url.path} -> 404): it runs an older Stepwise; "
+                           "upgrade it (pip install -U stepwise) or drop budget_usd / set_budget")
+    _raise_for_status(response)
+
+
 def _raise_for_status(response: httpx.Response) -> None:
     if response.status_code >= 400:
         try:
@@ -234,6 +358,7 @@ def _raise_for_status(response: httpx.Response) -> None:
 
 
 def connect(base_url: str | None = None, api_key: str | None = None, *, name: str | None = None,
+            budget_usd: float | None = None, budget_tokens: int | None = None,
             timeout: float = START_TIMEOUT_S, progress: bool = True):
     """Return a `tinker.ServiceClient` bound to a Stepwise backend.
 
@@ -245,10 +370,17 @@ def connect(base_url: str | None = None, api_key: str | None = None, *, name: st
     `name` names the session (the sidebar shows it); by default the notebook's file name, or the
     script's. Calling again returns the same client, so re-running a cell does not open a new
     session each time.
+
+    `budget_usd` / `budget_tokens` put a budget on the session (in its user_metadata, so it holds
+    from its first request): the backend refuses, with tinker.BillingError (HTTP 402), the request
+    that would pass it. Called again with another budget, it sets that one (Connection.set_budget).
     """
     global _current
     import tinker
 
+    usd, tokens = _budget_amounts(budget_usd, budget_tokens)
+    budget = {key: _metadata_amount(value) for key, value in (("budget_usd", usd), ("budget_tokens", tokens))
+              if value is not None}
     base_url = base_url or os.environ.get("STEPWISE_BASE_URL") or None
     with _lock:
         if base_url is None:
@@ -256,9 +388,13 @@ def connect(base_url: str | None = None, api_key: str | None = None, *, name: st
         else:
             conn = _bind(base_url.rstrip("/"), api_key)
         if not conn.clients:
-            metadata = {"local_pid": str(os.getpid())} if conn.local else {}  # the backend ends it when we are gone
+            conn.session_metadata = {"local_pid": str(os.getpid())} if conn.local else {}  # ended when we are gone
+            conn.session_metadata.update(budget)
             conn.clients.append(tinker.ServiceClient(base_url=conn.base_url, api_key=conn.api_key,
-                                                     display_name=name or default_name(), user_metadata=metadata))
+                                                     display_name=name or default_name(),
+                                                     user_metadata=conn.session_metadata))
+        elif budget and any(conn.session_metadata.get(key) != value for key, value in budget.items()):
+            conn.set_budget(usd, tokens)  # a re-run cell with another budget: the kernel's sessions get it
         _current = conn
         _write_registry(conn)
 
@@ -276,6 +412,21 @@ def current() -> Connection:
     if _current is None:
         raise BackendError("not connected: call workbench.connect() first")
     return _current
+
+
+def set_budget(usd: float | None = None, tokens: int | None = None, *, session_id=None, training_run_id=None) -> list[dict]:
+    """current().set_budget(...): a budget on this kernel's sessions, or on the session or run named."""
+    return current().set_budget(usd, tokens, session_id=session_id, training_run_id=training_run_id)
+
+
+def remove_budget(*, session_id=None, training_run_id=None) -> None:
+    """current().remove_budget(...)."""
+    current().remove_budget(session_id=session_id, training_run_id=training_run_id)
+
+
+def budgets() -> list[dict]:
+    """current().budgets(): every budget of the tenant, with what was spent against each."""
+    return current().budgets()
 
 
 def disconnect(finish_sessions: bool = True) -> None:
@@ -311,13 +462,25 @@ class _NoTryAgain(logging.Filter):
         return "because of try_again" not in record.getMessage()
 
 
+class _NoBillingPause(logging.Filter):
+    """On HTTP 402 the SDK logs "The job is paused due to billing status", waits, asks once more and logs
+    "... for too long. Aborting." (a Tinker account's billing may come back; a Stepwise budget does
+    not wait: its backend tells the SDK to pause 0 s). The tinker.BillingError that follows carries
+    the budget's message, which names the budget and how to raise it: the log lines only repeat it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "due to billing status" not in record.getMessage()
+
+
 _POLL_FILTER = _NoTryAgain()
+_BILLING_FILTER = _NoBillingPause()
 
 
 def quiet_long_polls() -> None:
-    poll_logger = logging.getLogger("tinker.lib.api_future_impl")
-    if _POLL_FILTER not in poll_logger.filters:
-        poll_logger.addFilter(_POLL_FILTER)
+    for name, noise in (("tinker.lib.api_future_impl", _POLL_FILTER), ("tinker.lib.internal_client_holder", _BILLING_FILTER)):
+        logger = logging.getLogger(name)
+        if noise not in logger.filters:
+            logger.addFilter(noise)
 
 
 # ---- binding to a running backend ---------------------------------------------------------------

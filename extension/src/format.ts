@@ -5,7 +5,7 @@
  * whole training run: below a cent we keep three significant digits instead.
  */
 
-import { ILab, IRun, ISession, ITotals, Kind } from './types';
+import { BudgetState, IBudget, ILab, IRun, ISession, ITotals, Kind } from './types';
 
 export function formatCost(cost: number, symbol = '$'): string {
   if (!Number.isFinite(cost) || cost <= 0) {
@@ -132,14 +132,16 @@ export function baseName(path: string): string {
   return path.split('/').pop() || path;
 }
 
+/** The running sessions of the notebook at `path` (see ofNotebook); none without a path. */
+export function notebookSessions(sessions: ISession[], path: string | null): ISession[] {
+  return path ? sessions.filter(s => isActive(s) && ofNotebook(s, path)) : [];
+}
+
 /**
  * The running sessions of the notebook at `path`, added up (see ofNotebook). Null when it has none.
  */
 export function notebookTotals(sessions: ISession[], path: string | null): ITotals | null {
-  if (!path) {
-    return null;
-  }
-  const mine = sessions.filter(s => isActive(s) && ofNotebook(s, path));
+  const mine = notebookSessions(sessions, path);
   if (mine.length === 0) {
     return null;
   }
@@ -183,4 +185,66 @@ export function statusTooltip(name: string | null, notebook: ITotals | null, lab
   lines.push(`This lab since ${since}: ${plural(lab.sessions, 'session')}, ${formatCost(lab.cost, symbol)}`);
   lines.push(`  ${kindsLine(lab)}`);
   return lines.join('\n');
+}
+
+const BUDGET_STATES: BudgetState[] = ['ok', 'warning', 'exhausted'];
+
+/** The state's place in ok < warning < exhausted (an unknown state counts as ok). */
+function severity(budget: IBudget): number {
+  return Math.max(0, BUDGET_STATES.indexOf(budget.state));
+}
+
+/**
+ * The budget nearest to refusing work among the running sessions of the notebook at `path` and their
+ * runs: the worst state, then the largest fraction spent (workbench/connect.py tightest_budget).
+ */
+export function notebookBudget(sessions: ISession[], path: string | null): IBudget | null {
+  const budgets: (IBudget | null | undefined)[] = [];
+  for (const session of notebookSessions(sessions, path)) {
+    budgets.push(session.budget, ...session.runs.map(run => run.budget));
+  }
+  let tightest: IBudget | null = null;
+  for (const budget of budgets) {
+    if (!budget) {
+      continue;
+    }
+    if (
+      !tightest ||
+      severity(budget) > severity(tightest) ||
+      (severity(budget) === severity(tightest) && budget.fraction > tightest.fraction)
+    ) {
+      tightest = budget;
+    }
+  }
+  return tightest;
+}
+
+/**
+ * What was spent of a budget: "$0.41 of $0.50 (82%)", "1,200 of 5,000 tokens (24%)", or both joined
+ * by " · " (workbench/widgets/cost.py budget_text writes the same). Each amount of money keeps two
+ * significant digits, and two decimals at least ("$0.41 of $0.50", "$0.000024 of $0.00010"): a small
+ * model's steps cost fractions of a cent. The percentage is rounded down, so it never reads 80% before
+ * the budget is in its warning state.
+ */
+export function budgetText(budget: IBudget, symbol = '$'): string {
+  const money = (amount: number) =>
+    `${symbol}${amount.toFixed(amount > 0 ? Math.min(20, Math.max(2, 1 - Math.floor(Math.log10(amount)))) : 2)}`;
+  const parts: string[] = [];
+  if (budget.budget_usd !== null && budget.budget_usd !== undefined) {
+    parts.push(`${money(budget.spent_usd || 0)} of ${money(budget.budget_usd)}`);
+  }
+  if (budget.budget_tokens !== null && budget.budget_tokens !== undefined) {
+    parts.push(`${(budget.spent_tokens || 0).toLocaleString('en-US')} of ${budget.budget_tokens.toLocaleString('en-US')} tokens`);
+  }
+  return `${parts.join(' · ')} (${Math.floor((budget.fraction || 0) * 100 + 1e-9)}%)`;
+}
+
+/** The tooltip's line for a budget: whose it is, what was spent, and what its state means. */
+export function budgetLine(budget: IBudget, symbol = '$'): string {
+  const meaning: Record<string, string> = {
+    ok: '',
+    warning: ': nearly spent',
+    exhausted: ': exhausted, the backend refuses more work (workbench.set_budget(usd=...) raises it)'
+  };
+  return `Budget of ${budget.scope} ${budget.target}: ${budgetText(budget, symbol)}${meaning[budget.state] ?? ''}`;
 }

@@ -3,7 +3,8 @@
  * poll; each row lists its training runs (steps and last loss each), and a click on it shows its
  * checkpoints, each `tinker://` path with a copy button, and its in-memory sampler snapshots.
  * Sessions that ended (or whose backend stopped: the lab remembers them, with their checkpoints)
- * are greyed, in a group of their own that a click on its header folds.
+ * are greyed, in a group of their own that a click on its header folds. A session or run with a
+ * budget shows it as a bar and "$0.41 of $0.50 (82%)", amber from 80% and red once exhausted.
  *
  * Rows are kept per session id and only their texts change between polls, so a click or a hover
  * is never lost to a redraw that replaced the element under the pointer.
@@ -13,6 +14,8 @@ import { Clipboard } from '@jupyterlab/apputils';
 import { Widget } from '@lumino/widgets';
 
 import {
+  budgetLine,
+  budgetText,
   formatAge,
   formatCost,
   formatLoss,
@@ -27,7 +30,7 @@ import {
 } from './format';
 import { stepwiseIcon } from './icon';
 import { SessionsModel } from './model';
-import { ICheckpoint, IReport, IRun, ISession, ISnapshot } from './types';
+import { IBudget, ICheckpoint, IReport, IRun, ISession, ISnapshot } from './types';
 
 export const SIDEBAR_ID = 'stepwise-sessions';
 
@@ -141,7 +144,7 @@ class SessionRow {
     this._header.type = 'button';
     this._header.addEventListener('click', onToggle);
     this._header.append(this._title, this._status);
-    this.node.append(this._header, this._facts, this._runs, this._tokens, this._checkpoints);
+    this.node.append(this._header, this._facts, this._runs, this._tokens, this._budget, this._checkpoints);
   }
 
   update(session: ISession, expanded: boolean, symbol: string): void {
@@ -170,10 +173,12 @@ class SessionRow {
       ['age', session.remembered ? '' : formatAge(session.age_s)], // a remembered age stopped when it was read
       ['worker', session.worker ? `on ${session.worker}` : '']
     ]);
-    const runs = JSON.stringify(session.runs);
+    const runs = JSON.stringify([session.runs, symbol]);
     if (runs !== this._drawnRuns) {
       this._drawnRuns = runs;
-      this._runs.replaceChildren(...runTree(session.runs).map(({ run, depth }) => runItem(run, depth, session)));
+      this._runs.replaceChildren(
+        ...runTree(session.runs).map(({ run, depth }) => runItem(run, depth, session, symbol))
+      );
     }
     setFacts(this._tokens, [
       ['prefill', `prefill ${formatTokens(session.prefill_tokens)}`],
@@ -181,6 +186,7 @@ class SessionRow {
       ['train', `train ${formatTokens(session.train_tokens)}`],
       ['cost', formatCost(session.cost, symbol)]
     ]);
+    drawBudget(this._budget, session.budget, symbol);
 
     this._checkpoints.hidden = !expanded;
     const drawn = JSON.stringify([session.checkpoints, session.sampler_snapshots]);
@@ -198,6 +204,7 @@ class SessionRow {
   private _facts = el('div', 'jp-StepwiseSession-facts');
   private _runs = el('ul', 'jp-StepwiseSession-runs');
   private _tokens = el('div', 'jp-StepwiseSession-tokens');
+  private _budget = el('div', 'jp-StepwiseBudget');
   private _checkpoints = el('ul', 'jp-StepwiseSession-checkpoints');
   private _drawnRuns = '';
   private _drawnCheckpoints = '';
@@ -221,7 +228,7 @@ function headerTooltip(session: ISession, title: string): string {
  * One run: "train:0 · 12 steps · loss 3.21", with its model and rank when they differ from the session's.
  * A fork (workbench.fork) is indented under the run it branched from: "lr 3e-3 · from train:0 @ step 3 · ...".
  */
-function runItem(run: IRun, depth: number, session: ISession): HTMLElement {
+function runItem(run: IRun, depth: number, session: ISession, symbol: string): HTMLElement {
   const item = el('li', 'jp-StepwiseRun');
   item.dataset.runId = run.training_run_id;
   item.dataset.steps = String(run.steps);
@@ -247,7 +254,39 @@ function runItem(run: IRun, depth: number, session: ISession): HTMLElement {
   if (other) {
     item.append(el('span', 'jp-StepwiseRun-model', other));
   }
+  if (run.budget) {
+    const budget = el('div', 'jp-StepwiseBudget');
+    drawBudget(budget, run.budget, symbol);
+    item.append(budget);
+  }
   return item;
+}
+
+/**
+ * A budget as a bar and its text ("$0.41 of $0.50 (82%)"), drawn into `node` in place; hidden without
+ * one. Its class says its state (stepwise-budget-ok / -warning / -exhausted: the colours, as the status
+ * bar's), its data the exact figures, its tooltip whose budget it is and what the state means.
+ */
+function drawBudget(node: HTMLElement, budget: IBudget | null | undefined, symbol: string): void {
+  node.hidden = !budget;
+  if (!budget) {
+    return;
+  }
+  if (node.childElementCount !== 2) {
+    const track = el('div', 'jp-StepwiseBudget-track');
+    track.append(el('div', 'jp-StepwiseBudget-bar'));
+    node.replaceChildren(track, el('span', 'jp-StepwiseBudget-text'));
+  }
+  for (const state of ['ok', 'warning', 'exhausted']) {
+    node.classList.toggle(`stepwise-budget-${state}`, budget.state === state);
+  }
+  node.dataset.state = budget.state;
+  node.dataset.fraction = String(budget.fraction);
+  node.dataset.scope = budget.scope;
+  node.title = budgetLine(budget, symbol);
+  const bar = node.querySelector('.jp-StepwiseBudget-bar') as HTMLElement;
+  bar.style.width = `${Math.max(0, Math.min(1, budget.fraction || 0)) * 100}%`;
+  setText(node.querySelector('.jp-StepwiseBudget-text') as HTMLElement, budgetText(budget, symbol));
 }
 
 /** What to say when the backends answered but have no session yet. */

@@ -2,12 +2,14 @@
  * The status-bar cost meter: the current notebook's running session (cost and tokens), then what
  * the whole lab spent since the Jupyter server started; the tooltip splits prefill / sample / train.
  * It reads the shared model, which polls the Jupyter server rather than a kernel, so it moves while
- * a training cell is still running.
+ * a training cell is still running. When the notebook's session or one of its runs has a budget, the
+ * item turns amber from 80% spent (class stepwise-budget-warning) and red once the backend refuses
+ * more work (stepwise-budget-exhausted); the tooltip names the budget.
  */
 
 import { Widget } from '@lumino/widgets';
 
-import { baseName, notebookTotals, statusText, statusTooltip } from './format';
+import { baseName, budgetLine, notebookBudget, notebookTotals, statusText, statusTooltip } from './format';
 import { emptyLab, SessionsModel } from './model';
 
 export class CostStatus extends Widget {
@@ -41,9 +43,12 @@ export class CostStatus extends Widget {
     const notebook = notebookTotals(this._model.sessions, this._path);
     const name = this._path ? baseName(this._path) : null;
     this.node.textContent = statusText(notebook, lab, this._symbol);
+    const budget = notebookBudget(this._model.sessions, this._path);
     this.node.title = this._model.error
       ? `Stepwise: ${this._model.error}`
-      : statusTooltip(name, notebook, lab, this._symbol);
+      : (budget ? budgetLine(budget, this._symbol) + '\n' : '') + statusTooltip(name, notebook, lab, this._symbol);
+    this.node.classList.toggle('stepwise-budget-warning', budget?.state === 'warning');
+    this.node.classList.toggle('stepwise-budget-exhausted', budget?.state === 'exhausted');
     // The exact figures, for tests and for anyone inspecting the page.
     const data = this.node.dataset;
     data.notebook = notebook && name ? name : '';
@@ -53,6 +58,8 @@ export class CostStatus extends Widget {
     data.trainTokens = String(notebook?.train_tokens ?? 0);
     data.labCost = String(lab.cost);
     data.labSessions = String(lab.sessions);
+    data.budgetState = budget?.state ?? '';
+    data.budgetFraction = budget ? String(budget.fraction) : '';
   }
 
   dispose(): void {

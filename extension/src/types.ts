@@ -20,6 +20,28 @@ export interface ISnapshot {
   time: string;
 }
 
+/**
+ * A budget as the backend counts it (kernel_backend/budgets.py): the most a session or a training run
+ * may spend, what was spent against it, and its state. The state is the source of truth for colours:
+ * "warning" from 80% spent, "exhausted" when the backend refuses more work (all spent, or too little
+ * left for the work asked).
+ */
+export interface IBudget {
+  scope: 'session' | 'run' | 'key' | 'tenant' | string;
+  target: string;
+  budget_usd: number | null;
+  budget_tokens: number | null;
+  spent_usd: number;
+  spent_tokens: number;
+  /** Admitted and still running: counted against the budget until it is billed. */
+  pending_usd: number;
+  /** Spent / budget, the larger of money and tokens. */
+  fraction: number;
+  state: BudgetState;
+}
+
+export type BudgetState = 'ok' | 'warning' | 'exhausted';
+
 /** One training run of a session: its own steps and last loss. */
 export interface IRun {
   training_run_id: string;
@@ -30,6 +52,8 @@ export interface IRun {
   /** Its name ("name") and, for a fork, where it branched off ("parent_run_id", "fork_step"). */
   user_metadata?: Record<string, string>;
   cost?: number;
+  /** Null (or absent, from a backend before budgets) when the run has none. */
+  budget?: IBudget | null;
 }
 
 export interface ISession {
@@ -57,6 +81,8 @@ export interface ISession {
   backend: string;
   /** The engine worker its first run lives on, when the backend runs Ray workers (kernel_backend/cluster.py). */
   worker?: string | null;
+  /** Null (or absent, from a backend before budgets) when the session has none. */
+  budget?: IBudget | null;
 }
 
 /** Sessions counted, their tokens by kind and their cost. */

@@ -44,7 +44,8 @@ def usage_report(svc: Service, tenant: str, session_id: str | None = None, train
                  since: dt.datetime | None = None, until: dt.datetime | None = None, after: int = 0,
                  limit: int = 1000) -> dict:
     """Totals by kind and cost, plus the per-request series after ledger row `after` (a cursor), and the
-    budget of the scope asked for (the run's, else the session's, else the tenant's; None if it has none).
+    budget of the scope asked for (the run's when training_run_id is given, else the session's when session_id
+    is, else the tenant's; None if that scope has none).
 
     A training run's scope holds its own requests and the sampling done with its weights (its
     rollouts, most of an RL run's work), whichever session the sampler was opened in."""

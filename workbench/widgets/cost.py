@@ -7,6 +7,11 @@ the single source of truth: nothing is counted on the client.
     meter = workbench.CostMeter()                          # the whole kernel
     meter = workbench.CostMeter(training_run_id=tc.model_id)
     workbench.estimate_cost(datums=batch)                  # what a forward_backward would cost
+
+When the scope has a budget (workbench.connect(budget_usd=...), workbench.set_budget), the meter
+shows what was spent of it as a bar with "$0.41 of $0.50 (82%)": its colour follows the backend's
+state of the budget (normal, amber from 80%: "warning", red: "exhausted", when the backend refuses
+more work). The kernel scope shows the tightest of its sessions' budgets.
 """
 
 from __future__ import annotations
@@ -16,11 +21,33 @@ import math
 import anywidget
 import traitlets as t
 
+from workbench.connect import run_id_of, session_id_of  # noqa: F401 - here too, where the widgets import them
 from workbench.widgets.polling import Poller
 
 _ESM = """
 const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c]));
-const FIELDS = ["scope", "rows", "error"];
+const FIELDS = ["scope", "rows", "error", "budget", "budget_text"];
+// JupyterLab's theme colours (the extension's status bar and sidebar use the same), with fallbacks elsewhere.
+const BUDGET_COLOURS = {ok: "var(--jp-brand-color1, #1976d2)", warning: "var(--jp-warn-color1, #f57c00)",
+                        exhausted: "var(--jp-error-color1, #d32f2f)"};
+
+const budgetHtml = (budget, text) => {
+  if (!budget || !budget.state) return "";
+  const state = BUDGET_COLOURS[budget.state] ? budget.state : "ok";
+  const width = Math.max(0, Math.min(1, Number(budget.fraction) || 0)) * 100;
+  const note = state === "exhausted"
+    ? `<div class="wb-budget-note">Budget exhausted: the backend refuses more work. workbench.set_budget(usd=...) raises it.</div>`
+    : "";
+  return `<div class="wb-budget wb-budget-${state}" data-state="${state}" data-fraction="${esc(budget.fraction)}"` +
+    ` style="margin-top:6px">` +
+    `<div>Budget · ${esc(budget.scope)} ${esc(budget.target)}: <span class="wb-budget-text" style="color:` +
+    `${state === "ok" ? "inherit" : BUDGET_COLOURS[state]};font-weight:${state === "ok" ? "normal" : "bold"}">` +
+    `${esc(text)}</span></div>` +
+    `<div class="wb-budget-track" style="width:260px;height:8px;border-radius:4px;margin-top:2px;` +
+    `background:var(--jp-layout-color3, #ddd);overflow:hidden">` +
+    `<div class="wb-budget-bar" style="width:${width}%;height:100%;background:${BUDGET_COLOURS[state]}"></div></div>` +
+    note + `</div>`;
+};
 
 export default {
   render({ model, el }) {
@@ -37,7 +64,8 @@ export default {
         rows.map(([label, tokens, cost]) =>
           `<tr data-kind="${esc(label)}"><td style="padding:2px 10px 2px 0">${label === "total" ? "<b>total</b>" : esc(label)}</td>` +
           cell(tokens, "wb-cost-tokens") + cell(cost, "wb-cost-cost") + `</tr>`).join("") +
-        `</table>` + (error ? `<div class="wb-cost-error" style="color:#b00">${esc(error)}</div>` : "") + `</div>`;
+        `</table>` + budgetHtml(model.get("budget"), model.get("budget_text")) +
+        (error ? `<div class="wb-cost-error" style="color:#b00">${esc(error)}</div>` : "") + `</div>`;
     };
     draw();
     for (const f of FIELDS) model.on(`change:${f}`, draw);
@@ -61,19 +89,23 @@ def format_cost(cost: float, symbol: str = "$") -> str:
     return f"{symbol}{cost:.{min(20, 2 - math.floor(math.log10(cost)))}f}"
 
 
-def session_id_of(session) -> str | None:
-    """A session id from a string or a tinker.ServiceClient (whose session the SDK opens lazily)."""
-    if session is None or isinstance(session, str):
-        return session
-    holder = getattr(session, "_session_holder", None) or getattr(session, "holder", None)
-    return holder.get_session_id()
+def budget_text(budget: dict, symbol: str = "$") -> str:
+    """What was spent of a budget: "$0.41 of $0.50 (82%)", "1,200 of 5,000 tokens (24%)", or both
+    joined by " · ". The same text as the JupyterLab extension's (extension/src/format.ts, budgetText).
 
+    Each amount of money keeps two significant digits, and two decimals at least ("$0.41 of $0.50",
+    "$0.000024 of $0.00010"): a small model's steps cost fractions of a cent. The percentage is the
+    backend's `fraction` rounded down, so it never reads 80% before the budget is in its warning state."""
+    def money(amount: float) -> str:
+        places = min(20, max(2, 1 - math.floor(math.log10(amount)))) if amount > 0 else 2
+        return f"{symbol}{amount:.{places}f}"
 
-def run_id_of(training_run) -> str | None:
-    """A training run id from a string or a tinker.TrainingClient."""
-    if training_run is None or isinstance(training_run, str):
-        return training_run
-    return training_run.model_id
+    parts = []
+    if budget.get("budget_usd") is not None:
+        parts.append(f"{money(float(budget.get('spent_usd') or 0))} of {money(float(budget['budget_usd']))}")
+    if budget.get("budget_tokens") is not None:
+        parts.append(f"{int(budget.get('spent_tokens') or 0):,} of {int(budget['budget_tokens']):,} tokens")
+    return " · ".join(parts) + f" ({math.floor(float(budget.get('fraction') or 0) * 100 + 1e-9)}%)"
 
 
 def usage_scope(connection, session=None, training_run_id=None):
@@ -90,7 +122,9 @@ class CostMeter(anywidget.AnyWidget):
     """Tokens and money for a scope, refreshed every `poll_interval` seconds (None: only on refresh()).
 
     The numbers are traitlets (prefill_tokens, ..., cost, by_kind); `rows` is the table as the
-    browser shows it, formatted here once ([label, tokens, cost] per kind, then the total)."""
+    browser shows it, formatted here once ([label, tokens, cost] per kind, then the total);
+    `budget` is the scope's budget (the usage API's, with its spent, fraction and state) and
+    `budget_text` what the bar beside it says."""
 
     _esm = _ESM
     scope = t.Unicode("kernel").tag(sync=True)
@@ -102,6 +136,8 @@ class CostMeter(anywidget.AnyWidget):
     by_kind = t.Dict()
     currency = t.Unicode("USD")
     rows = t.List().tag(sync=True)
+    budget = t.Dict().tag(sync=True)  # the scope's budget as the backend counts it ({} when it has none)
+    budget_text = t.Unicode("").tag(sync=True)  # budget_text(budget), drawn beside the bar
     error = t.Unicode("").tag(sync=True)
 
     def __init__(self, session=None, training_run_id=None, *, connection=None, poll_interval: float | None = 2.0):
@@ -130,6 +166,8 @@ class CostMeter(anywidget.AnyWidget):
             self.rows = [[kind, f"{totals[f'{kind}_tokens']:,}", format_cost(totals["by_kind"][kind]["cost"], symbol)]
                          for kind in KINDS] + [["total", f"{totals['requests']:,} requests",
                                                  format_cost(totals["cost"], symbol)]]
+            self.budget = report.get("budget") or {}
+            self.budget_text = budget_text(self.budget, symbol) if self.budget else ""
             self.error = ""
         return totals
 

@@ -50,7 +50,16 @@ An RL run's stored rollouts (rl.Config's rollouts_dir, workbench/rollout_log.py)
 `rollouts(path, tokenizer)`: a RolloutInspector below the plots, on the newest step while the run
 goes on, and clicking a point of any panel opens that step's groups (workbench/widgets/plot_clicks.py).
 
-State is plain traitlets (loss_steps, loss_values, metrics, cost, tokens), so tests read it
+Against cost. `Dashboard(..., x="cost")` plots every panel against what the run had spent when it
+finished each step (the x axis titled "$") rather than the step: the same points, one per step,
+placed by money, so two runs that learn at different prices compare as money buys progress. The
+cost at each step comes from the ledger (GET /api/v1/usage?training_run_id=...): the run's rows
+added up in ledger order, its rollouts' sampling included, through the optim_step that finished
+the step (step 0: before its first step); `step_costs` holds them. A point whose step the ledger
+has not priced yet waits for the next poll; a metric logged with no run, a skip and a flag sit at
+the cost of the dashboard's first run. The hover and a click still give the step.
+
+State is plain traitlets (loss_steps, loss_values, metrics, step_costs, cost, tokens), so tests read it
 without a browser; redraws are throttled (a few per second) because plotly re-sends whole traces.
 """
 
@@ -78,32 +87,54 @@ PANEL_WIDTH, PANEL_HEIGHT = 440, 250
 
 
 def _figure(title: str, y_title: str, series: dict[str, tuple[list, list]],
-            skipped: dict[str, list[int]] | None = None, flags: list[dict] | None = None) -> go.Figure:
+            skipped: dict[str, list[int]] | None = None, flags: list[dict] | None = None,
+            x_of=None) -> go.Figure:
     """One panel: a line per series, broken at skipped steps, a row of marks per skip reason along
-    the bottom, and one of red marks per kind of flag along the top."""
+    the bottom, and one of red marks per kind of flag along the top.
+
+    `x_of(trace, step)`: where a point of `trace` (None: a mark) at `step` sits on the x axis, its
+    run's cumulative cost (None while the ledger has not priced that step yet: the point waits); no
+    `x_of`, the x axis is the step. Every point carries its step as customdata, which the hover
+    shows and a click reports (plot_clicks.js), whatever the x axis."""
     skipped, flags = skipped or {}, flags or []
     marked = sorted(s for steps in skipped.values() for s in steps)
     last = max([max(xs) for xs, _ in series.values() if xs] + marked, default=1)
-    data = [go.Scatter(x=xs, y=ys, mode="lines+markers", name=name)
-            for name, (xs, ys) in ((n, _broken_at(xs, ys, marked)) for n, (xs, ys) in series.items())]
+    place = x_of or (lambda trace, step: step)
+
+    def placed(trace: str | None, steps: list, values: list) -> tuple[list, list, list]:
+        """(x, y, step) of the points that have a place on the x axis."""
+        points = [(place(trace, s), v, s) for s, v in zip(steps, values)]
+        return tuple(list(column) for column in zip(*(p for p in points if p[0] is not None))) or ([], [], [])
+
+    at_step = "step %{customdata}" + (" · $%{x}" if x_of else "")
+    data = []
+    for name, (steps, values) in series.items():
+        xs, ys, at = placed(name, *_broken_at(steps, values, marked))
+        data.append(go.Scatter(x=xs, y=ys, customdata=at, mode="lines+markers", name=name,
+                               hovertemplate=f"{at_step}<br>%{{y}}"))
     # The marks sit on a hidden second y axis spanning [0, 1], so they stay along the bottom
     # whatever the panel's values, and the panel's own y range is set by its data alone.
-    data += [go.Scatter(x=steps, y=[0.04] * len(steps), yaxis="y2", mode="markers", name=f"skipped ({why})",
-                        marker=dict(symbol="x-thin-open", size=10, color="#888", line=dict(width=2)),
-                        hovertemplate=f"step %{{x}}: skipped ({why})<extra></extra>")
-             for why, steps in skipped.items()]
+    for why, steps in skipped.items():
+        xs, ys, at = placed(None, steps, [0.04] * len(steps))
+        data.append(go.Scatter(x=xs, y=ys, customdata=at, yaxis="y2", mode="markers", name=f"skipped ({why})",
+                               marker=dict(symbol="x-thin-open", size=10, color="#888", line=dict(width=2)),
+                               hovertemplate=f"{at_step}: skipped ({why})<extra></extra>"))
     for kind in dict.fromkeys(f["kind"] for f in flags):
-        mine = [f for f in flags if f["kind"] == kind]
-        data.append(go.Scatter(x=[f["step"] for f in mine], y=[0.96] * len(mine), yaxis="y2", mode="markers",
-                               name=f"flag: {kind}", text=[f["detail"] for f in mine],
+        mine = [f for f in flags if f["kind"] == kind and place(None, f["step"]) is not None]
+        data.append(go.Scatter(x=[place(None, f["step"]) for f in mine], y=[0.96] * len(mine), yaxis="y2",
+                               mode="markers", name=f"flag: {kind}", text=[f["detail"] for f in mine],
+                               customdata=[f["step"] for f in mine],
                                marker=dict(symbol="triangle-down", size=10, color="#d62728"),
-                               hovertemplate=f"step %{{x}}: {kind}<br>%{{text}}<extra></extra>"))
+                               hovertemplate=f"{at_step}: {kind}<br>%{{text}}<extra></extra>"))
+    # Against cost: dollars to three significant digits, never SI prefixes (plotly's "5µ" is not money).
+    xaxis = (dict(title=dict(text="$"), tickformat=".3~r", rangemode="tozero") if x_of
+             else dict(title=dict(text="step"), dtick=_dtick(last)))
     return go.Figure(
         data=data,
         layout=go.Layout(
             title=dict(text=title, font=dict(size=14)), width=PANEL_WIDTH, height=PANEL_HEIGHT,
             margin=dict(l=60, r=15, t=40, b=45), showlegend=len(data) > 1,
-            legend=dict(orientation="h", y=-0.3), xaxis=dict(title=dict(text="step"), dtick=_dtick(last)),
+            legend=dict(orientation="h", y=-0.3), xaxis=xaxis,
             yaxis=dict(title=dict(text=y_title)),
             yaxis2=dict(overlaying="y", range=[0, 1], visible=False, fixedrange=True),
         ),
@@ -184,6 +215,8 @@ class Dashboard(w.VBox):
     metrics = t.Dict()  # name -> {"steps": [...], "values": [...], "runs": [...]} from log() (runs: ids or None)
     skipped = t.Dict()  # why -> the steps skipped for that reason, from skip()
     flags = t.List()  # [{"step", "kind", "detail"}] from flag(), in the order flagged
+    # x="cost": run id -> {step: the run's cumulative cost when it finished that step}, from the ledger
+    step_costs = t.Dict()
     cost = t.Float(0.0)
     tokens = t.Dict()  # prefill / sample / train token totals
     requests = t.Int(0)
@@ -191,9 +224,13 @@ class Dashboard(w.VBox):
     error = t.Unicode("")
 
     def __init__(self, training_run_id=None, session=None, *, panels: dict[str, list[str]] | None = None,
-                 labels: dict[str, str] | None = None, smoothing: float = 0.0, connection=None,
+                 labels: dict[str, str] | None = None, smoothing: float = 0.0, x: str = "step", connection=None,
                  poll_interval: float | None = 1.0, redraw_interval: float = 0.3):
         from workbench.connect import current
+
+        if x not in ("step", "cost"):
+            raise ValueError(f'x is "step" or "cost" (each metric against the run\'s cumulative cost), not {x!r}')
+        self.x = x
 
         self.connection = connection or current()
         given = training_run_id if isinstance(training_run_id, (list, tuple)) else [training_run_id]
@@ -206,6 +243,9 @@ class Dashboard(w.VBox):
         # own cursor, since one run's rows and another's interleave in the ledger.
         self._scopes = [{"training_run_id": r, "session_id": session_id} for r in run_ids] or [{"session_id": session_id}]
         self._cursors = [0] * len(self._scopes)
+        self._runs_seen: dict[str, None] = {}  # the runs whose rows this dashboard read, in order
+        self._spent: dict[str, float] = {}  # x="cost": run id -> its cost so far, in ledger order
+        self._cost_cursors: dict[str, int] = {}  # x="cost" on a session: each run's own usage scope's cursor
         self.panel_of = {name: title for title, names in (panels or {}).items() for name in names}
         self.label_of = dict(labels or {})  # metric -> its trace's name
         if not 0.0 <= smoothing < 1.0:
@@ -228,6 +268,7 @@ class Dashboard(w.VBox):
         self.training_run_ids, self.session_id = run_ids, session_id
         self.training_run_id = run_ids[0] if run_ids else None
         self._losses: dict[tuple[str, int], list[float]] = {}  # (run, step) -> its losses, insertion-ordered
+        self._step_costs: dict[str, dict[int, float]] = {}  # what step_costs shows, as the poller builds it
         self._lock = threading.Lock()  # refresh() runs on the poller thread and on demand
         self._draw_lock = threading.Lock()  # so do redraws (the throttle's timer and the caller)
         self._redraw = Throttle(self._draw, redraw_interval)
@@ -248,16 +289,22 @@ class Dashboard(w.VBox):
     def _pull(self) -> int:
         new, totals = 0, []
         for i, scope in enumerate(self._scopes):
-            while True:  # the API pages at PAGE rows; a long run read for the first time takes several
-                report = self.connection.usage(**scope, after=self._cursors[i], limit=PAGE)
-                rows = report["series"]
-                for row in rows:
+            for report in self._pages(scope, self._cursors[i]):
+                for row in report["series"]:
                     self._take(row)
+                    if self.x == "cost" and scope.get("training_run_id"):
+                        self._count_cost(scope["training_run_id"], row)
                 self._cursors[i] = report["cursor"]
-                new += len(rows)
-                if len(rows) < PAGE:
-                    totals.append(report["totals"])
-                    break
+                new += len(report["series"])
+            totals.append(report["totals"])
+        if self.x == "cost" and not self.training_run_ids:
+            # A session's rows hold its runs' own requests, but not which run a rollout's sampling was for:
+            # each run's own scope does (its samplers' rows), so each run's cost is read from there.
+            for run in list(self._runs_seen):
+                for report in self._pages({"training_run_id": run}, self._cost_cursors.get(run, 0)):
+                    for row in report["series"]:
+                        self._count_cost(run, row)
+                    self._cost_cursors[run] = report["cursor"]
         # A custom loss's surrogate becomes the user's loss once this process has its result.
         values = [sum(sdk_hooks.user_loss(run, loss) for loss in losses) for (run, _), losses in self._losses.items()]
         with self.hold_trait_notifications():
@@ -265,6 +312,8 @@ class Dashboard(w.VBox):
                 self.loss_runs = [run for run, _ in self._losses]
                 self.loss_steps = [step for _, step in self._losses]
                 self.loss_values = values
+            if self.x == "cost" and self._step_costs != self.step_costs:
+                self.step_costs = copy.deepcopy(self._step_costs)
             self.cursor = max(self._cursors)
             self.cost = sum(part["cost"] for part in totals)
             self.requests = sum(part["requests"] for part in totals)
@@ -272,9 +321,39 @@ class Dashboard(w.VBox):
             self.error = ""
         return new
 
+    def _pages(self, scope: dict, after: int):
+        """The usage API's answers for `scope` after ledger row `after`: a page of PAGE rows at a time
+        (a long run read for the first time takes several)."""
+        while True:
+            report = self.connection.usage(**scope, after=after, limit=PAGE)
+            yield report
+            after = report["cursor"]
+            if len(report["series"]) < PAGE:
+                return
+
+    def _count_cost(self, run: str, row: dict) -> None:
+        """One row of `run`'s usage scope, in ledger order: its cost adds to the run's, and a row of the
+        run's own marks the step it belongs to as costing that much so far. A forward_backward (or any
+        request) made after k optimizer steps (its `step`, k) belongs to step k + 1; the optim_step that
+        finishes step k (its `step`, k after it) is the last row of step k. So step k's cost is what the
+        run had spent when it finished the step, its rollouts' sampling before it included; step 0
+        is what it had spent before its first step (a first eval's sampling, say)."""
+        spent = self._spent.get(run, 0.0)
+        costs = self._step_costs.setdefault(run, {})
+        if row.get("training_run_id") == run and row.get("step") is not None:
+            step = int(row["step"]) + (row["request_type"] != "OptimStep")
+            if step == 1:
+                costs.setdefault(0, spent)
+            costs[step] = spent = spent + float(row.get("cost") or 0.0)
+        else:
+            spent += float(row.get("cost") or 0.0)
+        self._spent[run] = spent
+
     def _take(self, row: dict) -> None:
         """One ledger row: a forward_backward's loss goes to the optimizer step it leads to."""
         run, step = row.get("training_run_id"), row.get("step")
+        if run:
+            self._runs_seen.setdefault(run)
         if step is None:
             return
         if row["request_type"] == "OptimStep":
@@ -383,9 +462,14 @@ class Dashboard(w.VBox):
 
     def panel_series(self) -> dict[str, tuple[str, dict[str, tuple[list, list]]]]:
         """What each panel shows: title -> (y-axis title, {trace name: (steps, values)}), smoothed if asked."""
-        by_run: dict[str, tuple[list, list]] = {}
+        return {title: (y_title, {name: (steps, values) for name, (_, steps, values) in traces.items()})
+                for title, (y_title, traces) in self._panels().items()}
+
+    def _panels(self) -> dict[str, tuple[str, dict[str, tuple[str | None, list, list]]]]:
+        """panel_series, each trace with the run it belongs to (None: a metric logged with no run)."""
+        by_run: dict[str, tuple[str | None, list, list]] = {}
         for run, step, value in zip(self.loss_runs, self.loss_steps, self.loss_values):
-            xs, ys = by_run.setdefault(self.run_name(run) if run else "loss", ([], []))
+            _, xs, ys = by_run.setdefault(self.run_name(run) if run else "loss", (run, [], []))
             xs.append(step)
             ys.append(value)
         panels = {LOSS_PANEL: ("loss:sum", by_run)} if by_run else {}
@@ -395,12 +479,18 @@ class Dashboard(w.VBox):
             for run in dict.fromkeys(m.get("runs") or [None]):  # one trace per run, in the order first logged
                 points = self.points(name, run)
                 trace = label if run is None else f"{label} · {self.run_name(run)}"
-                panels.setdefault(title, (title, {}))[1][trace] = ([s for s, _ in points], [v for _, v in points])
+                panels.setdefault(title, (title, {}))[1][trace] = (run, [s for s, _ in points], [v for _, v in points])
         if self.smoothing:
-            for _, series in panels.values():
-                for trace, (xs, ys) in series.items():
-                    series[trace] = (xs, _smoothed(ys, self.smoothing))
+            for _, traces in panels.values():
+                for trace, (run, xs, ys) in traces.items():
+                    traces[trace] = (run, xs, _smoothed(ys, self.smoothing))
         return panels
+
+    def cost_at(self, step: int, run: str | None = None) -> float | None:
+        """x="cost": what `run` (default: the dashboard's first run) had spent when it finished `step`
+        (step_costs), or None while the ledger has not shown that step yet."""
+        run = run or next(iter([*self.training_run_ids, *self._runs_seen]), None)
+        return self.step_costs.get(run, {}).get(int(step))
 
     def run_id_named(self, run: str) -> str:
         """`run` as a run id: the id of the run this dashboard knows by that name (its scope's runs, the
@@ -444,11 +534,14 @@ class Dashboard(w.VBox):
         return self._run_names[run_id]
 
     def _draw_now(self) -> None:
-        panels = self.panel_series()
+        panels = self._panels()
         skipped = {why: sorted(steps) for why, steps in self.skipped.items()}
         flags = list(self.flags)
-        for title, (y_title, series) in panels.items():
-            if self._drawn.get(title) == (series, skipped, flags):
+        costs = self.step_costs if self.x == "cost" else None
+        for title, (y_title, traces) in panels.items():
+            series = {name: (steps, values) for name, (_, steps, values) in traces.items()}
+            run_of = {name: run for name, (run, _, _) in traces.items()}
+            if self._drawn.get(title) == (series, skipped, flags, costs):
                 continue
             # Each panel is an Output showing the figure as data (plotly's mimetype), replaced whole
             # when its points change. Not a plotly FigureWidget: each of those carries plotly.js
@@ -458,9 +551,11 @@ class Dashboard(w.VBox):
             if title not in self.slots:
                 self.slots[title] = w.Output(layout=w.Layout(width=f"{PANEL_WIDTH + 10}px"))
                 self.panels.children = (*self.panels.children, self.slots[title])
-            self.figures[title] = _figure(title, y_title, series, skipped, flags)
+            # Against cost, a mark (a skip, a flag) sits at its step's cost on the dashboard's first run.
+            x_of = (lambda trace, step: self.cost_at(step, run_of.get(trace))) if costs is not None else None
+            self.figures[title] = _figure(title, y_title, series, skipped, flags, x_of)
             self.slots[title].outputs = (_as_output(self.figures[title]),)
-            self._drawn[title] = copy.deepcopy((series, skipped, flags))
+            self._drawn[title] = copy.deepcopy((series, skipped, flags, costs))
         self.note.value = self._note(panels)
         self.alerts.value = _alerts(flags)
         tok = self.tokens
@@ -508,6 +603,8 @@ class Dashboard(w.VBox):
         self._poller.stop()
 
     def close(self) -> None:
+        if not hasattr(self, "_poller"):  # its constructor refused its arguments: it has nothing of its own
+            return super().close()
         self.stop()
         for child in (*self.slots.values(), self.panels, self.note, self.alerts, self.stats,
                       *(c for c in (self.clicks, self.inspector) if c is not None)):

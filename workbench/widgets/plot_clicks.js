@@ -21,9 +21,11 @@ export default {
         gd.classList.add("wb-clickable");
         gd.on("plotly_click", (event) => {
           const point = event && event.points && event.points[0];
-          if (!point || typeof point.x !== "number") return;
+          // The dashboard gives every point its step as customdata: the x axis may be cost, not steps.
+          const step = typeof point?.customdata === "number" ? point.customdata : point?.x;
+          if (typeof step !== "number") return;
           const n = (model.get("clicked").n || 0) + 1;
-          model.set("clicked", {title: titleOf(gd), trace: (point.data && point.data.name) || "", step: point.x, n});
+          model.set("clicked", {title: titleOf(gd), trace: (point.data && point.data.name) || "", step, n});
           model.save_changes();
         });
       }

@@ -1,10 +1,13 @@
 import {
+  budgetLine,
+  budgetText,
   formatAge,
   formatCost,
   formatLoss,
   formatTokens,
   plural,
   shortModel,
+  notebookBudget,
   notebookTotals,
   runLabel,
   sessionTitle,
@@ -12,7 +15,7 @@ import {
   statusTooltip,
   totalTokens
 } from '../format';
-import { ILab, ISession } from '../types';
+import { IBudget, ILab, ISession } from '../types';
 
 describe('formatCost', () => {
   it('keeps three significant digits below a cent', () => {
@@ -117,5 +120,51 @@ describe('status item', () => {
       'This lab since 2026-01-01 09:30 UTC: 4 sessions, €0.0123',
       '  prefill 1k · sample 500 · train 12k tokens'
     ]);
+  });
+});
+
+describe('budgets', () => {
+  const budget = (extra: Partial<IBudget> = {}): IBudget => ({
+    scope: 'session', target: 'a', budget_usd: 0.5, budget_tokens: null, spent_usd: 0, spent_tokens: 0,
+    pending_usd: 0, fraction: 0, state: 'ok', ...extra
+  });
+
+  it('says what was spent of it, two significant digits each, as workbench/widgets/cost.py does', () => {
+    expect(budgetText(budget({ spent_usd: 0.41, fraction: 0.82, state: 'warning' }))).toBe('$0.41 of $0.50 (82%)');
+    expect(budgetText(budget({ budget_usd: 0.00005, spent_usd: 0.00003995, fraction: 0.799 })))
+      .toBe('$0.000040 of $0.000050 (79%)'); // rounded down: 79.9% is not yet 80%
+    expect(budgetText(budget({ budget_usd: null, budget_tokens: 5000, spent_tokens: 1200, fraction: 0.24 })))
+      .toBe('1,200 of 5,000 tokens (24%)');
+    expect(budgetText(budget({ budget_usd: 12, spent_usd: 3.1, budget_tokens: 5000, spent_tokens: 4500, fraction: 0.9 }), '€'))
+      .toBe('€3.10 of €12.00 · 4,500 of 5,000 tokens (90%)');
+    expect(budgetText(budget({ spent_usd: 0.29, fraction: 0.58 }))).toBe('$0.29 of $0.50 (58%)'); // 0.58 * 100 < 58
+    expect(budgetText(budget({ budget_usd: 0.0001, spent_usd: 0.0000234, fraction: 0.234 }))).toBe('$0.000023 of $0.00010 (23%)');
+    expect(budgetText(budget({ spent_usd: 0.041, fraction: 0.082 }))).toBe('$0.041 of $0.50 (8%)');
+    expect(budgetText(budget({ spent_usd: 0.00041, fraction: 0.00082 }))).toBe('$0.00041 of $0.50 (0%)');
+  });
+
+  it('names the budget and what its state means in a tooltip line', () => {
+    expect(budgetLine(budget({ scope: 'run', target: 'a:train:0', spent_usd: 0.45, fraction: 0.9, state: 'warning' })))
+      .toBe('Budget of run a:train:0: $0.45 of $0.50 (90%): nearly spent');
+    expect(budgetLine(budget({ spent_usd: 0.5, fraction: 1, state: 'exhausted' })))
+      .toContain('exhausted, the backend refuses more work (workbench.set_budget(usd=...) raises it)');
+    expect(budgetLine(budget())).toBe('Budget of session a: $0.00 of $0.50 (0%)');
+  });
+
+  it("picks the notebook's tightest budget: the worst state, then the fullest, its runs' included", () => {
+    const run = (n: number, b: IBudget | null) => ({ training_run_id: `a:train:${n}`, base_model: 'm', lora_rank: 8,
+      steps: 1, last_loss: null, budget: b });
+    const mine: ISession = {
+      session_id: 'a', status: 'active', created_at: '', age_s: 1, display_name: 'nb.ipynb', base_model: null,
+      lora_rank: null, training_run_ids: [], prefill_tokens: 0, sample_tokens: 0, train_tokens: 0, cost: 0,
+      checkpoints: [], sampler_snapshots: [], backend: 'b', budget: budget({ fraction: 0.95, state: 'warning' }),
+      runs: [run(0, budget({ scope: 'run', target: 'a:train:0', fraction: 0.9, state: 'exhausted' })), run(1, null)]
+    };
+    const other = { ...mine, session_id: 'b', display_name: 'other.ipynb', budget: budget({ target: 'b', state: 'exhausted', fraction: 1 }), runs: [] };
+    const ended = { ...mine, session_id: 'c', status: 'finished', budget: budget({ target: 'c', state: 'exhausted', fraction: 1 }), runs: [] };
+    expect(notebookBudget([mine, other, ended], 'nb.ipynb')!.target).toBe('a:train:0'); // exhausted beats 95%
+    expect(notebookBudget([{ ...mine, runs: [] }], 'nb.ipynb')!.fraction).toBe(0.95);
+    expect(notebookBudget([{ ...mine, budget: null, runs: [run(1, null)] }], 'nb.ipynb')).toBeNull();
+    expect(notebookBudget([mine], null)).toBeNull();
   });
 });

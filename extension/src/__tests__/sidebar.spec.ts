@@ -8,7 +8,7 @@ import './jsdom-shims';
 
 import { emptyLab, emptyRunning, SessionsModel } from '../model';
 import { SessionsSidebar } from '../sidebar';
-import { IReport, ISession } from '../types';
+import { IBudget, IReport, ISession } from '../types';
 
 const copied: string[] = [];
 jest.mock('@jupyterlab/apputils', () => ({
@@ -223,6 +223,38 @@ describe('SessionsSidebar', () => {
     await model.update();
     expect(message.textContent).toContain('No sessions yet on 2 backends');
     expect(node.querySelector('.jp-StepwiseSidebar-backendError')!.textContent).toContain('did not answer');
+    model.dispose();
+  });
+
+  it("draws a session's and a run's budget as a bar and its text, coloured by state, updated in place", async () => {
+    const budget = (extra: Partial<IBudget>): IBudget => ({ scope: 'session', target: 'a', budget_usd: 0.5,
+      budget_tokens: null, spent_usd: 0.41, spent_tokens: 0, pending_usd: 0, fraction: 0.82, state: 'warning', ...extra });
+    const [run] = session('a').runs;
+    const runBudget = budget({ scope: 'run', target: 'a:train:0', budget_usd: 0.2, spent_usd: 0.05, fraction: 0.25, state: 'ok' });
+    const { node, model } = await drawn([
+      report([session('a', { budget: budget({}), runs: [{ ...run, budget: runBudget }] }), session('b', { budget: null })]),
+      report([session('a', { budget: budget({ spent_usd: 0.5, fraction: 1, state: 'exhausted' }) }), session('b')])
+    ]);
+    const [a, b] = rows(node);
+    const bar = a.querySelector<HTMLElement>(':scope > .jp-StepwiseBudget')!;
+    expect(bar.hidden).toBe(false);
+    expect(bar.classList.contains('stepwise-budget-warning')).toBe(true);
+    expect(bar.dataset.state).toBe('warning');
+    expect(bar.querySelector<HTMLElement>('.jp-StepwiseBudget-bar')!.style.width).toBe('82%');
+    expect(bar.querySelector('.jp-StepwiseBudget-text')!.textContent).toBe('$0.41 of $0.50 (82%)');
+    expect(bar.title).toBe('Budget of session a: $0.41 of $0.50 (82%): nearly spent');
+    const ofRun = a.querySelector<HTMLElement>('li.jp-StepwiseRun .jp-StepwiseBudget')!;
+    expect(ofRun.classList.contains('stepwise-budget-ok')).toBe(true);
+    expect(ofRun.querySelector('.jp-StepwiseBudget-text')!.textContent).toBe('$0.050 of $0.20 (25%)');
+    expect(b.querySelector<HTMLElement>(':scope > .jp-StepwiseBudget')!.hidden).toBe(true); // none: nothing shown
+
+    await model.update(); // spent: red, full, the same element; the run's budget was removed
+    expect(rows(node)[0].querySelector(':scope > .jp-StepwiseBudget')).toBe(bar);
+    expect(bar.classList.contains('stepwise-budget-exhausted')).toBe(true);
+    expect(bar.classList.contains('stepwise-budget-warning')).toBe(false);
+    expect(bar.querySelector<HTMLElement>('.jp-StepwiseBudget-bar')!.style.width).toBe('100%');
+    expect(bar.title).toContain('exhausted, the backend refuses more work');
+    expect(a.querySelector('li.jp-StepwiseRun .jp-StepwiseBudget')).toBeNull();
     model.dispose();
   });
 
