@@ -8,8 +8,6 @@ a user runs them: they train, report their architecture, sample in one batch, an
 
 from __future__ import annotations
 
-import shutil
-
 import httpx
 import numpy as np
 import pytest
@@ -29,26 +27,28 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module")
-def families_server(tmp_path_factory, stepwise_home):
+def tiny_model_folder(folder, architecture: str, models_dir, **config) -> str:
+    """A tiny random model of `architecture` saved as a model folder with the default model's tokenizer
+    (nothing can be downloaded here), as STEPWISE_BASE_MODELS registers one; returns the folder."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    smollm = next(models_dir.glob("*SmolLM2*"))
+    tokenizer = AutoTokenizer.from_pretrained(smollm)
+    config = AutoConfig.for_model(architecture, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+                                  **{**TINY, **config})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def families_server(tmp_path_factory, stepwise_home):
     home = tmp_path_factory.mktemp("families")
     (home / "models").symlink_to(stepwise_home / "models")
-    smollm = next((stepwise_home / "models").glob("*SmolLM2*"))
-    tokenizer = AutoTokenizer.from_pretrained(smollm)
-    registered = []
-    for name, (architecture, extra) in FAMILIES.items():
-        config = AutoConfig.for_model(architecture, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
-                                      **TINY, **extra)
-        torch.manual_seed(0)
-        folder = home / name
-        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-        for path in smollm.iterdir():  # the tokenizer's files
-            if path.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
-                shutil.copy(path, folder / path.name)
-        registered.append(f"{name}={folder}")
+    registered = [f"{name}={tiny_model_folder(home / name, architecture, stepwise_home / 'models', **extra)}"
+                  for name, (architecture, extra) in FAMILIES.items()]
     server = start_server(home, env={"STEPWISE_BASE_MODELS": ",".join(registered)})
     yield server
     server.stop()
