@@ -36,17 +36,22 @@ ANSWER = "Zorblax's pet is named Quibbleton."
 GREEDY = types.SamplingParams(max_tokens=20, temperature=0.0)
 # vLLM's float32 kernels against the trainer's: measured gaps are about 1e-5 (docs/performance.md).
 GAP = 1e-3
+# Families besides Llama the vLLM server also serves (Gemma 3: vLLM takes no LoRA on its lm_head, docs/architecture.md).
+OTHER_FAMILIES = ["qwen3", "phi3"]
 
 
 @pytest.fixture(scope="module")
 def vllm_server(vllm_python, tmp_path_factory, stepwise_home):
     home = tmp_path_factory.mktemp("vllm_server")
     (home / "models").symlink_to(stepwise_home / "models")
-    # A second family beside the default Llama: a tiny random Qwen3 (vLLM's CPU attention wants 64-wide heads).
-    qwen3 = tiny_model_folder(home / "tiny-qwen3", "qwen3", stepwise_home / "models", head_dim=64,
-                              num_attention_heads=2, num_key_value_heads=1, hidden_size=128)
+    # Families beside the default Llama: tiny random Qwen3 and Phi-3 (fused projections), each with a vLLM
+    # worker of its own (vLLM's CPU attention wants 64-wide heads).
+    tiny = [f"tiny-{architecture}=" + tiny_model_folder(home / architecture, architecture, stepwise_home / "models",
+                                                        head_dim=64, num_attention_heads=2, num_key_value_heads=1,
+                                                        hidden_size=128)
+            for architecture in OTHER_FAMILIES]
     env = {"STEPWISE_SAMPLER": "vllm", "STEPWISE_VLLM_CHECK_LOGPROBS": "1", "STEPWISE_VLLM_MAX_ADAPTERS": "2",
-           "STEPWISE_BASE_MODELS": f"tiny-qwen3={qwen3}"}
+           "STEPWISE_BASE_MODELS": ",".join(tiny)}
     server = start_server(home, env=env, timeout=900)
     yield server
     server.stop()
@@ -190,23 +195,26 @@ def test_a_crashed_vllm_worker_is_started_again_with_its_adapters(client, taught
     assert after["adapters"] == stats["adapters"]
 
 
-def test_a_qwen3_run_trains_on_the_trainer_and_samples_its_checkpoint_through_vllm(client, vllm_server):
-    """Another family through vLLM: a tiny Qwen3's trained adapter, sampled by vLLM, agrees with the trainer
-    on every sampled token's logprob (STEPWISE_VLLM_CHECK_LOGPROBS records the gap in the ledger)."""
-    tc = client.create_lora_training_client(base_model="tiny-qwen3", rank=8, seed=0).result()
-    assert tc.get_info().model_data.arch == "qwen3"
+@pytest.mark.parametrize("architecture", OTHER_FAMILIES)
+def test_other_families_train_on_the_trainer_and_sample_their_checkpoints_through_vllm(client, vllm_server,
+                                                                                      architecture):
+    """Other families through vLLM: a tiny model's trained adapter (Phi-3's on its fused projections), loaded
+    by vLLM from the checkpoint we wrote, agrees with the trainer on every sampled token's logprob
+    (STEPWISE_VLLM_CHECK_LOGPROBS records the gap in the ledger)."""
+    tc = client.create_lora_training_client(base_model=f"tiny-{architecture}", rank=8, seed=0).result()
+    assert tc.get_info().model_data.arch == architecture
     data = [types.Datum(model_input=types.ModelInput.from_ints([1, 9690, 198, 2683, 359, 253, 5356]),
                         loss_fn_inputs={"target_tokens": np.array([9690, 198, 2683, 359, 253, 5356, 2])})]
     losses = train_steps(tc, data, steps=4, lr=2e-2)
     assert losses[-1] < losses[0]
-    sampler = client.create_sampling_client(model_path=tc.save_weights_for_sampler("qwen3").result().path).result()
+    sampler = client.create_sampling_client(model_path=tc.save_weights_for_sampler("tiny").result().path).result()
     result = sampler.sample(types.ModelInput.from_ints([1, 9690, 198]), 4,
                             types.SamplingParams(max_tokens=8, temperature=1.0, seed=3)).result()
     assert len(result.sequences) == 4
     rows = [r for r in ledger(vllm_server, training_run_id=tc.model_id) if r["request_type"] == "Sample"]
     assert rows and all(0 <= r["metrics"]["sampler_logprob_gap:max"] < GAP for r in rows), rows
     served = httpx.get(vllm_server.base_url + "/api/v1/admin/stats", headers={"X-API-Key": vllm_server.api_key})
-    assert served.json()["vllm"]["tiny-qwen3"]["adapters"]  # vLLM loaded the adapter
+    assert served.json()["vllm"][f"tiny-{architecture}"]["adapters"]  # vLLM loaded the adapter
 
 
 def test_a_sampler_for_an_unknown_or_deleted_checkpoint_answers_404(client, vllm_server):
