@@ -1,8 +1,9 @@
 """`stepwise demo`: the quickstart, headless, with learning you can see. A short SFT run teaches
 made-up facts and then asks held-out questions about them (the taught answers come back); a short
 RL run raises the share of correct answers to held-out sums, with a strict verifier. Progress bars,
-each recipe's summary, and what the whole demo cost. On the local backend (shared with your
-notebooks) or --base-url.
+each recipe's summary, and what the whole demo cost; before each run its estimate (the recipe's
+`estimate(config)`: tokens by kind and cost, from the config alone), after it the estimate against
+what the run spent. On the local backend (shared with your notebooks) or --base-url.
 
     stepwise demo                       # two to four minutes on a laptop CPU
     stepwise demo --sft-steps 24 --rl-steps 12 --base-url http://127.0.0.1:8000 --api-key tml-local
@@ -41,10 +42,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(f"1/2 SFT: teach the model made-up facts ({args.sft_steps} steps)", flush=True)
     # lr 2e-3 and batch 8: the smallest run after which most held-out phrasings get the fact back.
-    sft_summary = sft.run(sft.Config(**endpoint, steps=args.sft_steps, learning_rate=2e-3, eval_every=max(1, args.sft_steps // 2),
-                                     save_every=args.sft_steps, sample_questions=4, sample_max_tokens=20,
-                                     metrics_path=str(out / "sft.jsonl")),
-                          service_client=service_client)
+    sft_config = sft.Config(**endpoint, steps=args.sft_steps, learning_rate=2e-3, eval_every=max(1, args.sft_steps // 2),
+                            save_every=args.sft_steps, sample_questions=4, sample_max_tokens=20,
+                            metrics_path=str(out / "sft.jsonl"))
+    sft_estimate = planned(sft, sft_config)
+    sft_summary = sft.run(sft_config, service_client=service_client)
+    print(f"sft: {sft_estimate.versus(sft_summary.spent)}")
     answers = sft_summary.extra.get("samples", [])
     print("\nHeld-out questions about the taught facts, answered by the trained model:")
     for answer in answers:
@@ -52,9 +55,11 @@ def main(argv: list[str] | None = None) -> dict:
               f"   (taught: {answer['expect']})")
 
     print(f"\n2/2 RL: a strict verifier reward on an addition task ({args.rl_steps} steps)", flush=True)
-    rl_summary = rl.run(rl.Config(**endpoint, steps=args.rl_steps, groups_per_batch=4, group_size=6, max_tokens=10,
-                                  eval_prompts=args.rl_eval_prompts, eval_samples=4, metrics_path=str(out / "rl.jsonl")),
-                        service_client=service_client)
+    rl_config = rl.Config(**endpoint, steps=args.rl_steps, groups_per_batch=4, group_size=6, max_tokens=10,
+                          eval_prompts=args.rl_eval_prompts, eval_samples=4, metrics_path=str(out / "rl.jsonl"))
+    rl_estimate = planned(rl, rl_config)
+    rl_summary = rl.run(rl_config, service_client=service_client)
+    print(f"rl: {rl_estimate.versus(rl_summary.spent)}")
 
     session = common.fetch_usage(conn.base_url, conn.api_key, session_id=sft_summary.session_id)
     taught = sum(bool(a["correct"]) for a in answers)
@@ -65,4 +70,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"tokens: prefill {session['prefill_tokens']:,}, sample {session['sample_tokens']:,}, "
           f"train {session['train_tokens']:,}; cost ${session['cost']:.6f}")
     print(f"metrics: {out}")
-    return {"sft": sft_summary, "rl": rl_summary, "usage": session}
+    return {"sft": sft_summary, "rl": rl_summary, "usage": session,
+            "configs": {"sft": sft_config, "rl": rl_config}, "estimates": {"sft": sft_estimate, "rl": rl_estimate}}
+
+
+def planned(recipe, config):
+    """The recipe's estimate for `config`, printed before it runs."""
+    estimate = recipe.estimate(config)
+    print(estimate, flush=True)
+    return estimate

@@ -66,7 +66,13 @@ class Batch:
     data: list[types.Datum] = field(default_factory=list)
     kl: list[np.ndarray] = field(default_factory=list)  # per sample: student_lp - teacher_lp per token
     sample_tokens: int = 0
+    samples: int = 0  # answers sampled
     example: dict | None = None
+
+
+def teacher_prompt_of(tokenizer, prompt: str, config: Config) -> list[int]:
+    """The student's prompt (the user turn alone) behind the hidden system prompt."""
+    return common.user_prompt(tokenizer, prompt, system=config.teacher_system)
 
 
 def distill_batch(student, teacher, tokenizer, prompts: list[str], config: Config, seed: int) -> Batch:
@@ -76,15 +82,15 @@ def distill_batch(student, teacher, tokenizer, prompts: list[str], config: Confi
         params = types.SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, seed=seed * 1000 + i)
         futures.append((prompt, student_prompt, student.sample(types.ModelInput.from_ints(student_prompt),
                                                                 config.samples_per_prompt, params)))
-    scored = []
+    scored, batch = [], Batch()
     for prompt, student_prompt, future in futures:
-        teacher_prompt = common.user_prompt(tokenizer, prompt, system=config.teacher_system)
+        teacher_prompt = teacher_prompt_of(tokenizer, prompt, config)
         for seq in future.result().sequences:
+            batch.samples += 1
             if not seq.tokens:
                 continue
             teacher_lp = teacher.compute_logprobs(types.ModelInput.from_ints(teacher_prompt + list(seq.tokens)))
             scored.append((prompt, student_prompt, len(teacher_prompt), seq, teacher_lp))
-    batch = Batch()
     for prompt, student_prompt, n_teacher_prompt, seq, teacher_lp in scored:
         teacher_lp = np.asarray(teacher_lp.result()[n_teacher_prompt:], dtype=np.float32)
         student_lp = np.asarray(seq.logprobs, dtype=np.float32)
@@ -100,6 +106,7 @@ def distill_batch(student, teacher, tokenizer, prompts: list[str], config: Confi
 def run(config: Config, service_client: tinker.ServiceClient | None = None, on_step=None) -> Summary:
     """Run the recipe; `on_step(row)` sees every metrics row as it is logged (see common.MetricsLog)."""
     service_client = common.service_client_for(config, service_client)
+    start = common.session_usage(config, service_client)
     prompts = common.read_prompts(config.prompts_path, PROMPTS)
     rng = np.random.default_rng(config.seed)
     tc = common.training_client(service_client, config)
@@ -111,12 +118,12 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
     try:
         for step in range(1, config.steps + 1):
             student = tc.save_weights_and_get_sampling_client().result()
-            chosen = [prompts[i] for i in rng.choice(len(prompts), size=min(config.prompts_per_step, len(prompts)),
-                                                      replace=False)]
+            chosen = choose_prompts(prompts, config, rng)
             batch = distill_batch(student, teacher, tokenizer, chosen, config, seed=config.seed * 100_000 + step)
             kl = float(np.concatenate(batch.kl).mean()) if batch.kl else float("nan")
             lr = common.lr_at(step - 1, config.steps, config.learning_rate, config.lr_schedule)
-            row = {"kl_teacher": kl, "sample_tokens": batch.sample_tokens, "lr": lr, "example": batch.example}
+            row = {"kl_teacher": kl, "sample_tokens": batch.sample_tokens, "samples": batch.samples, "lr": lr,
+                   "example": batch.example}
             if batch.data:
                 fb = tc.forward_backward(batch.data, "importance_sampling")
                 optim = tc.optim_step(common.adam(lr))
@@ -133,7 +140,40 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
     sampler_path = tc.save_weights_for_sampler("distillation-final").result().path
     initial, final, window = common.before_after(history)  # first step (initial weights) vs last steps
     return common.summarize("distillation", config, service_client, tc, config.steps, "kl_teacher", initial, final,
-                            log, sampler_path=sampler_path, extra={"kl_window": window})
+                            log, start=start, sampler_path=sampler_path, extra={"kl_window": window},
+                            progress_unit="0.1 kl_teacher drop", progress=(initial - final) / 0.1)
+
+
+def choose_prompts(prompts: list[str], config: Config, rng: np.random.Generator) -> list[str]:
+    """A step's prompts: prompts_per_step of them, drawn without replacement."""
+    return [prompts[i] for i in rng.choice(len(prompts), size=min(config.prompts_per_step, len(prompts)), replace=False)]
+
+
+def planned_tokens(config: Config, assume: common.Assumed) -> common.Tally:
+    """The tokens run(config) sends, call by call, in its order (common.Tally): each step's prompts are
+    drawn with run()'s seed, so every prompt is the run's own; each answer counts assume.answer(max_tokens)."""
+    tokenizer = common.local_tokenizer(config.base_model)
+    prompts = common.read_prompts(config.prompts_path, PROMPTS)
+    rng = np.random.default_rng(config.seed)
+    answer = assume.answer(config.max_tokens)
+    tally = common.Tally()
+    for _ in range(config.steps):
+        data = []
+        for prompt in choose_prompts(prompts, config, rng):
+            student_prompt = len(common.user_prompt(tokenizer, prompt))
+            tally.sample_request(student_prompt, config.samples_per_prompt, answer)  # the student's answers
+            teacher_prompt = len(teacher_prompt_of(tokenizer, prompt, config))  # the teacher scores each answer
+            tally.compute_logprobs(teacher_prompt + answer, times=config.samples_per_prompt)
+            data += [common.datum_input(student_prompt, answer)] * config.samples_per_prompt
+        tally.forward_backward(data)  # one importance_sampling step on every answer
+    return tally
+
+
+def estimate(config: Config, previous: str | None = None) -> common.Estimate:
+    """The run's tokens by meter and cost, before it runs (common.Estimate). Prompts are exact; each
+    sampled answer counts max_tokens (the upper bound) or, typically, the mean length a previous
+    distillation run measured (`previous`, its metrics JSONL; default: the latest)."""
+    return common.estimate_run("distillation", config, planned_tokens, previous)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,11 @@ def label(rule: str, a: tuple[list[int], str], b: tuple[list[int], str]) -> int:
     raise ValueError(f"unknown rule {rule!r}: shorter, longer or keyword:WORD")
 
 
+def rendered_prompt(tokenizer, prompt: str, config: Config) -> list[int]:
+    """What the model is asked: the prompt with config.instruction, as a user turn."""
+    return common.user_prompt(tokenizer, prompt + config.instruction)
+
+
 def sample_candidates(sampler, tokenizer, prompts: list[str], config: Config, first: int = 0) -> list[dict]:
     """Two samples per prompt, unlabeled: [{id, prompt, prompt_tokens, completions, completion_tokens,
     completion_logprobs, truncated}].
@@ -94,8 +99,8 @@ def sample_candidates(sampler, tokenizer, prompts: list[str], config: Config, fi
     two answers, so a labels file from an earlier sampling never labels these answers. `first`
     numbers the prompts (ids and seeds) of a later call, as the live loop makes (live_preference.py).
     A prompt whose answers are empty or the same twice gives no candidate: nothing to choose."""
+    rendered = [rendered_prompt(tokenizer, p, config) for p in prompts]
     prompts = [p + config.instruction for p in prompts]
-    rendered = [common.user_prompt(tokenizer, p) for p in prompts]
     futures = [
         sampler.sample(types.ModelInput.from_ints(tokens), 2,
                        types.SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature,
@@ -182,16 +187,17 @@ def margin_of(training_client, data: list[types.Datum]) -> float:
 NOTHING_LABELLED = "no preference pairs to train on: label some pairs (A or B) first"
 
 
-def train_dpo(training_client, pairs: list[dict], config: Config, log: common.MetricsLog) -> tuple[float, float]:
+def train_dpo(training_client, pairs: list[dict], config: Config, log: common.MetricsLog,
+              **first_row) -> tuple[float, float]:
     """Reference logprobs, then config.steps DPO steps over `pairs`; returns the all-pairs logprob
-    margin (before, after) training."""
+    margin (before, after) training. `first_row`: more figures for the step-0 row (how the pairs were sampled)."""
     if not pairs:  # else the SDK's own "No data provided", from deep inside forward
         raise ValueError(NOTHING_LABELLED)
     data = add_reference_logprobs(pair_datums(pairs), training_client)  # forward at the initial weights
     ref = [common.as_numpy(d.loss_fn_inputs["ref_logprobs"]) for d in data]
     lps = answer_logprobs(data, ref)
     initial = float(np.mean(lps[0::2] - lps[1::2]))
-    log.log(0, logprob_margin=initial, pairs=len(pairs))
+    log.log(0, logprob_margin=initial, pairs=len(pairs), **first_row)
     rng = np.random.default_rng(config.seed)
     stream = common.batches(list(range(len(pairs))), config.batch_pairs, rng)
     loss_fn = make_loss(config.beta)
@@ -221,23 +227,69 @@ def train_dpo(training_client, pairs: list[dict], config: Config, log: common.Me
 def run(config: Config, service_client: tinker.ServiceClient | None = None, on_step=None) -> Summary:
     """Run the recipe; `on_step(row)` sees every metrics row as it is logged (see common.MetricsLog)."""
     service_client = common.service_client_for(config, service_client)
-    prompts = common.read_prompts(config.prompts_path, PROMPTS)
-    prompts = prompts[: config.num_prompts]
+    start = common.session_usage(config, service_client)
+    prompts = prompts_of(config)
     tc = common.training_client(service_client, config)
     tokenizer = tc.get_tokenizer()
     base = service_client.create_sampling_client(base_model=config.base_model).result()
-    pairs = label_by_rule(sample_candidates(base, tokenizer, prompts, config), config.rule)
+    candidates = sample_candidates(base, tokenizer, prompts, config)
+    pairs = label_by_rule(candidates, config.rule)
     if not pairs:
         raise RuntimeError(f"rule {config.rule!r} labeled no pair (every pair tied): try more prompts or another rule")
     log = common.MetricsLog(common.metrics_path_for(config, "preference"), on_step)
-    try:
-        initial, final = train_dpo(tc, pairs, config, log)
+    try:  # how many prompts gave a pair, and the answers' length: for the next estimate (common.measured)
+        initial, final = train_dpo(tc, pairs, config, log, prompts=len(prompts), samples=2 * len(candidates),
+                                   sample_tokens=sum(len(t) for c in candidates for t in c["completion_tokens"]))
     finally:
         log.close()
     sampler_path = tc.save_weights_for_sampler("preference-final").result().path
     extra = {"pairs": len(pairs), "examples": [{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in pairs[:3]]}
     return common.summarize("preference", config, service_client, tc, config.steps, "logprob_margin", initial, final,
-                            log, sampler_path=sampler_path, extra=extra)
+                            log, start=start, sampler_path=sampler_path, extra=extra,
+                            progress_unit="label", progress=len(pairs))
+
+
+def prompts_of(config: Config) -> list[str]:
+    return common.read_prompts(config.prompts_path, PROMPTS)[: config.num_prompts]
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimate: run() above, counting tokens instead of sending them
+
+
+def planned_tokens(config: Config, assume: common.Assumed) -> common.Tally:
+    """The tokens run(config) sends, call by call, in its order (common.Tally). Prompts are exact; each
+    answer counts assume.answer(max_tokens) tokens, and a share assume.kept of the prompts gives a pair
+    (a tie under the rule, or two identical answers, gives none)."""
+    tokenizer = common.local_tokenizer(config.base_model)
+    prompts = [len(rendered_prompt(tokenizer, p, config)) for p in prompts_of(config)]
+    answer = assume.answer(config.max_tokens)
+    tally = common.Tally()
+    for prompt in prompts:  # sample_candidates: two answers to each prompt, from the base model
+        tally.sample_request(prompt, 2, answer)
+    paired = prompts[: max(1, round(assume.kept * len(prompts)))]
+    data = [common.datum_input(prompt, answer) for prompt in paired for _ in ("chosen", "rejected")]
+    tally.forward(data)  # add_reference_logprobs: one forward at the initial weights
+    stream = common.batches(list(range(len(paired))), config.batch_pairs, np.random.default_rng(config.seed))
+    for _ in range(config.steps):  # DPO: forward_backward_custom on each batch of pairs
+        tally.forward_backward_custom([d for i in next(stream) for d in (data[2 * i], data[2 * i + 1])])
+    tally.forward(data)  # margin_of: the all-pairs margin after training
+    return tally
+
+
+def kept_share(rows: list[dict]) -> float | None:
+    """The share of prompts that gave a pair, from a run's step-0 row."""
+    first = next((r for r in rows if r.get("prompts")), None)
+    return first["pairs"] / first["prompts"] if first else None
+
+
+def estimate(config: Config, previous: str | None = None) -> common.Estimate:
+    """The run's tokens by meter and cost, before it runs (common.Estimate). Prompts are exact. Sampled
+    answers: the upper bound counts max_tokens for each and a pair from every prompt; the typical figure
+    takes the mean answer length and the share of prompts that gave a pair from a previous preference
+    run (`previous`, its metrics JSONL; default: the latest). The answers' length counts many times over:
+    each is sampled once, then forwarded and trained on at every step its pair is in a batch."""
+    return common.estimate_run("preference", config, planned_tokens, previous, kept_share)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ number), kl_sampler (mean over completion tokens of sampler logprob - learner lo
 forward_backward's output logprobs: how far the learner is from the policy that sampled, about 0
 when on-policy), logprob_gap_mean / logprob_gap_max (mean and max |sampler logprob - learner
 logprob|: on-policy, the numerical gap between the sampler, say vLLM, and the trainer on the same
-weights), sample/train tokens, loss; on a skipped step, `skipped` (why) instead of loss and KL.
+weights), samples (answers sampled) and sample/train tokens, loss; on a skipped step, `skipped`
+(why) instead of loss and KL.
 With `eval_prompts` > 0, a held-out set of prompts is scored before and after training.
 
 Seeing the run think (docs/cookbook.md, "Watching an RL run", shows it in a notebook):
@@ -289,11 +290,15 @@ class Rollouts:
         return [row for i, g in enumerate(self.groups) for row in rollout_log.rows_of(g.record(i))]
 
 
+def render(task, tokenizer, problem: Problem) -> list[int]:
+    """The problem's prompt tokens: the task's own render, or Task's (duck-typed tasks need not have one)."""
+    return task.render(tokenizer, problem) if hasattr(task, "render") else Task.render(task, tokenizer, problem)
+
+
 def submit(sampler, tokenizer, task, problems: list[Problem], n: int, max_tokens: int, temperature: float,
            seed: int) -> list:
     """Ask for `n` answers to each problem at once (the backend batches them); collect() waits."""
-    render = getattr(task, "render", None) or (lambda tok, p: Task.render(task, tok, p))  # duck-typed tasks too
-    prompts = [render(tokenizer, p) for p in problems]
+    prompts = [render(task, tokenizer, p) for p in problems]
     return [(problem, prompt, sampler.sample(types.ModelInput.from_ints(prompt), n,
                                              types.SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                                                   seed=seed * 1000 + i)))
@@ -483,8 +488,9 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
         raise ValueError(f"kl_penalty_coef ({config.kl_penalty_coef}) and monitor_prompts ({config.monitor_prompts}) "
                          f"must be >= 0, collapse_distinct ({config.collapse_distinct}) a share from 0 to 1")
     task = task_for(config)
-    drop_tied = config.drop_constant_groups if config.drop_constant_groups is not None else not config.kl_penalty_coef
+    drop_tied = drops_tied_groups(config)
     service_client = common.service_client_for(config, service_client)
+    start = common.session_usage(config, service_client)
     rng = np.random.default_rng(config.seed)
     eval_problems = task.problems(config.eval_prompts, np.random.default_rng(config.seed + 10_000))
     probe_problems = task.problems(config.monitor_prompts, np.random.default_rng(config.seed + 20_000))
@@ -529,7 +535,8 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
                 flagged.append(step)
             rollouts = rollouts_of(groups, provenance=stable, extra_advantages=penalty)
             lr = common.lr_at(step - 1, config.steps, config.learning_rate, config.lr_schedule)
-            row.update(sample_tokens=rollouts.sample_tokens + sum(len(s.tokens) for g in probes for s in g.sequences), lr=lr)
+            row.update(sample_tokens=rollouts.sample_tokens + sum(len(s.tokens) for g in probes for s in g.sequences),
+                       samples=sum(len(g.sequences) for g in groups + probes), lr=lr)
             if rollouts.data:
                 fb = tc.forward_backward(rollouts.data, config.loss_fn, loss_fn_config=loss_fn_config)
                 optim = tc.optim_step(common.adam(lr))
@@ -578,8 +585,71 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
     else:
         metric, initial, final = "reward", first, last
     return common.summarize("rl", config, service_client, tc, config.steps, metric, initial, final, log,
-                            checkpoints=checkpoints, sampler_path=sampler_path, extra=extra,
-                            skipped_steps=skipped, skipped_why=skipped_why)
+                            start=start, checkpoints=checkpoints, sampler_path=sampler_path, extra=extra,
+                            skipped_steps=skipped, skipped_why=skipped_why,
+                            progress_unit="0.1 reward gained", progress=(final - initial) / 0.1)
+
+
+def drops_tied_groups(config: Config) -> bool:
+    """config.drop_constant_groups, whose default (None) drops tied groups unless the run is on a leash."""
+    return config.drop_constant_groups if config.drop_constant_groups is not None else not config.kl_penalty_coef
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimate: the loop above, counting tokens instead of sending them
+
+
+def planned_tokens(config: Config, assume: common.Assumed) -> common.Tally:
+    """The tokens run(config) sends, call by call, in its order (common.Tally). The problems are drawn
+    with run()'s seeds, so every prompt is the run's own; each answer counts assume.answer(max_tokens)
+    tokens, and the answers to a share assume.kept of the prompts are trained on (tied or filtered groups
+    are not), where dropping applies."""
+    task = task_for(config)
+    tokenizer = common.local_tokenizer(config.base_model)
+    answer = assume.answer(config.max_tokens)
+    kept = assume.kept if drops_tied_groups(config) or config.group_filter is not None else 1.0
+    rng = np.random.default_rng(config.seed)
+    eval_prompts = [len(render(task, tokenizer, p))
+                    for p in task.problems(config.eval_prompts, np.random.default_rng(config.seed + 10_000))]
+    probe_prompts = [len(render(task, tokenizer, p))
+                     for p in task.problems(config.monitor_prompts, np.random.default_rng(config.seed + 20_000))]
+    tally = common.Tally()
+    for prompt in eval_prompts:  # the held-out eval before training: eval_samples answers each
+        tally.sample_request(prompt, config.eval_samples, answer)
+    for _ in range(config.steps):
+        prompts = [len(render(task, tokenizer, p)) for p in task.problems(config.groups_per_batch, rng)]
+        for prompt in prompts:  # a group of answers to each prompt
+            tally.sample_request(prompt, config.group_size, answer)
+        for prompt in probe_prompts:  # one answer to each held-out probe
+            tally.sample_request(prompt, 1, answer)
+        # against_base: the base model's logprobs of the kept answers (on a leash) and of the probes' answers
+        if config.kl_penalty_coef:
+            for prompt in prompts:
+                tally.compute_logprobs(prompt + answer, times=kept * config.group_size)
+        for prompt in probe_prompts:
+            tally.compute_logprobs(prompt + answer)
+        # one forward_backward on the kept groups' answers (a step with none kept sends no forward_backward)
+        tally.forward_backward(kept * common.datum_input(prompt, answer) for prompt in prompts
+                               for _ in range(config.group_size))
+    for prompt in eval_prompts:  # and the held-out eval again, after training
+        tally.sample_request(prompt, config.eval_samples, answer)
+    return tally
+
+
+def kept_share(rows: list[dict]) -> float | None:
+    """The share of groups a run trained on, from its metrics rows (groups_used of all its groups)."""
+    steps = [r for r in rows if "groups_used" in r]
+    groups = sum(r["groups_used"] + r.get("dropped_tied", 0) + r.get("dropped_filtered", 0) for r in steps)
+    return sum(r["groups_used"] for r in steps) / groups if groups else None
+
+
+def estimate(config: Config, previous: str | None = None) -> common.Estimate:
+    """The run's tokens by meter and cost, before it runs (common.Estimate). Prompts are exact. Sampled
+    answers: the upper bound counts max_tokens each and trains on every group; the typical figure takes
+    the mean answer length and the share of groups trained on that a previous rl run measured (`previous`,
+    its metrics JSONL; default: the latest). A strict verifier's short answers stop at EOS well before
+    max_tokens, and tied groups are dropped, so the upper bound can be well above the run."""
+    return common.estimate_run("rl", config, planned_tokens, previous, kept_share)
 
 
 def _parts_of(groups: list[Group]) -> dict[str, list[float]]:

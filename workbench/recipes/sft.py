@@ -73,30 +73,41 @@ def eval_loss(training_client, data: list[types.Datum]) -> float:
     return total / max(count, 1.0)
 
 
-def greedy_answers(sampling_client, tokenizer, records: list[dict], max_tokens: int) -> list[dict]:
-    """Greedy answers to each record's conversation up to its last assistant turn."""
-    futures = []
-    for record in records:
-        messages = record["messages"]
-        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        prompt = common.render_prompt(tokenizer, messages[:last])
-        params = types.SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        futures.append(sampling_client.sample(types.ModelInput.from_ints(prompt), 1, params))
-    answers = []
+def question_prompt(tokenizer, record: dict) -> list[int]:
+    """The record's conversation up to its last assistant turn, ready for the assistant to answer."""
+    messages = record["messages"]
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    return common.render_prompt(tokenizer, messages[:last])
+
+
+def greedy_answers(sampling_client, tokenizer, records: list[dict], max_tokens: int) -> tuple[list[dict], int]:
+    """Greedy answers to each record's conversation up to its last assistant turn, and their tokens in all."""
+    params = types.SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    futures = [sampling_client.sample(types.ModelInput.from_ints(question_prompt(tokenizer, r)), 1, params)
+               for r in records]
+    answers, tokens = [], 0
     for record, future in zip(records, futures):
-        text = tokenizer.decode(future.result().sequences[0].tokens, skip_special_tokens=True).strip()
+        sampled = future.result().sequences[0].tokens
+        tokens += len(sampled)
+        text = tokenizer.decode(sampled, skip_special_tokens=True).strip()
         expect = record.get("expect")
         answers.append({
             "question": next(m["content"] for m in reversed(record["messages"]) if m["role"] == "user"),
             "expect": expect, "answer": text,
             "correct": None if expect is None else expect.lower() in text.lower(),
         })
-    return answers
+    return answers, tokens
+
+
+def checked_records(config: Config, eval_records: list[dict]) -> list[dict]:
+    """The held-out records whose greedy answer is checked at the end."""
+    return [r for r in eval_records if r.get("expect")][: config.sample_questions]
 
 
 def run(config: Config, service_client: tinker.ServiceClient | None = None, on_step=None) -> Summary:
     """Run the recipe; `on_step(row)` sees every metrics row as it is logged (see common.MetricsLog)."""
     service_client = common.service_client_for(config, service_client)
+    start = common.session_usage(config, service_client)
     rng = np.random.default_rng(config.seed)
     tc = common.training_client(service_client, config)
     tokenizer = tc.get_tokenizer()
@@ -134,19 +145,51 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
             log.log(step, **row)
             bar.set_postfix(train_loss=f"{row['train_loss']:.3f}", eval_loss=f"{latest_eval:.3f}")
             bar.update(1)
+        bar.close()
+        sampler_path = tc.save_weights_for_sampler(f"{config.checkpoint_prefix}-final").result().path
+        sampler = service_client.create_sampling_client(model_path=sampler_path).result()
+        checked = checked_records(config, eval_records)
+        answers, answer_tokens = greedy_answers(sampler, tokenizer, checked, config.sample_max_tokens) if checked else ([], 0)
+        if answers:  # the answers' lengths, for the next estimate (common.measured)
+            log.log(config.steps, samples=len(answers), sample_tokens=answer_tokens)
     finally:
         bar.close()
         log.close()
 
-    sampler_path = tc.save_weights_for_sampler(f"{config.checkpoint_prefix}-final").result().path
-    sampler = service_client.create_sampling_client(model_path=sampler_path).result()
-    checked = [r for r in eval_records if r.get("expect")][: config.sample_questions]
-    answers = greedy_answers(sampler, tokenizer, checked, config.sample_max_tokens) if checked else []
     extra = {"samples": answers}
     if answers:
         extra["answer_accuracy"] = float(np.mean([a["correct"] for a in answers]))
     return common.summarize("sft", config, service_client, tc, config.steps, "eval_loss", initial, latest_eval, log,
-                            checkpoints=checkpoints, sampler_path=sampler_path, extra=extra)
+                            start=start, checkpoints=checkpoints, sampler_path=sampler_path, extra=extra,
+                            progress_unit="0.1 eval_loss drop", progress=(initial - latest_eval) / 0.1)
+
+
+def planned_tokens(config: Config, assume: common.Assumed) -> common.Tally:
+    """The tokens run(config) sends, call by call, in its order (common.Tally). The data are read and
+    batched exactly as run() does (the same seed), so only the greedy answers' length is assumed."""
+    tokenizer = common.local_tokenizer(config.base_model)
+    rng = np.random.default_rng(config.seed)
+    train_records, eval_records = load_splits(config, rng)
+    train = [common.chat_datum(tokenizer, r["messages"], config.train_on).model_input.length for r in train_records]
+    evals = [common.chat_datum(tokenizer, r["messages"], config.train_on).model_input.length for r in eval_records]
+    stream = common.batches(train, config.batch_size, rng)  # the same batches, as lengths
+    tally = common.Tally()
+    if evals:
+        tally.forward(evals)  # the initial eval loss
+    for step in range(1, config.steps + 1):
+        tally.forward_backward(next(stream))
+        if evals and (step % config.eval_every == 0 or step == config.steps):
+            tally.forward(evals)
+    for record in checked_records(config, eval_records):  # one greedy answer each, from the final weights
+        tally.sample_request(len(question_prompt(tokenizer, record)), 1, assume.answer(config.sample_max_tokens))
+    return tally
+
+
+def estimate(config: Config, previous: str | None = None) -> common.Estimate:
+    """The run's tokens by meter and cost, before it runs (common.Estimate). Everything but the greedy
+    answers at the end is exact; those count sample_max_tokens each (the upper bound), or, typically,
+    as long as the answers of a previous sft run (`previous`, a metrics JSONL; default: the latest)."""
+    return common.estimate_run("sft", config, planned_tokens, previous)
 
 
 if __name__ == "__main__":
