@@ -232,6 +232,21 @@ def _server_workload(servers, tokenizer, label: str, lora: bool, rounds: int, st
 # ---- generate: in-process against transformers + peft ------------------------------------------------
 
 
+def interleaved(sides, run, rounds: int) -> tuple[dict, dict, str]:
+    """Time run(side) for every side, `rounds` times after one warm-up each, the order reversed every other
+    round so that a busy machine's drift hits each side alike. Returns each side's seconds per round, its
+    last result, and the machine's load when the timed rounds began."""
+    results = {side: run(side) for side in sides}  # warm-up
+    seconds = {side: [] for side in sides}
+    load_before = load_line()
+    for i in tqdm(range(rounds), desc="rounds (interleaved)"):
+        for side in sides if i % 2 == 0 else list(reversed(sides)):
+            start_time = time.perf_counter()
+            results[side] = run(side)
+            seconds[side].append(time.perf_counter() - start_time)
+    return seconds, results, load_before
+
+
 def bench_generate(rounds: int, samples: int = 8, new_tokens: int = 64) -> None:
     import warnings
 
@@ -267,16 +282,14 @@ def bench_generate(rounds: int, samples: int = 8, new_tokens: int = 64) -> None:
         return (out.shape[1] - ids.shape[1]) * samples
 
     runners = {"stepwise": ours, "generate": theirs}
-    for run in runners.values():
-        run()  # warm-up
-    seconds: dict[str, list[float]] = {name: [] for name in runners}
-    load_before = load_line()
-    for i in tqdm(range(rounds), desc="rounds (interleaved)"):
-        for name in runners if i % 2 == 0 else reversed(list(runners)):
-            start_time = time.perf_counter()
-            assert runners[name]() == samples * new_tokens
-            seconds[name].append(time.perf_counter() - start_time)
     tokens = samples * new_tokens
+
+    def run(name: str) -> int:
+        made = runners[name]()
+        assert made == tokens, (name, made)  # both sample every token asked for: the same work
+        return made
+
+    seconds, _, load_before = interleaved(list(runners), run, rounds)
     rate = {name: tokens / statistics.median(s) for name, s in seconds.items()}
     print(f"\n[generate] one adapter (rank 32), {samples} samples x {new_tokens} tokens, temperature 1, "
           f"{torch.get_num_threads()} threads")
@@ -301,21 +314,13 @@ def bench_small_products(rounds: int) -> None:
     engine = workload_engine(Engine(BASE))
     default_work = threads.SMALL_WORK
 
-    def run(decoder: str, small_on: bool) -> int:
+    def run(side: tuple[str, bool]) -> int:
+        decoder, small_on = side
         threads.SMALL_WORK = default_work if small_on else 0
         return decode_workload(engine, decoder)
 
     sides = [(decoder, on) for decoder in ("batched", "serial") for on in (True, False)]
-    for side in sides:
-        run(*side)  # warm-up
-    seconds: dict[tuple, list[float]] = {side: [] for side in sides}
-    tokens: dict[tuple, int] = {}
-    load_before = load_line()
-    for i in tqdm(range(rounds), desc="rounds (interleaved)"):
-        for side in sides if i % 2 == 0 else reversed(sides):
-            start_time = time.perf_counter()
-            tokens[side] = run(*side)
-            seconds[side].append(time.perf_counter() - start_time)
+    seconds, tokens, load_before = interleaved(sides, run, rounds)
     threads.SMALL_WORK = default_work
     print(f"\n[small] 8 requests x 4 samples x max 32 tokens, 4 adapters, in process, {torch.get_num_threads()} threads, "
           "OMP_WAIT_POLICY=" + os.environ.get("OMP_WAIT_POLICY", ""))
@@ -374,17 +379,8 @@ def bench_family(rounds: int) -> None:
     settings = Settings()
     settings.base_models = [f"tiny-qwen3={folder}"]
     engine = workload_engine(Engine("tiny-qwen3", settings))
-    sides = ("batched", "serial")
-    for side in sides:
-        decode_workload(engine, side)  # warm-up
-    seconds: dict[str, list[float]] = {side: [] for side in sides}
-    tokens: dict[str, int] = {}
-    load_before = load_line()
-    for i in tqdm(range(rounds), desc="rounds (interleaved)"):
-        for side in sides if i % 2 == 0 else reversed(sides):
-            start_time = time.perf_counter()
-            tokens[side] = decode_workload(engine, side)
-            seconds[side].append(time.perf_counter() - start_time)
+    sides = ["batched", "serial"]
+    seconds, tokens, load_before = interleaved(sides, lambda side: decode_workload(engine, side), rounds)
     rate = {side: tokens[side] / statistics.median(s) for side, s in seconds.items()}
     print(f"\n[family] tiny random Qwen3 (hidden 256, 4 layers), 8 requests x 4 samples x max 32 tokens, 4 adapters, "
           f"{torch.get_num_threads()} threads")
@@ -426,14 +422,7 @@ def bench_prefix(rounds: int) -> None:
 
     reused: dict[bool, int] = {}
 
-    seconds: dict[bool, list[float]] = {True: [], False: []}
-    outputs = {side: run(side) for side in seconds}  # warm-up
-    load_before = load_line()
-    for i in tqdm(range(rounds), desc="rounds (interleaved)"):
-        for side in (True, False) if i % 2 == 0 else (False, True):
-            start_time = time.perf_counter()
-            outputs[side] = run(side)
-            seconds[side].append(time.perf_counter() - start_time)
+    seconds, outputs, load_before = interleaved([True, False], run, rounds)
     prefix_cache.MIN_SHARED_TOKENS = default_min
     gap = max(abs(a - b) for on, off in zip(outputs[True], outputs[False]) for a, b in zip(on[1:], off[1:]))
     positions = sum(len(s) for s in sequences)
