@@ -35,6 +35,7 @@ from sqlalchemy import func, select
 from kernel_backend import adapter_cache
 from kernel_backend.adapter_cache import TRAINING_COPIES
 from kernel_backend.config import Settings
+from kernel_backend.metering import Usage
 from kernel_backend.store import CheckpointRow, SessionRow, Store
 from kernel_backend.types import SampleOptions, SamplingParams, UserError
 
@@ -60,9 +61,9 @@ def check_seed(seed, where: str = "seed") -> None:
 
 
 def check_sampling(prompt_tokens: int, num_samples, params: SamplingParams, max_context: int, max_sample_tokens: int,
-                   options: SampleOptions | None = None) -> int:
-    """Bound a sampling request before it is queued; fills in a missing max_tokens. Returns the most
-    tokens it can process (prompt + every sample at max_tokens), which is what admission counts."""
+                   options: SampleOptions | None = None) -> Usage:
+    """Bound a sampling request before it is queued; fills in a missing max_tokens. Returns the most work
+    it can do (its prompt once, every sample at max_tokens), which is what admission and budgets count."""
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or not 1 <= num_samples <= MAX_NUM_SAMPLES:
         raise UserError(f"num_samples must be an integer from 1 to {MAX_NUM_SAMPLES}, got {num_samples!r}")
     (options or SampleOptions()).check(prompt_tokens)
@@ -78,7 +79,7 @@ def check_sampling(prompt_tokens: int, num_samples, params: SamplingParams, max_
             f"{max_context}; shorten the prompt or lower max_tokens"
         )
     check_seed(params.seed, "sampling_params.seed")
-    return prompt_tokens + num_samples * params.max_tokens
+    return Usage(prefill_tokens=prompt_tokens, sample_tokens=num_samples * params.max_tokens)
 
 
 class Admission:

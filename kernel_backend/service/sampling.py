@@ -54,7 +54,7 @@ def sample(svc: Service, tenant: str, sampler_id: str, seq_id: int, prompt: list
     kept under its sequence id for stable_reinforce (service/stability.py), within the session's cap."""
     sampler = svc.sampler(tenant, sampler_id)
     check_still_published(svc, tenant, sampler)
-    check_sampling(svc, sampler.base_model, prompt, num_samples, params, options)
+    bound = check_sampling(svc, sampler.base_model, prompt, num_samples, params, options)
     if svc.vllm is not None:
         svc.vllm.check_options(options)
     request_id = new_id()
@@ -74,7 +74,7 @@ def sample(svc: Service, tenant: str, sampler_id: str, seq_id: int, prompt: list
                             stability.most_tokens(len(prompt), num_samples, params.max_tokens))
     try:
         return svc.submit(tenant, "Sample", key, job, ordered=False, extra={"sample_sequence_ids": ids},
-                          session_id=sampler.session_id, bound=most_work(prompt, num_samples, params),
+                          session_id=sampler.session_id, bound=bound,
                           run_id=sampler.source_model_id or run_of(sampler.model_path))
     except Exception:
         svc.stability.settle(request_id)
@@ -88,19 +88,14 @@ def check_still_published(svc: Service, tenant: str, sampler: SamplerRow) -> Non
         raise NotFound(f"no checkpoint at {sampler.model_path}: its owner no longer publishes it")
 
 
-def most_work(prompt: list[int], num_samples: int, params: SamplingParams) -> Usage:
-    """A checked sampling request's most work: its prompt once, and every sample at max_tokens."""
-    return Usage(prefill_tokens=len(prompt), sample_tokens=num_samples * params.max_tokens)
-
-
 def run_of(path: str | None) -> str | None:
     """The training run whose weights a tinker:// path holds."""
     return parse_tinker_path(path)[0] if path else None
 
 
 def check_sampling(svc: Service, base_model: str, prompt: list[int], num_samples, params: SamplingParams,
-                   options: SampleOptions) -> int:
-    """Bound a sampling request before it is queued (admission.check_sampling); returns its most tokens."""
+                   options: SampleOptions) -> Usage:
+    """Bound a sampling request before it is queued (admission.check_sampling); returns its most work."""
     facts = svc.model_facts().get(base_model)
     max_context = facts["max_context"] if facts is not None else len(prompt) + svc.settings.max_sample_tokens
     return admission.check_sampling(len(prompt), num_samples, params, max_context, svc.settings.max_sample_tokens,
@@ -187,17 +182,17 @@ def generate(svc: Service, tenant: str, request_type: str, base_model: str, path
                         "split it into several requests")
     if on_token is not None and len(prompts) != 1:
         raise UserError("streaming takes one prompt per request")
-    bounds = [check_sampling(svc, base_model, prompt, num_samples, params, options) for prompt in prompts]
+    most = [check_sampling(svc, base_model, prompt, num_samples, params, options) for prompt in prompts]
     if svc.vllm is not None:
         svc.vllm.check_options(options)  # what vLLM cannot answer is a 400 now, not a failure later
     batch = new_id()
     # A checkpoint's sampling is charged to its run and, when the run is the caller's own, the run's session.
-    run = svc.store.get(ModelRow, run_of(path)) if path else None
+    run_id = run_of(path)
+    run = svc.store.get(ModelRow, run_id) if run_id else None
     session_id = run.session_id if run is not None and run.tenant == tenant else None
-    most = [most_work(prompt, num_samples, params) for prompt in prompts]
     svc.admit(tenant, batch, base_model, Usage(prefill_tokens=sum(u.prefill_tokens for u in most),
                                                sample_tokens=sum(u.sample_tokens for u in most)),
-              session_id, run_of(path))  # the jobs below are admitted as this one batch
+              session_id, run_id)  # the jobs below are admitted as this one batch
     lane = f"oai:{tenant}:{path or base_model}"
     outputs: list[dict] = [{} for _ in prompts]
     jobs = []
