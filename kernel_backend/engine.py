@@ -363,12 +363,10 @@ class Engine:
         lengths = [len(r.tokens) for r in rows]
         ids = torch.tensor([t for r in rows for t in r.tokens], device=device)
         positions = torch.cat([torch.arange(n, device=device) for n in lengths])
-        config = self.model.config
-        attend = sampler.causal_within_rows(lengths, self.model.model.layers[0].self_attn.scaling, device,
-                                            families.sliding_windows(config), families.attention_softcap(config))
+        attend = sampler.causal_within_rows(self.model, lengths, device)
         with lora.route(self.model, [a for a, n in zip(adapters, lengths) for _ in range(n)]):
             hidden = sampler.flat_forward(self.model, ids, positions, attend)
-            logits = families.final_logits(config, self.model.lm_head(hidden).float())  # .float(): a no-op in float32
+            logits = families.final_logits(self.model.config, self.model.lm_head(hidden).float())  # .float(): a no-op in float32
         if len({1 if r.targets.dim() == 1 else r.targets.shape[1] for r in rows}) == 1:  # the usual case: one op
             targets = torch.cat([r.targets.reshape(len(r.tokens), -1) for r in rows]).to(device)
             return [lp.reshape(r.targets.shape) for lp, r in zip(target_logprobs(logits, targets).split(lengths), rows)]

@@ -539,9 +539,8 @@ class Decoder:
         self.cache.ensure(n, longest, self._reserved(self._actives())[1])
         index = torch.arange(n, device=device)
         slots = torch.arange(longest, device=device)
-        visible = {window: slots[None, :] <= lengths[:, None] if window is None else  # (rows, length)
-                   (slots[None, :] <= lengths[:, None]) & (slots[None, :] > lengths[:, None] - window)
-                   for window in set(self.windows)}
+        # Each row's query sits at its length: what it sees of the cache, (rows, length), per distinct window.
+        visible = {window: families.window_mask(lengths, slots, window) for window in set(self.windows)}
 
         attention_work = 2 * n * self.heads * self.head_dim * longest  # multiply-adds of a layer's attention
 
@@ -660,13 +659,15 @@ def flat_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Ten
     return families.norm(family, inner.norm, hidden)
 
 
-def causal_within_rows(lengths: list[int], scale: float, device=None, windows: list[int | None] | None = None,
-                       softcap: float | None = None):
+def causal_within_rows(model: torch.nn.Module, lengths: list[int], device=None):
     """An `attend` for flat_forward over whole sequences laid end to end (training): each token sees
-    the tokens of its own row up to itself (and, in a sliding-window layer, only the last `window` of them).
+    the tokens of its own row up to itself (and, in a sliding-window layer of `model`, only the last `window`
+    of them; its scale and any score soft-cap are the model's, families.py).
     Attention alone pads: the rows' queries, keys and values go into one right-padded batch for a single
     causal attention call (a padded key comes after every real query of its row, so the causal mask
     already hides it), and the real tokens come back."""
+    scale, softcap = model.model.layers[0].self_attn.scaling, families.attention_softcap(model.config)
+    windows = families.sliding_windows(model.config)
     longest, starts = max(lengths), np.cumsum([0, *lengths[:-1]])
     where = np.zeros((len(lengths), longest), dtype=np.int64)  # flat index of each padded slot (0: padding)
     for row, (start, length) in enumerate(zip(starts, lengths)):
@@ -675,12 +676,12 @@ def causal_within_rows(lengths: list[int], scale: float, device=None, windows: l
     real = torch.from_numpy(np.flatnonzero(np.arange(longest)[None, :] < np.array(lengths)[:, None])).to(device)
     slots = torch.arange(longest, device=device)
     # A window shorter than the longest row binds: its layers take a mask instead of the plain causal path.
-    masks = {w: families.window_mask(slots, slots, w) for w in set(windows or []) if w is not None and w < longest}
+    masks = {w: families.window_mask(slots, slots, w) for w in set(windows) if w is not None and w < longest}
 
     def attend(layer: int, q, k, v):
         rows, (heads, head_dim) = len(lengths), q.shape[1:]
         q_, k_, v_ = (t.index_select(0, padded).view(rows, longest, t.shape[1], head_dim).transpose(1, 2) for t in (q, k, v))
-        mask = masks.get(windows[layer]) if windows else None
+        mask = masks.get(windows[layer])
         out = families.attention(q_, k_, v_, mask=mask, causal=mask is None, scale=scale, softcap=softcap)
         return out.transpose(1, 2).reshape(rows * longest, heads, head_dim).index_select(0, real)
     return attend

@@ -479,9 +479,7 @@ def test_the_batched_forward_matches_transformers_on_each_architecture_it_claims
     rows = [prompt[:13], prompt]
     ids = torch.tensor([t for row in rows for t in row])
     positions = torch.cat([torch.arange(len(row)) for row in rows])
-    attend = sampler.causal_within_rows([len(row) for row in rows], model.model.layers[0].self_attn.scaling,
-                                        windows=families.sliding_windows(config),
-                                        softcap=families.attention_softcap(config))
+    attend = sampler.causal_within_rows(model, [len(row) for row in rows])
     with lora.route(model, [None] * len(ids)), torch.no_grad():
         packed = families.final_logits(config, model.lm_head(sampler.flat_forward(model, ids, positions, attend)))
         for part, row in zip(packed.split([len(row) for row in rows]), rows):

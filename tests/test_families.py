@@ -136,9 +136,7 @@ def test_lora_gradients_equal_peft_and_the_exported_adapter_gives_the_same_logit
     rows = [torch.randint(0, 300, (n,), generator=generator).tolist() for n in (19, 12)]  # longer than a window of 8
     ids = torch.tensor([t for row in rows for t in row])
     positions = torch.cat([torch.arange(len(row)) for row in rows])
-    attend = sampler.causal_within_rows([len(r) for r in rows], model.model.layers[0].self_attn.scaling,
-                                        windows=families.sliding_windows(model.config),
-                                        softcap=families.attention_softcap(model.config))
+    attend = sampler.causal_within_rows(model, [len(r) for r in rows])
     with lora.route(model, [adapter] * len(ids)):
         logits = families.final_logits(model.config, model.lm_head(sampler.flat_forward(model, ids, positions, attend)))
     ours = sum(torch.nn.functional.cross_entropy(part[:-1], torch.tensor(row[1:]), reduction="sum")
