@@ -437,17 +437,15 @@ def summarize(recipe: str, config: BaseConfig, service_client: tinker.ServiceCli
               **kwargs) -> Summary:
     """Read the usage API for the run (and the session), build the Summary, print it if verbose.
     `start`: session_usage() at the start of the run, to count what the run spent."""
-    base_url, api_key = endpoint_of(config, service_client)
-    run = fetch_usage(base_url, api_key, training_run_id=training_client.model_id)
-    session_id = session_id_of(service_client)
-    session = fetch_usage(base_url, api_key, session_id=session_id) if session_id else None
+    run = fetch_usage(*endpoint_of(config, service_client), training_run_id=training_client.model_id)
+    session = session_usage(config, service_client)
     if session and start:
         kwargs.update(spent=float(session["cost"]) - float(start["cost"]),
                       spent_tokens={kind: int(session[f"{kind}_tokens"]) - int(start[f"{kind}_tokens"]) for kind in KINDS})
     summary = Summary(
         recipe=recipe, training_run_id=training_client.model_id, steps=steps, metric=metric,
         initial=float(initial), final=float(final), tokens=_total_tokens(run), cost=float(run["cost"]),
-        session_id=session_id,
+        session_id=session_id_of(service_client),
         session_tokens=_total_tokens(session) if session else None,
         session_cost=float(session["cost"]) if session else None,
         metrics_path=str(log.path), **kwargs,
