@@ -68,18 +68,20 @@ def registered_models(registered: list[str]) -> dict[str, Path]:
 
 def resolve(name: str, models_dir: Path, registered: list[str] = ()) -> tuple[str, Path]:
     """Map a model name to (canonical name, local HF directory), converting a GGUF on first use.
-    Only registry models and the operator's `registered` entries (STEPWISE_BASE_MODELS) resolve."""
+    Only registry models and the operator's `registered` entries (STEPWISE_BASE_MODELS) resolve. A
+    registered entry wins over the registry's own files under the same name: an operator serves a local
+    copy of the default model that way (and the tests a tiny random stand-in, tests/tiny_model.py)."""
     name = ALIASES.get(name, name)
-    if name in GGUF_MODELS:
-        directory = _converted_gguf_dir(name, models_dir)
-        place_tokenizer_in_hub_cache(name, directory)
-        return name, directory
     local = registered_models(list(registered))
     if name in local:
         if not (local[name] / "config.json").exists():
             raise UserError(f"base model {name!r} is registered on this server but its files are missing; "
                             "ask the operator to check STEPWISE_BASE_MODELS")
         return name, local[name]
+    if name in GGUF_MODELS:
+        directory = _converted_gguf_dir(name, models_dir)
+        place_tokenizer_in_hub_cache(name, directory)
+        return name, directory
     choices = ", ".join(available_models() + [n for n in local if n not in GGUF_MODELS])
     raise UserError(f"unknown base model {name!r}; available: {choices} (the operator adds models with "
                     "STEPWISE_BASE_MODELS)")

@@ -17,30 +17,13 @@ from tinker import types
 
 from servers import start_server
 from test_service_http import datum
+from tiny_model import tiny_model_folder
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, max_position_embeddings=1024)
 FAMILIES = {
     "tiny-qwen3": ("qwen3", {}),
     # Its first layer slides over the last 16 tokens, as Gemma 3's local layers do (theirs: 1024).
     "tiny-gemma3": ("gemma3_text", {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}),
 }
-
-
-def tiny_model_folder(folder, architecture: str, models_dir, **config) -> str:
-    """A tiny random model of `architecture` saved as a model folder with the default model's tokenizer
-    (nothing can be downloaded here), as STEPWISE_BASE_MODELS registers one; returns the folder."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    smollm = next(models_dir.glob("*SmolLM2*"))
-    tokenizer = AutoTokenizer.from_pretrained(smollm)
-    config = AutoConfig.for_model(architecture, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
-                                  **{**TINY, **config})
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import tinker
 from tinker import types
 
 from servers import Server, start_server
-from test_families import tiny_model_folder
+from tiny_model import tiny_model_folder
 from test_recipes import check_summary
 from test_service import BASE, chat_datum, prompt_of, train_steps
 from test_service_http import Api

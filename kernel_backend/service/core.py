@@ -174,7 +174,9 @@ class Service:
     def start(self, preload: list[str] | None = None) -> None:
         """Load base models (before serving, so the first request is not slow) and start the thread."""
         registered = models.registered_models(self.settings.base_models)
-        names = [self.model_name(name) for name in (preload if preload is not None else [models.DEFAULT_MODEL, *registered])]
+        # dict.fromkeys: the default model once, also where a registered entry stands in for it.
+        names = list(dict.fromkeys(self.model_name(name) for name in
+                                   (preload if preload is not None else [models.DEFAULT_MODEL, *registered])))
         if self.cluster is not None:
             self.cluster.start(names)
         else:
