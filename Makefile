@@ -55,12 +55,22 @@ vllm-venv: install
 
 # The vLLM venv and the evaluation clients' venvs (tests/client_venvs.py) build in the background
 # while the other tests run (a minute or two cold); the tests that use them run last and wait (tests/conftest.py).
-test: install chromium
+# The tests run on both cores (pytest-xdist, one file per worker at a time). At the end, tests/time_report.py
+# prints where the time went (install, each file, the 25 slowest tests) from what the runs wrote to $(REPORT).
+REPORT := .test-report
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider
+
+test:
+	@rm -rf $(REPORT) && mkdir -p $(REPORT)
+	@start=$$(date +%s); $(MAKE) --no-print-directory install chromium && echo $$(( $$(date +%s) - start )) > $(REPORT)/install-seconds
 	@$(PY) -m kernel_backend.vllm_venv build --background
 	@$(PY) tests/client_venvs.py build --background
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
-	# The official-SDK service tests once more, unchanged, their server's engines on two Ray workers (about 2 min).
-	$(PY) -m pytest -q -p no:cacheprovider tests/test_service.py --cluster
+	@status=0; \
+	echo "pytest: every test, on both cores"; \
+	$(PYTEST) -n 2 --dist loadfile --durations=25 --junitxml=$(REPORT)/main.xml tests || status=1; \
+	echo "pytest: the official-SDK service tests once more, unchanged, their server's engines on two Ray workers"; \
+	$(PYTEST) --junitxml=$(REPORT)/cluster.xml tests/test_service.py --cluster || status=1; \
+	$(PY) tests/time_report.py $(REPORT); exit $$status
 
 # JupyterLab on copies of the notebooks in $(LAB_DIR) (made once; the repo's stay clean), opened
 # on the quickstart, whose first cell starts the local backend. As root it adds --allow-root.

@@ -103,7 +103,17 @@ def stepwise_home(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def engine(stepwise_home):
+def engine(stepwise_home, tiny_model):
+    """The session's in-process Engine, on the tiny stand-in for the default model (tests/tiny_model.py)."""
+    from kernel_backend.engine import Engine
+    from tiny_model import stand_in_settings
+
+    return Engine(settings=stand_in_settings(tiny_model))
+
+
+@pytest.fixture(scope="session")
+def real_engine(stepwise_home):
+    """An in-process Engine on the real default model, for the tests about what it learns or computes."""
     from kernel_backend.engine import Engine
 
     return Engine()
@@ -116,7 +126,8 @@ def tokenizer(stepwise_home):
 
 @pytest.fixture
 def adapters(engine):
-    """make(**lora_config) -> a fresh adapter id on the session engine; all deleted after the test."""
+    """make(**lora_config) -> a fresh adapter id on the session engine; all deleted after the test
+    (`make.on(other_engine)` makes one on another engine, deleted with the rest)."""
     from kernel_backend.types import LoraConfig
 
     made: list[str] = []
@@ -134,17 +145,64 @@ def adapters(engine):
 
 
 @pytest.fixture(scope="session")
-def tinker_server(stepwise_home, pytestconfig):
-    """A real backend process on a free loopback port, shared by the session's protocol tests.
+def tiny_model(tmp_path_factory, stepwise_home) -> Path:
+    """A tiny random stand-in for the default model (tests/tiny_model.py), for the tests about behaviour."""
+    from tiny_model import tiny_default_model
+
+    return tiny_default_model(tmp_path_factory.mktemp("tiny-smollm2"), stepwise_home / "models")
+
+
+@pytest.fixture(scope="session")
+def tinker_server(stepwise_home, tiny_model, pytestconfig):
+    """A real backend process on a free loopback port, shared by the session's protocol tests. It serves the
+    tiny stand-in under the default model's name: those tests check what the service does, not what a model
+    learns (real_model_server is for that).
 
     Its batch limit is lowered to 8192 tokens so the oversize-batch test stays small.
     """
     from servers import start_server
+    from tiny_model import stand_in_env
 
     cluster = CLUSTER_ENV if pytestconfig.getoption("--cluster") else {}
-    server = start_server(stepwise_home, env={"STEPWISE_MAX_BATCH_TOKENS": "8192", **cluster}, timeout=600)
+    server = start_server(stepwise_home, env={"STEPWISE_MAX_BATCH_TOKENS": "8192", **stand_in_env(tiny_model),
+                                              **cluster}, timeout=600)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def real_model_server(tmp_path_factory, stepwise_home):
+    """A backend serving the real default model (SmolLM2-135M-Instruct), for the tests about quality: a loss
+    that falls on real text, a taught answer, a reward that rises, the clients' evaluations."""
+    from servers import start_server
+
+    home = tmp_path_factory.mktemp("real_model_server")
+    (home / "models").symlink_to(stepwise_home / "models")
+    server = start_server(home, env={"STEPWISE_MAX_BATCH_TOKENS": "8192", **REAL_MODEL_ENV}, timeout=600)
+    yield server
+    server.stop()
+
+
+# What a backend needs to serve the real default model even where tiny_everywhere set the stand-in.
+REAL_MODEL_ENV = {"STEPWISE_BASE_MODELS": "", "STEPWISE_SAMPLE_CACHE_MB": "4096"}
+
+
+@pytest.fixture(scope="module")
+def tiny_everywhere(tiny_model):
+    """For a module whose backends are started by the code under test (workbench.connect(), `stepwise export`,
+    subprocesses), not by a fixture: the stand-in's environment (tiny_model.stand_in_env) for the module's
+    duration. Use it with `pytestmark = pytest.mark.usefixtures("tiny_everywhere")`."""
+    from tiny_model import stand_in_env
+
+    env = stand_in_env(tiny_model)
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 # The shared_server's limits: small, so the hardening tests reach them with small requests.
@@ -155,18 +213,23 @@ SHARED_LIMITS = {
     "STEPWISE_MAX_BODY_BYTES": str(1 << 20),
     "STEPWISE_RESULT_KEEP_AFTER_RETRIEVAL_S": "1",
     "STEPWISE_REAP_INTERVAL_S": "0.5",
+    # A tenant's share of the adapter cache: a rank-512 run of the tiny stand-in (about 420 MB) passes it, as
+    # one of the real model passes the shared default of 2048 MB.
+    "STEPWISE_MAX_ADAPTER_MB_PER_TENANT": "256",
 }
 
 
 @pytest.fixture(scope="session")
-def shared_server(tmp_path_factory, stepwise_home):
-    """A backend configured like a server several people share (SHARED_LIMITS), in its own home.
+def shared_server(tmp_path_factory, stepwise_home, tiny_model):
+    """A backend configured like a server several people share (SHARED_LIMITS), in its own home, on the tiny
+    stand-in for the default model (the limits are about requests and bytes, not what a model learns).
 
     Tests make their own tenants on it (`server.make_key(tenant)`), so the limits one test reaches
     are its own. Before it starts, the leftovers of an interrupted checkpoint write are planted in its
     checkpoint folder (`server.planted`), which the start-up must remove.
     """
     from servers import start_server
+    from tiny_model import stand_in_env
 
     home = tmp_path_factory.mktemp("shared_server")
     (home / "models").symlink_to(stepwise_home / "models")
@@ -175,7 +238,7 @@ def shared_server(tmp_path_factory, stepwise_home):
     for folder in (staging, old_copy):
         folder.mkdir(parents=True)
         (folder / "adapter_model.safetensors").write_bytes(b"half-written")
-    server = start_server(home, env=SHARED_LIMITS)
+    server = start_server(home, env={**SHARED_LIMITS, **stand_in_env(tiny_model)})
     server.planted = [staging, old_copy]
     yield server
     server.stop()

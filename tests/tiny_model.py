@@ -46,26 +46,30 @@ def tiny_model_folder(folder, architecture: str, models_dir, **config) -> str:
 
 
 def tiny_default_model(folder: Path, models_dir: Path) -> Path:
-    """A tiny random stand-in for the default model: its config (Llama, tied embeddings, its context length
-    and rotary settings) with only the sizes in TINY, and its tokenizer and chat template. Made once per folder."""
+    """A tiny random stand-in for the default model, saved in `folder`: its config (Llama, tied embeddings, its
+    context length and rotary settings) with only the sizes in TINY, its tokenizer and chat template."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    folder = Path(folder)
-    if (folder / "model.safetensors").exists():
-        return folder
     source = default_model_dir(models_dir)
-    config = AutoConfig.from_pretrained(source, **TINY)
     torch.manual_seed(0)
-    tmp = folder.with_name(folder.name + ".partial")
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
-    if (source / "chat_template.jinja").exists() and not (tmp / "chat_template.jinja").exists():
-        (tmp / "chat_template.jinja").write_text((source / "chat_template.jinja").read_text())
-    tmp.rename(folder)
-    return folder
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source, **TINY)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    return Path(folder)
+
+
+# The sampler's KV cache in MB that holds as many tokens of the tiny model (512 bytes a token) as the default
+# 4096 MB hold of SmolLM2-135M's (46,080 bytes): about 93k, so the requests that overflow it stay the same.
+SAMPLE_CACHE_MB = 46
 
 
 def stand_in_env(folder: Path) -> dict[str, str]:
     """A backend's environment that serves `folder` under the default model's name."""
-    return {"STEPWISE_BASE_MODELS": f"{models.DEFAULT_MODEL}={folder}"}
+    return {"STEPWISE_BASE_MODELS": f"{models.DEFAULT_MODEL}={folder}", "STEPWISE_SAMPLE_CACHE_MB": str(SAMPLE_CACHE_MB)}
+
+
+def stand_in_settings(folder: Path):
+    """The Settings of an in-process Engine on the stand-in (the same as stand_in_env's)."""
+    from kernel_backend.config import Settings
+
+    return Settings(base_models=[f"{models.DEFAULT_MODEL}={folder}"], sample_cache_mb=SAMPLE_CACHE_MB)
 
