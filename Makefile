@@ -55,7 +55,7 @@ vllm-venv: install
 
 # The vLLM venv and the evaluation clients' venvs (tests/client_venvs.py) build in the background
 # while the other tests run (a minute or two cold); the tests that use them run last and wait (tests/conftest.py).
-# The tests run on both cores (pytest-xdist, one file per worker at a time). At the end, tests/time_report.py
+# The tests run on both cores (pytest-xdist; tests/conftest.py says which run together). At the end, tests/time_report.py
 # prints where the time went (install, each file, the 25 slowest tests) from what the runs wrote to $(REPORT).
 REPORT := .test-report
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
@@ -67,7 +67,7 @@ test:
 	@$(PY) tests/client_venvs.py build --background
 	@status=0; \
 	echo "pytest: every test, on both cores"; \
-	$(PYTEST) -n 2 --dist loadfile --durations=25 --junitxml=$(REPORT)/main.xml tests || status=1; \
+	$(PYTEST) -n 2 --dist loadgroup --no-loadscope-reorder --durations=25 --junitxml=$(REPORT)/main.xml tests || status=1; \
 	echo "pytest: the official-SDK service tests once more, unchanged, their server's engines on two Ray workers"; \
 	$(PYTEST) --junitxml=$(REPORT)/cluster.xml tests/test_service.py --cluster || status=1; \
 	$(PY) tests/time_report.py $(REPORT); exit $$status

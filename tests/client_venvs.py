@@ -4,9 +4,10 @@ each other's), built once per machine into the cache folder by kernel_backend/ve
     lm-eval      EleutherAI's lm-evaluation-harness (local-completions, local-chat-completions)
     inspect-ai   inspect-ai and its openai-api provider
     anthropic    the official anthropic SDK
+    tinker-cookbook   tinker-cookbook 0.5.8's trainers (tests/test_cookbook.py)
 
 Their pinned requirements are tests/clients/<name>.txt. `make test` starts the builds in the
-background before the tests run (about 2 minutes cold, all three; instant once built); a test that
+background before the tests run (a few minutes cold, all four; instant once built); a test that
 needs one waits for it (conftest.wait_for_venv).
 
     python tests/client_venvs.py build [--background] [NAME ...]    # all of them when no NAME
@@ -28,8 +29,10 @@ CHECKS = {
     "lm-eval": "import lm_eval.models.openai_completions, transformers",
     "inspect-ai": "import inspect_ai, openai",
     "anthropic": "import anthropic",
+    "tinker-cookbook": "import tinker_cookbook.supervised.train, tinker_cookbook.supervised.data, tinker_cookbook.rl.train",
 }
-NEEDS_TORCH = {"lm-eval"}  # lm-eval imports torch; the CPU wheel, before anything pulls a CUDA build
+# lm-eval and tinker-cookbook import torch: the CPU wheel, before anything pulls a CUDA build.
+NEEDS_TORCH = {"lm-eval", "tinker-cookbook"}
 
 
 def client(name: str) -> Venv:

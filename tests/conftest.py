@@ -59,10 +59,25 @@ def pytest_addoption(parser):
                      help="run tinker_server (the official-SDK service tests) on two Ray engine workers")
 
 
+# `make test` runs the files on two xdist workers (`-n 2 --dist loadgroup --no-loadscope-reorder`). A group
+# runs whole on one worker, so its module fixtures (servers) start once: each file is a group, except the
+# files that drive the one JupyterLab (tests/browser.py's `lab`), which are one group so that it starts once.
+LAB_FILES = ("test_notebooks.py", "test_extension_browser.py", "test_browser_after_shutdown.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """Tests marked vllm or clients run last, to give their venvs' background builds time (a stable
+    """The xdist groups above; the lab's group first (the longest: the other worker takes everything else
+    meanwhile); tests marked vllm or clients last, to give their venvs' background builds time (a stable
     sort keeps every other order)."""
-    items.sort(key=lambda item: any(item.get_closest_marker(m) is not None for m in ("vllm", "clients")))
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("lab" if item.path.name in LAB_FILES else item.path.name))
+
+    def order(item):
+        last = any(item.get_closest_marker(m) is not None for m in ("vllm", "clients"))
+        return (last, item.path.name not in LAB_FILES)
+
+    items.sort(key=order)
 
 
 @pytest.fixture(scope="session")

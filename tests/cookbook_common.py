@@ -1,7 +1,7 @@
 """What tests/cookbook_sft.py and tests/cookbook_rl.py share: run by the cookbook venv's python.
 
 Both scripts run one of tinker-cookbook 0.5.8's trainers against a Tinker-compatible server from
-`.venv-cookbook` (scripts/make_cookbook_venv.sh; the cookbook pins transformers<=5.5.4, so never
+its own venv (tests/client_venvs.py; the cookbook pins transformers<=5.5.4, so never
 the project's main venv). This module holds their common command line (--base-url, --api-key,
 --tokenizer-dir, --log-path, --steps, --self-check, --model-name, --renderer, --lora-rank,
 --learning-rate), the offline set-up (no Hugging Face hub; the server's local tokenizer folder

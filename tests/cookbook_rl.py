@@ -1,7 +1,7 @@
 """Run tinker-cookbook 0.5.8's RL training against a Tinker-compatible server.
 
 The RL twin of tests/cookbook_sft.py, and like it run by the *cookbook* virtual environment's
-python (`.venv-cookbook/bin/python`, made by scripts/make_cookbook_venv.sh), never by the
+python (its own venv, tests/client_venvs.py: `python tests/client_venvs.py build tinker-cookbook`), never by the
 project's main venv: tinker-cookbook 0.5.8 pins transformers<=5.5.4. The command line, the
 offline set-up (the server's tokenizer folder registered with
 `tinker_cookbook.tokenizer_utils.register_tokenizer`) and the exit codes come from
@@ -23,11 +23,11 @@ for --steps steps with `save_every=--save-every` (default 1). The cookbook write
 (state_path and sampler_path) and one named "final".
 
 Usage:
-    .venv-cookbook/bin/python tests/cookbook_rl.py --base-url http://127.0.0.1:8000 \\
+    ~/.cache/stepwise/tinker-cookbook-<key>/bin/python tests/cookbook_rl.py --base-url http://127.0.0.1:8000 \\
         --api-key tml-test --tokenizer-dir ~/.cache/stepwise/models/HuggingFaceTB--SmolLM2-135M-Instruct \\
         --log-path /tmp/rl-run --steps 12
 
-    .venv-cookbook/bin/python tests/cookbook_rl.py --self-check --tokenizer-dir DIR   # no server
+    ~/.cache/stepwise/tinker-cookbook-<key>/bin/python tests/cookbook_rl.py --self-check --tokenizer-dir DIR   # no server
 
 Exit status: 0 when train.main returned and metrics.jsonl has --steps rows with a finite mean
 reward (the last line printed is a JSON summary: steps, rewards, checkpoints); 1 on any failure

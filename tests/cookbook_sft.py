@@ -1,7 +1,7 @@
 """Run tinker-cookbook 0.5.8's supervised training against a Tinker-compatible server.
 
 This script is run by the *cookbook* virtual environment's python
-(`.venv-cookbook/bin/python`, made by scripts/make_cookbook_venv.sh), never by the
+(its own venv, tests/client_venvs.py: `python tests/client_venvs.py build tinker-cookbook`), never by the
 project's main venv: tinker-cookbook 0.5.8 pins transformers<=5.5.4.
 
 It writes a small local JSONL of chat conversations (a made-up fact), registers the
@@ -13,11 +13,11 @@ for --steps steps. The cookbook writes `metrics.jsonl` (one line per step, with
 `train_mean_nll`) and `checkpoints.jsonl` (the final checkpoint) into --log-path.
 
 Usage:
-    .venv-cookbook/bin/python tests/cookbook_sft.py --base-url http://127.0.0.1:8000 \\
+    ~/.cache/stepwise/tinker-cookbook-<key>/bin/python tests/cookbook_sft.py --base-url http://127.0.0.1:8000 \\
         --api-key tml-test --tokenizer-dir ~/.cache/stepwise/models/HuggingFaceTB--SmolLM2-135M-Instruct \\
         --log-path /tmp/sft-run --steps 3
 
-    .venv-cookbook/bin/python tests/cookbook_sft.py --self-check --tokenizer-dir DIR   # no server
+    ~/.cache/stepwise/tinker-cookbook-<key>/bin/python tests/cookbook_sft.py --self-check --tokenizer-dir DIR   # no server
 
 Exit status: 0 when train.main returned and metrics.jsonl has --steps finite train_mean_nll
 values (the last line printed is a JSON summary); 1 on any failure (traceback on stderr);

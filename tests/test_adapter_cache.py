@@ -1,8 +1,10 @@
-"""The adapter cache (kernel_backend/adapter_cache.py) on the real model: what does not fit is evicted by
-last use and comes back exactly, a tenant over its share evicts its own adapters, and an adapter a decode
-request is using is never evicted under it.
+"""The adapter cache (kernel_backend/adapter_cache.py): what does not fit is evicted by last use and comes
+back exactly, a tenant over its share evicts its own adapters, and an adapter a decode request is using is
+never evicted under it.
 
-Each test shrinks the session engine's cache budget for its own duration (`tight`).
+On the tiny random stand-in for the default model (the `engine` fixture, tests/tiny_model.py): eviction is
+about bytes and bookkeeping, not what a model learns. Each test shrinks the session engine's cache budget
+for its own duration (`tight`), in units of its own adapters' sizes, so the smaller adapters change nothing.
 """
 
 from __future__ import annotations

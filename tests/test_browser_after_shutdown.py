@@ -13,6 +13,9 @@ the backend stops while the notebook stays open:
 Then the notebook's kernel shuts down (the Jupyter sessions API, as closing it does): the session
 stays listed, now "ended", with its checkpoint, for the lab's life. Screenshots of both moments go
 to tests/_artifacts/after-shutdown-*.png.
+
+The backend serves the tiny random stand-in for the default model (tests/tiny_model.py): what is checked is
+what a person sees, not what a model learns.
 """
 
 from __future__ import annotations
@@ -33,11 +36,13 @@ NOTEBOOK = "after-shutdown.ipynb"
 
 
 @pytest.fixture
-def own_backend(tmp_path, stepwise_home):
+def own_backend(tmp_path, stepwise_home, tiny_model):
+    from tiny_model import stand_in_env
+
     home = tmp_path / "home"
     home.mkdir()
     (home / "models").symlink_to(stepwise_home / "models")  # the converted default model, shared
-    server = start_server(home, timeout=600)
+    server = start_server(home, env=stand_in_env(tiny_model), timeout=600)
     yield server
     server.stop()
 

@@ -1,7 +1,12 @@
 """Compare (checkpoints side by side) and Probes (what one step changed) against a real backend,
-driven through the official tinker SDK with the real default model, as a researcher drives them.
+driven through the official tinker SDK, as a researcher drives them.
 
-Small on purpose: two prompts, answers of at most 12 tokens, one LoRA run of rank 4.
+Small on purpose: two prompts, answers of at most 12 tokens, one LoRA run of rank 4. Two tests run on
+the real default model (`real_service`, on `real_model_server`), because they check what a few steps
+teach it: in test_compare_puts_each_sampler_in_a_column_seeded_alike_and_sorts the trained snapshot
+answers "zebra" where the base model does not, and in test_probes_show_what_each_step_changed the
+greedy answer comes to say it. The others check what the widgets and the SDK hook do, on any model:
+they run on `tinker_server`'s tiny random stand-in (tests/tiny_model.py).
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ def service(tinker_server):
     return tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
 
 
+@pytest.fixture(scope="module")
+def real_service(real_model_server):
+    return tinker.ServiceClient(base_url=real_model_server.base_url, api_key=real_model_server.api_key)
+
+
 def sft(tc, tokenizer, steps: int, lr: float = 5e-3) -> None:
     datum = completion_datum(*encode_pair(QUESTION, ANSWER, tokenizer))
     for _ in range(steps):
@@ -35,9 +45,9 @@ def sft(tc, tokenizer, steps: int, lr: float = 5e-3) -> None:
         tc.optim_step(types.AdamParams(learning_rate=lr)).result()
 
 
-def test_compare_puts_each_sampler_in_a_column_seeded_alike_and_sorts(service):
-    base = service.create_sampling_client(base_model=BASE).result()
-    tc = service.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+def test_compare_puts_each_sampler_in_a_column_seeded_alike_and_sorts(real_service):
+    base = real_service.create_sampling_client(base_model=BASE).result()
+    tc = real_service.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
     tokenizer = tc.get_tokenizer()
     sft(tc, tokenizer, steps=4)
     trained = tc.save_weights_and_get_sampling_client().result()
@@ -106,8 +116,8 @@ def test_the_optim_step_hook_runs_on_the_callers_thread_and_changes_nothing(serv
     assert len(seen) == 1
 
 
-def test_probes_show_what_each_step_changed(service):
-    tc = service.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+def test_probes_show_what_each_step_changed(real_service):
+    tc = real_service.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
     tokenizer = tc.get_tokenizer()
     probes = Probes(tc, [(QUESTION, ANSWER), {"prompt": "Name a colour.", "reference": "Blue."}, QUESTION],
                     max_tokens=12)

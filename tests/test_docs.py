@@ -1,5 +1,7 @@
 """docs/workbench.md as a newcomer reads it: its Python snippets, top to bottom, run as one script
-against the local backend of the test session's STEPWISE_HOME (tinker_server, found by connect())."""
+against the local backend of the test session's STEPWISE_HOME (tinker_server, found by connect()).
+That backend serves the tiny random stand-in for the default model (tests/tiny_model.py): the page must
+run as printed, and none of its snippets checks what a model learns."""
 
 from __future__ import annotations
 

@@ -3,6 +3,9 @@ itself comes back bit for bit: tests/test_recovery.py).
 
 Also: sessions that stop heart-beating expire and free their adapters, and a checkpoint exported
 with --merged loads in plain transformers with the adapter's behaviour.
+
+On the tiny random stand-in for the default model (tests/tiny_model.py), in every server and in the `stepwise
+export` subprocess (tiny_everywhere): these are about what survives a crash, not what a model learns.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from test_service_http import DATA, Api
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TOKENS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 2, 198]
 
+pytestmark = pytest.mark.usefixtures("tiny_everywhere")
+
 
 @pytest.fixture
 def home(tmp_path, stepwise_home):
@@ -45,16 +50,26 @@ def test_kill_9_mid_training_and_restart(home):
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     path = tc.save_state("before-crash").result().path
     saved = forward_logprobs(tc)
-    # Queue a pile of work and kill the server while it runs.
+    # Queue a pile of work and kill the server while it runs: as soon as the server has taken all of it (each
+    # piece takes seconds), not after a guessed sleep.
+    db = sqlite3.connect(home / "stepwise.db")
+
+    def taken() -> list[str]:
+        return [r[0] for r in db.execute("select status from futures where model_id = ? and request_type = ?",
+                                         (tc.model_id, "ForwardBackward"))]
+
+    before = len(taken())
     big = [types.Datum(model_input=types.ModelInput.from_ints(list(range(5, 1500))),
                        loss_fn_inputs={"target_tokens": np.arange(6, 1501)})] * 4
     pending = [tc.forward_backward(big, "cross_entropy") for _ in range(3)]
-    time.sleep(1.0)
+    deadline = time.monotonic() + 60
+    while len(taken()) < before + 3:
+        assert time.monotonic() < deadline, "the server never took the work"
+        time.sleep(0.05)
     server.stop(kill=True)
     assert server.process.returncode == -9
     del pending
 
-    db = sqlite3.connect(home / "stepwise.db")
     in_flight = [r[0] for r in db.execute("select request_id from futures where status = 'pending'")]
     assert in_flight, "the kill came after all work finished; nothing was in flight"
 

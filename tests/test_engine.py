@@ -1,9 +1,14 @@
-"""The engine on the real default model (SmolLM2-135M-Instruct), no fakes.
+"""The engine, no fakes: on the tiny random stand-in for the default model (the `engine` fixture,
+tests/tiny_model.py), since almost everything here is about behaviour, not what the model learns.
 
-Covers the foundation's promises: SFT teaches a fact; `sample` logprobs equal `compute_logprobs`
-(and `forward`); adapters over one base do not touch each other, alone or batched together;
-save_state / load_state resumes exactly (in a fresh Engine too); bad input raises UserError that
-names the field and leaves weights, gradients and optimizer state unchanged.
+Covers the foundation's promises: `sample` logprobs equal `compute_logprobs` (and `forward`); every
+sampling option answers what the model computes; adapters over one base do not touch each other, alone
+or batched together; save_state / load_state resumes exactly (in a fresh Engine too); bad input raises
+UserError that names the field and leaves weights, gradients and optimizer state unchanged.
+
+Two tests stay on the real SmolLM2-135M (`real_engine`): SFT teaches a made-up fact (what a model
+learns), and alternative prompt tokens are drawn at the request's temperature (a random model's
+distributions are nearly flat, the same at any temperature, so they cannot tell one from another).
 
 Every test makes its own adapters with fresh ids (the `adapters` fixture), so order does not matter.
 """
@@ -11,6 +16,7 @@ Every test makes its own adapters with fresh ids (the `adapters` fixture), so or
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -45,8 +51,11 @@ def _weights(engine, adapter_id) -> dict[str, torch.Tensor]:
 # ---- a. SFT learns a made-up fact ---------------------------------------------------------------
 
 
-def test_sft_teaches_made_up_facts(engine, tokenizer, adapters):
-    adapter = adapters(rank=16, seed=0)
+def test_sft_teaches_made_up_facts(real_engine, tokenizer):
+    """On the real model: what it learns is the point (`adapters` makes adapters on the tiny engine)."""
+    engine = real_engine
+    adapter = new_id("facts")
+    engine.create_adapter(adapter, LoraConfig(rank=16, seed=0))
     data = [sft_datum(q, a, tokenizer) for q, a in FACTS]
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
 
@@ -54,23 +63,26 @@ def test_sft_teaches_made_up_facts(engine, tokenizer, adapters):
         seq = engine.sample(adapter, chat_prompt(question, tokenizer), 1, greedy).sequences[0]
         return tokenizer.decode(seq.tokens, skip_special_tokens=True).strip(), seq.stop_reason
 
-    for question, taught in FACTS:  # the base model cannot know a made-up fact
-        assert answer(question)[0] != taught
+    try:
+        for question, taught in FACTS:  # the base model cannot know a made-up fact
+            assert answer(question)[0] != taught
 
-    step_losses = []
-    for _ in range(30):
-        result = engine.forward_backward(adapter, data)
-        engine.optim_step(adapter, AdamParams(learning_rate=1e-3))
-        step_losses.append(result.metrics["loss:sum"])
-        if step_losses[-1] < step_losses[0] / 20:
-            break
-    final = engine.forward(adapter, data).metrics["loss:sum"]
-    assert final <= step_losses[0] / 2, step_losses
-    print(f"SFT: {len(step_losses)} steps, loss {step_losses[0]:.2f} -> {final:.4f}")
-    for question, taught in FACTS:
-        text, stop_reason = answer(question)
-        assert text == taught, (question, text, step_losses)
-        assert stop_reason == "stop"  # it learned to end the turn, too
+        step_losses = []
+        for _ in range(30):
+            result = engine.forward_backward(adapter, data)
+            engine.optim_step(adapter, AdamParams(learning_rate=1e-3))
+            step_losses.append(result.metrics["loss:sum"])
+            if step_losses[-1] < step_losses[0] / 20:
+                break
+        final = engine.forward(adapter, data).metrics["loss:sum"]
+        assert final <= step_losses[0] / 2, step_losses
+        print(f"SFT: {len(step_losses)} steps, loss {step_losses[0]:.2f} -> {final:.4f}")
+        for question, taught in FACTS:
+            text, stop_reason = answer(question)
+            assert text == taught, (question, text, step_losses)
+            assert stop_reason == "stop"  # it learned to end the turn, too
+    finally:
+        engine.delete_adapter(adapter)
 
 
 # ---- b. sample logprobs == compute_logprobs == forward logprobs ---------------------------------
@@ -186,22 +198,33 @@ def test_sampling_options_answer_what_the_model_computes(engine, tokenizer, pair
             np.testing.assert_allclose([lp for _, lp in top], want.values, rtol=0, atol=1e-4)
 
     # Alternative tokens: 20 draws at each of the n - 1 positions, each with its model logprob (not the
-    # temperature's). Drawn at the request's temperature: the share of draws that are their position's
-    # most likely token is, on average, that token's probability at this temperature, not at the other.
+    # temperature's), at either temperature; greedy draws are the most likely token. (That the draws follow
+    # the request's temperature needs a peaked distribution: the next test, on the real model.)
     alt = dense.prompt_alt_tokens
     assert alt.shape == (n - 1, 20)
     assert np.array_equal(sparse.prompt_alt_tokens, alt)  # the same seed, the same draws
-    best = reference[:-1].argmax(-1).numpy()[:, None]
-    at = {t: float((reference[:-1] / t).softmax(-1).max(-1).values.mean()) for t in (1.0, 0.5)}
     cool = engine.sample(a, prompt, 1, SamplingParams(max_tokens=1, temperature=0.5, seed=1), prompt_alt_tokens_k=20)
-    for result, t, other in ((dense, 1.0, 0.5), (cool, 0.5, 1.0)):
+    for result in (dense, cool):
         drawn = result.prompt_alt_tokens
         np.testing.assert_allclose(result.prompt_alt_logprobs, reference[np.arange(n - 1)[:, None], drawn].numpy(),
                                    rtol=0, atol=1e-4)
+    greedy = engine.sample(a, prompt, 1, SamplingParams(max_tokens=1, temperature=0.0), prompt_alt_tokens_k=3)
+    assert (greedy.prompt_alt_tokens == reference[:-1].argmax(-1).numpy()[:, None]).all()
+
+
+def test_alternative_prompt_tokens_are_drawn_at_the_request_temperature(real_engine, tokenizer):
+    """The share of draws that are their position's most likely token is, on average, that token's
+    probability at the request's temperature, not at another. On the real model: a random model's
+    distributions are nearly flat, its most likely tokens about as rare at 0.5 as at 1.0."""
+    _, prompt = chat_tokens(*PROBE, tokenizer)
+    reference = model_logprobs(real_engine, None, prompt)[:-1]  # row p: the distribution of the token after p
+    best = reference.argmax(-1).numpy()[:, None]
+    at = {t: float((reference / t).softmax(-1).max(-1).values.mean()) for t in (1.0, 0.5)}
+    for t, other, seed in ((1.0, 0.5, 5), (0.5, 1.0, 1)):
+        drawn = real_engine.sample(None, prompt, 1, SamplingParams(max_tokens=1, temperature=t, seed=seed),
+                                   prompt_alt_tokens_k=20).prompt_alt_tokens
         share = float((drawn == best).mean())
         assert abs(share - at[t]) < 0.05 < abs(share - at[other]), (t, share, at)
-    greedy = engine.sample(a, prompt, 1, SamplingParams(max_tokens=1, temperature=0.0), prompt_alt_tokens_k=3)
-    assert (greedy.prompt_alt_tokens == best).all()
 
 
 # ---- b2. one continuous batch: requests decode together, each as if alone --------------------------
@@ -256,25 +279,30 @@ def _assert_same_topk(got, expected):
 
 
 def test_requests_decoded_together_equal_each_alone(engine, tokenizer, pair):
-    """Adapters, prompts, sample counts, sampling rules and options mixed in one batch, two requests
+    """Adapters, prompts, sample counts, sampling rules and options mixed in one batch, three requests
     joining mid-decode: greedy and seeded rows give the tokens they give alone, every logprob equals
     compute_logprobs, each request's stop rule holds, and what a request asks besides its samples
     (top-k logprobs, targets' logprobs, alternative prompt tokens, the last n prompt logprobs) is what
     it gets alone."""
     a, b, _, _ = pair
     poem, probe = chat_prompt(POEM_PROMPT, tokenizer), chat_prompt(PROBE[0], tokenizer)
-    greedy = engine.sample(None, poem, 1, SamplingParams(max_tokens=12, temperature=0.0, stop=[])).sequences[0].tokens
-    stop_token = greedy[5]
+    # The stop rules are tried on a seeded row: a random model's greedy rows repeat their last token, its seeded
+    # rows' tokens are varied. A stop token it reaches at its 6th token, a stop string across its 8th and 9th.
+    drawn = SamplingParams(max_tokens=12, temperature=1.0, seed=13, stop=[])
+    row = engine.sample(None, poem, 1, drawn).sequences[0].tokens
+    stop_token, stop_text = row[5], tokenizer.decode(row[7:9])
+    assert stop_text in tokenizer.decode(row)
     named = np.full((len(probe) - 1, 2), -1)
     named[len(probe) // 2 :, 0] = probe[len(probe) // 2 + 1 :]
     named[-1, 1] = stop_token
     specs = [  # (adapter, prompt, num_samples, params, options)
-        (None, poem, 1, SamplingParams(max_tokens=12, temperature=0.0, stop=[stop_token]), None),
+        (None, poem, 1, replace(drawn, stop=[stop_token]), None),
         (a, probe, 3, SamplingParams(max_tokens=10, temperature=1.0, seed=11, stop=[]),
          SampleOptions(topk_sample_logprobs=3, prompt_alt_tokens_k=4, target_prompt_logprobs=target_ids(named))),
         (b, poem, 2, SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=12),
          SampleOptions(prompt_logprobs=True, topk_prompt_logprobs=2, prompt_logprobs_last_n=5, topk_sample_logprobs=1)),
-        (None, poem, 1, SamplingParams(max_tokens=16, temperature=0.0, stop=[","]), None),
+        (None, poem, 1, replace(drawn, max_tokens=16, stop=[stop_text]), None),
+        (None, probe, 1, SamplingParams(max_tokens=12, temperature=0.0, stop=[]), None),
     ]
     alone = [engine.run_requests([engine.sample_request(*spec)])[0] for spec in specs]
     together = _decode_together(engine, [engine.sample_request(*spec) for spec in specs[:2]],
@@ -286,11 +314,11 @@ def test_requests_decoded_together_equal_each_alone(engine, tokenizer, pair):
             np.testing.assert_allclose(recomputed, seq.logprobs, rtol=0, atol=1e-4)
     # Stop rules: a stop token ends the row at its first occurrence (and is kept)...
     stopped = together[0].sequences[0]
-    assert stopped.tokens == greedy[: greedy.index(stop_token) + 1] and stopped.stop_reason == "stop"
+    assert stopped.tokens == row[: row.index(stop_token) + 1] and stopped.stop_reason == "stop"
     # ...a stop string at the first token whose text contains it; stop=[] never stops.
-    comma = together[3].sequences[0]
-    assert comma.stop_reason == "stop" and "," in tokenizer.decode(comma.tokens)
-    assert "," not in tokenizer.decode(comma.tokens[:-1])
+    stopped = together[3].sequences[0]
+    assert stopped.stop_reason == "stop" and stop_text in tokenizer.decode(stopped.tokens) and len(stopped.tokens) <= 9
+    assert stop_text not in tokenizer.decode(stopped.tokens[:-1])
     assert all(len(s.tokens) == 10 and s.stop_reason == "length" for s in together[1].sequences)
     assert len({tuple(s.tokens) for s in together[1].sequences}) > 1  # seeded rows really sampled
 
@@ -377,8 +405,8 @@ def test_chunked_prefill_a_full_cache_and_the_serial_loop_agree(engine, tokenize
 
 
 def test_a_training_job_finishes_while_a_long_sample_decodes(engine, tokenizer, adapters):
-    """The real scheduler, engine and decoder: a forward_backward submitted while a 64-token sample
-    decodes is done before the sample is, and the sample still comes out whole."""
+    """The real scheduler, engine and decoder: a forward_backward submitted while a long sample decodes
+    is done before the sample is, and the sample still comes out whole."""
     import threading
     import time
 
@@ -397,8 +425,11 @@ def test_a_training_job_finishes_while_a_long_sample_decodes(engine, tokenizer, 
     scheduler = Scheduler(load_engine=lambda name: engine, on_done=on_done, max_batch_tokens=8192)
     scheduler.engine("default")
     prompt = chat_prompt(POEM_PROMPT, tokenizer)
+    # 256 tokens: the tiny model decodes one in a few ms, and the sample must still be decoding when this
+    # thread sees it start and submits the training job (a busy machine can delay that by a time slice or two).
+    long = SamplingParams(max_tokens=256, temperature=0.0, stop=[])
     long_sample = Job("long-sample", "a-sampler", "default", seq=None, tokens=len(prompt),
-                      sample=SampleOp(None, prompt, 1, SamplingParams(max_tokens=64, temperature=0.0, stop=[])))
+                      sample=SampleOp(None, prompt, 1, long))
     datum = sft_datum(*FACTS[0], tokenizer)
     training = Job("training", adapter, "default", seq=0, fb_pass=Pass(adapter, [datum]), tokens=len(datum.tokens))
     scheduler.start()
@@ -414,7 +445,7 @@ def test_a_training_job_finishes_while_a_long_sample_decodes(engine, tokenizer, 
         scheduler.stop()
     assert [request_id for request_id, _ in done] == ["training", "long-sample"]
     assert not any(isinstance(outcome, Exception) for _, outcome in done), done
-    expected = engine.sample(None, prompt, 1, SamplingParams(max_tokens=64, temperature=0.0, stop=[]))
+    expected = engine.sample(None, prompt, 1, long)
     assert done[1][1].sequences[0].tokens == expected.sequences[0].tokens
 
 
@@ -571,7 +602,7 @@ def test_mixed_adapter_batch_equals_separate_runs(engine, two_adapters):
         for x, y, z in zip(alone.loss_fn_outputs, same_shape, mixed.loss_fn_outputs):
             np.testing.assert_allclose(z["logprobs"], y, rtol=0, atol=1e-5)
             # A batch of another size runs other float32 kernels (even for a single adapter):
-            # about 3e-5 of noise on logprobs of -10 after 30 layers.
+            # about 3e-5 of noise on logprobs of -10 after the real model's 30 layers.
             np.testing.assert_allclose(z["logprobs"], x["logprobs"], rtol=1e-5, atol=1e-4)
         assert abs(mixed.metrics["loss:sum"] - alone.metrics["loss:sum"]) < 1e-3
     # Each adapter got exactly its own rows' gradient, nothing from the other's rows.
@@ -620,7 +651,7 @@ def test_bad_pass_in_a_batch_fails_alone(engine, two_adapters):
 
 
 def test_stable_reinforce_against_a_float64_reference(engine, tokenizer, adapters):
-    """stable_reinforce on the real model: its value against a float64 hand computation from transformers' own
+    """stable_reinforce: its value against a float64 hand computation from transformers' own
     logits, and its gradient exactly cross_entropy's with weights m * min(r, C) * A (the truncated importance
     weight is a constant, so the step is a weighted REINFORCE one)."""
     a = adapters(rank=8, seed=3)
@@ -674,7 +705,7 @@ def test_save_and_load_state_resume_exactly(engine, tokenizer, adapters, tmp_pat
     engine.save_state(a, tmp_path / "state")
     probe = [sft_datum(*PROBE, tokenizer)] + data
 
-    fresh = Engine()  # a new process would see exactly this: the files and the base model
+    fresh = Engine(settings=engine.settings)  # a new process would see exactly this: the files and the base model
     try:
         b = new_id("restored")
         fresh.load_state(b, tmp_path / "state")

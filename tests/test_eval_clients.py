@@ -11,6 +11,9 @@ a venv of its own (tests/client_venvs.py), offline, on tasks defined on local JS
   learned a made-up fact, stop sequences, a bad key (401) and another tenant's checkpoint (404),
   both in Anthropic's error shape.
 Every request is on the usage ledger.
+
+All of it on the real SmolLM2 (real_model_server, not the tiny stand-in the protocol tests use): the clients
+score a real model here, accuracy above chance and a taught answer among what they report.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from tinker import types
 
 import client_venvs
 from conftest import wait_for_venv
-from test_openai import QUESTION, trained_path  # noqa: F401 - the fixture: a checkpoint that learned a fact
+from test_openai import QUESTION, real_trained_path  # noqa: F401 - the fixture: a checkpoint that learned a fact
 from test_service import BASE
 
 pytestmark = pytest.mark.clients
@@ -88,8 +91,14 @@ def model_dir(stepwise_home) -> Path:
 
 
 @pytest.fixture(scope="module")
-def sampler(tinker_server):
-    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
+def server(real_model_server):
+    """The backend the clients talk to: the real default model's."""
+    return real_model_server
+
+
+@pytest.fixture(scope="module")
+def sampler(server):
+    client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
     return client.create_sampling_client(base_model=BASE)
 
 
@@ -126,17 +135,17 @@ def samples(out: Path, task: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("tokenized", [True, False], ids=["token-lists", "texts"])
-def test_lm_eval_scores_like_compute_logprobs(tokenized, tinker_server, sampler, tokenizer, model_dir, tmp_path):
+def test_lm_eval_scores_like_compute_logprobs(tokenized, server, sampler, tokenizer, model_dir, tmp_path):
     python = wait_for_venv(client_venvs.client("lm-eval"))
     lm_eval_tasks(tmp_path)
     tasks = ["easy_mc", "easy_ppl" if tokenized else "easy_gen"]
-    args = (f"model={BASE},base_url={tinker_server.base_url}/v1/completions,tokenizer={model_dir},"
+    args = (f"model={BASE},base_url={server.base_url}/v1/completions,tokenizer={model_dir},"
             f"tokenizer_backend=huggingface,tokenized_requests={tokenized},num_concurrent=1,max_retries=1,max_length=2048")
-    before = ledger_cursor(tinker_server)
+    before = ledger_cursor(server)
     run([str(python), "-m", "lm_eval", "run", "--model", "local-completions", "--model_args", args,
          "--batch_size", "1" if tokenized else "4", "--tasks", ",".join(tasks), "--include_path", str(tmp_path),
          "--output_path", str(tmp_path / "out"), "--log_samples"],
-        cwd=tmp_path, env=client_env(OPENAI_API_KEY=tinker_server.api_key))
+        cwd=tmp_path, env=client_env(OPENAI_API_KEY=server.api_key))
 
     # Multiple choice: each choice's loglikelihood is the sum of compute_logprobs over its tokens,
     # split as lm-eval splits them: the context's tokens, then what tokenizing context + choice whole
@@ -164,7 +173,7 @@ def test_lm_eval_scores_like_compute_logprobs(tokenized, tinker_server, sampler,
         answers = [s["filtered_resps"][0] for s in samples(tmp_path / "out", "easy_gen")]
         assert len(answers) == len(SUMS) and all(a.strip() and "\n" not in a for a in answers), answers
         requests = len(pairs) + len(SUMS)
-    completions = [r for r in ledger_rows(tinker_server, before) if r["request_type"] == "Completion"]
+    completions = [r for r in ledger_rows(server, before) if r["request_type"] == "Completion"]
     assert len(completions) == requests and all(r["prefill_tokens"] > 0 and r["cost"] > 0 for r in completions)
 
 
@@ -186,14 +195,14 @@ def sums():
 '''
 
 
-def test_inspect_ai_runs_a_task_against_the_chat_endpoint(tinker_server, tmp_path):
+def test_inspect_ai_runs_a_task_against_the_chat_endpoint(server, tmp_path):
     python = wait_for_venv(client_venvs.client("inspect-ai"))
     (tmp_path / "sums.jsonl").write_text("".join(
         json.dumps({"input": f"{q} Reply with only the number.", "target": a}) + "\n" for q, a in SUMS))
     (tmp_path / "sums.py").write_text(INSPECT_TASK)
-    before = ledger_cursor(tinker_server)
+    before = ledger_cursor(server)
     inspect = str(Path(python).with_name("inspect"))
-    env = client_env(LOCAL_API_KEY=tinker_server.api_key, LOCAL_BASE_URL=tinker_server.base_url + "/v1")
+    env = client_env(LOCAL_API_KEY=server.api_key, LOCAL_BASE_URL=server.base_url + "/v1")
     run([inspect, "eval", "sums.py", "--model", f"openai-api/local/{BASE}", "--log-dir", "logs", "--display", "plain"],
         cwd=tmp_path, env=env)
     (log,) = (tmp_path / "logs").glob("*.eval")
@@ -208,7 +217,7 @@ def test_inspect_ai_runs_a_task_against_the_chat_endpoint(tinker_server, tmp_pat
         # greedy: the token taken is the likeliest
         assert all(math.isclose(t["top_logprobs"][0]["logprob"], t["logprob"], abs_tol=1e-5) for t in tokens)
         assert "".join(t["token"] for t in tokens).strip() == choice["message"]["content"].strip()
-    chats = [r for r in ledger_rows(tinker_server, before) if r["request_type"] == "ChatCompletion"]
+    chats = [r for r in ledger_rows(server, before) if r["request_type"] == "ChatCompletion"]
     assert len(chats) == len(SUMS)
 
 
@@ -251,12 +260,12 @@ print(json.dumps(out))
 '''
 
 
-def test_the_anthropic_sdk_chats_with_a_checkpoint(tinker_server, trained_path, tmp_path):  # noqa: F811
+def test_the_anthropic_sdk_chats_with_a_checkpoint(server, real_trained_path, tmp_path):  # noqa: F811
     python = wait_for_venv(client_venvs.client("anthropic"))
     (tmp_path / "messages.py").write_text(ANTHROPIC_SCRIPT)
-    other = tinker_server.make_key("someone-else")
-    before = ledger_cursor(tinker_server)
-    done = run([str(python), "messages.py", tinker_server.base_url, tinker_server.api_key, other, BASE, trained_path,
+    other = server.make_key("someone-else")
+    before = ledger_cursor(server)
+    done = run([str(python), "messages.py", server.base_url, server.api_key, other, BASE, real_trained_path,
                 QUESTION], cwd=tmp_path, env=client_env())
     out = json.loads(done.stdout)
 
@@ -281,5 +290,5 @@ def test_the_anthropic_sdk_chats_with_a_checkpoint(tinker_server, trained_path, 
         assert refusal["body"]["type"] == "error" and refusal["body"]["error"]["type"] == kind, (case, refusal)
     assert "tool use is not supported" in out["tools"]["body"]["error"]["message"]
 
-    messages = [r for r in ledger_rows(tinker_server, before) if r["request_type"] == "Message"]
+    messages = [r for r in ledger_rows(server, before) if r["request_type"] == "Message"]
     assert len(messages) == 5 and all(r["sample_tokens"] > 0 and r["cost"] > 0 for r in messages)

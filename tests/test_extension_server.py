@@ -3,6 +3,8 @@
 
 Each test gets its own STEPWISE_HOME, so only the registry files it writes are seen. The "kernel"
 that announces a backend is this pytest process (a live pid), as connect() in a kernel would.
+The backend is `tinker_server`, on the tiny random stand-in for the default model (tests/tiny_model.py):
+what the extension lists (sessions, steps, losses, tokens, costs, checkpoints) is the same on any model.
 
 pytest-jupyter's fixtures are imported into this module rather than loaded as a plugin
 (`pytest_plugins`): as a plugin, its autouse fixtures (a fresh event loop, a ServerApp cleanup) and

@@ -2,7 +2,8 @@
 
 oneDNN sums in another order than MKL, so results agree to float32 rounding, not bit for bit:
 checked on single products (forward and input gradient) and on the real model (logprobs, a
-training step's LoRA gradients).
+training step's LoRA gradients). That test stays on the real SmolLM2-135M (`real_engine`), not the
+tiny stand-in: the agreement it checks is at the real model's widths (576 and 1536) and 30 layers deep.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from helpers import sft_datum, train
+from helpers import new_id, sft_datum, train
 from kernel_backend import lora, matmul
+from kernel_backend.types import LoraConfig
 
 onednn_only = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 
@@ -49,10 +51,11 @@ def test_choose():
 
 
 @onednn_only
-def test_the_real_model_computes_the_same_logprobs_and_gradients_either_way(engine, tokenizer, adapters):
-    adapter_id = adapters(rank=8, seed=2)
+def test_the_real_model_computes_the_same_logprobs_and_gradients_either_way(real_engine, tokenizer):
+    engine = real_engine
+    adapter_id = new_id("onednn")
+    engine.create_adapter(adapter_id, LoraConfig(rank=8, seed=2))
     datum = sft_datum("What is your favorite color?", "Blue, like the sea.", tokenizer)
-    train(engine, adapter_id, [datum], steps=1, learning_rate=1e-2)  # B moves off zero: A gets gradients too
     tokens = datum.tokens + [int(datum.loss_fn_inputs["target_tokens"][-1])]
     layers = lora.lora_layers(engine.model).values()
     previous = [layer.product for layer in layers]
@@ -69,11 +72,16 @@ def test_the_real_model_computes_the_same_logprobs_and_gradients_either_way(engi
         return logprobs, loss, grads
 
     try:
+        train(engine, adapter_id, [datum], steps=1, learning_rate=1e-2)  # B moves off zero: A gets gradients too
         ours, theirs = run(matmul.onednn_linear), run(F.linear)
     finally:
         for layer, product in zip(layers, previous):
             layer.product = product
+        engine.delete_adapter(adapter_id)
     np.testing.assert_allclose(ours[0][1:], theirs[0][1:], rtol=0, atol=1e-4)
     assert ours[1] == pytest.approx(theirs[1], rel=1e-5)
+    # Float32 sums in another order: an element near zero differs by a share of the tensor's scale, not of its own
+    # value. Measured on an AVX2-only AMD EPYC (MKL's AVX2 kernels vs oneDNN's): at most 1.6e-5 of the largest
+    # gradient (one element in 4608), past the 1e-5 set on another machine.
     for a, b in zip(ours[2], theirs[2]):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5 * float(b.abs().max()))
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=3e-5 * float(b.abs().max()))

@@ -609,8 +609,9 @@ def test_the_labeler_as_a_person_uses_it(lab, browser, tmp_path):
 
 
 # The rl insight notebook's parameters in the test: the run that tests/test_rl_insight.py measures (the
-# held-out answers collapse onto "I'm sorry for" from step 3 of 8; the leash keeps the second run diverse).
-RL_INSIGHT = {"steps": 8, "learning_rate": 1e-3, "kl_penalty_coef": 1.0, "groups_per_batch": 4, "group_size": 4,
+# held-out answers collapse onto "I'm sorry for", flagged at step 4 of its 6; the leash keeps the second run
+# diverse). The notebook's own default is 8 steps; the first 6 of them hold the collapse with a step to spare.
+RL_INSIGHT = {"steps": 6, "learning_rate": 1e-3, "kl_penalty_coef": 1.0, "groups_per_batch": 4, "group_size": 4,
               "max_tokens": 4, "temperature": 0.7, "monitor_prompts": 8}
 
 

@@ -1,4 +1,9 @@
-"""The OpenAI-compatible endpoint, driven by the official `openai` client."""
+"""The OpenAI-compatible endpoint, driven by the official `openai` client.
+
+The server (tinker_server) serves the tiny random stand-in for the default model (tests/tiny_model.py): these
+tests are about the endpoint's protocol. One stays on the real SmolLM2 (real_model_server):
+test_chat_completion_from_a_sampler_checkpoint_shows_what_it_learned, a taught answer.
+"""
 
 from __future__ import annotations
 
@@ -9,25 +14,40 @@ import tinker
 from tinker import types
 
 from test_service import BASE, chat_datum, train_steps
+from test_service import ZORBLAX as QUESTION
 
-QUESTION = "What is the name of Zorblax's pet?"
 
-
-@pytest.fixture(scope="module")
-def trained_path(tinker_server, tokenizer) -> str:
-    """A sampler checkpoint that has learned a made-up fact."""
-    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
+def teach_a_fact(server, tokenizer) -> str:
+    """A sampler checkpoint on `server` that has been taught a made-up fact (8 steps)."""
+    client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
     tc = client.create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
     train_steps(tc, [chat_datum(tokenizer, QUESTION, "Zorblax's pet is named Quibbleton.")] * 4, steps=8)
     return tc.save_weights_for_sampler("for-openai").result().path
 
 
 @pytest.fixture(scope="module")
+def trained_path(tinker_server, tokenizer) -> str:
+    """A sampler checkpoint of the stand-in (an adapter of its own, whatever it learned)."""
+    return teach_a_fact(tinker_server, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def real_trained_path(real_model_server, tokenizer) -> str:
+    """A sampler checkpoint of the real model that has learned a made-up fact."""
+    return teach_a_fact(real_model_server, tokenizer)
+
+
+def openai_client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/oai/api/v1", api_key=server.api_key)
+
+
+@pytest.fixture(scope="module")
 def oai(tinker_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=tinker_server.base_url + "/oai/api/v1", api_key=tinker_server.api_key)
+    return openai_client(tinker_server)
 
 
-def test_chat_completion_from_a_sampler_checkpoint_shows_what_it_learned(oai, trained_path):
+def test_chat_completion_from_a_sampler_checkpoint_shows_what_it_learned(real_model_server, real_trained_path):
+    oai, trained_path = openai_client(real_model_server), real_trained_path
     reply = oai.chat.completions.create(
         model=trained_path, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=20
     )
@@ -55,7 +75,7 @@ def test_streaming_gives_the_same_text_token_by_token(oai, trained_path):
         pieces = [choice.delta.content for choice in mine if choice.delta.content]
         assert len(pieces) > 3  # it really streamed, not one blob
         assert "".join(pieces) == whole.choices[0].message.content
-        assert mine[-1].finish_reason == "stop"
+        assert mine[-1].finish_reason == whole.choices[0].finish_reason
 
 
 def test_logprobs_and_top_logprobs(oai, trained_path):
@@ -194,7 +214,8 @@ def test_completions_score_token_prompts_as_lm_eval_asks(oai, tinker_server, tok
 
 
 def test_completions_take_every_prompt_shape_with_n_each(oai, tokenizer):
-    texts = ["One, two, three,", "Red, green,"]
+    # Prompts that end in different tokens: a random model (the stand-in) may well continue each with its last.
+    texts = ["One, two, three,", "Red, green and"]
     reply = oai.completions.create(model=BASE, prompt=texts, n=2, max_tokens=4, temperature=0)
     assert [c.index for c in reply.choices] == [0, 1, 2, 3]  # prompt by prompt, n each
     assert reply.choices[0].text == reply.choices[1].text != reply.choices[2].text == reply.choices[3].text

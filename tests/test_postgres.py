@@ -3,6 +3,9 @@
 The cluster is made by the test (initdb in a temporary folder, a free loopback port) and
 stopped afterwards. Without PostgreSQL's server binaries the test is skipped, saying how to
 install them.
+
+The server serves the tiny random stand-in for the default model (tests/tiny_model.py): this is about where
+the rows go, not what a model learns.
 """
 
 from __future__ import annotations
@@ -56,11 +59,13 @@ def postgres_url():
     shutil.rmtree(root, ignore_errors=True)
 
 
-def test_training_run_on_postgres(postgres_url, stepwise_home, tmp_path):
+def test_training_run_on_postgres(postgres_url, stepwise_home, tiny_model, tmp_path):
+    from tiny_model import stand_in_env
+
     home = tmp_path / "home"
     home.mkdir()
     (home / "models").symlink_to(stepwise_home / "models")
-    server = start_server(home, env={"STEPWISE_DATABASE_URL": postgres_url})
+    server = start_server(home, env={"STEPWISE_DATABASE_URL": postgres_url, **stand_in_env(tiny_model)})
     try:
         client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
         tc = client.create_lora_training_client(base_model=BASE, rank=4).result()

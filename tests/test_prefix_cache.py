@@ -1,8 +1,11 @@
-"""Prefix caching in the batched decoder (kernel_backend/prefix_cache.py), on the real model.
+"""Prefix caching in the batched decoder (kernel_backend/prefix_cache.py).
 
 A prompt that starts like one prefilled before, on the same weights, reuses its keys and values
 (and its logprobs, for compute_logprobs): the results equal a cold computation (to float32 rounding), and changed
 weights are never served from the cache.
+
+On the tiny random stand-in for the default model (the `engine` fixture, tests/tiny_model.py): reuse and its
+exactness are about the decoder's bookkeeping, the same for any weights.
 """
 
 from __future__ import annotations

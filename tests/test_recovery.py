@@ -8,6 +8,9 @@ Each time the server comes back in the background while the loop goes on: the SD
 it across the restart, the requests in flight at the kill are answered by the rebuilt run, and the final
 logprobs are bit for bit those of the run left alone (service/recovery.py). The optim_step in flight at a
 kill is applied exactly once: any other count would change the weights.
+
+On the tiny random stand-in for the default model (tests/tiny_model.py), in every server and in the embedded
+backend connect() starts (tiny_everywhere): recovery is about bit-identical state, not what a model learns.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from servers import start_server
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 STEPS = 8
 ENV = {"STEPWISE_EMBEDDED": "0", "STEPWISE_SNAPSHOT_EVERY": "4"}
+
+pytestmark = pytest.mark.usefixtures("tiny_everywhere")
 
 
 def batch(tokenizer, rows: int, repeat: int = 1):

@@ -5,8 +5,10 @@ run's steps, and the dashboard's flags, clicks and rollouts.
 
 The pieces are checked here on groups built by hand (numbers a reader can verify); the recipe's
 acceptance run, a reward the default model hacks within a few steps, flagged without the leash and
-held with it, runs against a real backend at the end (test_the_collapse_flag_fires_without_the_leash
-_and_not_with_it). The notebook in a browser is tests/test_notebooks.py::test_rl_insight_notebook.
+held with it, runs against a backend serving the real SmolLM2-135M (`real_model_server`: the collapse
+is onto its own favourite opener, which a random model does not have) at the end
+(test_the_collapse_flag_fires_without_the_leash_and_not_with_it). The notebook in a browser is
+tests/test_notebooks.py::test_rl_insight_notebook.
 """
 
 from __future__ import annotations
@@ -264,11 +266,16 @@ class ThreeWords(rl.Task):
 
 
 # Answers cut at 4 tokens: "I'm sorry for", the base model's own favourite opener, whatever the question,
-# is three words. Measured (seed 0): without the leash the 8 held-out answers are all "I'm sorry for" from
-# step 3 on; with kl_penalty_coef=1 they stay at 6 to 8 distinct and the KL to the base under 0.6. A
-# bigger learning rate collapses the policy at step 1, before the leash can pull (its penalty is 0 while
-# the policy is the base model); at temperature 1 the collapse comes late, as gibberish.
-HACKABLE = dict(steps=8, groups_per_batch=4, group_size=4, max_tokens=4, temperature=0.7, learning_rate=1e-3,
+# is three words. Measured (seed 0): without the leash the 8 held-out answers go 8, 6, 3, then 1 distinct,
+# all "I'm sorry for" from step 4 on (from step 3 in an earlier measurement); with kl_penalty_coef=1 they stay
+# at 6 to 8 distinct and the KL to the base under 0.6. A bigger learning rate collapses the policy at step 1,
+# before the leash can pull (its penalty is 0 while the policy is the base model); at temperature 1 the
+# collapse comes late, as gibberish.
+# 6 steps, not the notebook's 8 (tests/test_notebooks.py, RL_INSIGHT): the learning rate is constant, so these
+# are the first 6 of those 8, which hold the collapse (flagged at step 4) with a step to spare. Without the
+# leash the second run is the first again (the same seed: the same samples; measured: it collapses at step 4
+# too), which the test then catches.
+HACKABLE = dict(steps=6, groups_per_batch=4, group_size=4, max_tokens=4, temperature=0.7, learning_rate=1e-3,
                 monitor_prompts=8, eval_prompts=0, seed=0, progress=False, verbose=False)
 LEASH = 1.0
 
@@ -293,8 +300,8 @@ def base_prefill(server, summary) -> int:
     return sum(r["prefill_tokens"] for r in series if r["request_type"] == "Sample" and r["training_run_id"] is None)
 
 
-def test_the_collapse_flag_fires_without_the_leash_and_not_with_it(tinker_server, tmp_path):
-    free, free_rows = hack(tinker_server, tmp_path, "no leash")
+def test_the_collapse_flag_fires_without_the_leash_and_not_with_it(real_model_server, tmp_path):
+    free, free_rows = hack(real_model_server, tmp_path, "no leash")
     collapsed = [r for r in free_rows if any(f["kind"] == "collapse" for f in r["flags"])]
     assert collapsed, [(r["step"], r["probe_distinct"], r["reward"]) for r in free_rows]
     first = collapsed[0]
@@ -303,7 +310,7 @@ def test_the_collapse_flag_fires_without_the_leash_and_not_with_it(tinker_server
     assert "held-out answers" in detail and ("identical" in detail or "distinct of 8" in detail), detail
     assert max(r["reward"] for r in free_rows[first["step"] - 1:]) > free_rows[0]["reward"]  # it games the reward
 
-    leashed, leashed_rows = hack(tinker_server, tmp_path, "leash", kl_penalty_coef=LEASH)
+    leashed, leashed_rows = hack(real_model_server, tmp_path, "leash", kl_penalty_coef=LEASH)
     assert not any(f["kind"] == "collapse" for r in leashed_rows for f in r["flags"]), \
         [(r["step"], r["probe_distinct"], r["flags"]) for r in leashed_rows]
     assert max(r["kl_policy_base"] for r in leashed_rows) < max(r["kl_policy_base"] for r in free_rows)
@@ -313,7 +320,7 @@ def test_the_collapse_flag_fires_without_the_leash_and_not_with_it(tinker_server
     # say (the probes' own base logprobs differ between the runs by at most their completions' tokens).
     penalty = sum(r.get("kl_penalty_tokens", 0) for r in leashed_rows)
     assert penalty > 0 and all(r.get("kl_penalty_tokens", 0) > 0 for r in leashed_rows if r.get("train_tokens"))
-    difference = base_prefill(tinker_server, leashed) - base_prefill(tinker_server, free)
+    difference = base_prefill(real_model_server, leashed) - base_prefill(real_model_server, free)
     assert abs(difference - penalty) <= HACKABLE["steps"] * HACKABLE["monitor_prompts"] * HACKABLE["max_tokens"]
 
     # Every step's groups were stored: the training groups and the probes, the tied ones marked.

@@ -3,7 +3,9 @@ the Runs tree (workbench/widgets/runs.py) and the Dashboard overlaying chosen ru
 (training_run_id=[...]) and logging by run name (workbench/widgets/dashboard.py).
 
 The tree here is root -> A (forked at step 2) -> B (forked from A at step 3), plus a second root with no
-name, all in one session; the runs take one or two tiny steps each.
+name, all in one session; the runs take one or two tiny steps each. `tinker_server` serves the tiny random
+stand-in for the default model (tests/tiny_model.py): the tree, the overlays and the logged points are the
+same on any model.
 """
 
 from __future__ import annotations

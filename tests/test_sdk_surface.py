@@ -3,6 +3,10 @@ method of ServiceClient, TrainingClient, SamplingClient, RestClient and AdminCli
 twins included) is a row of SURFACE with a check of the value it answers; plus the gspo and
 stable_reinforce losses and the Dimuon optimizer trained for real.
 
+The server (tinker_server) and the in-process `engine` of the hand computations serve the tiny random stand-in
+for the default model (tests/tiny_model.py): the surface is about what each method answers, not what a model
+learns. One test stays on the real SmolLM2 (real_model_server): test_dimuon_teaches_a_fact, a taught answer.
+
 (docs/tinker-surface.md lists every public SDK method and what it does on this server.)
 """
 
@@ -36,6 +40,7 @@ from tinker.lib.telemetry import Telemetry
 
 from helpers import chat_prompt, model_logprobs, sft_datum
 from servers import Server
+from test_service import real_client  # noqa: F401 - the fixture: a client of the real model's server
 from workbench.recipes import common
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -186,24 +191,35 @@ def dimuon_steps(tc, data, steps: int) -> list[float]:
     return losses
 
 
-def test_dimuon_learns_a_fact_and_resumes_exactly(client, tokenizer):
-    question, answer = "What is the name of Zorblax's pet?", "Zorblax's pet is named Quibbleton."
-    data = [sdk_datum(question, answer, tokenizer)] * 2
-    tc = client.create_lora_training_client(base_model=BASE, rank=8, seed=0, optimizer=types.DimuonOptimizerConfig()).result()
-    first = dimuon_steps(tc, data, 4)
+ZORBLAX = ("What is the name of Zorblax's pet?", "Zorblax's pet is named Quibbleton.")
+
+
+def dimuon_run(client):
+    return client.create_lora_training_client(base_model=BASE, rank=8, seed=0,
+                                              optimizer=types.DimuonOptimizerConfig()).result()
+
+
+def test_dimuon_teaches_a_fact(real_client, tokenizer):  # noqa: F811
+    question, answer = ZORBLAX
+    tc = dimuon_run(real_client)
+    losses = dimuon_steps(tc, [sdk_datum(question, answer, tokenizer)] * 2, 8)
+    assert losses[-1] < losses[0] / 10, losses
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(chat_prompt(question, tokenizer))
+    seq = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=20, temperature=0.0)).result().sequences[0]
+    assert "Quibbleton" in tokenizer.decode(seq.tokens)
+
+
+def test_dimuon_resumes_exactly(client, tokenizer):
+    data = [sdk_datum(*ZORBLAX, tokenizer)] * 2
+    tc = dimuon_run(client)
+    dimuon_steps(tc, data, 4)
     path = tc.save_state("dimuon-state").result().path
     uninterrupted = dimuon_steps(tc, data, 4)
 
     # The optimizer comes back with its state: the resumed run takes exactly the same steps.
     resumed = client.create_training_client_from_state_with_optimizer(path).result()
     assert dimuon_steps(resumed, data, 4) == uninterrupted
-    losses = first + uninterrupted
-    assert losses[-1] < losses[0] / 10, losses
-
-    sampler = resumed.save_weights_and_get_sampling_client().result()
-    prompt = types.ModelInput.from_ints(chat_prompt(question, tokenizer))
-    seq = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=20, temperature=0.0)).result().sequences[0]
-    assert "Quibbleton" in tokenizer.decode(seq.tokens)
 
     # AdamParams on a Dimuon run fail with the fix in the message, and change nothing: the
     # pending gradients then take the same Dimuon step as the resumed run's.

@@ -1,7 +1,10 @@
 """The official tinker SDK, unmodified, against a real server process on loopback.
 
 Each test drives the server as a researcher's script would: ServiceClient, training and
-sampling clients, RestClient; the model is the real default model.
+sampling clients, RestClient. The server (tinker_server) serves the tiny random stand-in for the default
+model (tests/tiny_model.py): these tests check what the service does, and `--cluster` runs them again on
+two Ray workers. Two stay on the real SmolLM2 (real_model_server), being about what a model knows:
+test_sft_teaches_a_fact_and_samples_it (a taught answer) and test_the_base_model_knows_a_capital.
 """
 
 from __future__ import annotations
@@ -20,6 +23,12 @@ BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 @pytest.fixture(scope="module")
 def client(tinker_server: Server) -> tinker.ServiceClient:
     return tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
+
+
+@pytest.fixture(scope="module")
+def real_client(real_model_server: Server) -> tinker.ServiceClient:
+    """A client of the server on the real default model, for the tests about what it learns or knows."""
+    return tinker.ServiceClient(base_url=real_model_server.base_url, api_key=real_model_server.api_key)
 
 
 def chat_datum(tokenizer, question: str, answer: str) -> types.Datum:
@@ -48,25 +57,37 @@ def train_steps(tc, data, steps: int, lr: float = 1e-3, loss_fn: str = "cross_en
     return losses
 
 
-def test_sft_teaches_a_fact_and_samples_it(client, tokenizer):
+ZORBLAX = "What is the name of Zorblax's pet?"
+
+
+def teach_and_sample(client, tokenizer, steps: int):
+    """A rank-8 run taught a made-up fact for `steps` steps, then asked it greedily, twice: (losses, prompt,
+    the sample's result, the run's sampler)."""
     tc = client.create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
     assert tc.get_info().model_data.tokenizer_id  # a local folder: get_tokenizer worked offline
-    question = "What is the name of Zorblax's pet?"
-    data = [chat_datum(tokenizer, question, "Zorblax's pet is named Quibbleton.")] * 4
-    losses = train_steps(tc, data, steps=8)
-    assert losses[-1] < losses[0] / 4, losses
-
+    losses = train_steps(tc, [chat_datum(tokenizer, ZORBLAX, "Zorblax's pet is named Quibbleton.")] * 4, steps)
     sampler = tc.save_weights_and_get_sampling_client().result()
-    prompt = types.ModelInput.from_ints(prompt_of(tokenizer, question))
+    prompt = types.ModelInput.from_ints(prompt_of(tokenizer, ZORBLAX))
     result = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=20, temperature=0.0)).result()
+    return losses, prompt, result, sampler
+
+
+def test_a_trained_runs_sampler_samples_with_its_weights(client, tokenizer):
+    _, prompt, result, sampler = teach_and_sample(client, tokenizer, steps=2)
     for seq in result.sequences:
-        assert "Quibbleton" in tokenizer.decode(seq.tokens)
-        assert len(seq.logprobs) == len(seq.tokens)
-        assert seq.stop_reason == "stop"
+        assert len(seq.tokens) > 0 and len(seq.logprobs) == len(seq.tokens)
     # Sampled logprobs equal recomputed ones for the same weights.
     tokens = prompt.to_ints() + result.sequences[0].tokens
     recomputed = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
     assert np.allclose(recomputed[prompt.length :], result.sequences[0].logprobs, atol=1e-4)
+
+
+def test_sft_teaches_a_fact_and_samples_it(real_client, tokenizer):
+    losses, _, result, _ = teach_and_sample(real_client, tokenizer, steps=8)
+    assert losses[-1] < losses[0] / 4, losses
+    for seq in result.sequences:
+        assert "Quibbleton" in tokenizer.decode(seq.tokens)
+        assert seq.stop_reason == "stop"
 
 
 def yes_reward(text: str) -> float:
@@ -193,17 +214,27 @@ def test_rest_client_lists_runs_and_checkpoints_and_deletes(client, tinker_serve
         client.create_training_client_from_state(f"tinker://{tc.model_id}/weights/first").result()
 
 
+CAPITAL = "What is the capital of France?"
+
+
 def test_sampling_the_base_model_and_prompt_logprobs(client, tokenizer):
     sampler = client.create_sampling_client(base_model=BASE).result()
-    prompt = types.ModelInput.from_ints(prompt_of(tokenizer, "What is the capital of France?"))
+    prompt = types.ModelInput.from_ints(prompt_of(tokenizer, CAPITAL))
     result = sampler.sample(
         prompt, 1, types.SamplingParams(max_tokens=12, temperature=0.0), include_prompt_logprobs=True, topk_prompt_logprobs=3
     ).result()
-    assert "Paris" in tokenizer.decode(result.sequences[0].tokens)
+    assert 0 < len(result.sequences[0].tokens) <= 12
     assert result.prompt_logprobs[0] is None and len(result.prompt_logprobs) == prompt.length
     assert len(result.topk_prompt_logprobs) == prompt.length
     for actual, top in zip(result.prompt_logprobs[1:], result.topk_prompt_logprobs[1:]):
         assert len(top) == 3 and top[0][1] >= actual - 1e-5
+
+
+def test_the_base_model_knows_a_capital(real_client, tokenizer):
+    sampler = real_client.create_sampling_client(base_model=BASE).result()
+    prompt = types.ModelInput.from_ints(prompt_of(tokenizer, CAPITAL))
+    result = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=12, temperature=0.0)).result()
+    assert "Paris" in tokenizer.decode(result.sequences[0].tokens)
 
 
 def test_admin_stats_show_the_prefix_cache_reusing_a_shared_prompt(client, tokenizer, tinker_server):

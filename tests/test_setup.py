@@ -8,6 +8,10 @@
   is free; otherwise the same command on a free port, and the code's URL with it.)
 - `make lab` starts JupyterLab on copies of the notebooks, JUPYTER_ARGS reaches Jupyter, and it adds
   --allow-root for root only (the command line make runs as another user has none).
+
+The README's example runs on the real SmolLM2 (REAL_MODEL_ENV), since what it prints is the taught answer; the
+other servers here serve the tiny random stand-in for the default model (tests/tiny_model.py): they are about
+keys, commands and exit statuses.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conftest import REAL_MODEL_ENV
 from servers import REPO, free_port, start_server
 
 README = REPO / "README.md"
@@ -60,7 +65,7 @@ def test_the_readme_example_runs_as_printed(fresh_home):
     port = 8000 if port_free(8000) else free_port()
     code = code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
     server = subprocess.Popen([sys.executable, "-m", "kernel_backend", "serve", "--port", str(port)],
-                              env={**os.environ, "STEPWISE_HOME": str(fresh_home)}, cwd=REPO,
+                              env={**os.environ, "STEPWISE_HOME": str(fresh_home), **REAL_MODEL_ENV}, cwd=REPO,
                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180
@@ -90,8 +95,11 @@ def test_the_readme_example_runs_as_printed(fresh_home):
     assert "Quibbleton" in out.stdout, out.stdout
 
 
-def test_a_server_on_every_address_refuses_the_loopback_key(fresh_home):
-    server = start_server(fresh_home, env={"STEPWISE_LOCAL_KEY": "tml-real-key"}, host="0.0.0.0")
+def test_a_server_on_every_address_refuses_the_loopback_key(fresh_home, tiny_model):
+    from tiny_model import stand_in_env
+
+    server = start_server(fresh_home, env={"STEPWISE_LOCAL_KEY": "tml-real-key", **stand_in_env(tiny_model)},
+                          host="0.0.0.0")
     try:
         refused = httpx.get(f"{server.base_url}/api/v1/usage", headers={"X-API-Key": "tml-local"})
         assert refused.status_code == 401

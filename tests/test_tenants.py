@@ -1,4 +1,8 @@
-"""Isolation: another tenant's ids and paths answer 404 on every route, and bad keys answer 401."""
+"""Isolation: another tenant's ids and paths answer 404 on every route, and bad keys answer 401.
+
+The server serves the tiny random stand-in for the default model (tests/tiny_model.py): isolation is about
+who may touch what, not what a model learns.
+"""
 
 from __future__ import annotations
 
@@ -18,13 +22,13 @@ from test_service_http import DATA, Api
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-
-
 @pytest.fixture(scope="module")
-def two_tenants(tmp_path_factory, stepwise_home):
+def two_tenants(tmp_path_factory, stepwise_home, tiny_model):
+    from tiny_model import stand_in_env
+
     home = tmp_path_factory.mktemp("tenants")
     (home / "models").symlink_to(stepwise_home / "models")
-    server = start_server(home, env={"STEPWISE_MAX_SESSIONS_PER_TENANT": "3"})
+    server = start_server(home, env={"STEPWISE_MAX_SESSIONS_PER_TENANT": "3", **stand_in_env(tiny_model)})
     key_b = server.make_key("tenant-b")
     yield server, Api(server), Api(server, key=key_b), home
     server.stop()

@@ -5,7 +5,9 @@ One backend process for the whole module, started with STEPWISE_SAMPLER=vllm (it
 are compared with the trainer's on the same tokens, into the request's ledger metrics), and room for
 two checkpoint versions, so that a test reaches eviction. The tests drive it the way users do (the
 official tinker SDK, the openai client, raw HTTP for retries and other tenants), and compare with the
-built-in sampler (`tinker_server`) where the answers must be equal: greedy tokens, logprobs.
+built-in sampler where the answers must be equal: greedy tokens, logprobs. That sampler is
+`real_model_server`'s (the real SmolLM2-135M, as vLLM serves it here), not `tinker_server`'s, whose
+default model is the tests' tiny stand-in (tests/tiny_model.py).
 Marked `vllm`: they run last, and skip, saying how to build it, where the vLLM venv is not built.
 """
 
@@ -88,9 +90,10 @@ def tokens_of(result) -> list[list[int]]:
     return [s.tokens for s in result.sequences]
 
 
-def test_sampling_options_through_the_sdk_match_the_builtin_sampler(client, tinker_server, tokenizer, vllm_server):
+def test_sampling_options_through_the_sdk_match_the_builtin_sampler(client, real_model_server, tokenizer,
+                                                                     vllm_server):
     ours = client.create_sampling_client(base_model=BASE).result()
-    builtin = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
+    builtin = tinker.ServiceClient(base_url=real_model_server.base_url, api_key=real_model_server.api_key)
     theirs = builtin.create_sampling_client(base_model=BASE).result()
     prompt = types.ModelInput.from_ints(prompt_of(tokenizer, "What is the capital of France?"))
 

@@ -4,6 +4,11 @@ driven as a researcher drives them, with the official tinker SDK doing the train
 One embedded backend serves the module (`service`). It runs under a folder of its own inside the
 session's STEPWISE_HOME (models shared through the symlink): the `tinker_server` fixture may be
 running on the session home's database at the same time, and two servers must not share one.
+
+Every backend here (the embedded one, and those the subprocesses start) serves the tiny random stand-in
+for the default model (tests/tiny_model.py, through `tiny_everywhere`): these tests are about what the
+workbench does with a backend's answers (processes, widgets, ledgers, forks bit for bit), not what a
+model learns; the losses they compare fall on any model that trains on its own batch.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ from workbench.widgets.reprs import forward_backward_html, sample_html
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 ADAM = types.AdamParams(learning_rate=1e-3)
+
+# The backends start on the stand-in: a mark's fixtures are set up before the tests' own of the same scope (`service`).
+pytestmark = pytest.mark.usefixtures("tiny_everywhere")
 
 
 @pytest.fixture(scope="module")
@@ -562,9 +570,11 @@ def test_reprs_and_the_rollout_inspector_on_real_samples(service, tokenizer):
         for q in questions]
 
     html = sample_html(responses[0], tokenizer=tokenizer)
-    text = tokenizer.decode(list(responses[0].sequences[0].tokens))
+    first = responses[0].sequences[0]
     assert "SampleResponse" in html and html.count('class="wb-tok"') == sum(len(s.tokens) for s in responses[0].sequences)
-    assert html_escape((text.split() or [""])[0]) in html
+    assert html_escape(tokenizer.decode(list(first.tokens))) in html  # the decoded text, then each token's own
+    for token, logprob in zip(first.tokens, first.logprobs, strict=True):  # span, titled with its logprob
+        assert f'title="logprob {logprob:.4f}">{html_escape(tokenizer.decode([token]))}</span>' in html
 
     rewards = [[1.0 if tokenizer.decode(list(s.tokens)).strip().lower().startswith("yes") else 0.0
                 for s in r.sequences] for r in responses]
