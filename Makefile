@@ -67,7 +67,7 @@ test:
 	@$(PY) tests/client_venvs.py build --background
 	@status=0; \
 	echo "pytest: every test, on both cores"; \
-	$(PYTEST) -n 2 --dist loadgroup --no-loadscope-reorder --durations=25 --junitxml=$(REPORT)/main.xml tests || status=1; \
+	$(PYTEST) -n 2 --dist loadfile --no-loadscope-reorder --durations=25 --junitxml=$(REPORT)/main.xml tests || status=1; \
 	echo "pytest: the official-SDK service tests once more, unchanged, their server's engines on two Ray workers"; \
 	$(PYTEST) --junitxml=$(REPORT)/cluster.xml tests/test_service.py --cluster || status=1; \
 	$(PY) tests/time_report.py $(REPORT); exit $$status

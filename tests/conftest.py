@@ -59,23 +59,48 @@ def pytest_addoption(parser):
                      help="run tinker_server (the official-SDK service tests) on two Ray engine workers")
 
 
-# `make test` runs the files on two xdist workers (`-n 2 --dist loadgroup --no-loadscope-reorder`). A group
-# runs whole on one worker, so its module fixtures (servers) start once: each file is a group, except the
-# files that drive the one JupyterLab (tests/browser.py's `lab`), which are one group so that it starts once.
+# `make test` runs the files on two xdist workers (`-n 2 --dist loadfile --no-loadscope-reorder`), in groups that
+# each run whole on one worker, so that their module fixtures (servers) start once. Each file is a group, except:
+# - the files that drive the one JupyterLab (tests/browser.py's `lab`): one group, so that it starts once;
+# - the files that train or sample the real model on a server (real_model_server, or one of their own): one
+#   group, so that at most one such server runs at a time beside the lab's backend (each holds a few GB; two
+#   of each do not fit in 24 GB without swap).
 LAB_FILES = ("test_notebooks.py", "test_extension_browser.py", "test_browser_after_shutdown.py")
+REAL_MODEL_FILES = ("test_recipes.py", "test_vllm.py", "test_rl_insight.py", "test_setup.py", "test_eval_clients.py",
+                    "test_service.py", "test_sdk_surface.py", "test_openai.py", "test_compare_probes.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(items):
-    """The xdist groups above; the lab's group first (the longest: the other worker takes everything else
-    meanwhile); tests marked vllm or clients last, to give their venvs' background builds time (a stable
-    sort keeps every other order)."""
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("lab" if item.path.name in LAB_FILES else item.path.name))
+def xdist_group(path: Path) -> str:
+    return "lab" if path.name in LAB_FILES else "real model" if path.name in REAL_MODEL_FILES else str(path)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's, called only where it runs
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's file scheduler with the groups above. (Not xdist_group marks with --dist loadgroup: xdist 3.8
+    groups by rewriting a test's node id, which pytest 9.2 no longer lets it do.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(Path(nodeid.split("::", 1)[0]))
+
+    return Groups(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The lab's group first and the real model's second (the longest: each worker starts on one); tests marked
+    vllm or clients last, to give their venvs' background builds time (a stable sort keeps every other order).
+    With --cluster, the tests on real_model_server are left out: that server is never a cluster, so they
+    would only run again what the first run ran."""
+    if config.getoption("--cluster"):
+        off_cluster = [item for item in items if "real_model_server" in getattr(item, "fixturenames", ())]
+        if off_cluster:
+            config.hook.pytest_deselected(items=off_cluster)
+            items[:] = [item for item in items if item not in off_cluster]
 
     def order(item):
         last = any(item.get_closest_marker(m) is not None for m in ("vllm", "clients"))
-        return (last, item.path.name not in LAB_FILES)
+        return (last, {"lab": 0, "real model": 1}.get(xdist_group(item.path), 2))
 
     items.sort(key=order)
 
