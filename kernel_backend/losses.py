@@ -42,8 +42,14 @@ def _ratio(logprobs: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Ten
 
 def _kl_sample_train(logprobs: torch.Tensor, inputs: dict[str, torch.Tensor]) -> float:
     # mean(q - lp) over the sampled tokens is the simple (k1) estimator of KL(sampler || learner):
-    # it grows when the learner drifts from the policy that generated the data.
-    return _mean(inputs["logprobs"] - logprobs)
+    # it grows when the learner drifts from the policy that generated the data. The policy's tokens
+    # are those with an advantage: a prompt's or a tool's tokens carry advantage 0 and a placeholder
+    # q of 0 (tinker-cookbook's multi-turn datums), and counting them would report the learner's own
+    # -lp as KL (2.05 on guess_number where on-policy it is ~0). A batch with no advantage anywhere
+    # (every group tied) has no policy token to tell: all of its tokens count.
+    trained = inputs["advantages"] != 0
+    on = trained if trained.any() else torch.ones_like(trained)
+    return _mean((inputs["logprobs"] - logprobs)[on])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -330,9 +330,27 @@ def test_metrics(loss_fn):
         assert key.split(":")[1] in {"mean", "sum", "min", "max"}, key
         assert isinstance(value, float) and math.isfinite(value)
     if loss_fn != "cross_entropy":
-        on = inputs["sampled_mask"] != 0 if loss_fn == "stable_reinforce" else torch.ones_like(lp, dtype=torch.bool)
+        on = inputs["sampled_mask"] != 0 if loss_fn == "stable_reinforce" else inputs["advantages"] != 0
         kl = (inputs["logprobs"] - lp)[on].mean().item()
         assert metrics["kl_sample_train:mean"] == pytest.approx(kl, abs=TOL)
+
+
+@pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo", "cispo", "dro", "gspo"])
+def test_kl_sample_train_counts_only_the_policys_tokens(loss_fn):
+    """A multi-turn datum as tinker-cookbook builds it: prompt and tool tokens carry advantage 0 and a
+    placeholder sampler logprob 0. On-policy (the learner's logprobs equal the sampler's on the policy's
+    tokens) the KL is 0, whatever the learner thinks of the placeholders; a tied batch counts every token."""
+    lp, inputs = make_batch(11)
+    observation = torch.zeros_like(lp, dtype=torch.bool)
+    observation[:20] = True
+    observation[40:50] = True
+    inputs["advantages"][observation] = 0.0
+    inputs["logprobs"] = torch.where(observation, torch.zeros_like(lp), lp)  # on-policy on the policy's tokens
+    _, metrics = compute_loss(loss_fn, lp.clone().requires_grad_(True), inputs, {})
+    assert metrics["kl_sample_train:mean"] == pytest.approx(0.0, abs=TOL)
+    inputs["advantages"] = torch.zeros_like(lp)
+    _, tied = compute_loss(loss_fn, lp.clone().requires_grad_(True), inputs, {})
+    assert tied["kl_sample_train:mean"] == pytest.approx((inputs["logprobs"] - lp).mean().item(), abs=TOL)
 
 
 # ---------------------------------------------------------------------------------------------
