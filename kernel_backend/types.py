@@ -21,8 +21,9 @@ class UserError(ValueError):
 
 
 # An absolute filesystem path of two segments or more: a '/' that starts a token (not a URL's '//', a
-# ratio like 1/2 or a route like sessions/{id}/finish).
-_ABSOLUTE_PATH = re.compile(r"(?<![\w:/.}])/(?:[^\s'\"/:,;(){}]+/)+[^\s'\"/:,;(){}]*")
+# ratio like 1/2 or a route like sessions/{id}/finish), and not one of this server's own routes
+# (/v1/..., /oai/..., /api/...), which messages name to say where to send a request.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w:/.}])/(?!(?:v1|oai|api)/)(?:[^\s'\"/:,;(){}]+/)+[^\s'\"/:,;(){}]*")
 
 
 def redact_paths(message: str) -> str:

@@ -67,7 +67,8 @@ def pytest_addoption(parser):
 #   of each do not fit in 24 GB without swap).
 LAB_FILES = ("test_notebooks.py", "test_extension_browser.py", "test_browser_after_shutdown.py")
 REAL_MODEL_FILES = ("test_recipes.py", "test_vllm.py", "test_rl_insight.py", "test_setup.py", "test_eval_clients.py",
-                    "test_service.py", "test_sdk_surface.py", "test_openai.py", "test_compare_probes.py")
+                    "test_service.py", "test_sdk_surface.py", "test_openai.py", "test_compare_probes.py",
+                    "test_tool_calls.py")
 
 
 def xdist_group(path: Path) -> str:

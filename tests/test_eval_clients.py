@@ -8,8 +8,8 @@ a venv of its own (tests/client_venvs.py), offline, on tasks defined on local JS
   compute_logprobs's numbers) and a generation task (generate_until, its stop strings held);
 - inspect-ai's `openai-api` provider on a json_dataset task with the match scorer, logprobs on;
 - the official `anthropic` SDK on /v1/messages: a plain message, a streamed one, a checkpoint that
-  learned a made-up fact, stop sequences, a bad key (401) and another tenant's checkpoint (404),
-  both in Anthropic's error shape.
+  learned a made-up fact, stop sequences, a bad key (401), another tenant's checkpoint (404) and an
+  image (400), in Anthropic's error shape (tool use: tests/test_tool_calls.py).
 Every request is on the usage ledger.
 
 All of it on the real SmolLM2 (real_model_server, not the tiny stand-in the protocol tests use): the clients
@@ -254,8 +254,9 @@ out["bad_key"] = refused(lambda: anthropic.Anthropic(base_url=base_url, api_key=
                          .messages.create(model=base, max_tokens=5, messages=ask))
 out["other_tenant"] = refused(lambda: anthropic.Anthropic(base_url=base_url, api_key=other_key, max_retries=0)
                               .messages.create(model=trained, max_tokens=5, messages=ask))
-out["tools"] = refused(lambda: client.messages.create(model=base, max_tokens=5, messages=ask, tools=[
-    {"name": "add", "description": "add", "input_schema": {"type": "object", "properties": {}}}]))
+image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+out["image"] = refused(lambda: client.messages.create(model=base, max_tokens=5,
+                                                      messages=[{"role": "user", "content": [image]}]))
 print(json.dumps(out))
 '''
 
@@ -284,11 +285,11 @@ def test_the_anthropic_sdk_chats_with_a_checkpoint(server, real_trained_path, tm
     assert "Quib" not in stopped["content"][0]["text"]
 
     for case, status, kind in (("bad_key", 401, "authentication_error"), ("other_tenant", 404, "not_found_error"),
-                               ("tools", 400, "invalid_request_error")):
+                               ("image", 400, "invalid_request_error")):
         refusal = out[case]
         assert refusal["status"] == status, (case, refusal)
         assert refusal["body"]["type"] == "error" and refusal["body"]["error"]["type"] == kind, (case, refusal)
-    assert "tool use is not supported" in out["tools"]["body"]["error"]["message"]
+    assert "'image' are not supported" in out["image"]["body"]["error"]["message"]
 
     messages = [r for r in ledger_rows(server, before) if r["request_type"] == "Message"]
     assert len(messages) == 5 and all(r["sample_tokens"] > 0 and r["cost"] > 0 for r in messages)

@@ -26,6 +26,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
+from kernel_backend import tool_calls
 from kernel_backend.admission import SEED_RANGE
 from kernel_backend.api.auth import tenant_of
 from kernel_backend.api.tinker import service
@@ -48,9 +49,22 @@ class OpenAIError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as a string
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
 
 class StreamOptions(BaseModel):
@@ -75,6 +89,11 @@ class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict] | None = Field(None, max_length=128)  # {"type": "function", "function": {name, description, parameters}}
+    tool_choice: str | dict | None = None  # auto, none, required, or {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool = True
+    functions: list[dict] | None = None  # OpenAI's old names for tools: refused with a pointer to the new ones
+    function_call: str | dict | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -100,10 +119,14 @@ def build_router(prefix: str) -> APIRouter:
         try:
             base, path = sampling.openai_model(svc, tenant, body.model)
             tokenizer = sampling.tokenizer(svc, base)
-            messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+            if body.functions is not None or body.function_call is not None:
+                raise OpenAIError(400, "functions and function_call are OpenAI's deprecated names: send tools and "
+                                       "tool_choice", param="functions")
+            tools = tool_calls.check_tools(body.tools or [])
+            choice = tool_calls.choice(body.tool_choice, tools, body.parallel_tool_calls)
+            prompt = tool_calls.render(tokenizer, [_message(m) for m in body.messages], tools, choice.prefill)
             top = (body.top_logprobs or 0) if body.logprobs else 0
-            return await _complete(svc, tenant, body, base, path, [prompt], top, chat=True)
+            return await _complete(svc, tenant, body, base, path, [prompt], top, chat=True, choice=choice)
         except (OpenAIError, UserError, NotFound) as e:
             return _as_openai(e).response()
 
@@ -126,6 +149,16 @@ def _as_openai(e: Exception) -> OpenAIError:
     if isinstance(e, NotFound):
         return OpenAIError(404, str(e), param="model", code="model_not_found")
     return OpenAIError(400, str(e))
+
+
+def _message(message: ChatMessage) -> dict:
+    """A chat message in the shape tool_calls.render takes."""
+    out = {"role": message.role, "content": _text(message.content)}
+    if message.tool_calls:
+        out["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
 
 
 def _text(content) -> str:
@@ -157,7 +190,7 @@ def _max_tokens(body: SamplingFields, chat: bool) -> int:
 
 
 async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, path: str | None,
-                    prompts: list[list[int]], top_logprobs: int, chat: bool):
+                    prompts: list[list[int]], top_logprobs: int, chat: bool, choice: tool_calls.Choice | None = None):
     tokenizer = sampling.tokenizer(svc, base)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     echo, max_tokens = getattr(body, "echo", False), _max_tokens(body, chat)
@@ -182,7 +215,8 @@ async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, 
         wants_usage = body.stream_options is not None and body.stream_options.include_usage
         usage_of = (lambda results: _usage(prompts, results, max_tokens)) if wants_usage else None
         return StreamingResponse(
-            _stream(task, queue, tokenizer, completion_id, created, body.model, body.n, chat, stop or [], usage_of),
+            _stream(task, queue, tokenizer, completion_id, created, body.model, body.n, chat, stop or [], usage_of,
+                    choice or tool_calls.Choice()),
             media_type="text/event-stream",
         )
     results = await sampling.generate(svc, tenant, request_type, base, path, prompts, body.n, params, options)
@@ -192,10 +226,18 @@ async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, 
         for seq in result.sequences:
             visible, finish = visible_tokens(seq, tokenizer, stop or [], eos) if max_tokens else ([], "length")
             text = cut_at_stop(tokenizer.decode(visible), stop or [])
-            choice = {"index": len(choices), "finish_reason": finish}  # OpenAI's: prompt by prompt, n each
+            choice_out = {"index": len(choices), "finish_reason": finish}  # OpenAI's: prompt by prompt, n each
             if chat:
                 logprobs = _chat_logprobs(seq, visible, tokenizer, top_logprobs) if wants_logprobs else None
-                choice.update(message={"role": "assistant", "content": text}, logprobs=logprobs)
+                message = {"role": "assistant", "content": text}
+                if choice is not None and choice.parse:
+                    reply = tool_calls.parse(choice.prefill + text, choice.only_first)
+                    if reply.calls:
+                        message = {"role": "assistant", "content": reply.content or None, "tool_calls": reply.calls}
+                        finish = "tool_calls"
+                    else:
+                        message["content"] = choice.prefill + text
+                choice_out.update(finish_reason=finish, message=message, logprobs=logprobs)
             else:
                 logprobs = None
                 if wants_logprobs:
@@ -204,8 +246,8 @@ async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, 
                     generated = list(seq.tokens) if max_tokens else []
                     logprobs = _completion_logprobs((_prompt_entries(prompt, result, tokenizer) if echo else [])
                                                     + _entries(seq, generated, tokenizer, top_logprobs))
-                choice.update(text=(tokenizer.decode(prompt) if echo else "") + text, logprobs=logprobs)
-            choices.append(choice)
+                choice_out.update(text=(tokenizer.decode(prompt) if echo else "") + text, logprobs=logprobs)
+            choices.append(choice_out)
     return {
         "id": completion_id, "object": "chat.completion" if chat else "text_completion", "created": created,
         "model": body.model, "choices": choices, "usage": _usage(prompts, results, max_tokens),
@@ -311,34 +353,45 @@ async def text_deltas(task, queue, tokenizer, n: int, stop: list[str]):
             sent[row] = text
 
 
-async def _stream(task, queue, tokenizer, completion_id, created, model, n, chat, stop, usage_of=None):
+async def _stream(task, queue, tokenizer, completion_id, created, model, n, chat, stop, usage_of, choice):
     """Server-sent events: one chunk per generated token, as the decode loop produces it; with
     `usage_of` (stream_options.include_usage) a last chunk with the usage. A client that goes away
     cancels the generation (its rows leave the decoder at the next step)."""
     try:
-        async for event in _events(task, queue, tokenizer, completion_id, created, model, n, chat, stop, usage_of):
+        async for event in _events(task, queue, tokenizer, completion_id, created, model, n, chat, stop, usage_of,
+                                   choice):
             yield event
     finally:
         task.cancel()
 
 
-async def _events(task, queue, tokenizer, completion_id, created, model, n, chat, stop, usage_of):
+async def _events(task, queue, tokenizer, completion_id, created, model, n, chat, stop, usage_of, choice):
+    """With tools, a reply's content streams up to a call's opening; its calls follow once the reply is
+    complete (parsed whole, as the non-streamed answer is), as OpenAI's tool_calls deltas: the
+    call's id and name, then its arguments."""
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(index: int, text: str | None, finish: str | None, first: bool = False) -> str:
+    def chunk(index: int, delta: dict | str, finish: str | None = None) -> str:
         if chat:
-            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
             choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
-            choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "text": delta, "finish_reason": finish, "logprobs": None}
         return "data: " + json.dumps({"id": completion_id, "object": kind, "created": created, "model": model,
                                       "choices": [choice]}) + "\n\n"
 
+    def content(text: str) -> dict | str:
+        return {"content": text} if chat else text
+
     if chat:
         for i in range(n):
-            yield chunk(i, None, None, first=True)
+            yield chunk(i, {"role": "assistant", "content": ""})
+    texts, sent = [choice.prefill] * n, [""] * n  # each row's reply so far, and the content streamed of it
     async for row, piece in text_deltas(task, queue, tokenizer, n, stop):
-        yield chunk(row, piece, None)
+        texts[row] += piece
+        ready = tool_calls.streamable(texts[row]) if choice.parse else texts[row]
+        if len(ready) > len(sent[row]):
+            yield chunk(row, content(ready[len(sent[row]):]))
+            sent[row] = ready
     try:
         (result,) = task.result()
     except Exception as e:  # failed while running (already streaming): an error event, then the end
@@ -346,7 +399,16 @@ async def _events(task, queue, tokenizer, completion_id, created, model, n, chat
         yield "data: " + json.dumps({"error": {"message": redact_paths(str(e)), "type": kind}}) + "\n\n"
         return
     for index, seq in enumerate(result.sequences):
-        yield chunk(index, None, "stop" if seq.stop_reason == "stop" else "length")
+        finish = "stop" if seq.stop_reason == "stop" else "length"
+        reply = tool_calls.parse(texts[index], choice.only_first) if choice.parse else tool_calls.Reply(texts[index])
+        rest = reply.content or ""
+        if rest.startswith(sent[index]) and len(rest) > len(sent[index]):
+            yield chunk(index, content(rest[len(sent[index]):]))
+        for i, call in enumerate(reply.calls):
+            yield chunk(index, {"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                                "function": {"name": call["function"]["name"], "arguments": ""}}]})
+            yield chunk(index, {"tool_calls": [{"index": i, "function": {"arguments": call["function"]["arguments"]}}]})
+        yield chunk(index, {} if chat else "", "tool_calls" if reply.calls else finish)
     if usage_of is not None:  # OpenAI's shape: no choices, the whole request's usage
         yield "data: " + json.dumps({"id": completion_id, "object": kind, "created": created, "model": model,
                                       "choices": [], "usage": usage_of([result])}) + "\n\n"
