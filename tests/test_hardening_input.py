@@ -197,7 +197,7 @@ def test_messages_leaving_the_server_carry_no_absolute_paths():
 
     assert redact_paths("no such file: '/home/me/.cache/stepwise/x/adapter.safetensors'") == \
         "no such file: '<server path>'"
-    kept = "tinker://run:train:0/weights/step-1, ratio 1/2, a/b"
+    kept = "tinker://run:train:0/weights/step-1, ratio 1/2, a/b, send it to /v1/messages or /oai/api/v1/models"
     assert redact_paths(kept) == kept
     assert b"/srv" not in error_payload("failed at /srv/models/m/config.json", "server")
 
