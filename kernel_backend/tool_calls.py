@@ -123,13 +123,16 @@ def knows_tools(tokenizer) -> bool:
 def render(tokenizer, messages: list[dict], tools: list[dict] | None, prefill: str = "") -> list[int]:
     """The prompt's tokens: the conversation with the tools offered, the assistant's turn opened (and
     started with `prefill`)."""
+    return tokenizer(render_text(tokenizer, messages, tools) + prefill, add_special_tokens=False)["input_ids"]
+
+
+def render_text(tokenizer, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool = True) -> str:
+    """The conversation as the template writes it, the tools offered (by the template, or FALLBACK's way)."""
     if tools and knows_tools(tokenizer):
-        text = tokenizer.apply_chat_template(_arguments_as_objects(messages), tools=tools, tokenize=False,
-                                             add_generation_prompt=True)
-    else:
-        text = tokenizer.apply_chat_template(fallback_messages(messages, tools), tokenize=False,
-                                             add_generation_prompt=True)
-    return tokenizer(text + prefill, add_special_tokens=False)["input_ids"]
+        return tokenizer.apply_chat_template(_arguments_as_objects(messages), tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(fallback_messages(messages, tools), tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
 
 
 def fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:

@@ -1,0 +1,163 @@
+"""Multi-turn episodes (workbench/episodes.py): tools as Python functions, their errors and timeouts as
+observations, episodes played through the official SDK's sampler, and an episode's datum that trains the
+policy's tokens only.
+
+On the tiny stand-in (tinker_server): these check how an episode is assembled and what its datum asks of
+the loss, not what a model learns; a random model's replies serve as well as a trained one's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import tinker
+import torch
+from tinker import types
+
+from kernel_backend import tool_calls
+from kernel_backend.losses import compute_loss
+from test_service import BASE
+from workbench import episodes
+from workbench.episodes import Episode, Segment, Step, Tool, ToolEnv
+
+
+def calc(expression: str) -> float:
+    """Evaluate an arithmetic expression.
+
+    Digits, + - * / and brackets only."""
+    if set(expression) - set("0123456789+-*/() ."):
+        raise ValueError(f"not arithmetic: {expression!r}")
+    return eval(expression)  # noqa: S307 - checked above
+
+
+def slow(seconds: float) -> str:
+    time.sleep(seconds)
+    return "done"
+
+
+def test_a_tool_is_a_function_with_a_schema():
+    tool = Tool.of(calc)
+    assert tool.schema == {"type": "function", "function": {
+        "name": "calc", "description": "Evaluate an arithmetic expression.",
+        "parameters": {"type": "object", "required": ["expression"], "properties": {"expression": {"type": "string"}}}}}
+    assert tool_calls.check_tools([tool.schema])  # what the server's routes take, too
+
+
+def test_tool_errors_and_timeouts_become_observations():
+    def call(name: str, **arguments) -> dict:
+        return {"id": "c", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+    tools = [Tool.of(calc), Tool.of(slow)]
+    results = episodes.call_tools(tools, [call("calc", expression="17*5+3"), call("calc", expression="1/0"),
+                                          call("calc", expression="import os"), call("nope"),
+                                          call("calc", wrong=1), call("slow", seconds=2)], timeout_s=0.3)
+    contents = [r["content"] for r in results]
+    assert contents[0] == "88"
+    assert contents[1].startswith("Error: ZeroDivisionError")
+    assert contents[2] == "Error: ValueError: not arithmetic: 'import os'"
+    assert contents[3].startswith("Error: LookupError: no tool named 'nope'")
+    assert contents[4].startswith("Error: TypeError") and "wrong" in contents[4]
+    assert contents[5] == "Error: slow timed out after 0.3 s"
+    assert [r["role"] for r in results] == ["tool"] * 6 and all(r["tool_call_id"] == "c" for r in results)
+
+
+def test_an_episode_datum_trains_only_the_policys_tokens():
+    """The targets that are not the policy's (prompt, tool result, template glue) get exactly zero gradient:
+    perturbing what the datum says of them (their placeholder sampler logprobs) changes neither the loss nor
+    any gradient; perturbing a policy token's does."""
+    rng = np.random.default_rng(0)
+    episode = Episode([Segment("prompt", [1, 2, 3, 4, 5]), Segment("policy", [6, 7, 8, 9], [-0.5, -1.0, -0.2, -2.0]),
+                       Segment("observation", [10, 11, 12, 13, 14, 15]), Segment("policy", [16, 17, 18], [-0.1, -0.3, -0.7])],
+                      messages=[])
+    datum = episode.datum(advantage=0.75)
+    inputs = {k: torch.tensor(v.to_numpy(), dtype=torch.float64) for k, v in datum.loss_fn_inputs.items()
+              if k != "target_tokens"}
+    targets = datum.loss_fn_inputs["target_tokens"].to_numpy()
+    policy = np.zeros(len(targets), bool)
+    policy[4:8] = policy[14:17] = True  # the targets the policy sampled: position p predicts token p + 1
+    assert list(targets[policy]) == [6, 7, 8, 9, 16, 17, 18]
+    assert np.all(inputs["advantages"].numpy()[policy] == 0.75) and np.all(inputs["advantages"].numpy()[~policy] == 0)
+    lp = torch.tensor(rng.uniform(-3, 0, len(targets)))  # the learner's: near the sampler's on the policy's tokens
+    lp[policy] = inputs["logprobs"][policy] + torch.tensor(rng.uniform(-0.05, 0.05, policy.sum()))
+
+    def loss_and_grad(inputs: dict, loss_fn: str):
+        leaf = lp.clone().requires_grad_(True)
+        loss, _ = compute_loss(loss_fn, leaf, inputs, {})
+        loss.backward()
+        return loss.item(), leaf.grad.clone()
+
+    for loss_fn in ("importance_sampling", "ppo", "cispo"):
+        loss, grad = loss_and_grad(inputs, loss_fn)
+        assert torch.all(grad[torch.from_numpy(~policy)] == 0) and torch.all(grad[torch.from_numpy(policy)] != 0)
+        perturbed = dict(inputs, logprobs=torch.where(torch.from_numpy(policy), inputs["logprobs"],
+                                                      torch.tensor(rng.uniform(-5, 0, len(targets)))))
+        perturbed_loss, perturbed_grad = loss_and_grad(perturbed, loss_fn)
+        assert perturbed_loss == loss and torch.equal(perturbed_grad, grad)
+        moved = dict(inputs, logprobs=inputs["logprobs"].clone())
+        moved["logprobs"][4] -= 1.0
+        assert not torch.equal(loss_and_grad(moved, loss_fn)[1], grad)
+
+
+class Scripted:
+    """An environment that answers every reply with a tool result, and ends after `turns` of them."""
+
+    def __init__(self, turns: int) -> None:
+        self.turns = turns
+
+    def reset(self) -> list[dict]:
+        return [{"role": "user", "content": "What is 17*5+3?"}]
+
+    def step(self, history: list[dict], reply: dict) -> Step:
+        done = sum(m["role"] == "assistant" for m in history) + 1 >= self.turns
+        return Step(done=True, reward=1.0) if done else \
+            Step([{"role": "tool", "tool_call_id": "c", "content": f"result {len(history)}"}])
+
+
+@pytest.fixture(scope="module")
+def sampler(tinker_server):
+    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
+    return client.create_sampling_client(base_model=BASE).result()
+
+
+def test_episodes_play_through_the_sdk_as_one_token_sequence(sampler, tokenizer, tinker_server):
+    """Each turn's prompt is the last one's plus the policy's tokens plus the observation's: the server sees one
+    growing sequence (its prefix cache serves the start); the episode's text is the template's conversation."""
+    envs = [Scripted(3), Scripted(1), Scripted(9)]
+    played = episodes.run_episodes(sampler, tokenizer, envs, tools=[Tool.of(calc)], max_turns=4, max_tokens=6,
+                                   temperature=1.0, seed=1)
+    three, one, capped = played
+    assert [s.role for s in three.segments] == ["prompt", "policy", "observation", "policy", "observation", "policy"]
+    assert (three.turns, three.ended, three.reward) == (3, "done", 1.0)
+    assert (one.turns, one.ended) == (1, "done") and (capped.turns, capped.ended, capped.reward) == (4, "max_turns", 0.0)
+    for episode in played:
+        assert episode.segments[0].tokens == tool_calls.render(tokenizer, episode.messages[:1], [Tool.of(calc).schema])
+        for segment in episode.segments:
+            if segment.role == "policy":
+                assert 0 < len(segment.tokens) <= 6 and len(segment.logprobs) == len(segment.tokens)
+    text = tokenizer.decode(three.tokens)
+    assert "<tool_response>\nresult 1\n</tool_response>" in text and text.count("<|im_start|>assistant\n") == 3
+    datum = three.datum(advantage=1.0)
+    assert datum.model_input.length == len(three.tokens) - 1
+    assert sum(datum.loss_fn_inputs["advantages"].to_numpy() != 0) == three.policy_tokens
+
+    # The episode trains as it was sampled: on the same weights, the learner's logprobs of the policy's
+    # tokens are the sampler's (importance ratio 1), the observation's tokens count for nothing.
+    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+    out = tc.forward([datum], "importance_sampling").result()
+    assert out.metrics["kl_sample_train:mean"] == pytest.approx(0.0, abs=2e-3)
+
+
+def test_group_advantages_and_a_tool_env():
+    env = ToolEnv("What is 17*5+3?", check=lambda text: float("88" in text), tools=[Tool.of(calc)], system="Be brief.")
+    assert env.reset()[0] == {"role": "system", "content": "Be brief."}
+    call = tool_calls.parse('<tool_call>{"name": "calc", "arguments": {"expression": "17*5+3"}}</tool_call>').calls
+    observed = env.step(env.reset(), {"role": "assistant", "content": "", "tool_calls": call})
+    assert not observed.done and observed.messages[0]["content"] == "88"
+    answered = env.step(env.reset(), {"role": "assistant", "content": "It is 88."})
+    assert answered.done and answered.reward == 1.0
+    played = [Episode([], [], reward=r) for r in (1.0, 0.0, 0.0, 1.0)]
+    assert episodes.group_advantages(played).tolist() == [0.5, -0.5, -0.5, 0.5]

@@ -1,0 +1,243 @@
+"""Multi-turn episodes: the policy talks with an environment over several turns (it calls tools, the
+environment answers), and a whole episode trains as one datum.
+
+An environment is any object with two methods (the researcher's code, run here, never on the server):
+
+    reset() -> list[dict]                          the first messages: [{"role": "user", "content": ...}]
+    step(history, reply) -> Step                   what follows the policy's reply: messages to append
+                                                   (tool results, a user's answer) and/or done, reward
+
+`reply` is the policy's turn as a chat message, its tool calls parsed ({"role": "assistant", "content",
+"tool_calls"}). ToolEnv is the common case: a question, tools, and a check of the final answer.
+
+Tools are plain Python functions with a JSON schema (`Tool.of(fn)` reads one from the signature and the
+docstring). They are offered and called in the model's chat-template format, or in Hermes' <tool_call>
+format for a template without tools (kernel_backend/tool_calls.py, the same code the server's OpenAI
+and Anthropic routes use). A tool's exception or timeout becomes the observation ("Error: ..."), never
+a crash: a policy that calls a tool badly learns from the error.
+
+Tokens, not text, carry an episode from turn to turn: the next turn's prompt is this turn's prompt, the
+tokens the policy sampled, and the observation's tokens (the template's text after the policy's turn,
+tokenized alone). So every turn re-sends a prompt whose start the server has just seen (its prefix
+cache serves it), and the episode is one token sequence whose policy tokens are exactly the sampled
+ones: `Episode.datum(advantage)` gives them the advantage and the sampler's logprobs, and gives every
+other token (prompt, tool results, the template's glue) advantage 0: no gradient, whatever the loss.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import inspect
+import json
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+from tinker import types
+
+from kernel_backend import tool_calls
+
+PLACEHOLDER = "\x00policy-reply\x00"  # stands for the policy's turn when the template's glue around it is measured
+JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+
+
+@dataclass
+class Tool:
+    """A Python function the policy may call, and the JSON schema it is offered with."""
+
+    fn: Callable
+    schema: dict  # {"type": "function", "function": {"name", "description", "parameters"}}
+
+    @property
+    def name(self) -> str:
+        return self.schema["function"]["name"]
+
+    @classmethod
+    def of(cls, fn: Callable, description: str | None = None, parameters: dict | None = None) -> Tool:
+        """A tool from a function: its name, its docstring's first paragraph, and (unless `parameters` is
+        given) a schema of its annotated parameters, required unless they have a default."""
+        if parameters is None:
+            signature = inspect.signature(fn)
+            parameters = {"type": "object", "required": [], "properties": {}}
+            for name, p in signature.parameters.items():
+                parameters["properties"][name] = {"type": JSON_TYPES.get(p.annotation, "string")}
+                if p.default is inspect.Parameter.empty:
+                    parameters["required"].append(name)
+        description = description or (inspect.getdoc(fn) or "").split("\n\n")[0]
+        return cls(fn, {"type": "function", "function": {"name": fn.__name__, "description": description,
+                                                         "parameters": parameters}})
+
+
+@dataclass
+class Step:
+    """What follows a policy's turn: messages for the next (tool results, a user), or the end and its reward."""
+
+    messages: list[dict] = field(default_factory=list)
+    done: bool = False
+    reward: float = 0.0
+
+
+def call_tools(tools: list[Tool], calls: list[dict], timeout_s: float = 5.0) -> list[dict]:
+    """Run each call; its result, or its error, as a tool message. A call that runs past `timeout_s` is
+    answered with an error (its thread is left to finish: Python cannot stop it)."""
+    by_name = {t.name: t for t in tools}
+    out = []
+    for call in calls:
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        try:
+            if name not in by_name:
+                raise LookupError(f"no tool named {name!r}; the tools are {sorted(by_name)}")
+            pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+            try:
+                result = pool.submit(by_name[name].fn, **json.loads(arguments)).result(timeout=timeout_s)
+            finally:
+                pool.shutdown(wait=False)
+            content = result if isinstance(result, str) else json.dumps(result)
+        except concurrent.futures.TimeoutError:
+            content = f"Error: {name} timed out after {timeout_s:g} s"
+        except Exception as e:  # the policy's call was wrong, or the tool failed: the policy sees why
+            content = f"Error: {type(e).__name__}: {e}"
+        out.append({"role": "tool", "tool_call_id": call["id"], "name": name, "content": content})
+    return out
+
+
+class ToolEnv:
+    """A question answered with tools: each reply that calls tools gets their results; the first that
+    does not is the answer, rewarded by `check(answer_text) -> float`."""
+
+    def __init__(self, question: str, check: Callable[[str], float], tools: list[Tool], system: str | None = None,
+                 timeout_s: float = 5.0) -> None:
+        self.question, self.check, self.tools, self.system, self.timeout_s = question, check, tools, system, timeout_s
+
+    def reset(self) -> list[dict]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + \
+               [{"role": "user", "content": self.question}]
+
+    def step(self, history: list[dict], reply: dict) -> Step:
+        if reply.get("tool_calls"):
+            return Step(call_tools(self.tools, reply["tool_calls"], self.timeout_s))
+        return Step(done=True, reward=float(self.check(reply.get("content") or "")))
+
+
+@dataclass
+class Segment:
+    """A run of an episode's tokens: the first prompt, a policy turn (sampled, with its logprobs), or an
+    observation (the environment's messages and the template's text around them)."""
+
+    role: str  # "prompt", "policy" or "observation"
+    tokens: list[int]
+    logprobs: list[float] | None = None  # the sampler's, policy turns only
+    text: str = ""
+
+
+@dataclass
+class Episode:
+    segments: list[Segment]
+    messages: list[dict]  # the conversation as chat messages, the policy's turns parsed
+    reward: float = 0.0
+    ended: str = ""  # "done", "max_turns", "max_tokens"
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for s in self.segments for t in s.tokens]
+
+    @property
+    def turns(self) -> int:
+        return sum(s.role == "policy" for s in self.segments)
+
+    @property
+    def policy_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.segments if s.role == "policy")
+
+    def datum(self, advantage: float) -> types.Datum:
+        """The episode as one policy-gradient datum (importance_sampling, ppo, cispo, dro): each policy
+        token's target carries `advantage` and its sampler logprob; every other target advantage 0 and
+        logprob 0, so it gets no gradient."""
+        tokens = self.tokens
+        advantages = np.zeros(len(tokens) - 1, np.float32)
+        logprobs = np.zeros(len(tokens) - 1, np.float32)
+        at = 0
+        for segment in self.segments:
+            if segment.role == "policy" and segment.tokens:
+                advantages[at - 1:at - 1 + len(segment.tokens)] = advantage
+                logprobs[at - 1:at - 1 + len(segment.tokens)] = segment.logprobs
+            at += len(segment.tokens)
+        return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                           loss_fn_inputs={"target_tokens": np.asarray(tokens[1:], dtype=np.int64),
+                                           "logprobs": logprobs, "advantages": advantages})
+
+
+def observation_tokens(tokenizer, history: list[dict], reply_text: str, messages: list[dict],
+                       schemas: list[dict] | None) -> tuple[list[int], str]:
+    """The tokens that follow the policy's sampled turn: the rest of the template's closing of that turn
+    (what the sampler did not write: the newline after the end token, or the end token itself when
+    the turn was cut at max_tokens), then `messages` and the opening of the next policy turn."""
+    with_reply = history + [{"role": "assistant", "content": PLACEHOLDER}]
+    before = tool_calls.render_text(tokenizer, with_reply, schemas, add_generation_prompt=False)
+    after = tool_calls.render_text(tokenizer, with_reply + messages, schemas, add_generation_prompt=True)
+    if not after.startswith(before):
+        raise ValueError("this chat template renders earlier turns differently once more follow, so an episode "
+                         "cannot be one token sequence; use a template that appends turns")
+    closing = before[before.index(PLACEHOLDER) + len(PLACEHOLDER):]  # e.g. "<|im_end|>\n"
+    written = next((k for k in range(len(closing), 0, -1) if reply_text.endswith(closing[:k])), 0)
+    text = closing[written:] + after[len(before):]
+    return tokenizer(text, add_special_tokens=False)["input_ids"], text
+
+
+def run_episodes(sampler, tokenizer, envs: list, tools: list[Tool] | None = None, max_turns: int = 4,
+                 max_tokens: int = 64, max_episode_tokens: int = 1024, temperature: float = 1.0,
+                 seed: int = 0) -> list[Episode]:
+    """Play each environment to its end, all of them in lockstep: each turn samples every unfinished
+    episode at once (the server batches them), then steps the environments. An episode ends when its
+    environment says done, after `max_turns` policy turns, or when its tokens pass `max_episode_tokens`
+    (reward 0 unless done)."""
+    schemas = [t.schema for t in tools] if tools else None
+    episodes = []
+    for env in envs:
+        messages = env.reset()
+        prompt = tool_calls.render(tokenizer, messages, schemas)
+        episodes.append(Episode([Segment("prompt", prompt, text=tokenizer.decode(prompt))], messages))
+    live = list(range(len(envs)))
+    for turn in range(max_turns):
+        futures = [(i, sampler.sample(types.ModelInput.from_ints(episodes[i].tokens), 1, types.SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, seed=seed * 1000 + i * 64 + turn))) for i in live]
+        still = []
+        for i, future in futures:
+            episode, env = episodes[i], envs[i]
+            (seq,) = future.result().sequences
+            text = tokenizer.decode(seq.tokens)  # with the end token: the template's closing is measured from it
+            visible = tokenizer.decode(seq.tokens, skip_special_tokens=True)
+            parsed = tool_calls.parse(visible)
+            reply = {"role": "assistant", "content": parsed.content, **({"tool_calls": parsed.calls} if parsed.calls else {})}
+            history = list(episode.messages)
+            episode.segments.append(Segment("policy", list(seq.tokens), list(seq.logprobs), visible))
+            episode.messages.append(reply)
+            outcome = env.step(history, reply)
+            episode.tool_calls += len(parsed.calls)
+            episode.tool_errors += sum(m.get("role") == "tool" and str(m.get("content", "")).startswith("Error:")
+                                       for m in outcome.messages)
+            if outcome.done:
+                episode.reward, episode.ended = outcome.reward, "done"
+                continue
+            if turn == max_turns - 1:
+                episode.ended = "max_turns"
+                continue
+            tokens, obs_text = observation_tokens(tokenizer, history, text, outcome.messages, schemas)
+            episode.segments.append(Segment("observation", tokens, text=obs_text))
+            episode.messages.extend(outcome.messages)
+            if len(episode.tokens) + max_tokens > max_episode_tokens:
+                episode.ended = "max_tokens"
+                continue
+            still.append(i)
+        live = still
+        if not live:
+            break
+    return episodes
+
+
+def group_advantages(episodes: list[Episode]) -> np.ndarray:
+    """GRPO's: each episode's reward minus its group's mean (the episodes of one environment's problem)."""
+    rewards = np.array([e.reward for e in episodes], dtype=float)
+    return rewards - rewards.mean()
