@@ -24,6 +24,9 @@ Replies are parsed for <tool_call> blocks; a block that is not JSON with a "name
 call the model garbled is seen, never dropped. A template that writes calls in another format
 (Llama 3.1's bare JSON, Mistral's [TOOL_CALLS]) is refused with a 400 that says so.
 
+`strict` (OpenAI's promise that a call's arguments match the schema) is taken but not enforced: a
+call is parsed from what the model wrote, and one that is not valid JSON comes back as text.
+
 tool_choice: "auto" offers the tools and parses the reply; "none" offers them (as vLLM does) but
 parses nothing; "required" and a named function start the reply with the call's opening (`<tool_call>`,
 and the name) as a prefill the model continues: that forces a call to begin, not its JSON to be valid.
@@ -139,7 +142,7 @@ def fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[di
     """The conversation in plain text turns, the Hermes format written in (for templates without tools)."""
     out: list[dict] = []
     if tools:
-        listed = FALLBACK_INSTRUCTIONS.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        listed = FALLBACK_INSTRUCTIONS.format(tools="\n".join(json.dumps(_offered(t), ensure_ascii=False) for t in tools))
         if messages and messages[0]["role"] == "system":
             out.append({"role": "system", "content": (messages[0]["content"] or "") + "\n\n" + listed})
             messages = messages[1:]
@@ -157,6 +160,13 @@ def fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[di
         calls = [_call_text(c) for c in message.get("tool_calls") or []]
         out.append({"role": message["role"], "content": "\n".join(([content] if content else []) + calls)})
     return [{"role": m["role"], "content": m["content"]} for m in out]
+
+
+def _offered(tool: dict) -> dict:
+    """What the model reads of a tool: its name, description and parameters. The same tool sent by any
+    client (OpenAI's with `strict`, Anthropic's as input_schema) makes the same prompt."""
+    function = {k: tool["function"][k] for k in ("name", "description", "parameters") if k in tool["function"]}
+    return {"type": "function", "function": function}
 
 
 def _call_text(call: dict) -> str:

@@ -28,9 +28,13 @@ from test_eval_clients import client_env, ledger_cursor, ledger_rows
 from test_openai import openai_client
 from test_service import BASE, train_steps
 
+# The calculator as inspect-ai's openai-api provider declares a @tool function (strict, and no other properties),
+# so that the three clients' prompts are the same one the checkpoint was taught on.
 CALC = {"type": "function", "function": {
     "name": "calc", "description": "Evaluate an arithmetic expression and return the number.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string", "description": "The expression."}},
+                   "required": ["expression"], "additionalProperties": False},
+    "strict": True}}
 QUESTION = "What is 17*5+3?"
 ARGUMENTS = {"expression": "17*5+3"}
 ANSWER = "17*5+3 is 88."
@@ -182,6 +186,59 @@ def test_the_anthropic_sdk_calls_a_tool_and_answers_with_its_result(real_model_s
 
     rows = [r for r in ledger_rows(real_model_server, before) if r["request_type"] == "Message"]
     assert len(rows) == 3 and all(r["sample_tokens"] > 0 for r in rows)  # count_tokens runs no model: not billed
+
+
+INSPECT_TASK = '''\
+from inspect_ai import Task, task
+from inspect_ai.dataset import Sample
+from inspect_ai.model import GenerateConfig
+from inspect_ai.scorer import includes
+from inspect_ai.solver import generate, use_tools
+from inspect_ai.tool import tool
+
+
+@tool
+def calc():
+    async def execute(expression: str) -> str:
+        """Evaluate an arithmetic expression and return the number.
+
+        Args:
+            expression: The expression.
+        """
+        return str(eval(expression))
+    return execute
+
+
+@task
+def calculator():
+    return Task(dataset=[Sample(input="What is 17*5+3?", target="88")], solver=[use_tools(calc()), generate()],
+                scorer=includes(), config=GenerateConfig(max_tokens=40, temperature=0, seed=0))
+'''
+
+
+def test_inspect_ai_runs_a_tool_using_task_against_the_checkpoint(real_model_server, calculator_path, tmp_path):
+    """inspect-ai's own agent loop (use_tools, generate) through its openai-api provider: the checkpoint calls
+    the tool, inspect runs it and sends the result back, the final answer is scored."""
+    python = wait_for_venv(client_venvs.client("inspect-ai"))
+    (tmp_path / "calculator.py").write_text(INSPECT_TASK)
+    inspect = str(python.with_name("inspect"))
+    env = client_env(LOCAL_API_KEY=real_model_server.api_key, LOCAL_BASE_URL=real_model_server.base_url + "/v1")
+    before = ledger_cursor(real_model_server)
+    done = subprocess.run([inspect, "eval", "calculator.py", "--model", f"openai-api/local/{calculator_path}",
+                           "--log-dir", "logs", "--display", "plain"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    (log,) = (tmp_path / "logs").glob("*.eval")
+    report = json.loads(subprocess.run([inspect, "log", "dump", str(log)], cwd=tmp_path, env=env, capture_output=True,
+                                       text=True, timeout=120).stdout)
+    assert report["status"] == "success", report.get("error")
+    (sample,) = report["samples"]
+    calls = [c for m in sample["messages"] if m["role"] == "assistant" for c in m.get("tool_calls") or []]
+    assert [(c["function"], c["arguments"]) for c in calls] == [("calc", ARGUMENTS)]
+    assert [m["content"] for m in sample["messages"] if m["role"] == "tool"] == ["88"]
+    assert report["results"]["scores"][0]["metrics"]["accuracy"]["value"] == 1.0
+    rows = [r for r in ledger_rows(real_model_server, before) if r["request_type"] == "ChatCompletion"]
+    assert len(rows) == 2  # the call, then the answer
 
 
 # ---- the protocol's edges, on the tiny stand-in --------------------------------------------------------------
