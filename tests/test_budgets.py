@@ -4,6 +4,9 @@ Each test works as a tenant of its own (a key made as an operator makes one), so
 ledger are its own on the shared test server. Costs here are real prices of real token counts: a
 forward_backward's cost is known before it is sent (its datums' tokens), so the budget can be set to
 fall between two steps and the refusal must come at exactly that step.
+
+The servers serve the tiny random stand-in for the default model (tests/tiny_model.py, same architecture,
+tokenizer and chat template): budgets count tokens and dollars, which any model's requests have.
 """
 
 from __future__ import annotations

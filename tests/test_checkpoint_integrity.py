@@ -4,6 +4,9 @@ A damaged checkpoint (a flipped byte, a truncated or replaced file, broken JSON,
 manifest) is refused with an error that names the checkpoint and no server folder, on every path
 that loads one: training state, a sampling client, the OpenAI endpoint. Nothing is billed, and once
 the files are whole again the checkpoint loads with the weights it was saved with.
+
+The servers serve the tiny random stand-in for the default model (tests/tiny_model.py, same architecture,
+tokenizer and chat template): a damaged file is refused whatever the weights in it say.
 """
 
 from __future__ import annotations

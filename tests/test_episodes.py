@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -116,6 +117,12 @@ class Scripted:
             Step([{"role": "tool", "tool_call_id": "c", "content": f"result {len(history)}"}])
 
 
+def reused_tokens(server) -> int:
+    """The prompt positions the server's prefix caches have served so far (the operator's /admin/stats)."""
+    stats = httpx.get(server.base_url + "/api/v1/admin/stats", headers={"X-API-Key": server.api_key}).json()
+    return sum(models[BASE]["prefix_cache"]["reused_tokens"] for models in stats["sampling"].values() if BASE in models)
+
+
 @pytest.fixture(scope="module")
 def sampler(tinker_server):
     client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
@@ -126,8 +133,16 @@ def test_episodes_play_through_the_sdk_as_one_token_sequence(sampler, tokenizer,
     """Each turn's prompt is the last one's plus the policy's tokens plus the observation's: the server sees one
     growing sequence (its prefix cache serves the start); the episode's text is the template's conversation."""
     envs = [Scripted(3), Scripted(1), Scripted(9)]
+    reused_before = reused_tokens(tinker_server)
     played = episodes.run_episodes(sampler, tokenizer, envs, tools=[Tool.of(calc)], max_turns=4, max_tokens=6,
                                    temperature=1.0, seed=1)
+    # Each later turn's prompt starts with the last turn's whole prompt, which the prefix cache serves.
+    def prompt_lengths(episode: Episode) -> list[int]:  # each turn's prompt: every token before its reply
+        return [sum(len(s.tokens) for s in episode.segments[:i]) for i, s in enumerate(episode.segments)
+                if s.role == "policy"]
+
+    repeated = sum(length - 1 for e in played for length in prompt_lengths(e)[:-1])
+    assert repeated > 0 and reused_tokens(tinker_server) - reused_before >= repeated
     three, one, capped = played
     assert [s.role for s in three.segments] == ["prompt", "policy", "observation", "policy", "observation", "policy"]
     assert (three.turns, three.ended, three.reward) == (3, "done", 1.0)

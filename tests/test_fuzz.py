@@ -6,6 +6,9 @@ with a tenant's key. The protobuf routes (/forward_backward, /forward) are descr
 as `application/x-protobuf`; their bodies come from a strategy below that mixes random bytes with
 ForwardBackwardRequests of random shapes, dtypes, sparse indices and tokens, so the decoder's
 bounds are fuzzed too. Bounded: a small max_examples per operation keeps the run to about a minute.
+
+The servers serve the tiny random stand-in for the default model (tests/tiny_model.py, same architecture,
+tokenizer and chat template): what is checked is the server's answer to a request, never a model's output.
 """
 
 from __future__ import annotations

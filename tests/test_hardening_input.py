@@ -4,6 +4,9 @@ Each case is sent through the real server (raw HTTP where the SDK would refuse t
 official `tinker` and `openai` clients where they can); each asserts the status, the message, that
 no message carries a server path, and that the server is up with the run's weights, its
 checkpoints and the ledger exactly as they were. (docs/security.md lists the guarantees.)
+
+The servers serve the tiny random stand-in for the default model (tests/tiny_model.py, same architecture,
+tokenizer and chat template): a refusal and the unchanged state after it are the same for any model.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@
 - a step that would make the adapter non-finite is refused, the adapter kept as it was;
 - only operator-registered models load, and nothing a tenant sees names a server folder;
 - /admin/stats takes only the operator's key; the database file is readable by its owner only.
+
+The servers serve the tiny random stand-in for the default model (tests/tiny_model.py, same architecture,
+tokenizer and chat template): the limits count tokens, requests and bytes, which any model's requests have.
 """
 
 from __future__ import annotations

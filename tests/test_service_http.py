@@ -2,6 +2,9 @@
 
 These send raw requests (httpx) the way a retrying or broken client would, which the SDK's
 own methods never do on purpose.
+
+The servers serve the tiny random stand-in for the default model (tests/tiny_model.py, same architecture,
+tokenizer and chat template): retries and refusals are the wire protocol's, not a model's.
 """
 
 from __future__ import annotations

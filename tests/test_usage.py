@@ -1,4 +1,8 @@
-"""Per-token metering: the ledger counts what the backend processed, once, and prices it."""
+"""Per-token metering: the ledger counts what the backend processed, once, and prices it.
+
+The servers serve the tiny random stand-in for the default model (tests/tiny_model.py, same architecture,
+tokenizer and chat template): the ledger counts and prices tokens, which any model's requests have.
+"""
 
 from __future__ import annotations
 
