@@ -22,6 +22,7 @@ from kernel_backend import tool_calls
 from kernel_backend.losses import compute_loss
 from test_service import BASE
 from workbench import episodes
+from workbench.recipes import rl
 from workbench.episodes import Episode, Segment, Step, Tool, ToolEnv
 
 
@@ -103,17 +104,18 @@ def test_an_episode_datum_trains_only_the_policys_tokens():
 
 
 class Scripted:
-    """An environment that answers every reply with a tool result, and ends after `turns` of them."""
+    """An environment that answers every reply with a tool result, and ends after `turns` of them, rewarding
+    the last reply with `reward(text)`."""
 
-    def __init__(self, turns: int) -> None:
-        self.turns = turns
+    def __init__(self, turns: int, reward=lambda text: 1.0) -> None:
+        self.turns, self.reward = turns, reward
 
     def reset(self) -> list[dict]:
         return [{"role": "user", "content": "What is 17*5+3?"}]
 
     def step(self, history: list[dict], reply: dict) -> Step:
         done = sum(m["role"] == "assistant" for m in history) + 1 >= self.turns
-        return Step(done=True, reward=1.0) if done else \
+        return Step(done=True, reward=self.reward(reply["content"])) if done else \
             Step([{"role": "tool", "tool_call_id": "c", "content": f"result {len(history)}"}])
 
 
@@ -176,3 +178,59 @@ def test_group_advantages_and_a_tool_env():
     assert answered.done and answered.reward == 1.0
     played = [Episode([], [], reward=r) for r in (1.0, 0.0, 0.0, 1.0)]
     assert episodes.group_advantages(played).tolist() == [0.5, -0.5, -0.5, 0.5]
+
+
+class TwoTurnTask(rl.Task):
+    """A multi-turn task for the rl recipe: every episode takes two turns (a tool result between them); the
+    reward, the parity of the last reply's length, differs within a group, so the groups train."""
+
+    tools = [Tool.of(calc)]
+
+    def problems(self, n, rng):
+        return [rl.Problem(f"What is {a}*{b}?", str(a * b)) for a, b in rng.integers(1, 9, size=(n, 2))]
+
+    def env(self, problem):
+        return Scripted(2, reward=lambda text: float(len(text) % 2))
+
+
+def test_the_rl_recipe_trains_on_episodes(tinker_server, tokenizer, browser, tmp_path):
+    """rl.run with a task that has env(problem): each answer an episode, logged with its turns and tool calls,
+    stored with each token's role, trained as one datum whose policy tokens the learner scores as the sampler
+    did (kl_sampler ~0: the observation's tokens, placeholder logprobs, are not counted)."""
+    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
+    rows = []
+    config = rl.Config(task=TwoTurnTask(), steps=2, groups_per_batch=2, group_size=4, max_tokens=8, max_turns=3,
+                       eval_prompts=1, eval_samples=2, monitor_prompts=0, progress=False, verbose=False,
+                       metrics_path=str(tmp_path / "rl.jsonl"), run_name="episodes")
+    summary = rl.run(config, service_client=client, on_step=rows.append)
+    steps = [r for r in rows if "turns" in r]
+    assert summary.steps == 2 and len(steps) == 2
+    for row in steps:
+        assert row["turns"] == 2.0 and row["tool_calls"] == 0.0 and row["episode_tokens"] > 0
+    trained = [r for r in steps if "kl_sampler" in r]
+    assert trained and all(abs(r["kl_sampler"]) < 1e-2 and r["train_tokens"] > 0 for r in trained), trained
+    from workbench.rollout_log import RolloutLog
+
+    (answer, *_) = RolloutLog(summary.extra["rollouts"]).samples(1)
+    assert set(answer["roles"]) == {"policy", "observation"} and len(answer["roles"]) == len(answer["tokens"])
+    assert all((lp is None) == (role == "observation") for lp, role in zip(answer["logprobs"], answer["roles"]))
+    # The inspector shows the episode turn by turn: in the page, the environment's turns are grey boxes
+    # with no token coloured; the policy's tokens are coloured.
+    from workbench.widgets.rollouts import RolloutInspector
+
+    inspector = RolloutInspector.from_log(summary.extra["rollouts"], tokenizer=tokenizer, step=1)
+    assert {"turns", "tool_calls", "tool_errors", "episode_tokens"} <= set(inspector.columns)
+    inspector.select(0)
+    page = browser.new_page()
+    page.set_content(f"<html><body style='width:900px'>{inspector.tokens_html}</body></html>")
+    observation, policy = page.locator('[data-role="observation"]'), page.locator('[data-role="policy"] .wb-tok')
+    assert observation.count() == 1 and "<tool_response>" in observation.inner_text()
+    assert observation.evaluate("e => getComputedStyle(e).backgroundColor") == "rgb(238, 241, 244)"
+    assert observation.locator(".wb-tok").count() == 0  # nothing coloured
+    assert policy.count() == list(inspector.df.loc[0, "roles"]).count("policy")
+    shades = policy.evaluate_all("spans => spans.map(s => getComputedStyle(s).backgroundColor)")
+    assert any(c != "rgba(0, 0, 0, 0)" for c in shades)  # the policy's tokens coloured by logprob
+    page.screenshot(path=str(tmp_path / "episode.png"))
+
+    with pytest.raises(ValueError, match="monitor_prompts=0"):
+        rl.run(rl.Config(task=TwoTurnTask(), monitor_prompts=8), service_client=client)

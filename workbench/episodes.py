@@ -151,19 +151,19 @@ class Episode:
     def policy_tokens(self) -> int:
         return sum(len(s.tokens) for s in self.segments if s.role == "policy")
 
+    def policy_mask(self) -> np.ndarray:
+        """Per datum position (each token but the last, predicting the next): whether its target is a token
+        the policy sampled."""
+        return np.concatenate([np.full(len(s.tokens), s.role == "policy") for s in self.segments])[1:]
+
     def datum(self, advantage: float) -> types.Datum:
         """The episode as one policy-gradient datum (importance_sampling, ppo, cispo, dro): each policy
         token's target carries `advantage` and its sampler logprob; every other target advantage 0 and
         logprob 0, so it gets no gradient."""
-        tokens = self.tokens
-        advantages = np.zeros(len(tokens) - 1, np.float32)
+        tokens, policy = self.tokens, self.policy_mask()
+        advantages = np.where(policy, advantage, 0.0).astype(np.float32)
         logprobs = np.zeros(len(tokens) - 1, np.float32)
-        at = 0
-        for segment in self.segments:
-            if segment.role == "policy" and segment.tokens:
-                advantages[at - 1:at - 1 + len(segment.tokens)] = advantage
-                logprobs[at - 1:at - 1 + len(segment.tokens)] = segment.logprobs
-            at += len(segment.tokens)
+        logprobs[policy] = [x for s in self.segments if s.role == "policy" for x in s.logprobs]
         return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
                            loss_fn_inputs={"target_tokens": np.asarray(tokens[1:], dtype=np.int64),
                                            "logprobs": logprobs, "advantages": advantages})

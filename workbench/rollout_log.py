@@ -13,6 +13,10 @@ One file per step, `step-000012.jsonl`, one line per group: a prompt and the ans
      "completions": ["...", ...], "rewards": [...], "advantages": [...], "parts": {"correct": [...]},
      "tokens": [[...], ...], "logprobs": [[...], ...], "tied": true, "dropped": "" | "tied" | "filtered"}
 
+A multi-turn task's answers are episodes: "tokens" are all of an episode's tokens after its first prompt,
+"roles" say per token who wrote it ("policy", or "observation": a tool's result, the template's glue), and
+"logprobs" are None on the observation's tokens (the sampler drew only the policy's).
+
 `kind` "probe" is the fixed held-out set the recipe samples every step to watch for collapse (no
 advantages, never trained on). `tied` says every reward in the group is equal: with advantages
 centred on the group's mean, such a group has no gradient. `dropped` says why a group did not go
@@ -103,13 +107,14 @@ def rows_of(group: dict) -> list[dict]:
     advantages = group.get("advantages") or [None] * n
     parts = group.get("parts") or {}
     tokens, logprobs = group.get("tokens") or [None] * n, group.get("logprobs") or [None] * n
+    roles = group.get("roles")
     step = {"step": group["step"]} if group.get("step") is not None else {}
     return [{**step, "group": group["group"], "kind": group.get("kind", "train"),
              "prompt": group["prompt"], "completion": completion, "reward": reward,
              **({"advantage": advantage} if advantage is not None else {}),
              **{name: values[i] for name, values in parts.items()},
              "tied": bool(group.get("tied")), "dropped": group.get("dropped", ""),
-             "tokens": tokens[i], "logprobs": logprobs[i]}
+             "tokens": tokens[i], "logprobs": logprobs[i], **({"roles": roles[i]} if roles else {})}
             for i, (completion, reward, advantage) in enumerate(zip(group["completions"], group["rewards"], advantages))]
 
 

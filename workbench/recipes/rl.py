@@ -94,7 +94,8 @@ import numpy as np
 import tinker
 from tinker import types
 
-from workbench import rollout_log
+from kernel_backend import tool_calls
+from workbench import episodes, rollout_log
 from workbench.recipes import common
 from workbench.recipes.common import BaseConfig, Summary
 
@@ -124,6 +125,12 @@ class Task:
     - `grade(text, problem)`: the reward's parts, {name: value}, each logged per step and stored with
       the rollouts (none here);
     - `eval_metric`: what the held-out eval averages, "reward" or one of grade's parts.
+
+    A multi-turn task (tools, a game, a simulated user) has `env(problem)` instead of render, reward and
+    grade: a fresh environment per answer (workbench/episodes.py: `reset()`, `step(history, reply)`),
+    and `tools`, the episodes.Tool list offered in every episode. Each answer is then an episode of up to
+    `max_turns` policy turns, rewarded by its environment, trained as one datum in which only the
+    policy's tokens carry the advantage; its turns, tool calls and tool errors are logged as reward parts.
     """
 
     eval_metric = "reward"
@@ -132,6 +139,8 @@ class Task:
         raise NotImplementedError("a task's problems(n, rng) returns n Problem(question, answer)")
 
     def render(self, tokenizer, problem: Problem) -> list[int]:
+        if hasattr(self, "env"):  # a multi-turn task: its first turn's prompt, the tools offered
+            return tool_calls.render(tokenizer, self.env(problem).reset(), tool_schemas(self))
         return common.user_prompt(tokenizer, problem.question)
 
     def grade(self, text: str, problem: Problem) -> dict[str, float]:
@@ -224,6 +233,8 @@ class Config(BaseConfig):
     rollouts_max_mb: float = rollout_log.MAX_MB
     eval_prompts: int = 16           # score this many held-out problems before and after training (0: skip)
     eval_samples: int = 4            # samples per held-out prompt
+    max_turns: int = 4               # multi-turn tasks (Task.env): policy turns per episode at most
+    max_episode_tokens: int = 1024   # ... and tokens per episode, prompt, tool results and replies together
     save_every: int = 0              # save_state every N steps (0: never)
     checkpoint_prefix: str = "rl"
 
@@ -244,6 +255,7 @@ class Group:
     parts: dict[str, list[float]]  # the task's grade() of each answer, by part
     kind: str = "train"      # "train", or "probe" (the fixed held-out set watched every step)
     dropped: str = ""        # why it is not trained on: "tied" or "filtered"
+    episodes: list | None = None  # a multi-turn task's answers (episodes.Episode); sequences are their policy turns
 
     @property
     def advantages(self) -> np.ndarray:
@@ -254,19 +266,28 @@ class Group:
         return bool(np.all(self.rewards == self.rewards[0]))
 
     def record(self, index: int) -> dict:
-        """The group as rollout_log stores it."""
-        return {"group": index, "kind": self.kind, "prompt": self.problem.question, "completions": self.texts,
-                "rewards": self.rewards.tolist(), "advantages": self.advantages.tolist() if self.kind == "train" else [],
-                "parts": self.parts, "tokens": [list(s.tokens) for s in self.sequences],
-                "logprobs": [[round(float(x), 4) for x in s.logprobs] for s in self.sequences],
-                "tied": self.tied and self.kind == "train", "dropped": self.dropped}  # a probe is not trained on
+        """The group as rollout_log stores it. An episode's tokens are all of them after the first prompt,
+        `roles` saying which the policy wrote ("policy") and which its environment did ("observation"),
+        and its logprobs the sampler's on the policy's tokens, None on the others."""
+        record = {"group": index, "kind": self.kind, "prompt": self.problem.question, "completions": self.texts,
+                  "rewards": self.rewards.tolist(), "advantages": self.advantages.tolist() if self.kind == "train" else [],
+                  "parts": self.parts, "tokens": [list(s.tokens) for s in self.sequences],
+                  "logprobs": [[round(float(x), 4) for x in s.logprobs] for s in self.sequences],
+                  "tied": self.tied and self.kind == "train", "dropped": self.dropped}  # a probe is not trained on
+        if self.episodes is not None:
+            turns = [e.segments[1:] for e in self.episodes]
+            record.update(tokens=[[t for seg in segs for t in seg.tokens] for segs in turns],
+                          roles=[[seg.role for seg in segs for _ in seg.tokens] for segs in turns],
+                          logprobs=[[round(float(x), 4) if x is not None else None for seg in segs
+                                     for x in (seg.logprobs or [None] * len(seg.tokens))] for segs in turns])
+        return record
 
 
 @dataclass
 class Rollouts:
     groups: list[Group] = field(default_factory=list)
     data: list[types.Datum] = field(default_factory=list)  # the kept groups' answers, as datums
-    starts: list[int] = field(default_factory=list)  # per datum: the first completion position
+    masks: list[np.ndarray] = field(default_factory=list)  # per datum: the positions whose targets the policy sampled
 
     @property
     def kept(self) -> list[Group]:
@@ -293,6 +314,43 @@ class Rollouts:
 def render(task, tokenizer, problem: Problem) -> list[int]:
     """The problem's prompt tokens: the task's own render, or Task's (duck-typed tasks need not have one)."""
     return task.render(tokenizer, problem) if hasattr(task, "render") else Task.render(task, tokenizer, problem)
+
+
+def tool_schemas(task) -> list[dict] | None:
+    return [t.schema for t in task.tools] if getattr(task, "tools", None) else None
+
+
+@dataclass
+class PolicyTurns:
+    """An episode's policy tokens and their sampler logprobs, in the shape of a sampled sequence, for the
+    metrics that read sequences (lengths, entropy)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    sequence_id: str | None = None
+
+
+def play(sampler, tokenizer, task, problems: list[Problem], n: int, config: "Config", seed: int,
+         kind: str = "train") -> list[Group]:
+    """A multi-turn task's groups: `n` episodes of each problem, played together (episodes.run_episodes)."""
+    envs = [task.env(problem) for problem in problems for _ in range(n)]
+    played = episodes.run_episodes(sampler, tokenizer, envs, tools=getattr(task, "tools", None),
+                                   max_turns=config.max_turns, max_tokens=config.max_tokens,
+                                   max_episode_tokens=config.max_episode_tokens, temperature=config.temperature,
+                                   seed=seed)
+    groups = []
+    for i, problem in enumerate(problems):
+        mine = played[i * n:(i + 1) * n]
+        policy = [[s for s in e.segments if s.role == "policy"] for e in mine]
+        groups.append(Group(problem, mine[0].segments[0].tokens,
+                            [PolicyTurns([t for s in turns for t in s.tokens], [x for s in turns for x in s.logprobs])
+                             for turns in policy],
+                            [tokenizer.decode(e.tokens[len(e.segments[0].tokens):], skip_special_tokens=True) for e in mine],
+                            np.array([e.reward for e in mine], dtype=float),
+                            {"turns": [float(e.turns) for e in mine], "tool_calls": [float(e.tool_calls) for e in mine],
+                             "tool_errors": [float(e.tool_errors) for e in mine],
+                             "episode_tokens": [float(len(e.tokens)) for e in mine]}, kind, episodes=mine))
+    return groups
 
 
 def submit(sampler, tokenizer, task, problems: list[Problem], n: int, max_tokens: int, temperature: float,
@@ -337,6 +395,12 @@ def rollouts_of(groups: list[Group], provenance: bool = False, extra_advantages:
     out = Rollouts(groups)
     i = 0
     for group in out.kept:
+        if group.episodes is not None:  # an episode: one datum, the policy's tokens carry the advantage
+            for episode, advantage in zip(group.episodes, group.advantages):
+                datum = episode.datum(advantage)
+                out.data.append(datum)
+                out.masks.append(np.asarray(episode.policy_mask()))
+            continue
         for seq, advantage in zip(group.sequences, group.advantages):
             if not seq.tokens:
                 continue
@@ -344,7 +408,9 @@ def rollouts_of(groups: list[Group], provenance: bool = False, extra_advantages:
             i += 1
             out.data.append(common.rollout_datum(group.prompt, seq.tokens, seq.logprobs, per_token,
                                                  seq.sequence_id if provenance else None))
-            out.starts.append(len(group.prompt) - 1)
+            mask = np.zeros(len(group.prompt) + len(seq.tokens) - 1, bool)
+            mask[len(group.prompt) - 1:] = True
+            out.masks.append(mask)
     return out
 
 
@@ -363,13 +429,18 @@ def sample_groups(sampler, tokenizer, task, problems: list[Problem], group_size:
 
 
 def evaluate(sampler, tokenizer, task, problems: list[Problem], samples: int, max_tokens: int,
-             temperature: float, seed: int, progress: bool = False, desc: str = "held-out eval") -> float:
+             temperature: float, seed: int, progress: bool = False, desc: str = "held-out eval",
+             config: Config | None = None) -> float:
     """The mean of the task's eval_metric over `samples` answers to each problem; with `progress`, a
     bar that counts the problems answered (on a CPU the eval takes a while)."""
     bar = common.progress_bar(len(problems), f"{desc} ({len(problems)} problems x {samples})", progress)
     try:
-        rollouts = sample_groups(sampler, tokenizer, task, problems, samples, max_tokens, temperature, seed,
-                                 on_group=lambda: bar.update(1))
+        if hasattr(task, "env"):  # a multi-turn task: its episodes, played together
+            rollouts = Rollouts(play(sampler, tokenizer, task, problems, samples, config, seed, kind="eval"))
+            bar.update(len(problems))
+        else:
+            rollouts = sample_groups(sampler, tokenizer, task, problems, samples, max_tokens, temperature, seed,
+                                     on_group=lambda: bar.update(1))
     finally:
         bar.close()
     return float(np.mean(rollouts.part(getattr(task, "eval_metric", "reward"))))
@@ -459,12 +530,12 @@ def against_base(base, kept: list[Group], probes: list[Group], config: Config) -
     return row, penalty
 
 
-def sampler_vs_learner(data: list[types.Datum], outputs: list[dict], starts: list[int]) -> dict[str, float]:
-    """Over completion tokens, d = sampler logprob - learner logprob: kl_sampler (mean d) and the
-    sampler-vs-trainer gap (mean and max |d|)."""
+def sampler_vs_learner(data: list[types.Datum], outputs: list[dict], masks: list[np.ndarray]) -> dict[str, float]:
+    """Over the tokens the policy sampled, d = sampler logprob - learner logprob: kl_sampler (mean d) and
+    the sampler-vs-trainer gap (mean and max |d|)."""
     diffs = [
-        common.as_numpy(datum.loss_fn_inputs["logprobs"])[start:] - common.as_numpy(out["logprobs"])[start:]
-        for datum, out, start in zip(data, outputs, starts)
+        common.as_numpy(datum.loss_fn_inputs["logprobs"])[mask] - common.as_numpy(out["logprobs"])[mask]
+        for datum, out, mask in zip(data, outputs, masks)
     ]
     d = np.concatenate(diffs) if diffs else np.zeros(1)
     return {"kl_sampler": float(d.mean()), "logprob_gap_mean": float(np.abs(d).mean()),
@@ -488,6 +559,10 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
         raise ValueError(f"kl_penalty_coef ({config.kl_penalty_coef}) and monitor_prompts ({config.monitor_prompts}) "
                          f"must be >= 0, collapse_distinct ({config.collapse_distinct}) a share from 0 to 1")
     task = task_for(config)
+    multi_turn = hasattr(task, "env")
+    if multi_turn and (config.kl_penalty_coef or config.monitor_prompts or config.loss_fn == "stable_reinforce"):
+        raise ValueError("a multi-turn task (Task.env) does not take the leash, the probes or stable_reinforce yet: "
+                         "set kl_penalty_coef=0 and monitor_prompts=0, and a loss_fn other than stable_reinforce")
     drop_tied = drops_tied_groups(config)
     service_client = common.service_client_for(config, service_client)
     start = common.session_usage(config, service_client)
@@ -507,7 +582,8 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
         sampler = tc.save_weights_and_get_sampling_client().result()
         extra["eval_reward_before"] = evaluate(sampler, tokenizer, task, eval_problems, config.eval_samples,
                                                config.max_tokens, config.temperature, seed=10_000 + config.seed,
-                                               progress=config.progress, desc="held-out eval, before training")
+                                               progress=config.progress, desc="held-out eval, before training",
+                                               config=config)
         log.log(0, eval_reward=extra["eval_reward_before"])
 
     rewards_by_step, checkpoints, skipped, skipped_why, flagged = [], [], 0, "", []
@@ -517,13 +593,18 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
         for step in range(1, config.steps + 1):
             sampler = tc.save_weights_and_get_sampling_client(record_stability_info=stable).result()
             seed = config.seed * 100_000 + step
-            pending = submit(sampler, tokenizer, task, task.problems(config.groups_per_batch, rng), config.group_size,
-                             config.max_tokens, config.temperature, seed)
-            # The probes always get the same seeds, so a change in their answers is the policy's.
-            probing = submit(sampler, tokenizer, task, probe_problems, 1, config.max_tokens, config.temperature,
-                             seed=20_000 + config.seed)
-            groups = collect(pending, tokenizer, task)
-            probes = collect(probing, tokenizer, task, kind="probe")
+            if multi_turn:
+                groups = play(sampler, tokenizer, task, task.problems(config.groups_per_batch, rng), config.group_size,
+                              config, seed)
+                probes = []
+            else:
+                pending = submit(sampler, tokenizer, task, task.problems(config.groups_per_batch, rng),
+                                 config.group_size, config.max_tokens, config.temperature, seed)
+                # The probes always get the same seeds, so a change in their answers is the policy's.
+                probing = submit(sampler, tokenizer, task, probe_problems, 1, config.max_tokens, config.temperature,
+                                 seed=20_000 + config.seed)
+                groups = collect(pending, tokenizer, task)
+                probes = collect(probing, tokenizer, task, kind="probe")
             triage(groups, drop_tied, config.group_filter)
             kept = [g for g in groups if not g.dropped]
             row = {"reward": float(np.mean([r for g in groups for r in g.rewards])),
@@ -542,7 +623,7 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
                 optim = tc.optim_step(common.adam(lr))
                 out = fb.result()
                 optim.result()
-                row.update(loss=out.metrics["loss:sum"], **sampler_vs_learner(rollouts.data, out.loss_fn_outputs, rollouts.starts),
+                row.update(loss=out.metrics["loss:sum"], **sampler_vs_learner(rollouts.data, out.loss_fn_outputs, rollouts.masks),
                            train_tokens=sum(d.model_input.length for d in rollouts.data))
                 if "importance_ratio:mean" in out.metrics:  # stable_reinforce's truncated weights
                     row.update(importance_ratio=out.metrics["importance_ratio:mean"],
@@ -570,7 +651,8 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
             sampler = service_client.create_sampling_client(model_path=sampler_path).result()
             extra["eval_reward_after"] = evaluate(sampler, tokenizer, task, eval_problems, config.eval_samples,
                                                   config.max_tokens, config.temperature, seed=10_000 + config.seed,
-                                                  progress=config.progress, desc="held-out eval, after training")
+                                                  progress=config.progress, desc="held-out eval, after training",
+                                                  config=config)
             log.log(config.steps, eval_reward=extra["eval_reward_after"])
     finally:
         bar.close()
@@ -614,6 +696,8 @@ def planned_tokens(config: Config, assume: common.Assumed) -> common.Tally:
     probe_prompts = [len(render(task, tokenizer, p))
                      for p in task.problems(config.monitor_prompts, np.random.default_rng(config.seed + 20_000))]
     tally = common.Tally()
+    if hasattr(task, "env"):  # multi-turn: bounded by max_turns requests an episode, each within max_episode_tokens
+        return planned_episodes(config, tally, answer, len(eval_prompts), kept)
     for prompt in eval_prompts:  # the held-out eval before training: eval_samples answers each
         tally.sample_request(prompt, config.eval_samples, answer)
     for _ in range(config.steps):
@@ -633,6 +717,24 @@ def planned_tokens(config: Config, assume: common.Assumed) -> common.Tally:
                                for _ in range(config.group_size))
     for prompt in eval_prompts:  # and the held-out eval again, after training
         tally.sample_request(prompt, config.eval_samples, answer)
+    return tally
+
+
+def planned_episodes(config: Config, tally: common.Tally, answer: float, eval_prompts: int, kept: float) -> common.Tally:
+    """A multi-turn run's upper bound: every episode takes max_turns turns, each prompt as long as
+    max_episode_tokens allows (what the environments answer is not known before they run)."""
+    longest = config.max_episode_tokens
+
+    def episodes_of(n: float) -> None:
+        for _ in range(config.max_turns):
+            tally.sample_request(longest, n, answer)
+
+    episodes_of(eval_prompts * config.eval_samples)
+    for _ in range(config.steps):
+        episodes_of(config.groups_per_batch * config.group_size)
+        tally.forward_backward(kept * common.datum_input(longest, 1)
+                               for _ in range(config.groups_per_batch * config.group_size))
+    episodes_of(eval_prompts * config.eval_samples)
     return tally
 
 
