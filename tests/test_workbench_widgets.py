@@ -376,6 +376,25 @@ def test_rollout_inspector_filters_sorts_and_colours_the_selected_row(rollouts):
     assert inspector.tokens_html == ""
 
 
+def test_an_episode_shows_turn_by_turn_the_environments_tokens_apart_and_uncoloured():
+    episode = {"prompt": "What is 17*5+3?", "completion": "calc ... 88", "reward": 1.0, "advantage": 0.5,
+               "tokens": ["<tool_call>", "calc", "<|im_end|>", "\n<tool_response>88</tool_response>", "It", " is", " 88"],
+               "logprobs": [-0.1, -3.0, -0.2, None, -0.5, -0.1, -0.05],
+               "roles": ["policy", "policy", "policy", "observation", "policy", "policy", "policy"]}
+    inspector = RolloutInspector([episode])
+    assert "roles" not in inspector.columns
+    for mode in ("logprob", "advantage"):
+        inspector.color_by = mode
+        shown = inspector.select(0)
+        turns = re.findall(r'data-role="(\w+)"', shown)
+        assert turns == ["policy", "observation", "policy"]
+        observation = shown.split('data-role="observation"')[1].split("</div>")[0]
+        assert "wb-tok" not in observation and "&lt;tool_response&gt;88" in observation  # plain, escaped text
+        assert len(spans(shown)) == 6 and all(alpha_of(s) > 0 for s in spans(shown)[1:2])
+        assert f'data-mode="{mode}"' in shown  # one legend for the episode
+    assert all("rgba(30,160,60" in s for s in spans(inspector.tokens_html))  # advantage +0.5 on the policy's tokens
+
+
 # ---- preference labeler -----------------------------------------------------------------------------
 
 

@@ -16,7 +16,12 @@ A run's steps. `RolloutInspector.from_log(path)` reads the rollouts an RL run st
 ◀ ▶ and its step menu set it; `show_step(k)` too), and the rows are grouped by prompt, a group whose
 rewards all tie marked (it teaches nothing: its centred advantages are 0) with why it was dropped.
 `across_steps(prompt)` shows one prompt's answers at every step kept (the browser's "this prompt
-across steps" on a selected row; `across_steps("")` goes back to the step). `summary` says in words
+across steps" on a selected row; `across_steps("")` goes back to the step).
+
+Episodes. A row with `roles` (per token "policy" or "observation": a multi-turn task's answer, as
+rollout_log stores it) is shown turn by turn: the policy's turns coloured by logprob or advantage, the
+environment's (a tool's result, the chat template's text between turns) in grey boxes of their own,
+never coloured: nobody sampled them and they carry no advantage. `summary` says in words
 what the step was: its groups, how many mixed, tied, dropped, and its held-out probes' diversity.
 """
 
@@ -31,9 +36,11 @@ import pandas as pd
 import traitlets as t
 
 from workbench.rollout_log import RolloutLog
-from workbench.widgets.tokens import token_html, token_pieces
+from workbench.widgets.tokens import legend_html, token_html, token_pieces
 
-PER_TOKEN = ("tokens", "logprobs", "token_advantages")  # list columns: shown in the detail, not the table
+PER_TOKEN = ("tokens", "logprobs", "token_advantages", "roles")  # list columns: shown in the detail, not the table
+OBSERVATION_STYLE = ("background:#eef1f4;border-left:3px solid #8a96a3;padding:2px 6px;margin:3px 0;"
+                     "color:#3d4650;white-space:pre-wrap;font-family:monospace")
 CELL_CHARS = 120
 
 
@@ -257,7 +264,8 @@ class RolloutInspector(anywidget.AnyWidget):
         else:
             tokens = list(tokens)
             pieces = [str(x) for x in tokens] if tokens and isinstance(tokens[0], str) else token_pieces(tokens, self.tokenizer)
-            body = token_html(pieces, self._token_values(row, len(tokens), mode), mode, legend=True)
+            values, roles = self._token_values(row, len(tokens), mode), _listed(row.get("roles"))
+            body = turns_html(pieces, values, roles, mode) if roles else token_html(pieces, values, mode, legend=True)
         facts = " · ".join(f"{k} {_cell(row[k])}" for k in ("reward", "advantage") if k in row.index)
         return (f"<div style='font:12px sans-serif'><b>row {index}</b> · {facts} · coloured by {mode}"
                 f"<div style='color:#555;white-space:pre-wrap'>{html.escape(str(row['prompt']))}</div>{body}</div>")
@@ -274,4 +282,29 @@ class RolloutInspector(anywidget.AnyWidget):
             raise ValueError(f"color_by must be 'logprob' or 'advantage', not {mode!r}")
         if values is None or (isinstance(values, float) and np.isnan(values)):
             return None
-        return [float(v) for v in values]
+        roles = _listed(row.get("roles")) or ["policy"] * n
+        return [float(v) if v is not None and role == "policy" else None for v, role in zip(values, roles)]
+
+
+def _listed(value) -> list | None:
+    """A per-token column's list, or None where the row has none (pandas fills a missing one with NaN)."""
+    return None if value is None or (isinstance(value, float) and np.isnan(value)) else list(value)
+
+
+def turns_html(pieces: list[str], values: list | None, roles: list[str], mode: str) -> str:
+    """An episode's tokens turn by turn: each run of the policy's tokens coloured by `mode`, each run of the
+    environment's in a grey box, uncoloured; what the colours mean follows once, at one scale for all turns."""
+    values = values or [None] * len(pieces)
+    blocks, start = [], 0
+    for end in range(1, len(roles) + 1):
+        if end < len(roles) and roles[end] == roles[start]:
+            continue
+        if roles[start] == "policy":
+            blocks.append('<div class="wb-turn" data-role="policy">' + token_html(pieces[start:end], values[start:end], mode)
+                          + "</div>")
+        else:
+            blocks.append(f'<div class="wb-turn" data-role="observation" style="{OBSERVATION_STYLE}" '
+                          f'title="the environment\'s tokens: not sampled, no advantage">{html.escape("".join(pieces[start:end]))}</div>')
+        start = end
+    finite = [abs(v) for v in values if v is not None and np.isfinite(v)]
+    return "".join(blocks) + (legend_html(mode, max(finite) or 1.0) if finite else "")
