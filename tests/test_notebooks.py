@@ -199,16 +199,28 @@ def open_sidebar(page) -> None:
 
 def check_reload(page, shown: list[dict]) -> None:
     """Saved, then reloaded with the kernel still running (what a person does, or autosave): every
-    widget comes back from the kernel, none broken, every plot with all its points."""
-    save(page)
-    page.reload()
-    wait_for_kernel(page)
+    widget comes back from the kernel, none broken, every plot with all its points.
 
-    def restored():
-        assert not problems(page), problems(page)
-        assert page.locator(".wb-cost").count() == 1
-        assert plots(page) == shown
-    eventually(restored, timeout=60)
+    One more reload when a widget shows "model not found": JupyterLab's widget manager marks itself
+    restored even when its first request for the kernel's widgets failed (a kernel connection still
+    being made, on a busy machine), and a view drawn then stays broken though its model is in the
+    kernel. A model really gone from the kernel is missing after the second reload too, and fails."""
+    save(page)
+    for attempt in (1, 2):
+        page.reload()
+        wait_for_kernel(page)
+
+        def restored():
+            assert not problems(page), problems(page)
+            assert page.locator(".wb-cost").count() == 1
+            assert plots(page) == shown
+        try:
+            eventually(restored, timeout=60)
+            return
+        except AssertionError:
+            only_unrestored = problems(page) and all("model not found" in p for p in problems(page))
+            if attempt == 2 or not only_unrestored:
+                raise
 
 
 def screenshot(page, name: str) -> None:

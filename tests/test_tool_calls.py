@@ -67,7 +67,7 @@ def reply_datum(tokenizer, messages: list[dict], reply: str) -> types.Datum:
 def calculator_path(real_model_server, tokenizer) -> str:
     """A sampler checkpoint of the real model taught the two turns: call the calculator, then answer with its result."""
     call = tool_calls.CALL_OPEN + "\n" + json.dumps({"name": "calc", "arguments": ARGUMENTS}) + "\n" + tool_calls.CALL_CLOSE
-    data = [reply_datum(tokenizer, asked(), call), reply_datum(tokenizer, answered(), ANSWER)] * 2
+    data = [reply_datum(tokenizer, asked(), call), reply_datum(tokenizer, answered(), ANSWER)]
     client = tinker.ServiceClient(base_url=real_model_server.base_url, api_key=real_model_server.api_key)
     tc = client.create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
     train_steps(tc, data, steps=8)
