@@ -224,6 +224,16 @@ def real_model_server(tmp_path_factory, stepwise_home):
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def real_trained_path(real_model_server, tokenizer) -> str:
+    """A sampler checkpoint of the real model taught a made-up fact (tests/test_openai.py's teach_a_fact), made once
+    for the OpenAI client's and the anthropic SDK's tests (a module fixture imported into a second module would
+    train it twice)."""
+    from test_openai import teach_a_fact
+
+    return teach_a_fact(real_model_server, tokenizer)
+
+
 # What a backend needs to serve the real default model even where tiny_everywhere set the stand-in.
 REAL_MODEL_ENV = {"STEPWISE_BASE_MODELS": "", "STEPWISE_SAMPLE_CACHE_MB": "4096"}
 

@@ -31,7 +31,7 @@ from tinker import types
 
 import client_venvs
 from conftest import wait_for_venv
-from test_openai import QUESTION, real_trained_path  # noqa: F401 - the fixture: a checkpoint that learned a fact
+from test_openai import QUESTION
 from test_service import BASE
 
 pytestmark = pytest.mark.clients
@@ -261,7 +261,7 @@ print(json.dumps(out))
 '''
 
 
-def test_the_anthropic_sdk_chats_with_a_checkpoint(server, real_trained_path, tmp_path):  # noqa: F811
+def test_the_anthropic_sdk_chats_with_a_checkpoint(server, real_trained_path, tmp_path):
     python = wait_for_venv(client_venvs.client("anthropic"))
     (tmp_path / "messages.py").write_text(ANTHROPIC_SCRIPT)
     other = server.make_key("someone-else")

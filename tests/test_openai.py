@@ -31,12 +31,6 @@ def trained_path(tinker_server, tokenizer) -> str:
     return teach_a_fact(tinker_server, tokenizer)
 
 
-@pytest.fixture(scope="module")
-def real_trained_path(real_model_server, tokenizer) -> str:
-    """A sampler checkpoint of the real model that has learned a made-up fact."""
-    return teach_a_fact(real_model_server, tokenizer)
-
-
 def openai_client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/oai/api/v1", api_key=server.api_key)
 
@@ -47,6 +41,7 @@ def oai(tinker_server) -> openai.OpenAI:
 
 
 def test_chat_completion_from_a_sampler_checkpoint_shows_what_it_learned(real_model_server, real_trained_path):
+    """real_trained_path (tests/conftest.py): a checkpoint of the real model taught teach_a_fact's fact."""
     oai, trained_path = openai_client(real_model_server), real_trained_path
     reply = oai.chat.completions.create(
         model=trained_path, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=20
