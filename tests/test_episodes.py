@@ -160,6 +160,9 @@ def test_episodes_play_through_the_sdk_as_one_token_sequence(sampler, tokenizer,
     assert datum.model_input.length == len(three.tokens) - 1
     assert sum(datum.loss_fn_inputs["advantages"].to_numpy() != 0) == three.policy_tokens
 
+    with pytest.raises(ValueError, match="raise max_episode_tokens"):  # refused before anything is sampled
+        episodes.run_episodes(sampler, tokenizer, [Scripted(1)], tools=[Tool.of(calc)], max_episode_tokens=100)
+
     # The episode trains as it was sampled: on the same weights, the learner's logprobs of the policy's
     # tokens are the sampler's (importance ratio 1), the observation's tokens count for nothing.
     client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
@@ -234,3 +237,15 @@ def test_the_rl_recipe_trains_on_episodes(tinker_server, tokenizer, browser, tmp
 
     with pytest.raises(ValueError, match="monitor_prompts=0"):
         rl.run(rl.Config(task=TwoTurnTask(), monitor_prompts=8), service_client=client)
+
+
+def test_a_multi_turn_runs_estimate_bounds_every_turn_of_every_episode(stepwise_home):
+    """Before it runs, a multi-turn run is priced at its bound: every episode takes max_turns turns, each its own
+    request with a prompt of max_episode_tokens, and trains as a datum of that length."""
+    config = rl.Config(task=TwoTurnTask(), steps=2, groups_per_batch=2, group_size=4, max_tokens=8, max_turns=3,
+                       max_episode_tokens=512, eval_prompts=1, eval_samples=2, monitor_prompts=0)
+    usage = rl.planned_tokens(config, rl.common.Assumed()).usage()
+    episodes_played = 2 * 1 * 2 + 2 * 2 * 4  # the eval before and after, then every step's groups
+    assert usage.prefill_tokens == episodes_played * 3 * 512
+    assert usage.sample_tokens == episodes_played * 3 * 8
+    assert usage.train_tokens == 2 * 2 * 4 * 512  # a datum of at most max_episode_tokens

@@ -198,6 +198,9 @@ def run_episodes(sampler, tokenizer, envs: list, tools: list[Tool] | None = None
     for env in envs:
         messages = env.reset()
         prompt = tool_calls.render(tokenizer, messages, schemas)
+        if len(prompt) + max_tokens > max_episode_tokens:
+            raise ValueError(f"an episode's first prompt is {len(prompt)} tokens, and with max_tokens {max_tokens} "
+                             f"its first turn passes max_episode_tokens {max_episode_tokens}: raise max_episode_tokens")
         episodes.append(Episode([Segment("prompt", prompt, text=tokenizer.decode(prompt))], messages))
     live = list(range(len(envs)))
     for turn in range(max_turns):

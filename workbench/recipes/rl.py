@@ -725,9 +725,9 @@ def planned_episodes(config: Config, tally: common.Tally, answer: float, eval_pr
     max_episode_tokens allows (what the environments answer is not known before they run)."""
     longest = config.max_episode_tokens
 
-    def episodes_of(n: float) -> None:
-        for _ in range(config.max_turns):
-            tally.sample_request(longest, n, answer)
+    def episodes_of(n: int) -> None:  # each episode samples on its own: a request per turn, its prompt its own
+        for _ in range(n * config.max_turns):
+            tally.sample_request(longest, 1, answer)
 
     episodes_of(eval_prompts * config.eval_samples)
     for _ in range(config.steps):
