@@ -11,6 +11,9 @@ batch. `echo` returns the prompt before the completion, and with `logprobs` the 
 logprobs (None for its first token; the same numbers as compute_logprobs) and their top
 alternatives: what loglikelihood and perplexity evaluations read. `max_tokens: 0` with echo scores
 the prompt and generates nothing.
+Chat completions take tools: `tools`, `tool_choice`, `parallel_tool_calls`, assistant `tool_calls` and
+`role: "tool"` messages; a reply's calls come back as `tool_calls` (finish_reason "tool_calls"), streamed as
+tool_calls deltas once the reply is complete (kernel_backend/tool_calls.py renders and parses them).
 Errors use OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 """
 
