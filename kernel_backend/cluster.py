@@ -59,7 +59,7 @@ from kernel_backend import lora, ops
 from kernel_backend.adapter_cache import TRAINING_COPIES
 from kernel_backend.config import Settings
 from kernel_backend.engine import Engine, merge_metrics
-from kernel_backend.metering import Usage
+from kernel_backend.metering import COMPUTED, Usage
 from kernel_backend.ops import Op
 from kernel_backend.scheduler import Job, Scheduler
 from kernel_backend.storage import CheckpointStorage
@@ -920,8 +920,9 @@ def _merge_shards(job: Job, parts: list[_Part], outcomes: list[Outcome]) -> Forw
                          for kind in ("prefill_tokens", "sample_tokens", "train_tokens")})
     outputs = [out for _, o in results for out in o.result.loss_fn_outputs]
     metrics = merge_metrics([(o.result.metrics, p.wire.tokens) for p, o in results])
-    job.metrics = metrics
-    return ForwardResult(loss_fn_outputs=outputs, metrics=metrics)
+    computed = sum(o.result.computed_tokens for _, o in results)
+    job.metrics = {**metrics, COMPUTED: computed}
+    return ForwardResult(loss_fn_outputs=outputs, metrics=metrics, computed_tokens=computed)
 
 
 def _replay_tokens(job: Job, result) -> None:

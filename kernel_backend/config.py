@@ -40,6 +40,9 @@ class Settings:
     max_batch_tokens: int = field(default_factory=lambda: int(_env("MAX_BATCH_TOKENS", "65536")))
     # Tokens per micro-batch: bigger requests are split and gradients accumulated (exact: losses are sums).
     micro_batch_tokens: int = field(default_factory=lambda: int(_env("MICRO_BATCH_TOKENS", "4096")))
+    # Rows of one forward_backward that share a prefix compute it once (prefix_tree.py; exact). 0: each row
+    # alone, the baseline bench/prefix_sharing.py measures against.
+    share_prefixes: bool = field(default_factory=lambda: _env("SHARE_PREFIXES", "1") != "0")
     # Prices per million tokens (TOML); empty means kernel_backend/prices.toml.
     prices_path: str = field(default_factory=lambda: _env("PRICES", ""))
     # A key registered for tenant "local" at start-up (the embedded backend's own key).

@@ -16,6 +16,7 @@ import json
 import math
 import shutil
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from kernel_backend import adapter_cache, families, lora, losses, matmul, models, optimizers, sampler
+from kernel_backend import adapter_cache, families, lora, losses, matmul, models, optimizers, prefix_tree, sampler
 from kernel_backend.step_history import StepHistory, write_state
 from kernel_backend.config import Settings
 from kernel_backend.types import (
@@ -199,13 +200,17 @@ class Engine:
         saved_grads = {i: _grads(slots[i].adapter) for i in live if not passes[i].forward_only}
         logprobs_of: dict[int, list[torch.Tensor]] = {i: [] for i in live}
         metrics_of: dict[int, list[tuple[dict[str, float], int]]] = {i: [] for i in live}
-        for batch in self._micro_batches([r for r in rows if results[r.pass_index] is None]):
+        computed_of = {i: 0 for i in live}  # tokens the model ran for the pass, each shared prefix once
+        pending = [r for r in rows if results[r.pass_index] is None]
+        for batch in self._micro_batches(pending, [id(routed[r.pass_index]) for r in pending]):
             active = [r for r in batch if results[r.pass_index] is None]
             if not active:
                 continue
             any_backward = any(not passes[r.pass_index].forward_only for r in active)
             with torch.set_grad_enabled(any_backward):
-                row_logprobs = self._target_logprobs(active, [routed[r.pass_index] for r in active])
+                row_logprobs, computed = self._target_logprobs(active, [routed[r.pass_index] for r in active])
+            for i in dict.fromkeys(r.pass_index for r in active):
+                computed_of[i] += computed[id(routed[i])]
             total = None
             for i in dict.fromkeys(r.pass_index for r in active):
                 mine = [(r, lp) for r, lp in zip(active, row_logprobs) if r.pass_index == i]
@@ -243,6 +248,7 @@ class Engine:
             results[i] = ForwardResult(
                 loss_fn_outputs=[{"logprobs": lp.float().cpu().numpy()} for lp in logprobs_of[i]],
                 metrics=merge_metrics(metrics_of[i]),
+                computed_tokens=computed_of[i],
             )
         return results
 
@@ -310,24 +316,28 @@ class Engine:
             rows.append(_Row(index, tokens, torch.from_numpy(targets), inputs))
         return rows
 
-    def _micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
-        """Group rows so that rows x longest length stays within micro_batch_tokens."""
-        batches, current, longest = [], [], 0
-        for row in rows:
-            new_longest = max(longest, len(row.tokens))
-            if current and new_longest * (len(current) + 1) > self.settings.micro_batch_tokens:
+    def _micro_batches(self, rows: list[_Row], keys: list[object]) -> list[list[_Row]]:
+        """Group rows so that each micro-batch's attention, its rows x their longest length, stays within
+        micro_batch_tokens. Packed (sampler.Decoder.supports), rows of one routing key (`keys`: the row's adapter)
+        that share a prefix share its tokens (prefix_tree.py): only the paths no other row extends count."""
+        packed = sampler.Decoder.supports(self.model)
+        batches, current, tree = [], [], prefix_tree.Tree()
+        for n, (row, key) in enumerate(zip(rows, keys)):
+            if not packed or not self.settings.share_prefixes:
+                key = (key, n)  # nothing shared (through transformers: padded)
+            if current and tree.cost_with(key, row.tokens) > self.settings.micro_batch_tokens:
                 batches.append(current)
-                current, new_longest = [], len(row.tokens)
+                current, tree = [], prefix_tree.Tree()
             current.append(row)
-            longest = new_longest
+            tree.add(key, row.tokens)
         if current:
             batches.append(current)
         return batches
 
-    def _target_logprobs(self, rows: list[_Row], adapters: list[lora.Adapter]) -> list[torch.Tensor]:
-        """Each row's logprobs of its target tokens. The families of families.py run the rows packed end to end,
-        no padding (the sampler's own forward pass, sampler.flat_forward); others right-padded
-        through transformers' forward."""
+    def _target_logprobs(self, rows: list[_Row], adapters: list[lora.Adapter]) -> tuple[list[torch.Tensor], Counter]:
+        """Each row's logprobs of its target tokens, and the tokens the model ran per adapter (by id). The
+        families of families.py run the rows as one tree of tokens, no padding, every shared prefix once (the
+        sampler's own forward pass, sampler.flat_forward); others right-padded through transformers' forward."""
         if sampler.Decoder.supports(self.model):
             return self._packed_target_logprobs(rows, adapters)
         device = self.model.device
@@ -342,6 +352,9 @@ class Engine:
             # Without padding no mask at all: the attention takes its plain causal path.
             logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device) if padded else None).logits
         logits = logits.float()  # a no-op in float32
+        computed = Counter()
+        for r, adapter in zip(rows, adapters):
+            computed[id(adapter)] += len(r.tokens)
         ks = {1 if r.targets.dim() == 1 else r.targets.shape[1] for r in rows}
         if len(ks) == 1:  # the usual case: one fused op over the whole padded batch
             k = ks.pop()
@@ -349,29 +362,37 @@ class Engine:
             for i, r in enumerate(rows):
                 targets[i, : len(r.tokens)] = r.targets.reshape(len(r.tokens), k)
             lp = target_logprobs(logits, targets.to(device))
-            return [lp[i, : len(r.tokens)].reshape(r.targets.shape) for i, r in enumerate(rows)]
+            return [lp[i, : len(r.tokens)].reshape(r.targets.shape) for i, r in enumerate(rows)], computed
         out = []
         for i, r in enumerate(rows):
             targets = r.targets.to(device).reshape(len(r.tokens), -1)
             out.append(target_logprobs(logits[i, : len(r.tokens)], targets).reshape(r.targets.shape))
-        return out
+        return out, computed
 
-    def _packed_target_logprobs(self, rows: list[_Row], adapters: list[lora.Adapter]) -> list[torch.Tensor]:
-        """The rows as one flat batch of tokens: every product sees only real tokens (a batch of rows of
-        different lengths padded to the longest wastes the difference), attention stays within each row."""
+    def _packed_target_logprobs(self, rows: list[_Row], adapters: list[lora.Adapter]) -> tuple[list[torch.Tensor], Counter]:
+        """The rows as one flat batch of tokens, every prefix that rows of one adapter share computed once
+        (prefix_tree.py): no product sees a padding token or a token twice, attention stays within each row."""
         device = self.model.device
-        lengths = [len(r.tokens) for r in rows]
-        ids = torch.tensor([t for r in rows for t in r.tokens], device=device)
-        positions = torch.cat([torch.arange(n, device=device) for n in lengths])
-        attend = sampler.causal_within_rows(self.model, lengths, device)
-        with lora.route(self.model, [a for a, n in zip(adapters, lengths) for _ in range(n)]):
+        tree = prefix_tree.Tree()
+        for n, (row, adapter) in enumerate(zip(rows, adapters)):  # the key: the adapter, and the row when nothing is shared
+            tree.add((id(adapter), 0 if self.settings.share_prefixes else n), row.tokens)
+        by_id = {id(a): a for a in adapters}
+        ids = torch.tensor(tree.tokens, device=device)
+        positions = torch.tensor(tree.positions, device=device)
+        attend = sampler.causal_within_paths(self.model, tree.leaf_paths(), device)
+        with lora.route(self.model, [by_id[adapter] for adapter, _ in tree.keys]):
             hidden = sampler.flat_forward(self.model, ids, positions, attend)
             logits = families.final_logits(self.model.config, self.model.lm_head(hidden).float())  # .float(): a no-op in float32
+        computed = Counter(adapter for adapter, _ in tree.keys)
+        lengths = [len(r.tokens) for r in rows]
         if len({1 if r.targets.dim() == 1 else r.targets.shape[1] for r in rows}) == 1:  # the usual case: one op
             targets = torch.cat([r.targets.reshape(len(r.tokens), -1) for r in rows]).to(device)
-            return [lp.reshape(r.targets.shape) for lp, r in zip(target_logprobs(logits, targets).split(lengths), rows)]
-        return [target_logprobs(part, r.targets.to(device).reshape(len(r.tokens), -1)).reshape(r.targets.shape)
-                for part, r in zip(logits.split(lengths), rows)]
+            index = torch.from_numpy(np.concatenate(tree.paths)).to(device)
+            return [lp.reshape(r.targets.shape)
+                    for lp, r in zip(target_logprobs(logits, targets, index).split(lengths), rows)], computed
+        return [target_logprobs(logits, r.targets.to(device).reshape(len(r.tokens), -1),
+                                torch.from_numpy(path).to(device)).reshape(r.targets.shape)
+                for path, r in zip(tree.paths, rows)], computed
 
     # ---- optimizer --------------------------------------------------------------------------
 
@@ -665,27 +686,37 @@ class _TargetLogprobs(torch.autograd.Function):
     output into softmax in place: d/dlogits = scatter(g) - softmax * sum(g). No other
     vocabulary-sized tensor is allocated (cross_entropy's backward allocates two, each
     batch x length x vocab floats, plus the zero fill of one).
+    With `index` (flat logits, N x V), target row i is read at logits row index[i]: rows that share a
+    prefix share its logits (prefix_tree.py), each with its own targets, and their gradients add up.
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
         logprobs = torch.log_softmax(logits, dim=-1)
-        ctx.save_for_backward(logprobs, targets)
-        return logprobs.gather(-1, targets)
+        ctx.save_for_backward(logprobs, targets, index)
+        if index is None:
+            return logprobs.gather(-1, targets)
+        return logprobs[index[:, None], targets]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        logprobs, targets = ctx.saved_tensors
+        logprobs, targets, index = ctx.saved_tensors
         grad_logits = logprobs.exp_()  # saved for this backward only: reuse its memory
-        grad_logits.mul_(-grad.sum(-1, keepdim=True))
-        grad_logits.scatter_add_(-1, targets, grad)
-        return grad_logits, None
+        if index is None:
+            grad_logits.mul_(-grad.sum(-1, keepdim=True))
+            grad_logits.scatter_add_(-1, targets, grad)
+        else:
+            total = torch.zeros(len(grad_logits), dtype=grad.dtype, device=grad.device).index_add_(0, index, grad.sum(-1))
+            grad_logits.mul_(-total[:, None])
+            grad_logits.index_put_((index[:, None].expand_as(targets), targets), grad, accumulate=True)
+        return grad_logits, None, None
 
 
-def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """logits (..., V), targets (..., K) int64 -> the targets' logprobs, shape (..., K)."""
-    return _TargetLogprobs.apply(logits, targets)
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    """logits (..., V), targets (..., K) int64 -> the targets' logprobs, shape (..., K).
+    With `index`: logits (N, V), targets (M, K), target row i read at logits row index[i]."""
+    return _TargetLogprobs.apply(logits, targets, index)
 
 
 def _check_tokens(tokens, vocab_size: int, where: str) -> list[int]:

@@ -4,6 +4,11 @@ Three meters, as Tinker and SageMaker bill them: prefill (prompt tokens of sampl
 compute_logprobs, and tokens of forward-only passes), sample (generated tokens) and train
 (tokens of forward_backward datums). Prices are per million tokens per base model, from
 `prices.toml` beside this file or the file STEPWISE_PRICES names.
+
+A forward(_backward) is billed for every token it sends, as Tinker bills it, whatever the backend
+saves: rows that share a prefix compute it once (prefix_tree.py), and the ledger row's metrics show
+what the model ran under COMPUTED beside the billed count, so a user sees the saving and the price
+stays what the request alone decides (not what it happened to be batched with).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from pathlib import Path
 
 DEFAULT_PRICES = Path(__file__).with_name("prices.toml")
 KINDS = ("prefill", "sample", "train")
+COMPUTED = "computed_tokens"  # a forward(_backward)'s ledger metric: the tokens the model ran
 
 
 @dataclass

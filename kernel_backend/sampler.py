@@ -660,26 +660,38 @@ def flat_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Ten
 
 
 def causal_within_rows(model: torch.nn.Module, lengths: list[int], device=None):
-    """An `attend` for flat_forward over whole sequences laid end to end (training): each token sees
-    the tokens of its own row up to itself (and, in a sliding-window layer of `model`, only the last `window`
-    of them; its scale and any score soft-cap are the model's, families.py).
-    Attention alone pads: the rows' queries, keys and values go into one right-padded batch for a single
+    """An `attend` for flat_forward over whole sequences laid end to end: each token sees the tokens of its
+    own row up to itself (causal_within_paths, each row's path its own stretch of the flat batch)."""
+    starts = np.cumsum([0, *lengths[:-1]])
+    return causal_within_paths(model, [np.arange(s, s + n) for s, n in zip(starts, lengths)], device)
+
+
+def causal_within_paths(model: torch.nn.Module, paths: list[np.ndarray], device=None):
+    """An `attend` for flat_forward in training: `paths` are sequences of flat token indices, and each token
+    sees the tokens before it on its path (and, in a sliding-window layer of `model`, only the last `window`
+    of them; its scale and any score soft-cap are the model's, families.py). Rows laid end to end are paths
+    of consecutive indices; rows that share a prefix share its tokens (prefix_tree.py), and a token on
+    several paths is read from the first (causal: what it sees is the same on every path through it).
+    Attention alone pads: the paths' queries, keys and values go into one right-padded batch for a single
     causal attention call (a padded key comes after every real query of its row, so the causal mask
-    already hides it), and the real tokens come back."""
+    already hides it), and each token comes back from its first path."""
     scale, softcap = model.model.layers[0].self_attn.scaling, families.attention_softcap(model.config)
     windows = families.sliding_windows(model.config)
-    longest, starts = max(lengths), np.cumsum([0, *lengths[:-1]])
-    where = np.zeros((len(lengths), longest), dtype=np.int64)  # flat index of each padded slot (0: padding)
-    for row, (start, length) in enumerate(zip(starts, lengths)):
-        where[row, :length] = np.arange(start, start + length)
+    lengths = [len(p) for p in paths]
+    longest = max(lengths)
+    where = np.zeros((len(paths), longest), dtype=np.int64)  # flat index of each padded slot (0: padding)
+    first = np.zeros(1 + max(int(p.max()) for p in paths), dtype=np.int64)  # each token's slot on its first path
+    for row in reversed(range(len(paths))):
+        where[row, :lengths[row]] = paths[row]
+        first[paths[row]] = row * longest + np.arange(lengths[row])
     padded = torch.from_numpy(where.reshape(-1)).to(device)
-    real = torch.from_numpy(np.flatnonzero(np.arange(longest)[None, :] < np.array(lengths)[:, None])).to(device)
+    real = torch.from_numpy(first).to(device)
     slots = torch.arange(longest, device=device)
     # A window shorter than the longest row binds: its layers take a mask instead of the plain causal path.
     masks = {w: families.window_mask(slots, slots, w) for w in set(windows) if w is not None and w < longest}
 
     def attend(layer: int, q, k, v):
-        rows, (heads, head_dim) = len(lengths), q.shape[1:]
+        rows, (heads, head_dim) = len(paths), q.shape[1:]
         q_, k_, v_ = (t.index_select(0, padded).view(rows, longest, t.shape[1], head_dim).transpose(1, 2) for t in (q, k, v))
         mask = masks.get(windows[layer])
         out = families.attention(q_, k_, v_, mask=mask, causal=mask is None, scale=scale, softcap=softcap)

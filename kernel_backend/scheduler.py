@@ -34,7 +34,7 @@ from typing import Callable
 
 from kernel_backend import ops
 from kernel_backend.engine import Engine, Pass
-from kernel_backend.metering import Usage
+from kernel_backend.metering import COMPUTED, Usage
 from kernel_backend.ops import Op, SampleOp
 from kernel_backend.sampler import SampleRequest
 from kernel_backend.types import UserError, redact_paths
@@ -347,7 +347,9 @@ class Scheduler:
                     continue
                 # A batch's time is shared among its passes by their token counts.
                 job.duration_s = elapsed * job.tokens / max(1, sum(j.tokens for j in jobs))
-                job.metrics = result.metrics
+                # The ledger shows what the model ran beside what is billed (every token sent, Tinker's price):
+                # rows that share a prefix run it once (prefix_tree.py).
+                job.metrics = {**result.metrics, COMPUTED: result.computed_tokens}
                 kind = "prefill_tokens" if job.fb_pass.forward_only else "train_tokens"
                 job.usage = Usage(**{kind: job.tokens})
                 job.step = _steps(engine, job.lane)

@@ -104,6 +104,7 @@ class ForwardResult:
 
     loss_fn_outputs: list[dict[str, np.ndarray]]  # each has "logprobs", shaped like target_tokens
     metrics: dict[str, float]  # keys are "name:reduction", always with "loss:sum"
+    computed_tokens: int | None = None  # tokens the model ran: the data's, less every prefix its rows share (prefix_tree.py)
 
 
 @dataclass

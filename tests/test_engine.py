@@ -972,18 +972,58 @@ def test_bad_sampling_params_raise_user_error(engine, primed, case):
 
 
 def test_target_logprobs_gradient_matches_autograd():
-    """The engine's fused log_softmax+gather (with its own backward) against plain autograd."""
+    """The engine's fused log_softmax+gather (with its own backward) against plain autograd; with an
+    index, rows that share logits rows (a shared prefix) each read their own targets there."""
     from kernel_backend.engine import target_logprobs
 
     g = torch.Generator().manual_seed(0)
-    for shape, k in (((2, 5, 11), 3), ((7, 13), 1)):
+    for shape, k, index in (((2, 5, 11), 3, None), ((7, 13), 1, None), ((5, 13), 2, [0, 1, 2, 0, 1, 3, 4, 4])):
         logits = torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True)
-        targets = torch.randint(0, shape[-1], (*shape[:-1], k), generator=g)
-        weights = torch.randn(*shape[:-1], k, dtype=torch.float64, generator=g)
-        mine = target_logprobs(logits, targets)
+        rows = shape[:-1] if index is None else (len(index),)
+        index = None if index is None else torch.tensor(index)
+        targets = torch.randint(0, shape[-1], (*rows, k), generator=g)
+        weights = torch.randn(*rows, k, dtype=torch.float64, generator=g)
+        mine = target_logprobs(logits, targets, index)
         (mine * weights).sum().backward()
         fused_grad, logits.grad = logits.grad, None
-        reference = logits.log_softmax(-1).gather(-1, targets)
+        read = logits if index is None else logits[index]
+        reference = read.log_softmax(-1).gather(-1, targets)
         (reference * weights).sum().backward()
         torch.testing.assert_close(mine, reference, rtol=0, atol=1e-12)
         torch.testing.assert_close(fused_grad, logits.grad, rtol=0, atol=1e-12)
+
+
+def test_rows_that_share_a_prefix_are_computed_once_and_train_as_if_apart(engine, two_adapters):
+    """prefix_tree.py: a GRPO group (one prompt, three answers, one of them twice) and an episode's per-turn
+    datums (each the one before it plus a turn), under the importance-sampling loss, in one batch with
+    another adapter's rows: each row's logprobs, the loss and the gradient equal the rows run one at a time,
+    and the model ran each shared prefix once. Every row's targets are its own (random, not its next
+    tokens), so a row that read another's targets at a shared position would show."""
+    a, b, _, data_b = two_adapters
+    g = torch.Generator().manual_seed(11)
+
+    def tokens(n):
+        return torch.randint(0, engine.vocab_size, (n,), generator=g).tolist()
+
+    def rl_datum(row):
+        n = len(row)
+        return Datum(row, {"target_tokens": np.array(tokens(n)),
+                           "advantages": torch.randn(n, generator=g).numpy() * (np.arange(n) >= 6),
+                           "logprobs": -2.0 - torch.rand(n, generator=g).numpy()})
+
+    prompt, episode = tokens(14), tokens(40)
+    answers = [tokens(5), tokens(9), tokens(3)]
+    rows = [prompt + answers[0], prompt + answers[1], prompt + answers[2], prompt + answers[0],
+            episode[:17], episode[:29], episode[:40]]
+    data = [rl_datum(row) for row in rows]
+
+    apart = [engine.forward_backward(a, [d], "importance_sampling") for d in data]
+    grads_apart = _grads(engine, a)
+    _zero_grads(engine, a)
+    together, _ = engine.run_passes([Pass(a, data, "importance_sampling"), Pass(b, data_b, forward_only=True)])
+    for alone, shared in zip(apart, together.loss_fn_outputs):
+        np.testing.assert_allclose(shared["logprobs"], alone.loss_fn_outputs[0]["logprobs"], rtol=0, atol=1e-5)
+    assert together.metrics["loss:sum"] == pytest.approx(sum(r.metrics["loss:sum"] for r in apart), rel=1e-5)
+    _assert_grads_close(_grads(engine, a), grads_apart)
+    assert together.computed_tokens == len(prompt) + sum(map(len, answers)) + len(episode)
+    assert all(r.computed_tokens == len(d.tokens) for r, d in zip(apart, data))

@@ -54,6 +54,8 @@ def test_ledger_counts_train_and_sample_tokens_and_prices_them(tinker_server):
     fb = [row for row in series if row["request_type"] == "ForwardBackward"]
     assert [row["step"] for row in fb] == [0, 1, 2]
     assert all("loss:sum" in row["metrics"] for row in fb)
+    # Billed: every token sent. Run: each prefix the rows share once (the three rows are nested: 32 tokens).
+    assert all(row["train_tokens"] == 56 and row["metrics"]["computed_tokens"] == 32 for row in fb), fb
     first = usage(tinker_server, session_id=session_id, limit=2)
     rest = usage(tinker_server, session_id=session_id, after=first["cursor"])
     assert [r["id"] for r in first["series"] + rest["series"]] == [r["id"] for r in series]
