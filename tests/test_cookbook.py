@@ -9,6 +9,9 @@ tests/cookbook_sft.py with the cookbook's python against the `tinker_server` fix
 `tinker_cookbook.supervised.train` wrote: one metrics.jsonl row per step with a finite
 `train_mean_nll`, and a final checkpoint record in checkpoints.jsonl.
 
+test_cookbook_multi_turn_recipe_guess_number_runs_to_the_end runs the cookbook's own multi-turn recipe
+(tests/cookbook_guess_number.py: multiplayer_rl.guess_number, unchanged, small sizes) two steps to the end.
+
 test_cookbook_rl_train_twice_with_a_sampler_per_step runs tests/cookbook_rl.py
 (`tinker_cookbook.rl.train` with save_every=1: a checkpoint, and a sampler made from it, every
 step) twice in a row with the same key against `loopback_server`: a backend started the way a
@@ -32,6 +35,7 @@ Environment knobs:
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -42,11 +46,13 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SFT_SCRIPT = ROOT / "tests" / "cookbook_sft.py"
 RL_SCRIPT = ROOT / "tests" / "cookbook_rl.py"
+GUESS_NUMBER_SCRIPT = ROOT / "tests" / "cookbook_guess_number.py"
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # The key a backend listening on loopback accepts for tenant "local" (README.md, kernel_backend/runtime.py).
 LOOPBACK_KEY = "tml-local"
@@ -231,3 +237,36 @@ def test_cookbook_rl_train_twice_with_a_sampler_per_step(
             assert str(c.get("state_path", "")).startswith("tinker://"), c
         rewards = [round(r["env/all/reward/total"], 3) for r in rows]
         print(f"cookbook RL, {run} run: {RL_STEPS} steps in {seconds[-1]} s, mean reward {rewards}", file=sys.stderr)
+
+
+@pytest.mark.timeout(VENV_TIMEOUT + RUN_TIMEOUT + 120)
+def test_cookbook_multi_turn_recipe_guess_number_runs_to_the_end(cookbook_python: Path, loopback_server,
+                                                                 tmp_path: Path) -> None:
+    """tinker-cookbook's own multi-turn recipe, `multiplayer_rl.guess_number`, unchanged (tests/cookbook_guess_number.py
+    builds its train.Config with the recipe's CLIConfig and build_config): batch 4, group 4, 16-token guesses, 2
+    steps to the end. The stand-in never guesses in the format, so every episode runs the recipe's 10 turns. The
+    cookbook sends a datum per turn, each holding the conversation before it (it merges turns into one datum only
+    where the next prompt extends the tokens sampled, and this env writes the model's turns back as role "player",
+    re-rendered): the ledger bills every token sent and shows the model ran under half of them (the prefixes the
+    datums share, once: kernel_backend/prefix_tree.py; 3.1x fewer here), and the sampler's logprobs still equal the
+    trainer's (the cookbook's own kl_sample_train_v1, about 1e-8)."""
+    headers = {"X-API-Key": LOOPBACK_KEY}
+    usage_url = f"{loopback_server.base_url}/api/v1/usage"
+    since = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    log_path = tmp_path / "guess-number"
+    proc = _run_script(cookbook_python, GUESS_NUMBER_SCRIPT, loopback_server.base_url, LOOPBACK_KEY,
+                       str(loopback_server.tokenizer_dir), DEFAULT_MODEL, log_path, 2)
+    output = f"--- stdout ---\n{_tail(proc.stdout)}\n--- stderr ---\n{_tail(proc.stderr)}"
+    assert proc.returncode == 0, f"the guess_number recipe failed (exit {proc.returncode})\n{output}"
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == [0, 1], summary
+    assert all(t > 1 for t in summary["turns_per_episode"]), summary  # multi-turn episodes, every step
+    assert all(abs(kl) < 1e-3 for kl in summary["kl_sample_train_v1"]), summary
+
+    series = httpx.get(usage_url, params={"since": since, "limit": 10_000}, headers=headers).json()["series"]
+    passes = [r for r in series if r["request_type"] == "ForwardBackward"]
+    assert len(passes) == 2, [r["request_type"] for r in series]
+    for row in passes:
+        assert 0 < row["metrics"]["computed_tokens"] < row["train_tokens"] / 2, row
+    print(f"cookbook guess_number: {summary}; ledger: " + ", ".join(
+        f"{r['train_tokens']} tokens billed, {r['metrics']['computed_tokens']} computed" for r in passes), file=sys.stderr)

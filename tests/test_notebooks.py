@@ -478,7 +478,11 @@ def test_preference_notebook(lab, browser):
     summary.locator(".jp-InputArea-prompt").click()
     page.keyboard.press("Shift+Enter")
     until(lambda: run_state(page)["prompts"] != counts, timeout=60)
-    printed = outputs.text_content()
+
+    def printed_again() -> str:  # the cell's output is cleared when it starts, and printed when it ends
+        assert "pairs labelled" in outputs.text_content(), outputs.text_content()
+        return outputs.text_content()
+    printed = eventually(printed_again, timeout=60)
     preferences_in_force = [r for r in labels if r["choice"] in ("A", "B") and not r.get("repeat_of")]
     pairs = len({r["item_id"] for r in labels if not r.get("repeat_of")})
     assert f"{pairs} pairs labelled" in printed and "4 updates, the weights are now v4" in printed, printed
