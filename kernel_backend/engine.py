@@ -202,17 +202,16 @@ class Engine:
         metrics_of: dict[int, list[tuple[dict[str, float], int]]] = {i: [] for i in live}
         computed_of = {i: 0 for i in live}  # tokens the model ran for the pass, each shared prefix once
         pending = [r for r in rows if results[r.pass_index] is None]
-        for batch in self._micro_batches(pending, [id(routed[r.pass_index]) for r in pending]):
+        for batch in self._micro_batches(pending, [routed[r.pass_index] for r in pending]):
             active = [r for r in batch if results[r.pass_index] is None]
             if not active:
                 continue
             any_backward = any(not passes[r.pass_index].forward_only for r in active)
             with torch.set_grad_enabled(any_backward):
                 row_logprobs, computed = self._target_logprobs(active, [routed[r.pass_index] for r in active])
-            for i in dict.fromkeys(r.pass_index for r in active):
-                computed_of[i] += computed[id(routed[i])]
             total = None
             for i in dict.fromkeys(r.pass_index for r in active):
+                computed_of[i] += computed[id(routed[i])]
                 mine = [(r, lp) for r, lp in zip(active, row_logprobs) if r.pass_index == i]
                 lp = torch.cat([x for _, x in mine])
                 inputs = {k: torch.cat([r.inputs[k] for r, _ in mine]) for k in mine[0][0].inputs}
@@ -316,15 +315,19 @@ class Engine:
             rows.append(_Row(index, tokens, torch.from_numpy(targets), inputs))
         return rows
 
-    def _micro_batches(self, rows: list[_Row], keys: list[object]) -> list[list[_Row]]:
+    def _tree_key(self, adapter: lora.Adapter, n: int) -> tuple[int, int]:
+        """Row n's key in a prefix_tree.Tree: rows of one adapter share their prefixes, unless sharing is off
+        (settings.share_prefixes) or the model runs padded through transformers (not sampler.Decoder.supports)."""
+        shared = self.settings.share_prefixes and sampler.Decoder.supports(self.model)
+        return id(adapter), 0 if shared else n
+
+    def _micro_batches(self, rows: list[_Row], adapters: list[lora.Adapter]) -> list[list[_Row]]:
         """Group rows so that each micro-batch's attention, its rows x their longest length, stays within
-        micro_batch_tokens. Packed (sampler.Decoder.supports), rows of one routing key (`keys`: the row's adapter)
-        that share a prefix share its tokens (prefix_tree.py): only the paths no other row extends count."""
-        packed = sampler.Decoder.supports(self.model)
+        micro_batch_tokens. Rows of one adapter that share a prefix share its tokens (prefix_tree.py, _tree_key):
+        only the paths no other row extends count."""
         batches, current, tree = [], [], prefix_tree.Tree()
-        for n, (row, key) in enumerate(zip(rows, keys)):
-            if not packed or not self.settings.share_prefixes:
-                key = (key, n)  # nothing shared (through transformers: padded)
+        for n, (row, adapter) in enumerate(zip(rows, adapters)):
+            key = self._tree_key(adapter, n)
             if current and tree.cost_with(key, row.tokens) > self.settings.micro_batch_tokens:
                 batches.append(current)
                 current, tree = [], prefix_tree.Tree()
@@ -374,8 +377,8 @@ class Engine:
         (prefix_tree.py): no product sees a padding token or a token twice, attention stays within each row."""
         device = self.model.device
         tree = prefix_tree.Tree()
-        for n, (row, adapter) in enumerate(zip(rows, adapters)):  # the key: the adapter, and the row when nothing is shared
-            tree.add((id(adapter), 0 if self.settings.share_prefixes else n), row.tokens)
+        for n, (row, adapter) in enumerate(zip(rows, adapters)):
+            tree.add(self._tree_key(adapter, n), row.tokens)
         by_id = {id(a): a for a in adapters}
         ids = torch.tensor(tree.tokens, device=device)
         positions = torch.tensor(tree.positions, device=device)

@@ -68,11 +68,6 @@ class Tree:
         self.paths.append(np.array(path, dtype=np.int64))
         self.longest = max(self.longest, len(row))
 
-    @property
-    def saved(self) -> int:
-        """Tokens the rows hold that the tree does not compute a second time."""
-        return sum(len(p) for p in self.paths) - len(self.tokens)
-
     def leaf_paths(self) -> list[np.ndarray]:
         """The paths attention runs over: one per leaf, in the order their rows came."""
         return [self.paths[row] for row in sorted(self._leaf_of.values())]
