@@ -633,24 +633,27 @@ RL_INSIGHT = {"steps": 6, "learning_rate": 1e-3, "kl_penalty_coef": 1.0, "groups
 
 def click_point(page, title: str, trace: str) -> int:
     """Click, with the mouse, a point of `trace` in the plot titled `title`: the one farthest from every
-    other trace's point at its step, so the click cannot land on another run's (plotly's own axes say
-    where each is drawn). Returns the step clicked."""
+    other trace's point (a run's line or a flag's mark) at its step, so the click cannot land on another
+    (plotly's own axes say where each is drawn). Returns the step clicked."""
     where = page.evaluate("""([title, trace]) => {
         const gd = [...document.querySelectorAll('.jp-Notebook .js-plotly-plot')]
             .find(el => ((el.layout.title || {}).text ?? el.layout.title) === title);
         gd.scrollIntoView({block: 'center'});
         const full = gd._fullLayout, box = gd.getBoundingClientRect();
         // the lines shown (marks along the edges are on y2; a trace hidden from its legend is not shown)
-        const lines = gd.data.filter(t => (!t.yaxis || t.yaxis === 'y') && t.visible !== 'legendonly');
+        const shown = gd.data.filter(t => t.visible !== 'legendonly');
+        const lines = shown.filter(t => !t.yaxis || t.yaxis === 'y');
+        const axis = t => t.yaxis === 'y2' ? full.yaxis2 : full.yaxis;
         const pixel = (t, i) => ({x: box.left + full._size.l + full.xaxis.l2p(t.x[i]),
-                                  y: box.top + full._size.t + full.yaxis.l2p(t.y[i])});
+                                  y: box.top + full._size.t + axis(t).l2p(t.y[i])});
         const mine = lines.find(t => t.name === trace);
         if (!mine) return {gap: -1, traces: gd.data.map(t => [t.name, t.visible, t.yaxis])};
         let best = null;
         [...mine.x].forEach((step, i) => {
             if (mine.y[i] === null) return;
             const p = pixel(mine, i);
-            const gap = Math.min(1e9, ...lines.filter(t => t !== mine).map(t => {
+            // the flag and skip marks count too: a reward of 1.0 sits under the flags along the top
+            const gap = Math.min(1e9, ...shown.filter(t => t !== mine).map(t => {
                 const j = [...t.x].indexOf(step);
                 return j < 0 || t.y[j] === null ? 1e9 : Math.abs(pixel(t, j).y - p.y);
             }));
@@ -667,8 +670,7 @@ def click_point(page, title: str, trace: str) -> int:
     # entries, as a person does, slower than plotly's double click: two clicks on an entry within
     # 300 ms would show that entry alone), click, and show them again.
     plot = page.locator(".jp-Notebook .js-plotly-plot").filter(has=page.locator(".gtitle", has_text=title)).first
-    others = [e for e in plot.locator(".legend .traces").all()
-              if e.locator(".legendtext").text_content() != trace and "·" in e.locator(".legendtext").text_content()]
+    others = [e for e in plot.locator(".legend .traces").all() if e.locator(".legendtext").text_content() != trace]
     for entry in others:
         entry.locator(".legendtoggle").click()
         page.wait_for_timeout(500)
