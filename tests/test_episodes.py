@@ -171,6 +171,25 @@ def test_episodes_play_through_the_sdk_as_one_token_sequence(sampler, tokenizer,
     assert out.metrics["kl_sample_train:mean"] == pytest.approx(0.0, abs=2e-3)
 
 
+def test_a_demonstration_of_a_call_trains_what_an_episode_samples(tokenizer):
+    """common.chat_datum(..., tools=): a demonstration rendered as run_episodes renders its prompt (the tools
+    offered), weight 1 on the assistant's call and the end of its turn, 0 on everything before."""
+    from workbench.recipes import common
+
+    schemas = [Tool.of(calc).schema]
+    asked = [{"role": "user", "content": "What is 17*5+3?"}]
+    call = {"id": "call_0", "type": "function", "function": {"name": "calc", "arguments": json.dumps({"expression": "17*5+3"})}}
+    datum = common.chat_datum(tokenizer, asked + [{"role": "assistant", "content": "", "tool_calls": [call]}],
+                              train_on="last_assistant", tools=schemas)
+    prompt = tool_calls.render(tokenizer, asked, schemas)
+    tokens = datum.model_input.to_ints() + [int(datum.loss_fn_inputs["target_tokens"].data[-1])]
+    weights = np.asarray(datum.loss_fn_inputs["weights"].data)
+    assert tokens[:len(prompt)] == prompt and not weights[:len(prompt) - 1].any() and weights[len(prompt) - 1:].all()
+    trained = tokenizer.decode(tokens[len(prompt):])
+    assert trained.startswith("<tool_call>") and tool_calls.parse(trained.split("<|im_end|>")[0]).calls[0]["function"] == call["function"]
+    assert common.chat_datum(tokenizer, asked + [{"role": "assistant", "content": "88"}]).model_input.to_ints()[:len(prompt)] != prompt
+
+
 def test_group_advantages_and_a_tool_env():
     env = ToolEnv("What is 17*5+3?", check=lambda text: float("88" in text), tools=[Tool.of(calc)], system="Be brief.")
     assert env.reset()[0] == {"role": "system", "content": "Be brief."}

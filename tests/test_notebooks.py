@@ -850,3 +850,51 @@ def test_budget_notebook(lab, browser):
     assert loss["x"][-1] == pytest.approx(run_cost, rel=1e-9) and usage["cost"] == pytest.approx(run_cost, rel=1e-9)
     page.locator(".wb-dashboard").first.scroll_into_view_if_needed()
     page.screenshot(path=str(ARTIFACTS / "notebook-07_budget.png"))
+
+
+AGENT = {"sft_steps": 3, "steps": 4, "groups_per_batch": 4, "group_size": 4, "eval_prompts": 8, "max_turns": 2}
+
+
+def test_agent_tools_notebook(lab, browser):
+    """Multi-turn tool use, as notebook 08 teaches it: the base model never calls the calculator; three
+    steps of SFT on the call format; then RL on episodes (call, the calculator's answer, the reply) raises
+    the held-out reward. The plots show the reward and the tool calls and turns per episode at every step;
+    the cost per episode is printed; the inspector shows an episode turn by turn, the calculator's turns in
+    grey boxes with no token coloured and the policy's tokens coloured by logprob.
+    Screenshots: tests/_artifacts/agent-*.png."""
+    name = "08_agent_tools.ipynb"
+    (page,) = run_notebooks(lab, browser, [(name, AGENT)])
+    text = "\n".join(page.locator(".jp-Notebook .jp-OutputArea-output").all_text_contents())  # outputs, not sources
+    assert "Error: ZeroDivisionError: division by zero" in text and "Error: NameError" in text  # the tool's errors
+    base = re.findall(r"What is \d+\*\d+\? -> reward (\S+), (\d+) tool calls", text)
+    assert len(base) == 4 and all(calls == "0" for _, calls in base), base  # the base model never calls it
+    losses = [float(x) for x in re.findall(r"step \d: loss per call token (\S+)", text)]
+    assert len(losses) == AGENT["sft_steps"] and losses[-1] < losses[0] / 2, losses
+    before, after = map(float, re.search(r"held-out reward: (\S+) -> (\S+)", text).groups())
+    assert after >= before + 0.25, (before, after)  # by hand: 0.22 -> 0.97 (6 steps of 4x8), 0.25 -> 0.94 (4 of 4x4)
+    per_episode = re.search(r"(\d+) episodes, \$(\S+): \$(\S+) per episode", text)
+    played = AGENT["steps"] * AGENT["groups_per_batch"] * AGENT["group_size"] + 2 * AGENT["eval_prompts"] * 2
+    assert per_episode and int(per_episode[1]) == played, text[-2000:]
+    assert float(per_episode[3]) == pytest.approx(float(per_episode[2]) / played, rel=1e-2)
+
+    by_title = {p["title"]: p for p in plots(page)}
+    every = list(range(1, AGENT["steps"] + 1))
+    traces = {t["name"]: t["steps"] for t in by_title["per episode"]["traces"]}
+    assert traces["tool_calls"] == traces["turns"] == traces["tool_errors"] == every, traces
+    assert {t["name"]: t["steps"] for t in by_title["reward"]["traces"]}["reward"] == every
+
+    # The last cell's inspector: the best episode, turn by turn.
+    inspector = page.locator(".wb-rollouts").last
+    inspector.locator("tr[data-index]").first.click()
+    observation = inspector.locator('[data-role="observation"]')
+    eventually(lambda: observation.count() >= 1)
+    assert "<tool_response>" in observation.first.text_content()
+    assert observation.first.evaluate("e => getComputedStyle(e).backgroundColor") == "rgb(238, 241, 244)"
+    assert observation.locator(".wb-tok").count() == 0  # no logprob, no advantage: nothing coloured
+    shades = inspector.locator('[data-role="policy"] .wb-tok').evaluate_all(
+        "spans => spans.map(s => getComputedStyle(s).backgroundColor)")
+    assert shades and any(c != "rgba(0, 0, 0, 0)" for c in shades)
+    ARTIFACTS.mkdir(exist_ok=True)
+    inspector.scroll_into_view_if_needed()
+    inspector.screenshot(path=str(ARTIFACTS / "agent-episode.png"))
+    check_notebook(page, lab, name, AGENT["steps"], {LOSS, "reward", "per episode"})

@@ -26,6 +26,7 @@ import numpy as np
 import tinker
 from tinker import types
 
+from kernel_backend import tool_calls
 from kernel_backend.metering import KINDS, Prices, Usage
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -50,13 +51,18 @@ class BaseConfig:
     progress: bool = True            # a tqdm bar (tqdm.auto: a widget in notebooks)
     verbose: bool = True             # print the summary at the end
     run_name: str | None = None      # the run's name on dashboards and in the sidebar (its user_metadata "name")
+    load_checkpoint_path: str | None = None  # start from these weights (a tinker://.../weights/... path), e.g. an SFT warm-up's
 
 
 def training_client(service_client: tinker.ServiceClient, config: BaseConfig):
-    """The recipe's LoRA training run on config's base model, rank and seed, named `config.run_name` if set."""
+    """The recipe's LoRA training run on config's base model, rank and seed, named `config.run_name` if set;
+    from `config.load_checkpoint_path`'s weights if set (its rank, a fresh optimizer)."""
+    metadata = {"name": config.run_name} if config.run_name else None
+    if config.load_checkpoint_path:
+        return service_client.create_training_client_from_state(config.load_checkpoint_path,
+                                                                user_metadata=metadata).result()
     return service_client.create_lora_training_client(
-        base_model=config.base_model, rank=config.rank, seed=config.seed,
-        user_metadata={"name": config.run_name} if config.run_name else None).result()
+        base_model=config.base_model, rank=config.rank, seed=config.seed, user_metadata=metadata).result()
 
 
 def service_client_for(config: BaseConfig, service_client: tinker.ServiceClient | None) -> tinker.ServiceClient:
@@ -142,16 +148,27 @@ def user_prompt(tokenizer, question: str, system: str | None = None) -> list[int
     return render_prompt(tokenizer, messages)
 
 
-def chat_datum(tokenizer, messages: list[dict], train_on: str = "all_assistant") -> types.Datum:
+def chat_datum(tokenizer, messages: list[dict], train_on: str = "all_assistant",
+               tools: list[dict] | None = None) -> types.Datum:
     """A next-token Datum over the whole conversation, weight 1 on assistant tokens only.
 
     train_on: "all_assistant" (every assistant turn) or "last_assistant" (the final one only).
+    tools: JSON schemas offered in the prompt; assistant turns may then hold `tool_calls` and the
+    conversation `role: tool` messages, all written in the template's tool format (or the Hermes
+    fallback the server and workbench.episodes use), so a demonstration trains what a run samples.
     Each assistant turn's tokens are found by rendering the conversation up to it with and
     without it, so this works for any chat template whose renderings are prefixes of each other.
     """
     if train_on not in ("all_assistant", "last_assistant"):
         raise ValueError(f"train_on must be 'all_assistant' or 'last_assistant', not {train_on!r}")
-    full = token_ids(tokenizer.apply_chat_template(messages))
+
+    def render(turns: list[dict], add_generation_prompt: bool = False) -> list[int]:
+        if tools is None:
+            return token_ids(tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt))
+        text = tool_calls.render_text(tokenizer, turns, tools, add_generation_prompt=add_generation_prompt)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    full = render(messages)
     weights = np.zeros(len(full), dtype=np.float32)  # weight of each token as a *target*
     assistant_turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not assistant_turns:
@@ -159,8 +176,8 @@ def chat_datum(tokenizer, messages: list[dict], train_on: str = "all_assistant")
     if train_on == "last_assistant":
         assistant_turns = assistant_turns[-1:]
     for i in assistant_turns:
-        before = render_prompt(tokenizer, messages[:i])
-        upto = token_ids(tokenizer.apply_chat_template(messages[: i + 1]))
+        before = render(messages[:i], add_generation_prompt=True)
+        upto = render(messages[: i + 1])
         if full[: len(before)] != before or full[: len(upto)] != upto:
             raise ValueError("the chat template does not render conversations as prefixes of each other")
         weights[len(before) : len(upto)] = 1.0
