@@ -55,7 +55,7 @@ def vllm_server(vllm_python, tmp_path_factory, stepwise_home):
                                                         hidden_size=128)
             for architecture in OTHER_FAMILIES]
     # Every adapter here has rank 8 or less: vLLM-CPU's LoRA kernels cost with the largest rank they allow
-    # (4x8 tokens with a rank-8 adapter: 7 s at max_lora_rank 32, 4 s at 8; 2.3 s with none).
+    # (4x8 tokens through a rank-8 adapter: 6.6 s at max_lora_rank 32, 2.6 s at 8; bench/vllm_lora_rank.py).
     env = {"STEPWISE_SAMPLER": "vllm", "STEPWISE_VLLM_CHECK_LOGPROBS": "1", "STEPWISE_VLLM_MAX_ADAPTERS": "2",
            "STEPWISE_VLLM_MAX_LORA_RANK": "8",
            **({"STEPWISE_BASE_MODELS": ",".join(tiny)} if tiny else {})}
