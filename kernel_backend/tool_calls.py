@@ -123,10 +123,12 @@ def knows_tools(tokenizer) -> bool:
     return True
 
 
-def render(tokenizer, messages: list[dict], tools: list[dict] | None, prefill: str = "") -> list[int]:
+def render(tokenizer, messages: list[dict], tools: list[dict] | None, prefill: str = "",
+           add_generation_prompt: bool = True) -> list[int]:
     """The prompt's tokens: the conversation with the tools offered, the assistant's turn opened (and
-    started with `prefill`)."""
-    return tokenizer(render_text(tokenizer, messages, tools) + prefill, add_special_tokens=False)["input_ids"]
+    started with `prefill`); without add_generation_prompt, the conversation alone (a training example's)."""
+    text = render_text(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt)
+    return tokenizer(text + prefill, add_special_tokens=False)["input_ids"]
 
 
 def render_text(tokenizer, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool = True) -> str:

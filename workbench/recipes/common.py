@@ -165,8 +165,7 @@ def chat_datum(tokenizer, messages: list[dict], train_on: str = "all_assistant",
     def render(turns: list[dict], add_generation_prompt: bool = False) -> list[int]:
         if tools is None:
             return token_ids(tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt))
-        text = tool_calls.render_text(tokenizer, turns, tools, add_generation_prompt=add_generation_prompt)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return tool_calls.render(tokenizer, turns, tools, add_generation_prompt=add_generation_prompt)
 
     full = render(messages)
     weights = np.zeros(len(full), dtype=np.float32)  # weight of each token as a *target*
