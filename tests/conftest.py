@@ -26,6 +26,12 @@ import os
 # run) spinning threads make each training step 5-10x slower; on a quiet one this costs ~nothing.
 # Subprocesses the tests start (backend servers) inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Under `make test`'s xdist workers, one per core: each worker and the processes it starts (backend servers, the
+# lab's backend, notebook kernels) compute on one torch thread. Two workers' servers with two threads each on two
+# cores wait on each other at every parallel op; a decode step under such load ran 1.25x faster on one thread.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _workers:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
 
 import atexit  # noqa: E402
 import shutil  # noqa: E402
