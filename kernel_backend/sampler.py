@@ -336,8 +336,10 @@ class Decoder:
         self.windows = families.sliding_windows(config)  # each layer's sliding window (None: all it has seen)
         self.softcap = families.attention_softcap(config)  # Gemma 2 caps attention scores
         self.cache = KVCache(config.num_hidden_layers, self.kv_heads, self.head_dim, model.dtype, model.device, budget_tokens)
-        # Finished prompts' keys and values, for later prompts that start the same way; a 32nd of the budget.
-        self.prefixes = prefix_cache.PrefixCache(budget_tokens // 32)
+        # Finished prompts' keys and values, for later prompts that start the same way; an 8th of the budget: room
+        # for every episode of a multi-turn batch (each keeps its latest prompt, which the next turn extends; the
+        # cookbook's guess_number, 16 episodes of up to ~600 tokens, thrashed a 32nd).
+        self.prefixes = prefix_cache.PrefixCache(budget_tokens // 8)
         self.waiting: list[_Active] = []  # admitted, prefill not finished (FIFO)
         self.rows: list[_Row] = []  # decoding, row i in cache row i
         self.peak_rows = 0  # the most rows one decode step has run, since the start

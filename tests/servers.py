@@ -51,8 +51,9 @@ class Server:
 
 
 def start_server(home: Path, env: dict[str, str] | None = None, timeout: float = 180, host: str = "127.0.0.1",
-                 port: int | None = None) -> Server:
-    """A backend on `port` (default: a free one); `port` lets a test start it again where its clients look."""
+                 port: int | None = None, repo: Path = REPO) -> Server:
+    """A backend on `port` (default: a free one); `port` lets a test start it again where its clients look.
+    `repo`: the checkout whose kernel_backend runs (a benchmark's older worktree)."""
     port = port or free_port()
     log_path = home / f"server-{port}.log"
     api_key = (env or {}).get("STEPWISE_LOCAL_KEY", "tml-test-key")
@@ -62,7 +63,7 @@ def start_server(home: Path, env: dict[str, str] | None = None, timeout: float =
     log = open(log_path, "a")  # a restart on the same port adds to the same log
     process = subprocess.Popen(
         [sys.executable, "-m", "kernel_backend", "serve", "--host", host, "--port", str(port)],
-        cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+        cwd=repo, env=full_env, stdout=log, stderr=subprocess.STDOUT,
     )
     base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
