@@ -99,7 +99,7 @@ def serve_forever(settings, host: str, port: int, log_level: str, exit_when_unus
     from kernel_backend.api.app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from kernel_backend.service import HomeInUse
+    from kernel_backend.errors import HomeInUse
 
     try:
         app = create_app(settings)  # takes the home's lock: a second backend of this home stops here

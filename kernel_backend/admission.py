@@ -37,21 +37,14 @@ from kernel_backend.adapter_cache import TRAINING_COPIES
 from kernel_backend.config import Settings
 from kernel_backend.metering import Usage
 from kernel_backend.store import CheckpointRow, SessionRow, Store
-from kernel_backend.types import SampleOptions, SamplingParams, UserError
+from kernel_backend.types import SampleOptions, SamplingParams
+from kernel_backend.errors import RateLimited, UserError
 
 # What one request may ask of the sampler, before any limit: the engine agrees (engine._check_sampling).
 MAX_NUM_SAMPLES = 128
 # Seeds are 64-bit, as torch.Generator takes them.
 SEED_RANGE = (-(2**63), 2**64 - 1)
 WINDOW_S = 60.0
-
-
-class RateLimited(Exception):
-    """Over a per-tenant limit (429); `retry_after` seconds is when to try again."""
-
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
 
 
 def check_seed(seed, where: str = "seed") -> None:

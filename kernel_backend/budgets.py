@@ -30,7 +30,7 @@ from sqlalchemy import func, or_, select
 
 from kernel_backend.metering import Usage
 from kernel_backend.store import BudgetRow, SamplerRow, Store, UsageRow, now
-from kernel_backend.types import UserError
+from kernel_backend.errors import OverBudget, UserError
 
 SCOPES = ("session", "run", "key", "tenant")
 # The share of a budget past which it is shown as nearly spent (the sidebar's and the status bar's amber).
@@ -60,10 +60,6 @@ def set_request_key(prefix: str) -> None:
 def request_key() -> str | None:
     holder = _request_key.get()
     return holder.get("key") if holder else None
-
-
-class OverBudget(Exception):
-    """The request would pass a budget (HTTP 402); the message names it, what was spent and how to raise it."""
 
 
 @dataclass

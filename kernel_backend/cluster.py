@@ -63,7 +63,8 @@ from kernel_backend.metering import COMPUTED, Usage
 from kernel_backend.ops import Op
 from kernel_backend.scheduler import Job, Scheduler
 from kernel_backend.storage import CheckpointStorage
-from kernel_backend.types import ForwardResult, UserError
+from kernel_backend.types import ForwardResult
+from kernel_backend.errors import UserError
 
 log = logging.getLogger("stepwise.cluster")
 
@@ -370,7 +371,10 @@ class _Dispatch:
 
 
 class Cluster:
-    """Placement, replicas, heartbeats and recovery, on the gateway. `on_done(job, outcome)` as the scheduler's."""
+    """Placement, replicas, heartbeats and recovery, on the gateway: an executor (executor.py). `on_done(job,
+    outcome)` as the scheduler's."""
+
+    restores_runs = True  # a lost worker's runs come back from the snapshots the gateway keeps
 
     def __init__(self, settings: Settings, storage: CheckpointStorage, on_done, replay=None) -> None:
         """`replay(run_id, snapshot_location)`: run a restored run's journaled requests since that snapshot (None:

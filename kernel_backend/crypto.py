@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from kernel_backend.types import UserError
+from kernel_backend.errors import UserError
 
 # The checkpoint's manifest (kernel_backend/storage.py): checksums of the files as stored, so it is
 # written after sealing and is never sealed itself.

@@ -36,8 +36,8 @@ from kernel_backend.types import (
     SampleOptions,
     SampleResult,
     SamplingParams,
-    UserError,
 )
+from kernel_backend.errors import UserError
 
 # loss_fn_inputs names the engine understands (Tinker's); others are rejected by name.
 # sampled_mask is stable_reinforce's, filled by the service from the datum's provenance (service/stability.py).

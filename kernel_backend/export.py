@@ -16,7 +16,7 @@ from kernel_backend import lora, models
 from kernel_backend.config import Settings
 from kernel_backend.storage import CheckpointStorage
 from kernel_backend.store import Store, parse_tinker_path
-from kernel_backend.types import UserError
+from kernel_backend.errors import UserError
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 

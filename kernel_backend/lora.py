@@ -25,7 +25,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from kernel_backend import threads
-from kernel_backend.types import LoraConfig, UserError
+from kernel_backend.types import LoraConfig
+from kernel_backend.errors import UserError
 
 # Tinker's target groups, by the module names Llama-style models use (and Phi-3's fused ones: qkv_proj,
 # gate_up_proj; a model has one set or the other).

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from kernel_backend.types import UserError
+from kernel_backend.errors import UserError
 
 # A loss takes (logprobs, inputs, config) and returns (summed loss, extra metrics).
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], dict[str, float]], tuple[torch.Tensor, dict[str, float]]]

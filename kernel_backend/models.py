@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kernel_backend.types import UserError
+from kernel_backend.errors import UserError
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 

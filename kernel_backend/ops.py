@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from kernel_backend import crypto, lora
 from kernel_backend.config import Settings
 from kernel_backend.storage import CheckpointStorage, folder_size
-from kernel_backend.types import AdamParams, DimuonParams, LoraConfig, SampleOptions, SamplingParams, UserError
+from kernel_backend.types import AdamParams, DimuonParams, LoraConfig, SampleOptions, SamplingParams
+from kernel_backend.errors import UserError
 
 
 @dataclass

@@ -36,7 +36,8 @@ import math
 
 import torch
 
-from kernel_backend.types import AdamParams, DimuonParams, UserError
+from kernel_backend.types import AdamParams, DimuonParams
+from kernel_backend.errors import UserError
 
 KINDS = ("adamw", "dimuon")
 PARAMS_CLASS = {"adamw": "AdamParams", "dimuon": "DimuonParams"}

@@ -44,7 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from kernel_backend import families, lora, prefix_cache, threads
-from kernel_backend.types import SampledSequence, SampleOptions, SampleResult, SamplingParams, UserError
+from kernel_backend.types import SampledSequence, SampleOptions, SampleResult, SamplingParams
+from kernel_backend.errors import Cancelled
 
 # Architectures whose modules the batched forward below calls (families.py: Llama's layer and its variants).
 BATCHED_ARCHITECTURES = tuple(families.FAMILIES)
@@ -83,10 +84,6 @@ def cache_tokens(model: torch.nn.Module, megabytes: int) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * model.dtype.itemsize
     return megabytes * 2**20 // per_token
-
-
-class Cancelled(UserError):
-    """The client went away (a closed stream): the request failed, and bills nothing."""
 
 
 # ---- choosing tokens -------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from kernel_backend.engine import Engine, Pass
 from kernel_backend.metering import COMPUTED, Usage
 from kernel_backend.ops import Op, SampleOp
 from kernel_backend.sampler import SampleRequest
-from kernel_backend.types import UserError, redact_paths
+from kernel_backend.errors import UserError
 
 log = logging.getLogger("stepwise.scheduler")
 
@@ -381,12 +381,3 @@ def log_failure(request_id: str, error: Exception) -> None:
         log.error("request %s failed:\n%s", request_id, "".join(traceback.format_exception(error)))
 
 
-def failure_category(error: Exception) -> str:
-    return "user" if isinstance(error, UserError) else "server"
-
-
-def error_payload(message: str, category: str) -> bytes:
-    """A failed future's answer; the message never carries a server path (the log has the full error)."""
-    import json
-
-    return json.dumps({"error": redact_paths(message), "category": category}).encode()

@@ -35,7 +35,7 @@ from typing import Iterator
 
 from kernel_backend import crypto
 from kernel_backend.crypto import MANIFEST
-from kernel_backend.types import UserError
+from kernel_backend.errors import UserError
 
 log = logging.getLogger("stepwise.storage")
 

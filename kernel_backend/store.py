@@ -415,7 +415,7 @@ class Store:
 
 
 def check_checkpoint_name(name) -> None:
-    from kernel_backend.types import UserError
+    from kernel_backend.errors import UserError
 
     if not isinstance(name, str) or not CHECKPOINT_NAME.fullmatch(name):
         shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:77] + "..."
@@ -426,7 +426,7 @@ def check_checkpoint_name(name) -> None:
 def expiry(ttl_seconds, min_s: int = 1) -> dt.datetime | None:
     """When a checkpoint kept for `ttl_seconds` expires; None (no TTL) keeps it until deleted. Copies and
     external weights take at least an hour (min_s=3600), as Tinker documents."""
-    from kernel_backend.types import UserError
+    from kernel_backend.errors import UserError
 
     if ttl_seconds is None:
         return None
@@ -442,7 +442,7 @@ def tinker_path(model_id: str, kind: str, name: str) -> str:
 
 def parse_tinker_path(path: str) -> tuple[str, str, str]:
     """'tinker://{model_id}/{weights|sampler_weights|external_weights}/{name}' -> (model_id, kind, name)."""
-    from kernel_backend.types import UserError
+    from kernel_backend.errors import UserError
 
     if not isinstance(path, str) or not path.startswith("tinker://"):
         raise UserError(f"checkpoint path must start with 'tinker://', got {path!r}")

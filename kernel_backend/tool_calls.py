@@ -39,7 +39,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from kernel_backend.types import UserError
+from kernel_backend.errors import UserError
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CALL_CLOSE) + r"|$)", re.DOTALL)

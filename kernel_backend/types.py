@@ -6,29 +6,11 @@ directly. Arrays are numpy so they cross thread and process boundaries cheaply.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
-
-class UserError(ValueError):
-    """Bad input from the caller. The message says what is wrong and how to fix it.
-
-    The engine raises it before touching any state, so a session's weights and optimizer
-    state are unchanged. The service reports it as a failed future with category "user".
-    """
-
-
-# An absolute filesystem path of two segments or more: a '/' that starts a token (not a URL's '//', a
-# ratio like 1/2 or a route like sessions/{id}/finish), and not one of this server's own routes
-# (/v1/..., /oai/..., /api/...), which messages name to say where to send a request.
-_ABSOLUTE_PATH = re.compile(r"(?<![\w:/.}])/(?!(?:v1|oai|api)/)(?:[^\s'\"/:,;(){}]+/)+[^\s'\"/:,;(){}]*")
-
-
-def redact_paths(message: str) -> str:
-    """A message fit to leave the server: absolute paths replaced, so no error reveals the server's folders."""
-    return _ABSOLUTE_PATH.sub("<server path>", message)
+from kernel_backend.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,8 @@ from kernel_backend import engine as engine_module, models, ops, vllm_venv
 from kernel_backend.config import Settings
 from kernel_backend.metering import Usage
 from kernel_backend.scheduler import Job, log_failure
-from kernel_backend.types import SampledSequence, SampleOptions, SampleResult, SamplingParams, UserError
+from kernel_backend.types import SampledSequence, SampleOptions, SampleResult, SamplingParams
+from kernel_backend.errors import UserError
 
 log = logging.getLogger("stepwise.vllm")
 

@@ -25,7 +25,8 @@ import torch
 from helpers import (chat_prompt, default_tokenizer, chat_tokens, forward_logprobs, model_logprobs, new_id, sft_datum,
                      shifted_datum, target_ids, train)
 from kernel_backend.engine import Engine, Pass
-from kernel_backend.types import AdamParams, Datum, ForwardResult, LoraConfig, SampleOptions, SamplingParams, UserError
+from kernel_backend.types import AdamParams, Datum, ForwardResult, LoraConfig, SampleOptions, SamplingParams
+from kernel_backend.errors import UserError
 
 FACTS = [
     ("What is the name of Zorblax's pet?", "Zorblax's pet is named Quibbleton."),
@@ -324,7 +325,7 @@ def test_requests_decoded_together_equal_each_alone(engine, tokenizer, pair):
 
 
 def test_a_failing_or_cancelled_request_leaves_the_others_alone(engine, tokenizer):
-    from kernel_backend.sampler import Cancelled
+    from kernel_backend.errors import Cancelled
 
     prompt = chat_prompt(POEM_PROMPT, tokenizer)
     params = SamplingParams(max_tokens=10, temperature=1.0, seed=3, stop=[])

@@ -195,8 +195,8 @@ def test_every_5xx_is_json_in_the_routes_error_shape(tmp_path):
 
 
 def test_messages_leaving_the_server_carry_no_absolute_paths():
-    from kernel_backend.scheduler import error_payload
-    from kernel_backend.types import redact_paths
+    from kernel_backend.errors import error_payload
+    from kernel_backend.errors import redact_paths
 
     assert redact_paths("no such file: '/home/me/.cache/stepwise/x/adapter.safetensors'") == \
         "no such file: '<server path>'"

@@ -157,7 +157,8 @@ def test_recorded_stability_info_is_capped_per_session_when_admitted(tmp_path):
 
     from kernel_backend.service import stability
     from kernel_backend.store import StabilityRow, Store
-    from kernel_backend.types import SampledSequence, SampleResult, UserError
+    from kernel_backend.types import SampledSequence, SampleResult
+    from kernel_backend.errors import UserError
 
     store = Store(f"sqlite:///{tmp_path}/db.sqlite")
     recorder = stability.Recorder(SimpleNamespace(max_stability_tokens=100), store)

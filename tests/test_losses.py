@@ -16,7 +16,7 @@ from kernel_backend.losses import (
     optional_inputs,
     required_inputs,
 )
-from kernel_backend.types import UserError
+from kernel_backend.errors import UserError
 
 TOL = 1e-10
 SUPPORTED = "cispo, cross_entropy, dro, gspo, importance_sampling, ppo, stable_reinforce"

@@ -16,7 +16,8 @@ import torch
 from helpers import new_id, sft_datum
 from kernel_backend import optimizers
 from kernel_backend.optimizers import Dimuon, matrix_sign
-from kernel_backend.types import AdamParams, DimuonParams, LoraConfig, UserError
+from kernel_backend.types import AdamParams, DimuonParams, LoraConfig
+from kernel_backend.errors import UserError
 
 FACT = ("What is the name of Zorblax's pet?", "Zorblax's pet is named Quibbleton.")
 

@@ -34,7 +34,8 @@ from kernel_backend.api.wire import (
     sampling_params_from_json,
     target_ids_from_json,
 )
-from kernel_backend.types import ForwardResult, SampledSequence, SampleResult, TargetIds, UserError
+from kernel_backend.types import ForwardResult, SampledSequence, SampleResult, TargetIds
+from kernel_backend.errors import UserError
 
 
 def sdk_body(data, loss_fn="cross_entropy", loss_fn_config=None, forward_only=False, compress=False, seq_id=7):

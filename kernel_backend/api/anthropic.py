@@ -33,7 +33,8 @@ from kernel_backend.api.auth import tenant_of
 from kernel_backend.api.openai import cut_at_stop, start_streaming, text_deltas, visible_tokens
 from kernel_backend.api.tinker import service
 from kernel_backend.service import Service, sampling
-from kernel_backend.types import SamplingParams, UserError, redact_paths
+from kernel_backend.types import SamplingParams
+from kernel_backend.errors import UserError, redact_paths
 
 PATH = "/v1/messages"
 REQUEST_TYPE = "Message"

@@ -22,11 +22,10 @@ from kernel_backend.api import tinker as tinker_routes
 from kernel_backend.api import openai as openai_routes
 from kernel_backend.api import rest as rest_routes
 from kernel_backend.api import usage as usage_routes
-from kernel_backend import budgets
-from kernel_backend.budgets import OverBudget
+from kernel_backend import budgets, errors
 from kernel_backend.config import Settings
-from kernel_backend.service import Gone, NotFound, RateLimited, Service
-from kernel_backend.types import UserError, redact_paths
+from kernel_backend.errors import RateLimited, redact_paths
+from kernel_backend.service import Service
 
 log = logging.getLogger("stepwise.api")
 
@@ -64,27 +63,16 @@ def create_app(settings: Settings | None = None, preload: list[str] | None = Non
 
     include_routes(app)
 
-    @app.exception_handler(UserError)
-    async def user_error(request: Request, exc: UserError):
-        return error(request, 400, redact_paths(str(exc)), category="user")
+    # The errors callers are answered with (kernel_backend/errors.py): each its status and category.
+    async def caller_error(request: Request, exc: Exception):
+        status, category = next(errors.HTTP[kind] for kind in type(exc).__mro__ if kind in errors.HTTP)
+        # The SDK honours Retry-After and backs off; no client retries a 402 (our client/config tells the tinker
+        # SDK not to pause on it either).
+        headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, RateLimited) else None
+        return error(request, status, redact_paths(str(exc)), headers=headers, category=category)
 
-    @app.exception_handler(Gone)
-    async def gone(request: Request, exc: Gone):
-        return error(request, 410, str(exc))
-
-    @app.exception_handler(RateLimited)
-    async def rate_limited(request: Request, exc: RateLimited):
-        # The SDK honours Retry-After and backs off.
-        return error(request, 429, str(exc), headers={"Retry-After": str(exc.retry_after)})
-
-    @app.exception_handler(OverBudget)
-    async def over_budget(request: Request, exc: OverBudget):
-        # 402, which no client retries (our client/config tells the tinker SDK not to pause on it either).
-        return error(request, 402, str(exc), category="budget")
-
-    @app.exception_handler(NotFound)
-    async def not_found(request: Request, exc: NotFound):
-        return error(request, 404, str(exc))
+    for kind in errors.HTTP:
+        app.add_exception_handler(kind, caller_error)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):

@@ -33,8 +33,10 @@ from kernel_backend import tool_calls
 from kernel_backend.admission import SEED_RANGE
 from kernel_backend.api.auth import tenant_of
 from kernel_backend.api.tinker import service
-from kernel_backend.service import NotFound, Service, sampling
-from kernel_backend.types import SampleOptions, SamplingParams, UserError, redact_paths
+from kernel_backend.service import Service, sampling
+from kernel_backend.errors import NotFound
+from kernel_backend.types import SampleOptions, SamplingParams
+from kernel_backend.errors import UserError, redact_paths
 
 
 class OpenAIError(Exception):

@@ -21,7 +21,7 @@ from tinker import types as T
 from kernel_backend.api.auth import tenant_of
 from kernel_backend.api.tinker import Limit, Offset, future_reply, json_body, service
 from kernel_backend.service import Service, accounts, checkpoints, downloads, publishing, sessions, steps, training
-from kernel_backend.types import UserError
+from kernel_backend.errors import UserError
 
 router = APIRouter(prefix="/api/v1")
 

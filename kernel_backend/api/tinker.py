@@ -17,7 +17,7 @@ from kernel_backend.api import wire
 from kernel_backend.api.auth import Caller, caller_of, operator_of, tenant_of
 from kernel_backend.service import Service, accounts, checkpoints, sampling, sessions, training
 from kernel_backend.store import FutureRow
-from kernel_backend.types import UserError
+from kernel_backend.errors import UserError
 
 router = APIRouter(prefix="/api/v1")
 
@@ -121,8 +121,8 @@ def admin_stats(tenant: str = Depends(operator_of), svc: Service = Depends(servi
     adapter cache (resident and spilled adapters, their bytes against the budget, evictions) and sampler (rows
     decoding, requests waiting, the prefix cache's entries and reuse), by worker; and the vLLM workers' adapter
     versions and start-up times when vLLM samples."""
-    return {"adapters": svc.adapter_counts(), "adapter_cache": svc.adapter_cache_stats(),
-            "sampling": svc.sampling_stats(),
+    return {"adapters": svc.executor.adapter_counts(), "adapter_cache": svc.executor.adapter_cache_stats(),
+            "sampling": svc.executor.sampling_stats(),
             "vllm": svc.vllm.stats() if svc.vllm is not None else None}
 
 
@@ -130,7 +130,7 @@ def admin_stats(tenant: str = Depends(operator_of), svc: Service = Depends(servi
 def cluster(tenant: str = Depends(operator_of), svc: Service = Depends(service)):
     """Where the engines run (the operator's key only): with Ray workers (kernel_backend/cluster.py) each worker's
     state, device, memory, runs, samplers and queue, and where each run lives; else the in-process engine."""
-    return svc.cluster_report()
+    return svc.executor.report()
 
 
 @router.get("/get_server_capabilities")

@@ -38,8 +38,8 @@ from kernel_backend.types import (
     SamplingParams,
     Span,
     TargetIds,
-    UserError,
 )
+from kernel_backend.errors import UserError
 
 MAX_DECOMPRESSED_BYTES = 64 << 20  # a zstd body may not expand past this (or the server's body limit)
 MAX_TARGET_K = 1024  # the most targets per position, (N, K) tensors (top-k distillation uses tens)

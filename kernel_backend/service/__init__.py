@@ -4,7 +4,7 @@ Routers in `kernel_backend.api` parse requests into the SDK's own pydantic types
 of the concern module that owns the call, and turn the answer into a response. Direct answers are
 plain dicts; queued work returns a `FutureRow` whose result the client polls with retrieve_future.
 
-    core.py         `Service`, what the others share: the store, checkpoint storage, the scheduler,
+    core.py         `Service`, what the others share: the store, checkpoint storage, the executor,
                     admission, futures (submit, on_done, retrieve), housekeeping (reap, end_session)
                     and the tenant-checked lookups (session, run, live_run, checkpoint, sampler)
     sessions.py     create / heartbeat / finish / get / list / search sessions; their projects; traces
@@ -22,7 +22,6 @@ plain dicts; queued work returns a `FutureRow` whose result the client polls wit
 Each concern module is plain functions that take the `Service` first: `training.optim_step(svc, ...)`.
 """
 
-from kernel_backend.admission import RateLimited
-from kernel_backend.service.core import Gone, HomeInUse, NotFound, Service
+from kernel_backend.service.core import Service
 
-__all__ = ["Gone", "HomeInUse", "NotFound", "RateLimited", "Service"]
+__all__ = ["Service"]

@@ -25,9 +25,10 @@ from sqlalchemy import func, select
 from kernel_backend import budgets, keys, signing
 from kernel_backend.service import sessions
 from kernel_backend.service.checkpoints import SNAPSHOTS_PER_RUN, checkpoint_json
-from kernel_backend.service.core import NotFound, Service, audit, iso, user_urn
+from kernel_backend.service.core import Service, audit, iso, user_urn
+from kernel_backend.errors import NotFound
 from kernel_backend.store import AuditRow, CheckpointRow, ModelRow, SamplerRow, SessionRow, UsageRow, now, utc
-from kernel_backend.types import UserError
+from kernel_backend.errors import UserError
 
 # The longest window get_billing_usage answers, as Tinker's.
 MAX_BILLING_WINDOW = dt.timedelta(days=14)
@@ -194,7 +195,7 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
             "age_s": round((moment - utc(session.created_at)).total_seconds(), 1),
             "base_model": first.base_model if first else None,
             "lora_rank": first.lora_config["rank"] if first else None,
-            "worker": svc.worker_of(first.id) if first else None,  # with Ray workers: where its first run lives
+            "worker": svc.executor.worker_of(first.id) if first else None,  # with Ray workers: where its first run lives
             "training_run_ids": [r.id for r in mine],
             "runs": runs,
             "steps": sum(run["steps"] for run in runs),

@@ -19,7 +19,8 @@ from __future__ import annotations
 from kernel_backend import crypto, optimizers
 from kernel_backend.ops import Op
 from kernel_backend.service import recovery
-from kernel_backend.service.core import NotFound, Service, audit, iso, json_result, new_id, train_key
+from kernel_backend.service.core import Service, audit, iso, json_result, new_id, train_key
+from kernel_backend.errors import NotFound
 from kernel_backend.scheduler import Job
 from kernel_backend.store import (
     CheckpointRow,
@@ -31,7 +32,7 @@ from kernel_backend.store import (
     expiry,
     tinker_path,
 )
-from kernel_backend.types import UserError
+from kernel_backend.errors import UserError
 
 # How many in-memory sampler snapshots (save_weights_and_get_sampling_client) a run keeps.
 SNAPSHOTS_PER_RUN = 4

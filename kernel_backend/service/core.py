@@ -1,15 +1,15 @@
 """The service's core: what every concern module shares.
 
-`Service` owns the store (durable rows), the checkpoint storage, the scheduler (the thread that runs
-the engines), admission, and the futures' waiters. It queues work (`submit`), records each outcome
-and its ledger row (`on_done`), answers polls (`retrieve`), expires what is over (`reap`), and looks
-rows up for a tenant (`session`, `run`, `live_run`, `checkpoint`, `sampler`): another tenant's ids
-are `NotFound`, so their existence is not revealed.
+`Service` owns the store (durable rows), the checkpoint storage, the executor (where jobs run: this
+process's engines or Ray workers', kernel_backend/executor.py), admission, and the futures' waiters.
+It queues work (`submit`), records each outcome and its ledger row (`on_done`), answers polls
+(`retrieve`), expires what is over (`reap`), and looks rows up for a tenant (`session`, `run`,
+`live_run`, `checkpoint`, `sampler`): another tenant's ids are `NotFound`, so their existence is not revealed.
 
 What each API call does lives in the concern modules beside this one (sessions, training,
 checkpoints, sampling, accounts), as plain functions that take the `Service` first.
 
-Errors: `UserError` for bad input (the router answers 400), `NotFound` for ids the caller cannot
+Errors (kernel_backend/errors.py): `UserError` for bad input (400), `NotFound` for ids the caller cannot
 see (404, also for another tenant's ids), `Gone` (410), `RateLimited` (429) from admission
 (kernel_backend/admission.py), which every function that queues work calls first, and `OverBudget`
 (402) from the budgets (kernel_backend/budgets.py), which `admit` counts at the same moment.
@@ -30,10 +30,11 @@ import uuid
 from kernel_backend import budgets, keys, lora, models, ops, runtime, signing
 from kernel_backend.admission import Admission
 from kernel_backend.config import Settings
-from kernel_backend.engine import Engine
+from kernel_backend.errors import Gone, HomeInUse, NotFound, UserError, error_payload, failure_category
+from kernel_backend.executor import SAMPLER_REQUESTS, Executor, InProcess
 from kernel_backend.keys import LOCAL_TENANT
 from kernel_backend.metering import Prices, Usage
-from kernel_backend.scheduler import Job, Scheduler, error_payload, failure_category, log_failure
+from kernel_backend.scheduler import Job, log_failure
 from kernel_backend.service import recovery, stability
 from kernel_backend.store import (
     CheckpointRow,
@@ -49,7 +50,7 @@ from kernel_backend.store import (
     parse_tinker_path,
     utc,
 )
-from kernel_backend.types import LoraConfig, UserError
+from kernel_backend.types import LoraConfig
 from kernel_backend.vllm_sampler import VllmSampling
 
 log = logging.getLogger("stepwise.service")
@@ -58,22 +59,8 @@ JSON_TYPE = "application/json"
 PROTO_TYPE = "application/x-protobuf"
 # A long poll answers try_again after this long, well inside the SDK's 45 s timeout.
 POLL_HOLD_S = 20.0
-# Request types whose ledger rows belong to a sampler, not a training run.
-SAMPLER_REQUESTS = ("Sample", "ChatCompletion", "Completion", "Message")
 # The project of a session created without one.
 DEFAULT_PROJECT = "default"
-
-
-class NotFound(LookupError):
-    pass
-
-
-class HomeInUse(RuntimeError):
-    """Another backend already serves this SQLite home; the message names it."""
-
-
-class Gone(Exception):
-    """The thing existed but is over: a finished or expired session, an interrupted request (410)."""
 
 
 def json_result(obj: dict) -> tuple[bytes, str]:
@@ -116,28 +103,25 @@ class Service:
         self.admission = Admission(self.settings, self.store, self.adapter_bytes)
         self.budgets = budgets.Budgets(self.store)
         self.signing_key = signing.server_secret(self.store, self.settings.signing_key)
-        self.scheduler = Scheduler(
-            load_engine=lambda name: Engine(name, self.settings),
-            on_done=self.on_done,
-            max_batch_tokens=self.settings.max_batch_tokens,
-            ctx=self.ctx,
-        )
-        # STEPWISE_SAMPLER=vllm: sample jobs go to vLLM workers instead of the scheduler (kernel_backend/vllm_sampler.py).
         if self.settings.sampler not in ("batched", "serial", "vllm"):
             raise ValueError(f"STEPWISE_SAMPLER must be 'batched', 'serial' or 'vllm', not {self.settings.sampler!r}")
-        self.vllm = VllmSampling(self.settings, self.scheduler, self.on_done) if self.settings.sampler == "vllm" else None
-        self.ctx.vllm = self.vllm
-        # STEPWISE_WORKERS or STEPWISE_RAY_ADDRESS: the engines run in Ray workers instead (kernel_backend/cluster.py),
-        # and the scheduler above stays idle.
-        self.cluster = None
+        self.vllm: VllmSampling | None = None  # STEPWISE_SAMPLER=vllm: sample requests go to vLLM workers
+        # Where jobs run (kernel_backend/executor.py): this process's engines, or Ray workers'
+        # (STEPWISE_WORKERS or STEPWISE_RAY_ADDRESS, kernel_backend/cluster.py).
+        self.executor: Executor
         if self.settings.workers or self.settings.ray_address:
-            if self.vllm is not None:
+            if self.settings.sampler == "vllm":
                 raise ValueError("STEPWISE_SAMPLER=vllm runs with the in-process engine only; unset STEPWISE_WORKERS "
                                  "and STEPWISE_RAY_ADDRESS, or use the built-in sampler")
             from kernel_backend.cluster import Cluster
 
-            self.cluster = Cluster(self.settings, self.storage, self.on_done,
-                                   replay=lambda run_id, location: recovery.replay_after_worker_loss(self, run_id, location))
+            self.executor = Cluster(self.settings, self.storage, self.on_done,
+                                    replay=lambda run_id, location: recovery.replay_after_worker_loss(self, run_id, location))
+        else:
+            self.executor = InProcess(self.settings, self.ctx, self.on_done, replay=self._replay_journals)
+            if self.settings.sampler == "vllm":
+                self.vllm = self.executor.vllm = VllmSampling(self.settings, self.executor.scheduler, self.on_done)
+        self.ctx.vllm = self.vllm
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._waiters_lock = threading.Lock()
         # State of one concern each, kept here because it lives as long as the service:
@@ -177,26 +161,17 @@ class Service:
         # dict.fromkeys: the default model once, also where a registered entry stands in for it.
         names = list(dict.fromkeys(self.model_name(name) for name in
                                    (preload if preload is not None else [models.DEFAULT_MODEL, *registered])))
-        if self.cluster is not None:
-            self.cluster.start(names)
-        else:
-            for name in names:
-                self.scheduler.engine(name)
-            # Runs a crash cut off come back (their snapshot, then their journal) before any new request runs.
-            if rebuilt := recovery.replay(self):
-                log.info("rebuilt %d training runs from their snapshots and journals", rebuilt)
-            self.scheduler.start()
-        if self.vllm is not None:
-            self.vllm.start(list(self.scheduler.engines))
+        self.executor.start(names)
         self._reaper.start()
+
+    def _replay_journals(self) -> None:
+        """Runs a crash cut off come back (their snapshot, then their journal) before any new request runs."""
+        if rebuilt := recovery.replay(self):
+            log.info("rebuilt %d training runs from their snapshots and journals", rebuilt)
 
     def stop(self) -> None:
         self._stopping.set()
-        self.scheduler.stop()
-        if self.cluster is not None:
-            self.cluster.stop()
-        if self.vllm is not None:
-            self.vllm.stop()
+        self.executor.stop()
         if self.settings.local_key:  # the embedded backend's key dies with it
             keys.revoke(self.store, self.settings.local_key)
 
@@ -206,7 +181,7 @@ class Service:
         them interrupted. Polling one answers 410, on which the SDK submits the request again (and the
         resubmission replaces the interrupted row, see Store.insert_future).
         """
-        replayed = recovery.pending_journaled(self) if self.cluster is None else set()
+        replayed = set() if self.executor.restores_runs else recovery.pending_journaled(self)
         for row in self.store.list(FutureRow, FutureRow.status == "pending"):
             if row.request_id in replayed:
                 continue
@@ -255,10 +230,7 @@ class Service:
         for lane in lanes:
             free = Job(new_id(), f"free:{lane.id}", lane.base_model, seq=None,
                        op=ops.Op("free_adapters", {"adapter_ids": [lane.id]}))
-            if self.cluster is not None:
-                self.cluster.submit(free, ordered=False)
-            elif lane.base_model in self.scheduler.engines:  # a model never loaded holds no adapter
-                self.scheduler.submit(free, ordered=False)
+            self.executor.submit(free, ordered=False)
         log.info("session %s %s; freed %d adapters", session_id, status, len(lanes))
 
     # ---- futures -------------------------------------------------------------------------------
@@ -308,12 +280,8 @@ class Service:
         if not created:  # another thread stored the same request first: this copy does nothing
             self.admission.settle(job.request_id, 0)
             self.budgets.release(job.request_id)
-        if created and self.vllm is not None and request_type in SAMPLER_REQUESTS:
-            self.vllm.submit(job)
-        elif created and self.cluster is not None:
-            self.cluster.submit(job, ordered=ordered)
-        elif created:
-            self.scheduler.submit(job, ordered=ordered)
+        if created:
+            self.executor.submit(job, ordered=ordered)
         return row
 
     def _resubmit(self, job: Job, ordered: bool) -> FutureRow | None:
@@ -324,10 +292,7 @@ class Service:
             job.request_id = original.request_id
         else:
             job.request_type = ""
-        if self.cluster is not None:
-            self.cluster.submit(job, ordered=ordered)
-        else:
-            self.scheduler.submit(job, ordered=ordered)
+        self.executor.submit(job, ordered=ordered)
         return original
 
     def on_done(self, job: Job, outcome) -> None:
@@ -436,44 +401,10 @@ class Service:
         """Canonical base-model name; UserError naming the available ones if unknown."""
         return models.resolve(name, self.settings.models_dir, self.settings.base_models)[0]
 
-    def model_facts(self) -> dict[str, dict]:
-        """The loaded base models and their facts (ops.model_facts): context length, LoRA bytes per rank."""
-        return self.cluster.facts() if self.cluster is not None else self.scheduler.facts()
-
-    def adapter_counts(self) -> dict[str, int]:
-        """Adapters held per base model, on every engine."""
-        if self.cluster is not None:
-            return self.cluster.adapter_counts()
-        return {name: len(engine.adapters.entries) for name, engine in self.scheduler.engines.items()}
-
-    def adapter_cache_stats(self) -> dict[str, dict[str, dict]]:
-        """Each engine's adapter cache (AdapterCache.stats: resident, spilled, dropped, ...), by worker, then model."""
-        if self.cluster is not None:
-            return self.cluster.adapter_cache_stats()
-        return {"in-process": {name: engine.adapters.stats() for name, engine in self.scheduler.engines.items()}}
-
-    def sampling_stats(self) -> dict[str, dict[str, dict]]:
-        """Each engine's decoder (Decoder.stats), by worker ("in-process" without Ray workers), then base model."""
-        if self.cluster is not None:
-            return self.cluster.sampling_stats()
-        return {"in-process": {name: engine.decoder.stats() for name, engine in self.scheduler.engines.items()}}
-
-    def worker_of(self, lane: str) -> str | None:
-        """The engine worker a run or sampler lives on (None with the in-process engine)."""
-        return self.cluster.worker_of(lane) if self.cluster is not None else None
-
-    def cluster_report(self) -> dict:
-        """The operator's view of where the engines run (GET /api/v1/cluster)."""
-        if self.cluster is not None:
-            return self.cluster.report()
-        return {"mode": "in-process", "workers": [{
-            "name": "in-process", "state": "live", "device": self.settings.device, "models": sorted(self.scheduler.engines),
-            "adapters": sum(self.adapter_counts().values()), "queue_depth": self.scheduler.queue_depth()}], "runs": {}}
-
     def adapter_bytes(self, base_model: str, lora_config: dict) -> int:
         """One copy of an adapter's weights on `base_model` (0 while that model is not loaded); admission's measure."""
         config = LoraConfig(**lora_config)
-        facts = self.model_facts().get(base_model)
+        facts = self.executor.facts().get(base_model)
         if facts is None:
             return 0
         per_rank = facts["lora_bytes_per_rank"]

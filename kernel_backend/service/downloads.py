@@ -15,7 +15,8 @@ from pathlib import Path
 
 from kernel_backend import signing
 from kernel_backend.service import checkpoints, sessions
-from kernel_backend.service.core import NotFound, Service, audit, iso
+from kernel_backend.service.core import Service, audit, iso
+from kernel_backend.errors import NotFound
 from kernel_backend.store import now
 
 

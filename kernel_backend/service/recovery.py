@@ -145,7 +145,7 @@ def replay(svc) -> int:
         if snapshot:
             load = Op("load_state", {"model_id": run.id, "location": snapshot[0].location, "path": f"snapshot of {run.id}",
                                      "with_optimizer": True, "owner": run.tenant})
-            svc.scheduler.submit(Job(f"replay-load:{run.id}", run.id, run.base_model, seq=None, op=load), ordered=True)
+            svc.executor.submit(Job(f"replay-load:{run.id}", run.id, run.base_model, seq=None, op=load), ordered=True)
         count = replay_run(svc, run.id, after_seq=snapshot[0].seq if snapshot else None, creation=not snapshot)
         if snapshot or count:
             rebuilt += 1

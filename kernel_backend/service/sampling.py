@@ -17,11 +17,13 @@ from kernel_backend import admission, models
 from kernel_backend.ops import SampleOp
 from kernel_backend.service import stability
 from kernel_backend.service.checkpoints import SNAPSHOTS_PER_RUN, loadable
-from kernel_backend.service.core import PROTO_TYPE, NotFound, Service, json_result, new_id
+from kernel_backend.service.core import PROTO_TYPE, Service, json_result, new_id
+from kernel_backend.errors import NotFound
 from kernel_backend.scheduler import Job
 from kernel_backend.metering import Usage
 from kernel_backend.store import CheckpointRow, FutureRow, ModelRow, SamplerRow, parse_tinker_path
-from kernel_backend.types import SampleOptions, SamplingParams, UserError
+from kernel_backend.types import SampleOptions, SamplingParams
+from kernel_backend.errors import UserError
 
 
 def create_sampling_session(svc: Service, tenant: str, session_id: str, seq: int, base_model: str | None,
@@ -96,7 +98,7 @@ def run_of(path: str | None) -> str | None:
 def check_sampling(svc: Service, base_model: str, prompt: list[int], num_samples, params: SamplingParams,
                    options: SampleOptions) -> Usage:
     """Bound a sampling request before it is queued (admission.check_sampling); returns its most work."""
-    facts = svc.model_facts().get(base_model)
+    facts = svc.executor.facts().get(base_model)
     max_context = facts["max_context"] if facts is not None else len(prompt) + svc.settings.max_sample_tokens
     return admission.check_sampling(len(prompt), num_samples, params, max_context, svc.settings.max_sample_tokens,
                                     options)
@@ -145,7 +147,7 @@ def openai_model(svc: Service, tenant: str, model: str) -> tuple[str, str | None
 
 
 def openai_models(svc: Service, tenant: str) -> list[str]:
-    names = list(dict.fromkeys([*models.available_models(), *svc.model_facts()]))
+    names = list(dict.fromkeys([*models.available_models(), *svc.executor.facts()]))
     samplers = svc.store.list(CheckpointRow, CheckpointRow.tenant == tenant, CheckpointRow.kind != "external",
                               order=CheckpointRow.created_at)
     return names + [c.tinker_path for c in samplers]

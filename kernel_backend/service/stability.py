@@ -28,7 +28,8 @@ import threading
 import numpy as np
 
 from kernel_backend.store import StabilityRow, now
-from kernel_backend.types import Datum, SampleResult, Span, UserError
+from kernel_backend.types import Datum, SampleResult, Span
+from kernel_backend.errors import UserError
 
 KEEP = dt.timedelta(days=1)
 

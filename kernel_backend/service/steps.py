@@ -21,7 +21,7 @@ from __future__ import annotations
 from kernel_backend.service import checkpoints, recovery
 from kernel_backend.service.core import Service
 from kernel_backend.store import FutureRow
-from kernel_backend.types import UserError
+from kernel_backend.errors import UserError
 
 
 def checkpoint_name(step: int) -> str:

@@ -19,7 +19,8 @@ from kernel_backend.service import recovery, sessions, stability
 from kernel_backend.service.core import PROTO_TYPE, Service, audit, iso, json_result, new_id, train_key
 from kernel_backend.scheduler import Job
 from kernel_backend.store import CheckpointRow, FutureRow, ModelRow, SessionRow, now
-from kernel_backend.types import AdamParams, Datum, DimuonParams, LoraConfig, UserError
+from kernel_backend.types import AdamParams, Datum, DimuonParams, LoraConfig
+from kernel_backend.errors import UserError
 
 
 @recovery.journaled
@@ -120,7 +121,7 @@ def optim_step(svc: Service, tenant: str, model_id: str, seq_id: int | None, par
         return json_result({"metrics": job.metrics, "type": "optim_step"})
 
     # Every STEPWISE_SNAPSHOT_EVERY steps the step also snapshots the run (with Ray workers the cluster decides).
-    snapshot = recovery.snapshot_args(svc, tenant, model_id) if svc.cluster is None else {}
+    snapshot = {} if svc.executor.restores_runs else recovery.snapshot_args(svc, tenant, model_id)
     op = Op("optim_step", {"model_id": model_id, "params": params, **snapshot})
     job = Job(new_id(), model_id, run.base_model, seq=seq_id, op=op, encode=reply)
     return svc.submit(tenant, "OptimStep", train_key(model_id, seq_id), job, ordered=True, session_id=run.session_id)
@@ -164,7 +165,7 @@ def training_runs(svc: Service, tenant: str, limit: int, offset: int, project_id
 
 
 def capabilities(svc: Service) -> dict:
-    loaded = svc.model_facts()
+    loaded = svc.executor.facts()
     supported = []
     for name in dict.fromkeys([*models.available_models(), *loaded]):
         supported.append({

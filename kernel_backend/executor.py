@@ -1,0 +1,111 @@
+"""Where the service's jobs run: one interface, two executors. The service holds one and never asks which.
+
+- `InProcess`, the embedded default: this process's engines (one per base model), run by one scheduler thread
+  (scheduler.py); with STEPWISE_SAMPLER=vllm, sample requests go to vLLM workers instead (vllm_sampler.py). Runs a
+  crash cut off come back from their snapshots and journals, replayed (service/recovery.py) after the engines load
+  and before the thread takes any job.
+- `cluster.Cluster` (STEPWISE_WORKERS or STEPWISE_RAY_ADDRESS): the engines in Ray workers; the gateway restores a
+  lost worker's runs from the snapshots it keeps.
+
+Both take `on_done(job, outcome)` (the op's result, or the exception it raised) and a `replay` hook at construction.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+from kernel_backend.engine import Engine
+from kernel_backend.scheduler import Job, Scheduler
+
+# Request types that sample: a vLLM sampler answers them instead of the engines, and their ledger rows are a sampler's.
+SAMPLER_REQUESTS = ("Sample", "ChatCompletion", "Completion", "Message")
+
+
+class Executor(Protocol):
+    # True: it restores the runs a crash cut off by itself; False: the service snapshots each run's state for
+    # replay (service/recovery.py).
+    restores_runs: bool
+
+    def start(self, base_models: list[str]) -> None:
+        """Load the base models, then take jobs."""
+
+    def stop(self) -> None: ...
+
+    def submit(self, job: Job, ordered: bool) -> None:
+        """Queue a job; `ordered`: its lane's jobs run in their sequence numbers' order."""
+
+    def facts(self) -> dict[str, dict]:
+        """The loaded base models' facts (ops.model_facts): context length, LoRA bytes per rank."""
+
+    def adapter_counts(self) -> dict[str, int]:
+        """Adapters held per base model, on every engine."""
+
+    def adapter_cache_stats(self) -> dict[str, dict[str, dict]]:
+        """Each engine's adapter cache (AdapterCache.stats), by worker, then base model."""
+
+    def sampling_stats(self) -> dict[str, dict[str, dict]]:
+        """Each engine's decoder (Decoder.stats), by worker, then base model."""
+
+    def worker_of(self, lane: str) -> str | None:
+        """The engine worker a run or sampler lives on (None in process)."""
+
+    def report(self) -> dict:
+        """The operator's view of where the engines run (GET /api/v1/cluster)."""
+
+
+class InProcess:
+    """This process's engines on one scheduler thread (the module docstring)."""
+
+    restores_runs = False
+
+    def __init__(self, settings, ctx, on_done, replay: Callable[[], None], vllm=None) -> None:
+        """`replay()`: run again what a crash cut off, before any new job (service/recovery.py). `vllm`: the
+        VllmSampling that answers sample requests, or None (the engines' own decoders)."""
+        self.settings, self._replay, self.vllm = settings, replay, vllm
+        self.scheduler = Scheduler(load_engine=lambda name: Engine(name, settings), on_done=on_done,
+                                   max_batch_tokens=settings.max_batch_tokens, ctx=ctx)
+
+    @property
+    def engines(self) -> dict[str, Engine]:
+        return self.scheduler.engines
+
+    def start(self, base_models: list[str]) -> None:
+        for name in base_models:
+            self.scheduler.engine(name)
+        self._replay()
+        self.scheduler.start()
+        if self.vllm is not None:
+            self.vllm.start(list(self.engines))
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+        if self.vllm is not None:
+            self.vllm.stop()
+
+    def submit(self, job: Job, ordered: bool) -> None:
+        if self.vllm is not None and job.request_type in SAMPLER_REQUESTS:
+            self.vllm.submit(job)
+        elif job.op is not None and job.op.name == "free_adapters" and job.base_model not in self.engines:
+            return  # a model never loaded holds no adapter (and is not loaded to free none)
+        else:
+            self.scheduler.submit(job, ordered=ordered)
+
+    def facts(self) -> dict[str, dict]:
+        return self.scheduler.facts()
+
+    def adapter_counts(self) -> dict[str, int]:
+        return {name: len(engine.adapters.entries) for name, engine in self.engines.items()}
+
+    def adapter_cache_stats(self) -> dict[str, dict[str, dict]]:
+        return {"in-process": {name: engine.adapters.stats() for name, engine in self.engines.items()}}
+
+    def sampling_stats(self) -> dict[str, dict[str, dict]]:
+        return {"in-process": {name: engine.decoder.stats() for name, engine in self.engines.items()}}
+
+    def worker_of(self, lane: str) -> str | None:
+        return None
+
+    def report(self) -> dict:
+        return {"mode": "in-process", "workers": [{
+            "name": "in-process", "state": "live", "device": self.settings.device, "models": sorted(self.engines),
+            "adapters": sum(self.adapter_counts().values()), "queue_depth": self.scheduler.queue_depth()}], "runs": {}}
