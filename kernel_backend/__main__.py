@@ -53,9 +53,14 @@ def main(argv: list[str] | None = None) -> None:
         given = list(argv) if argv is not None else sys.argv[1:]
         raise SystemExit(supervise([a for a in given[given.index("serve") + 1:] if a != "--supervise"]))
 
-    from kernel_backend.config import Settings
+    from kernel_backend.config import SettingError, Settings, unknown_variables
 
-    settings = Settings()
+    for warning in unknown_variables():
+        print(f"stepwise: warning: {warning}", file=sys.stderr)
+    try:
+        settings = Settings()
+    except SettingError as error:
+        raise SystemExit(f"stepwise {args.command}: {error}") from None
     if args.command == "serve":
         if args.workers is not None:
             settings.workers = args.workers
