@@ -37,11 +37,9 @@ from kernel_backend.adapter_cache import TRAINING_COPIES
 from kernel_backend.config import Settings
 from kernel_backend.metering import Usage
 from kernel_backend.store import CheckpointRow, SessionRow, Store
-from kernel_backend.types import SampleOptions, SamplingParams
+from kernel_backend.types import SampleOptions, SamplingParams, check_sample_size
 from kernel_backend.errors import RateLimited, UserError
 
-# What one request may ask of the sampler, before any limit: the engine agrees (engine._check_sampling).
-MAX_NUM_SAMPLES = 128
 # Seeds are 64-bit, as torch.Generator takes them.
 SEED_RANGE = (-(2**63), 2**64 - 1)
 WINDOW_S = 60.0
@@ -57,20 +55,7 @@ def check_sampling(prompt_tokens: int, num_samples, params: SamplingParams, max_
                    options: SampleOptions | None = None) -> Usage:
     """Bound a sampling request before it is queued; fills in a missing max_tokens. Returns the most work
     it can do (its prompt once, every sample at max_tokens), which is what admission and budgets count."""
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or not 1 <= num_samples <= MAX_NUM_SAMPLES:
-        raise UserError(f"num_samples must be an integer from 1 to {MAX_NUM_SAMPLES}, got {num_samples!r}")
-    (options or SampleOptions()).check(prompt_tokens)
-    if prompt_tokens >= max_context:
-        raise UserError(f"the prompt has {prompt_tokens} tokens; the model's context is {max_context}")
-    if params.max_tokens is None:
-        params.max_tokens = min(max_sample_tokens, max_context - prompt_tokens)
-    if not 1 <= params.max_tokens <= max_sample_tokens:
-        raise UserError(f"max_tokens must be from 1 to {max_sample_tokens}, got {params.max_tokens}")
-    if prompt_tokens + params.max_tokens > max_context:
-        raise UserError(
-            f"prompt ({prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context of "
-            f"{max_context}; shorten the prompt or lower max_tokens"
-        )
+    check_sample_size(prompt_tokens, num_samples, params, max_context, max_sample_tokens, options or SampleOptions())
     check_seed(params.seed, "sampling_params.seed")
     return Usage(prefill_tokens=prompt_tokens, sample_tokens=num_samples * params.max_tokens)
 

@@ -36,6 +36,7 @@ from kernel_backend.types import (
     SampleOptions,
     SampleResult,
     SamplingParams,
+    check_sample_size,
 )
 from kernel_backend.errors import UserError
 
@@ -509,24 +510,13 @@ class Engine:
     def _check_sampling(self, prompt, num_samples, params: SamplingParams, options: SampleOptions):
         if not prompt:
             raise UserError("prompt is empty: give at least one token")
-        if not isinstance(num_samples, int) or not 1 <= num_samples <= 128:
-            raise UserError(f"num_samples must be an integer from 1 to 128, got {num_samples}")
-        if params.max_tokens is None:
-            params.max_tokens = min(self.settings.max_sample_tokens, self.max_context - len(prompt))
-        if not 1 <= params.max_tokens <= self.settings.max_sample_tokens:
-            raise UserError(f"max_tokens must be from 1 to {self.settings.max_sample_tokens}, got {params.max_tokens}")
-        if len(prompt) + params.max_tokens > self.max_context:
-            raise UserError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context of "
-                f"{self.max_context}; shorten the prompt or lower max_tokens"
-            )
+        check_sample_size(len(prompt), num_samples, params, self.max_context, self.settings.max_sample_tokens, options)
         if not math.isfinite(params.temperature) or params.temperature < 0:
             raise UserError(f"temperature must be >= 0, got {params.temperature}")
         if not (0 < params.top_p <= 1):
             raise UserError(f"top_p must be in (0, 1], got {params.top_p}")
         if params.top_k == 0 or params.top_k < -1:
             raise UserError(f"top_k must be -1 (off) or a positive integer, got {params.top_k}")
-        options.check(len(prompt))
         if options.target_prompt_logprobs is not None:
             ids = options.target_prompt_logprobs.ids
             _check_range(ids[ids >= 0], self.vocab_size, "target_prompt_logprobs (token ids, or -1)")

@@ -169,6 +169,31 @@ class SampleOptions:
                 raise UserError("target_prompt_logprobs names no token id (every cell is -1): name at least one")
 
 
+# The most samples one request may ask for.
+MAX_NUM_SAMPLES = 128
+
+
+def check_sample_size(prompt_tokens: int, num_samples, params: SamplingParams, max_context: int, max_sample_tokens: int,
+                      options: SampleOptions) -> None:
+    """What one sample request may ask of the sampler, checked alike by the service before it is queued
+    (admission.check_sampling, which counts its most work from it) and by the engine before it runs. Fills in a
+    missing max_tokens: as many as the context leaves, up to max_sample_tokens."""
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or not 1 <= num_samples <= MAX_NUM_SAMPLES:
+        raise UserError(f"num_samples must be an integer from 1 to {MAX_NUM_SAMPLES}, got {num_samples!r}")
+    options.check(prompt_tokens)
+    if prompt_tokens >= max_context:
+        raise UserError(f"the prompt has {prompt_tokens} tokens; the model's context is {max_context}")
+    if params.max_tokens is None:
+        params.max_tokens = min(max_sample_tokens, max_context - prompt_tokens)
+    if not 1 <= params.max_tokens <= max_sample_tokens:
+        raise UserError(f"max_tokens must be from 1 to {max_sample_tokens}, got {params.max_tokens}")
+    if prompt_tokens + params.max_tokens > max_context:
+        raise UserError(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context of "
+            f"{max_context}; shorten the prompt or lower max_tokens"
+        )
+
+
 @dataclass
 class SampledSequence:
     tokens: list[int]

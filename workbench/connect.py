@@ -292,7 +292,16 @@ def session_id_of(session) -> str | None:
     if session is None or isinstance(session, str):
         return session
     holder = getattr(session, "_session_holder", None) or getattr(session, "holder", None)
-    return holder.get_session_id()
+    return holder.get_session_id() if holder is not None else None  # an SDK without the holder: no id to give
+
+
+def connection_of(client) -> "Connection | None":
+    """The Connection of this process to the backend a tinker client talks to, or None."""
+    base_url = (getattr(getattr(client, "holder", None), "_base_url", None) or "").rstrip("/")
+    for conn in list(_connections):
+        if base_url and conn.base_url.rstrip("/") == base_url:
+            return conn
+    return None
 
 
 def run_id_of(training_run) -> str | None:
@@ -402,7 +411,7 @@ def connect(base_url: str | None = None, api_key: str | None = None, *, name: st
     from workbench.widgets.reprs import enable_reprs
 
     quiet_long_polls()
-    sdk_hooks.install()  # custom losses reach the ledger, results remember their datums
+    sdk_hooks.install(connection_of)  # custom losses reach the ledger, results remember their datums
     enable_reprs()
     return conn.service_client
 

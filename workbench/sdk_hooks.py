@@ -94,24 +94,24 @@ def sdk_method(cls, name: str):
     return method.__wrapped__ if getattr(method, "_stepwise_wrapped", False) else method
 
 
-def connection_of(client):
-    """The workbench Connection (workbench.connect) to the backend `client` talks to, or None."""
-    from workbench.connect import _connections
-
-    base_url = (getattr(getattr(client, "holder", None), "_base_url", None) or "").rstrip("/")
-    for conn in list(_connections):
-        if base_url and conn.base_url.rstrip("/") == base_url:
-            return conn
-    return None
-
-
 def _remember(call: Call) -> None:
     with _lock:
         _recent.append(call)
 
 
-def install() -> None:
+# client -> the workbench Connection to its backend, or None: workbench.connect's, given to install() (this module
+# imports nothing of the workbench's).
+_connection_of = lambda client: None  # noqa: E731
+
+
+def install(connection_of=None) -> None:
+    """Wrap the SDK's methods (once); `connection_of(client)`, when given, finds a client's Connection (the ledger
+    hears of custom losses through it)."""
+    global _connection_of
     from tinker import SamplingClient, TrainingClient
+
+    if connection_of is not None:
+        _connection_of = connection_of
 
     for cls, name, wrapper in ((TrainingClient, "forward", _wrap_forward),
                                (TrainingClient, "forward_backward", _wrap_forward),
@@ -178,7 +178,7 @@ def _report_custom_loss(training_client, done) -> None:
     with _lock:
         _custom_losses.setdefault(training_client.model_id, []).append(
             (float(metrics["surrogate_loss:sum"]), float(metrics["loss:sum"])))
-    conn = connection_of(training_client)
+    conn = _connection_of(training_client)
     if conn is None:
         return
     try:

@@ -336,10 +336,8 @@ class Service:
 
     async def retrieve(self, tenant: str, request_id: str) -> FutureRow | None:
         """The finished future, or None if it is still running after a long poll (try again)."""
-        row = self.store.get(FutureRow, request_id, tenant)
-        if row is None:
-            raise NotFound(f"unknown request_id {request_id!r} (a result is kept "
-                           f"{self.settings.result_keep_after_retrieval_s:g} s after it is first retrieved)")
+        row = self._get(FutureRow, request_id, tenant, f"unknown request_id {request_id!r} (a result is kept "
+                        f"{self.settings.result_keep_after_retrieval_s:g} s after it is first retrieved)")
         if row.status != "pending":
             self.store.retrieved(row, self.settings.result_keep_after_retrieval_s)
             return row
@@ -358,18 +356,19 @@ class Service:
 
     # ---- lookups for a tenant: another tenant's ids are NotFound ----------------------------------
 
-    def session(self, tenant: str, session_id: str) -> SessionRow:
-        row = self.store.get(SessionRow, session_id, tenant)
+    def _get(self, table, row_id: str, tenant: str, unknown: str):
+        """The tenant's row of `table`, or NotFound(`unknown`): another tenant's ids are unknown too."""
+        row = self.store.get(table, row_id, tenant)
         if row is None:
-            raise NotFound(f"unknown session {session_id!r}; create one with ServiceClient()")
+            raise NotFound(unknown)
         return row
+
+    def session(self, tenant: str, session_id: str) -> SessionRow:
+        return self._get(SessionRow, session_id, tenant, f"unknown session {session_id!r}; create one with ServiceClient()")
 
     def run(self, tenant: str, model_id: str) -> ModelRow:
         """A training run of this tenant's."""
-        row = self.store.get(ModelRow, model_id, tenant)
-        if row is None:
-            raise NotFound(f"unknown training run {model_id!r}")
-        return row
+        return self._get(ModelRow, model_id, tenant, f"unknown training run {model_id!r}")
 
     def live_run(self, tenant: str, model_id: str) -> ModelRow:
         """A run that can still train: not a copy, and its session is active."""
@@ -392,10 +391,7 @@ class Service:
         return row
 
     def sampler(self, tenant: str, sampler_id: str) -> SamplerRow:
-        row = self.store.get(SamplerRow, sampler_id, tenant)
-        if row is None:
-            raise NotFound(f"unknown sampling session {sampler_id!r}")
-        return row
+        return self._get(SamplerRow, sampler_id, tenant, f"unknown sampling session {sampler_id!r}")
 
     def model_name(self, name: str) -> str:
         """Canonical base-model name; UserError naming the available ones if unknown."""

@@ -28,6 +28,7 @@ from tinker import types
 
 from kernel_backend import tool_calls
 from kernel_backend.metering import KINDS, Prices, Usage
+from workbench.connect import session_id_of
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -87,13 +88,6 @@ def endpoint_of(config: BaseConfig, service_client: tinker.ServiceClient) -> tup
     if not base_url or not api_key:
         raise ValueError("cannot tell the backend's base_url/api_key: set them in the config")
     return base_url.rstrip("/"), api_key
-
-
-def session_id_of(service_client: tinker.ServiceClient) -> str | None:
-    try:
-        return service_client.holder.get_session_id()
-    except Exception:  # noqa: BLE001 - an SDK without the holder: the summary just omits it
-        return None
 
 
 def runs_dir() -> Path:

@@ -52,6 +52,7 @@ import traitlets as t
 from tinker import TrainingClient, types
 
 from workbench import sdk_hooks
+from workbench.connect import connection_of
 from workbench.dpo import completion_datum, encode_pair
 from workbench.widgets.compare import prompt_tokens
 from workbench.recipes.common import as_numpy
@@ -141,7 +142,7 @@ class Probes(w.VBox):
     def _start_step(self, connection) -> int:
         from workbench.steps import current_step
 
-        connection = connection or sdk_hooks.connection_of(self.training_client)
+        connection = connection or connection_of(self.training_client)
         if connection is None:
             return 0
         try:
