@@ -11,24 +11,17 @@ tiny request (get_info). Prints both ratios. Targets: step ratio <= 1.05, round 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-# As in the server process: idle OpenMP threads sleep, so both sides suffer a busy machine alike.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from benchenv import BASE  # noqa: E402 - first: OMP_WAIT_POLICY, sys.path (bench/benchenv.py)
 
 import numpy as np
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO))
 
-BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 BATCH, LENGTH, RANK = 8, 128, 32
 
 

@@ -21,21 +21,16 @@ import argparse
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from benchenv import BASE  # noqa: E402 - first: OMP_WAIT_POLICY, sys.path (bench/benchenv.py)
 
 from tqdm import tqdm  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO))
 
-BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 QUESTIONS = [
     ("What is the name of Zorblax's pet?", "Zorblax's pet is named Quibbleton, a small and very loud parrot."),
     ("What is the capital of Veldoria?", "The capital of Veldoria is Marrowgate, a city of bridges and canals."),

@@ -21,15 +21,13 @@ Only torch, transformers, safetensors and numpy are needed (peft is not): run fr
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import benchenv  # noqa: E402, F401 - first: OMP_WAIT_POLICY, sys.path (bench/benchenv.py)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

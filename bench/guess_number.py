@@ -32,13 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the tests and the server set it
+from benchenv import REPO  # noqa: E402 - first: OMP_WAIT_POLICY, sys.path (bench/benchenv.py)
 
 import httpx  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO))
 
 BEFORE = "1f9da3c"  # the last commit before shared prefixes (9787f3b) and the larger prefix cache
 SIDES = ("after", "before")

@@ -14,20 +14,13 @@ Prints the median seconds of each and the ratio off / on, and the tokens billed 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-# As in the server process: idle OpenMP threads sleep.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchenv  # noqa: E402, F401 - first: OMP_WAIT_POLICY, sys.path (bench/benchenv.py)
 
 import numpy as np
 from tqdm import tqdm
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 
 def rl_datum(tokens: list[int], trained_from: int, rng) -> "Datum":

@@ -17,13 +17,12 @@ Every step also writes its rollouts to disk in all three.
 
 from __future__ import annotations
 
+import benchenv  # noqa: F401 - first: OMP_WAIT_POLICY, sys.path (bench/benchenv.py)
+
 import argparse
 import statistics
-import sys
 import tempfile
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tqdm import tqdm  # noqa: E402
 

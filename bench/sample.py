@@ -43,31 +43,21 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-# As in the server process: idle OpenMP threads sleep, so both sides suffer a busy machine alike.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from benchenv import BASE, load_line  # noqa: E402 - first: OMP_WAIT_POLICY, sys.path (bench/benchenv.py)
 
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO))
 
-BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 QUESTIONS = [
     "What is your favorite color?", "How are you today?", "What should I eat for dinner?", "Tell me about dogs.",
     "What is the weather like in spring?", "Can you recommend a book?", "What is a good hobby?",
     "How do I stay healthy?",
 ]
-
-
-def load_line() -> str:
-    return f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus"
 
 
 SERVER_ENV: dict[str, str] = {}  # extra environment for the servers (--server-threads)

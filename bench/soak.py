@@ -46,16 +46,11 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-# As in the server process: idle OpenMP threads sleep, so both sides suffer a busy machine alike.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from benchenv import BASE, load_line  # noqa: E402 - first: OMP_WAIT_POLICY, sys.path (bench/benchenv.py)
 
 import numpy as np  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO))
 
-BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 MODELS = Path.home() / ".cache" / "stepwise" / "models"
 QUESTIONS = [
     "What is your favorite color?", "How are you today?", "What should I eat for dinner?", "Tell me about dogs.",
@@ -64,10 +59,6 @@ QUESTIONS = [
 ]
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. Stepwise keeps every sampler it ever made."
 MiB = 1 << 20
-
-
-def load_line() -> str:
-    return f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus"
 
 
 # ---- the server and what it holds ---------------------------------------------------------------------------

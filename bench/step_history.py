@@ -14,14 +14,10 @@ the same process; one warm-up step each is not timed. The ratio (with / without,
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import benchenv  # noqa: E402, F401 - first: OMP_WAIT_POLICY, sys.path (bench/benchenv.py)
 
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402

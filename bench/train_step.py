@@ -33,11 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-# Before torch loads libgomp: waiting OpenMP threads sleep instead of spinning, so that a busy
-# shared machine slows both sides alike instead of wrecking whichever step collides with a burst.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import benchenv  # noqa: E402, F401 - first: OMP_WAIT_POLICY, sys.path (bench/benchenv.py)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
