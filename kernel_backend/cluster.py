@@ -1,4 +1,5 @@
-"""Scale-out on Ray: one gateway (this process: the API, the store, the ledger), many engine workers.
+"""Scale-out on Ray: one gateway (this process: the API, the store, the ledger), many engine workers
+(cluster_worker.py).
 
     Service.submit ──> Cluster (this process): placement, replicas, heartbeats, recovery
                           │ the Job, its engine-side work plain data (ops.py), pickled by Ray
@@ -43,9 +44,7 @@ requests in flight fail with an error that names the step the run resumes from.)
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import datetime as dt
 import logging
 import os
 import threading
@@ -53,254 +52,27 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import torch
-
-from kernel_backend import lora, ops
+from kernel_backend import lora
 from kernel_backend.adapter_cache import TRAINING_COPIES
+from kernel_backend.cluster_worker import GROUP_TIMEOUT_S, EngineWorker, Outcome, WorkerLost
 from kernel_backend.config import Settings
-from kernel_backend.engine import Engine, merge_metrics
+from kernel_backend.engine import merge_metrics
+from kernel_backend.errors import UserError
 from kernel_backend.metering import COMPUTED, Usage
 from kernel_backend.ops import Op
-from kernel_backend.scheduler import Job, Scheduler
+from kernel_backend.scheduler import Job
 from kernel_backend.storage import CheckpointStorage
 from kernel_backend.types import ForwardResult
-from kernel_backend.errors import UserError
 
 log = logging.getLogger("stepwise.cluster")
 
 NAMESPACE = "stepwise"
 MISSED_HEARTBEATS = 3
-# How long a data-parallel collective waits for a peer before it fails (a peer that died).
-GROUP_TIMEOUT_S = 120
 # Ray restarts a worker process that dies this many times; it then loads its models again and rejoins.
 MAX_RESTARTS = 5
 # What a run is estimated to take on a worker until the worker's own measure includes it.
 UNKNOWN_ADAPTER_BYTES = 64 << 20
 RESTORING = "restoring"
-
-
-class WorkerLost(RuntimeError):
-    """A request's worker stopped before it answered; the message says what became of its run."""
-
-
-@dataclass
-class Outcome:
-    """A worker's answer for one job: the op's result or the exception it raised, and the ledger's facts."""
-
-    result: object
-    usage: object = None
-    metrics: dict = field(default_factory=dict)
-    duration_s: float = 0.0
-    step: int | None = None
-
-
-# ---- the worker (a Ray actor) -------------------------------------------------------------------------
-
-
-class EngineWorker:
-    """One device: an Engine per base model and a Scheduler over them, as in-process, inside a Ray actor.
-
-    Its methods are coroutines on the actor's event loop; the scheduler thread owns the engines. Made a
-    Ray actor by `Cluster` (ray.remote(EngineWorker)), so this module imports without Ray."""
-
-    def __init__(self, name: str, settings: Settings, memory_budget: int) -> None:
-        torch.set_num_threads(max(1, settings.worker_threads))
-        self.name, self.settings, self.memory_budget = name, settings, memory_budget
-        self.incarnation = uuid.uuid4().hex  # a process Ray restarted is a new incarnation: its state is gone
-        self.ctx = ops.Context.of(settings)
-        self.scheduler = Scheduler(lambda base: Engine(base, settings), self._done, settings.max_batch_tokens, self.ctx)
-        self.state, self.error = "starting", None
-        self._waiting: dict[str, asyncio.Future] = {}
-        self._stores: dict[str, object] = {}  # run id -> the TCPStore its group meets at (rank 0 keeps it)
-        self._groups: dict[str, object] = {}  # run id -> its data-parallel process group
-        self._undo: dict[str, tuple[str, list]] = {}  # run id -> (its last backward pass, the gradients before it)
-        self._reduce: dict[str, tuple] = {}  # request id -> (all-reduce work, flat gradients), for an optim_step
-
-    async def start(self, base_models: list[str]) -> dict:
-        """Load the base models, then start the scheduler. A worker that cannot is `failed`: reported, given nothing."""
-        self._loop = asyncio.get_running_loop()
-        if self.state == "starting":
-            try:
-                await asyncio.to_thread(self._load, base_models)
-                self.state = "live"
-            except Exception as e:
-                log.exception("worker %s could not load %s", self.name, base_models)
-                self.state, self.error = "failed", f"{type(e).__name__}: {e}"
-        return await self.report()
-
-    def _load(self, base_models: list[str]) -> None:
-        for name in base_models:
-            self.scheduler.engine(name)
-        self.scheduler.start()
-
-    async def report(self) -> dict:
-        """The heartbeat: state, models, adapters, queue and memory."""
-        engines = dict(self.scheduler.engines)
-        return {
-            "name": self.name, "incarnation": self.incarnation, "state": self.state, "error": self.error,
-            "device": self.settings.device, "pid": os.getpid(), "node": _node_ip(),
-            "models": self.scheduler.facts() if self.state == "live" else {},
-            "adapters": {name: list(engine.adapters.entries) for name, engine in engines.items()},
-            "adapter_cache": {name: engine.adapters.stats() for name, engine in engines.items()},
-            "queue_depth": self.scheduler.queue_depth(), "memory": self._memory(engines),
-            "sampling": {name: engine.decoder.stats() for name, engine in engines.items()},
-        }
-
-    def _memory(self, engines: dict) -> dict:
-        base = sum(_tensor_bytes(p) for engine in engines.values() for p in engine.model.parameters())
-        adapters = sum(_slot_bytes(slot) for engine in engines.values() for slot in list(engine.slots.values()))
-        if self.settings.device.startswith("cuda") and self.state == "live":
-            free, total = torch.cuda.mem_get_info(torch.device(self.settings.device))
-        else:
-            total = self.memory_budget
-            free = total - base - adapters
-        return {"total": total, "free": max(0, free), "base_model_bytes": base, "adapter_bytes": adapters}
-
-    async def run(self, job: Job, ordered: bool) -> Outcome:
-        """Queue a job on this worker's scheduler and answer its outcome when it is done."""
-        future = self._loop.create_future()
-        self._waiting[job.request_id] = future
-        job.arrived = time.monotonic()  # the gateway's clock is not this machine's
-        self._prepare(job)
-        self.scheduler.submit(job, ordered)
-        return await future
-
-    def _done(self, job: Job, outcome) -> None:
-        """The scheduler thread: hand the outcome to the waiting call, on the actor's loop."""
-        if isinstance(outcome, Exception) and not isinstance(outcome, (UserError, WorkerLost)):
-            outcome = RuntimeError(str(outcome))  # the traceback is in this worker's log; the message travels
-        answer = Outcome(outcome, job.usage, job.metrics, job.duration_s, job.step)
-        self._loop.call_soon_threadsafe(self._resolve, job.request_id, answer)
-
-    def _resolve(self, request_id: str, answer: Outcome) -> None:
-        future = self._waiting.pop(request_id, None)
-        if future is not None and not future.done():
-            future.set_result(answer)
-
-    # ---- data parallel ------------------------------------------------------------------------------
-
-    async def open_group(self, run_id: str, size: int) -> tuple[str, int]:
-        """Rank 0 of a run's group: the TCPStore the ranks meet at (a free port on this node)."""
-        import torch.distributed as dist
-
-        host = _node_ip()
-        self._stores[run_id] = dist.TCPStore(host, 0, size, True, timeout=dt.timedelta(seconds=GROUP_TIMEOUT_S),
-                                             wait_for_workers=False)
-        return host, self._stores[run_id].port
-
-    async def join_group(self, run_id: str, key: str, host: str, port: int, rank: int, size: int) -> None:
-        """Join a run's process group (every rank at once: the gateway calls them together)."""
-        import torch.distributed as dist
-
-        def connect():
-            store = self._stores[run_id] if rank == 0 else dist.TCPStore(
-                host, port, size, False, timeout=dt.timedelta(seconds=GROUP_TIMEOUT_S))
-            store = dist.PrefixStore(key, store)
-            if self.settings.device.startswith("cuda"):
-                return dist.ProcessGroupNCCL(store, rank, size)
-            options = dist.ProcessGroupGloo._Options()
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=_node_ip())]
-            options._timeout = dt.timedelta(seconds=GROUP_TIMEOUT_S)
-            return dist.ProcessGroupGloo(store, rank, size, options)
-
-        self._groups[run_id] = await asyncio.to_thread(connect)
-
-    async def reset_run(self, run_id: str, base_model: str) -> Outcome:
-        """Before a run is restored here from a snapshot: what waits in its lane was meant for the state being
-        replaced (it fails); then its adapter and group go."""
-        self.scheduler.drop_lane(run_id, WorkerLost(f"training run {run_id} is being restored from a snapshot"))
-        for held in (self._groups, self._stores, self._undo):
-            held.pop(run_id, None)
-        free = Job(uuid.uuid4().hex, run_id, base_model, seq=None, op=Op("free_adapters", {"adapter_ids": [run_id]}))
-        return await self.run(free, True)
-
-    def _prepare(self, job: Job) -> None:
-        """This worker's part of a data-parallel run's job: gates and local steps around the plain work."""
-        if job.op is not None and job.op.name == "free_adapters":
-            for adapter_id in job.op.args["adapter_ids"]:
-                for held in (self._groups, self._stores, self._undo):
-                    held.pop(adapter_id, None)
-        group = self._groups.get(job.lane)
-        if group is None:
-            return
-        if job.fb_pass is not None and not job.fb_pass.forward_only:
-            job.gate = lambda: self._keep_undo(job)
-        elif job.op is not None and job.op.name == "optim_step":
-            job.gate = lambda: self._reduced(job, group)
-            job.call = lambda engine: self._reduced_step(engine, job)
-        elif job.op is not None and job.op.name == "restore_grads":
-            job.call = lambda engine: self._restore_grads(engine, job)
-
-    def _params(self, job: Job) -> list:
-        return self.scheduler.engines[job.base_model].adapters.get(job.lane).adapter.parameters()
-
-    def _keep_undo(self, job: Job) -> bool:
-        """Before a replica's backward pass: keep its run's gradients, to put back if another shard fails."""
-        kept = self._undo.get(job.lane)
-        if (kept is None or kept[0] != job.request_id) and job.lane in self.scheduler.engines[job.base_model].adapters:
-            self._undo[job.lane] = (job.request_id, [None if p.grad is None else p.grad.clone() for p in self._params(job)])
-        return True
-
-    def _restore_grads(self, engine, job: Job) -> dict:
-        request_id, grads = self._undo.pop(job.lane, (None, None))
-        if request_id == job.op.args["request_id"]:
-            for p, g in zip(self._params(job), grads):
-                p.grad = g
-        return {}
-
-    def _reduced(self, job: Job, group) -> bool:
-        """An optim_step's gate: start the all-reduce of its run's gradients; open when it is done."""
-        if job.request_id not in self._reduce:
-            try:
-                params = self._params(job)
-            except KeyError:
-                return True  # no such adapter here: the step itself fails with the engine's error
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-                             + [torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)])
-            work = group.allreduce([flat])
-            work.get_future().then(lambda _: self.scheduler.wake())
-            self._reduce[job.request_id] = (work, flat)
-        return self._reduce[job.request_id][0].is_completed()
-
-    def _reduced_step(self, engine, job: Job):
-        """The step on the summed gradients; on failure the replica's own gradients are put back."""
-        work, flat = self._reduce.pop(job.request_id, (None, None))
-        if work is None:
-            return ops.run(engine, self.ctx, job.op)
-        work.wait()  # raises if the all-reduce failed (a peer stopped)
-        params = self._params(job)
-        own = [p.grad for p in params]
-        had = flat[-len(params):]
-        offset = 0
-        for p, count in zip(params, had):
-            p.grad = flat[offset:offset + p.numel()].view_as(p).clone() if count > 0 else None
-            offset += p.numel()
-        try:
-            return ops.run(engine, self.ctx, job.op)
-        except Exception:
-            for p, g in zip(params, own):
-                p.grad = g
-            raise
-
-
-def _node_ip() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address()
-
-
-def _tensor_bytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
-
-
-def _slot_bytes(slot) -> int:
-    """An adapter's weights, gradients and optimizer state, as held."""
-    params = slot.adapter.parameters()
-    total = sum(_tensor_bytes(p) + _tensor_bytes(p.grad) for p in params)
-    if slot.optimizer is not None:
-        total += sum(_tensor_bytes(v) for p in params for v in slot.optimizer.state.get(p, {}).values()
-                     if torch.is_tensor(v))
-    return total
 
 
 # ---- the gateway's side ----------------------------------------------------------------------------------
