@@ -49,6 +49,7 @@ def worktree(commit: str) -> Path:
 
 
 def run_side(name: str, repo: Path, cookbook_python: Path, steps: int, timeout_s: int) -> dict:
+    from client_venvs import client_env
     from servers import start_server
 
     home = Path(tempfile.mkdtemp(prefix=f"stepwise-bench-guess-{name}-"))
@@ -57,14 +58,12 @@ def run_side(name: str, repo: Path, cookbook_python: Path, steps: int, timeout_s
                           repo=repo)
     try:
         since = datetime.datetime.now(datetime.timezone.utc).isoformat()
-        child_env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
-        child_env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
         start = time.perf_counter()
         proc = subprocess.run([str(cookbook_python), str(REPO / "tests" / "cookbook_guess_number.py"),
                                "--base-url", server.base_url, "--api-key", "tml-local",
                                "--tokenizer-dir", server.tokenizer_dir, "--log-path", str(home / "run"),
                                "--steps", str(steps)],
-                              cwd=REPO, env=child_env, capture_output=True, text=True, timeout=timeout_s)
+                              cwd=REPO, env=client_env(), capture_output=True, text=True, timeout=timeout_s)
         wall = time.perf_counter() - start
         if proc.returncode != 0:
             sys.exit(f"{name}: the recipe failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")

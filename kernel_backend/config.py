@@ -70,8 +70,8 @@ def env(name: str, default, help: str, shared_default=None, shown: str | None = 
 class Settings:
     home: Path = env("HOME", lambda: Path.home() / ".cache" / "stepwise",
                      "where converted models, checkpoints, the database and runtime files live", shown="~/.cache/stepwise")
-    base_models: list[str] = env("BASE_MODELS", [], "the base models this backend loads, by name or local HF directory "
-                            "(comma separated; NAME=DIR serves DIR under NAME); empty: the default model")
+    base_models: list[str] = env("BASE_MODELS", [], "the base models this backend loads, by name or local HF "
+                                 "directory (comma separated; NAME=DIR serves DIR under NAME); empty: the default model")
     device: str = env("DEVICE", "cpu", "the engine's torch device (cpu, cuda, cuda:1, ...)")
     dtype: str = env("DTYPE", "float32", "the base model's dtype (float32, bfloat16)")
     database_url: str = env("DATABASE_URL", "", "SQLAlchemy URL (PostgreSQL works); empty: SQLite under the home")
@@ -140,8 +140,8 @@ class Settings:
     # Scale-out on Ray (kernel_backend/cluster.py); neither WORKERS nor RAY_ADDRESS: the engine runs in this process.
     workers: int = env("WORKERS", 0, "a Ray head on loopback and this many engine workers (`stepwise serve --workers N`)")
     ray_address: str = env("RAY_ADDRESS", "", "join this Ray cluster instead (one worker per GPU if WORKERS is 0)")
-    worker_devices: list[str] = env("WORKER_DEVICES", [], "each worker's device, comma separated; empty: cuda per worker "
-                               "when Ray gives it a GPU, else cpu")
+    worker_devices: list[str] = env("WORKER_DEVICES", [], "each worker's device, comma separated; empty: cuda per "
+                                    "worker when Ray gives it a GPU, else cpu")
     worker_threads: int = env("WORKER_THREADS", 0, "torch threads per CPU worker; 0: the cores shared among the workers")
     worker_memory_mb: int = env("WORKER_MEMORY_MB", 0, "the memory a CPU worker places adapters against (MB); 0: the "
                                 "machine's shared among the workers")

@@ -16,6 +16,7 @@ from typing import Callable, Protocol
 
 from kernel_backend.engine import Engine
 from kernel_backend.scheduler import Job, Scheduler
+from kernel_backend.vllm_sampler import VllmSampling
 
 # Request types that sample: a vLLM sampler answers them instead of the engines, and their ledger rows are a sampler's.
 SAMPLER_REQUESTS = ("Sample", "ChatCompletion", "Completion", "Message")
@@ -58,12 +59,13 @@ class InProcess:
 
     restores_runs = False
 
-    def __init__(self, settings, ctx, on_done, replay: Callable[[], None], vllm=None) -> None:
-        """`replay()`: run again what a crash cut off, before any new job (service/recovery.py). `vllm`: the
-        VllmSampling that answers sample requests, or None (the engines' own decoders)."""
-        self.settings, self._replay, self.vllm = settings, replay, vllm
+    def __init__(self, settings, ctx, on_done, replay: Callable[[], None]) -> None:
+        """`replay()`: run again what a crash cut off, before any new job (service/recovery.py)."""
+        self.settings, self._replay = settings, replay
         self.scheduler = Scheduler(load_engine=lambda name: Engine(name, settings), on_done=on_done,
                                    max_batch_tokens=settings.max_batch_tokens, ctx=ctx)
+        # STEPWISE_SAMPLER=vllm: the VllmSampling that answers sample requests; None: the engines' own decoders.
+        self.vllm = VllmSampling(settings, self.scheduler, on_done) if settings.sampler == "vllm" else None
 
     @property
     def engines(self) -> dict[str, Engine]:

@@ -15,6 +15,7 @@ needs one waits for it (conftest.wait_for_venv).
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -33,6 +34,15 @@ CHECKS = {
 }
 # lm-eval and tinker-cookbook import torch: the CPU wheel, before anything pulls a CUDA build.
 NEEDS_TORCH = {"lm-eval", "tinker-cookbook"}
+
+
+def client_env(**extra: str) -> dict[str, str]:
+    """The environment a client's python runs in: ours, minus what would leak our venv (or a Tinker endpoint of the
+    caller's) into theirs, offline, unbuffered; `extra` on top."""
+    leaks = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "TINKER_BASE_URL", "TINKER_API_KEY")
+    env = {k: v for k, v in os.environ.items() if k not in leaks}
+    return {**env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NO_COLOR": "1",
+            "PYTHONUNBUFFERED": "1", **extra}
 
 
 def client(name: str) -> Venv:

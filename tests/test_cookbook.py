@@ -49,6 +49,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from client_venvs import client_env
+
 ROOT = Path(__file__).resolve().parents[1]
 SFT_SCRIPT = ROOT / "tests" / "cookbook_sft.py"
 RL_SCRIPT = ROOT / "tests" / "cookbook_rl.py"
@@ -77,21 +79,6 @@ def _tail(text: str | bytes | None, n: int = 4000) -> str:
     return text[-n:]
 
 
-def _child_env() -> dict[str, str]:
-    """The main venv's environment, minus what would leak it into the cookbook's python."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "TINKER_BASE_URL", "TINKER_API_KEY")
-    }
-    env["HF_HUB_OFFLINE"] = "1"
-    env["TRANSFORMERS_OFFLINE"] = "1"
-    env["HF_DATASETS_OFFLINE"] = "1"
-    env["PYTHONUNBUFFERED"] = "1"
-    env["NO_COLOR"] = "1"
-    return env
-
-
 @pytest.fixture(scope="session")
 def cookbook_python() -> Path:
     """The cookbook venv's python (tests/client_venvs.py), waiting for a build under way."""
@@ -104,7 +91,7 @@ def cookbook_python() -> Path:
 def _run(cmd: list[str], timeout: int) -> subprocess.CompletedProcess:
     try:
         return subprocess.run(
-            cmd, cwd=ROOT, env=_child_env(), capture_output=True, text=True, timeout=timeout
+            cmd, cwd=ROOT, env=client_env(), capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired as e:
         pytest.fail(

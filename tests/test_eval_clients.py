@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import tinker
 from tinker import types
 
 import client_venvs
+from client_venvs import client_env
 from conftest import wait_for_venv
 from test_openai import QUESTION
 from test_service import BASE
@@ -49,13 +49,6 @@ EASY = [("What colour is the sky on a clear day?", ["blue", "green", "purple"]),
 TEXTS = ["The cat sat on the mat. It was a sunny day and the birds were singing.",
          "Water boils at one hundred degrees Celsius at sea level."]
 SUMS = [("What is 2 plus 2?", "4"), ("What is 3 plus 1?", "4"), ("What is 1 plus 1?", "2")]
-
-
-def client_env(**extra: str) -> dict[str, str]:
-    """The environment a client runs in: ours, minus what would leak our venv into theirs, offline."""
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
-    return {**env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NO_COLOR": "1",
-            **extra}
 
 
 def run(command: list[str], cwd: Path, env: dict, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -24,7 +24,8 @@ from tinker import types
 import client_venvs
 from conftest import wait_for_venv
 from kernel_backend import tool_calls
-from test_eval_clients import client_env, ledger_cursor, ledger_rows
+from client_venvs import client_env
+from test_eval_clients import ledger_cursor, ledger_rows
 from test_openai import openai_client
 from test_service import BASE, train_steps
 

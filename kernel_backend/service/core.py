@@ -51,7 +51,6 @@ from kernel_backend.store import (
     utc,
 )
 from kernel_backend.types import LoraConfig
-from kernel_backend.vllm_sampler import VllmSampling
 
 log = logging.getLogger("stepwise.service")
 
@@ -105,7 +104,6 @@ class Service:
         self.signing_key = signing.server_secret(self.store, self.settings.signing_key)
         if self.settings.sampler not in ("batched", "serial", "vllm"):
             raise ValueError(f"STEPWISE_SAMPLER must be 'batched', 'serial' or 'vllm', not {self.settings.sampler!r}")
-        self.vllm: VllmSampling | None = None  # STEPWISE_SAMPLER=vllm: sample requests go to vLLM workers
         # Where jobs run (kernel_backend/executor.py): this process's engines, or Ray workers'
         # (STEPWISE_WORKERS or STEPWISE_RAY_ADDRESS, kernel_backend/cluster.py).
         self.executor: Executor
@@ -117,10 +115,10 @@ class Service:
 
             self.executor = Cluster(self.settings, self.storage, self.on_done,
                                     replay=lambda run_id, location: recovery.replay_after_worker_loss(self, run_id, location))
+            self.vllm = None
         else:
             self.executor = InProcess(self.settings, self.ctx, self.on_done, replay=self._replay_journals)
-            if self.settings.sampler == "vllm":
-                self.vllm = self.executor.vllm = VllmSampling(self.settings, self.executor.scheduler, self.on_done)
+            self.vllm = self.executor.vllm  # STEPWISE_SAMPLER=vllm: sample requests go to vLLM workers
         self.ctx.vllm = self.vllm
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._waiters_lock = threading.Lock()
