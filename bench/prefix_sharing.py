@@ -5,7 +5,10 @@ with prefix sharing on and off (Settings.share_prefixes) on the same Engine, alt
 - a GRPO step: 4 prompts x 8 answers (48-token prompts, 10-token answers), importance_sampling;
 - a multi-turn step as tinker-cookbook's multi-turn recipes send it (one datum per turn, each holding the
   whole conversation before its turn): 16 episodes of 6 turns, a 60-token system prompt, 14-token
-  observations, 12-token replies.
+  observations, 12-token replies;
+- the same with each reply written back re-rendered (as tinker-cookbook's guess_number does: its env
+  re-renders the guess in a role of its own), so each turn's datum branches off the conversation: 16 episodes
+  of 10 turns, a 100-token prompt, 16-token replies, 18-token re-rendered replies, 15-token observations.
 Prints the median seconds of each and the ratio off / on, and the tokens billed vs computed.
 
     .venv/bin/python bench/prefix_sharing.py --repeats 3
@@ -52,6 +55,17 @@ def multi_turn_batch(rng, vocab: int) -> list:
     return data
 
 
+def branching_batch(rng, vocab: int) -> list:
+    data = []
+    for _ in range(16):
+        history = rng.integers(0, vocab, 100).tolist()
+        for _ in range(10):
+            reply = rng.integers(0, vocab, 16).tolist()  # the policy's reply, trained
+            data.append(rl_datum(history + reply, len(history), rng))
+            history += rng.integers(0, vocab, 18 + 15).tolist()  # the reply re-rendered, then the observation
+    return data
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -67,7 +81,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"{torch.get_num_threads()} threads, micro_batch_tokens {engine.settings.micro_batch_tokens}")
     for name, data in (("GRPO step (4 x 8)", grpo_batch(rng, engine.vocab_size)),
-                       ("multi-turn step (16 episodes x 6 turns, a datum per turn)", multi_turn_batch(rng, engine.vocab_size))):
+                       ("multi-turn step (16 episodes x 6 turns, a datum per turn)", multi_turn_batch(rng, engine.vocab_size)),
+                       ("branching multi-turn step (16 episodes x 10 turns, replies re-rendered)",
+                        branching_batch(rng, engine.vocab_size))):
         seconds = {True: [], False: []}
         computed = {}
         for _ in tqdm(range(args.repeats), desc=name, leave=False):

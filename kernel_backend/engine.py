@@ -323,13 +323,16 @@ class Engine:
         return id(adapter), 0 if shared else n
 
     def _micro_batches(self, rows: list[_Row], adapters: list[lora.Adapter]) -> list[list[_Row]]:
-        """Group rows so that each micro-batch's attention, its rows x their longest length, stays within
-        micro_batch_tokens. Rows of one adapter that share a prefix share its tokens (prefix_tree.py, _tree_key):
-        only the paths no other row extends count."""
+        """Group rows so that each micro-batch stays within micro_batch_tokens: the tokens the model runs, where
+        rows of one adapter that share a prefix share its tokens (prefix_tree.py, _tree_key), or, padded through
+        transformers (not sampler.Decoder.supports), its rows x their longest."""
+        packed = sampler.Decoder.supports(self.model)
         batches, current, tree = [], [], prefix_tree.Tree()
         for n, (row, adapter) in enumerate(zip(rows, adapters)):
             key = self._tree_key(adapter, n)
-            if current and tree.cost_with(key, row.tokens) > self.settings.micro_batch_tokens:
+            cost = (tree.cost_with(key, row.tokens) if packed
+                    else (len(current) + 1) * max([len(row.tokens), *(len(r.tokens) for r in current)]))
+            if current and cost > self.settings.micro_batch_tokens:
                 batches.append(current)
                 current, tree = [], prefix_tree.Tree()
             current.append(row)

@@ -149,8 +149,8 @@ def final_logits(config, logits: torch.Tensor) -> torch.Tensor:
 
 
 def window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Which keys each query sees (queries, keys): causal, and within the window if there is one."""
-    seen = key_positions[None, :] <= query_positions[:, None]
+    """Which keys each query sees (..., queries, keys): causal, and within the window if there is one."""
+    seen = key_positions[..., None, :] <= query_positions[..., :, None]
     if window is not None:
-        seen &= key_positions[None, :] > query_positions[:, None] - window
+        seen &= key_positions[..., None, :] > query_positions[..., :, None] - window
     return seen

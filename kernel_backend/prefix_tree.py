@@ -9,15 +9,22 @@ prefix), at the position of its token. The model runs once over the nodes; each 
 read at the nodes of its own path, with its own targets, weights and advantages, so the loss and
 every gradient are those of the rows computed apart (to float rounding: tests/test_engine.py).
 
-Attention runs over whole paths, one per leaf (a row whose path another row extends needs no path of
-its own: its tokens are all on the longer one); a node's output is read from the first path that
-holds it. Rows of different adapters never share a node (the routing key is the adapter): the same
-tokens under other LoRA weights have other activations.
+Attention runs once per node too: a node's query is taken on the first leaf path that holds it (a row
+whose path another row extends needs no path of its own: its tokens are all on the longer one), against
+the keys of that path up to it (sampler.causal_within_paths). Rows of different adapters never share a
+node (the routing key is the adapter): the same tokens under other LoRA weights have other activations.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+
+# A micro-batch bounds its tokens, and its keys at this many per token: attention gathers each leaf path's
+# keys and values and keeps them for the backward (2 x the kv heads' width, 384 floats a layer for
+# SmolLM2-135M), where a token keeps its layer's activations (norms, q, attention out, the MLP's three: about
+# 6,000 floats), some 16 times as many. Rows that share nothing have as many keys as tokens.
+KEYS_PER_TOKEN = 16
 
 
 class Tree:
@@ -28,7 +35,7 @@ class Tree:
         self.positions: list[int] = []  # each node's position in its rows (its depth)
         self.keys: list[object] = []  # each node's routing key (its rows' adapter)
         self.paths: list[np.ndarray] = []  # each row's nodes, in order
-        self.longest = 0  # the longest row
+        self.key_slots = 0  # the leaf paths' lengths summed: the keys attention gathers
         self._child: dict[tuple, int] = {}  # (parent node, or the routing key at the root; token) -> node
         self._parents: set[int] = set()  # nodes with a child
         self._leaf_of: dict[int, int] = {}  # a childless node some row ends at -> the first such row
@@ -45,13 +52,22 @@ class Tree:
         return path
 
     def cost_with(self, key, row: list[int]) -> int:
-        """Attention's padded slots, leaf paths x the longest, once `row` is added."""
+        """The micro-batch's size once `row` is added: its tokens (nodes), or its keys / KEYS_PER_TOKEN if more."""
         known = self._walk(key, row)
-        new_leaf = len(known) < len(row) and not (known and known[-1] in self._leaf_of)  # extending a leaf lengthens it
-        return (len(self._leaf_of) + new_leaf) * max(self.longest, len(row))
+        keys = self.key_slots + self._added_key_slots(known, row)
+        return max(len(self.tokens) + len(row) - len(known), -(-keys // KEYS_PER_TOKEN))
+
+    def _added_key_slots(self, known: list[int], row: list[int]) -> int:
+        """What adding `row`, whose path the tree has up to `known`, adds to the leaf paths' lengths."""
+        if len(known) == len(row):
+            return 0  # on a path already there
+        if known and known[-1] in self._leaf_of:
+            return len(row) - len(known)  # lengthens that leaf's path
+        return len(row)  # a path of its own
 
     def add(self, key, row: list[int]) -> None:
         path = self._walk(key, row)
+        self.key_slots += self._added_key_slots(path, row)
         parent = path[-1] if path else ("root", key)
         for position in range(len(path), len(row)):
             node = self._child[(parent, row[position])] = len(self.tokens)
@@ -66,7 +82,6 @@ class Tree:
         if path[-1] not in self._parents:
             self._leaf_of.setdefault(path[-1], len(self.paths))
         self.paths.append(np.array(path, dtype=np.int64))
-        self.longest = max(self.longest, len(row))
 
     def leaf_paths(self) -> list[np.ndarray]:
         """The paths attention runs over: one per leaf, in the order their rows came."""

@@ -41,7 +41,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from kernel_backend import families, lora, prefix_cache, threads
 from kernel_backend.types import SampledSequence, SampleOptions, SampleResult, SamplingParams
@@ -669,33 +668,85 @@ def causal_within_paths(model: torch.nn.Module, paths: list[np.ndarray], device=
     """An `attend` for flat_forward in training: `paths` are sequences of flat token indices, and each token
     sees the tokens before it on its path (and, in a sliding-window layer of `model`, only the last `window`
     of them; its scale and any score soft-cap are the model's, families.py). Rows laid end to end are paths
-    of consecutive indices; rows that share a prefix share its tokens (prefix_tree.py), and a token on
-    several paths is read from the first (causal: what it sees is the same on every path through it).
-    Attention alone pads: the paths' queries, keys and values go into one right-padded batch for a single
-    causal attention call (a padded key comes after every real query of its row, so the causal mask
-    already hides it), and each token comes back from its first path."""
+    of consecutive indices; rows that share a prefix share its tokens (prefix_tree.py).
+
+    Each token's query runs once, on the first path that holds it, against that path's keys up to it (causal:
+    what it sees is the same on every path through it). A path's own tokens, those no earlier path holds, are
+    its end (the paths of a tree), so a path asks `owned` queries against `length` keys: the same causal mask,
+    shifted. Paths of like shapes go into one padded batch for a single attention call (_attention_groups)."""
     scale, softcap = model.model.layers[0].self_attn.scaling, families.attention_softcap(model.config)
     windows = families.sliding_windows(model.config)
-    lengths = [len(p) for p in paths]
-    longest = max(lengths)
-    where = np.zeros((len(paths), longest), dtype=np.int64)  # flat index of each padded slot (0: padding)
-    first = np.zeros(1 + max(int(p.max()) for p in paths), dtype=np.int64)  # each token's slot on its first path
-    for row in reversed(range(len(paths))):
-        where[row, :lengths[row]] = paths[row]
-        first[paths[row]] = row * longest + np.arange(lengths[row])
-    padded = torch.from_numpy(where.reshape(-1)).to(device)
-    real = torch.from_numpy(first).to(device)
-    slots = torch.arange(longest, device=device)
-    # A window shorter than the longest row binds: its layers take a mask instead of the plain causal path.
-    masks = {w: families.window_mask(slots, slots, w) for w in set(windows) if w is not None and w < longest}
+    seen = np.zeros(1 + max(int(p.max()) for p in paths), dtype=bool)
+    starts = []  # where each path's own tokens begin
+    for path in paths:
+        fresh = ~seen[path]
+        starts.append(int(fresh.argmax()) if fresh.any() else len(path))
+        seen[path] = True
+    groups = [_AttentionGroup(paths, starts, members, windows, device) for members in _attention_groups(paths, starts)]
+    order = np.concatenate([g.owned for g in groups])  # the groups' real query slots, in their order: token ids
+    back = torch.from_numpy(np.argsort(order, kind="stable")).to(device)  # token id -> its row in the groups' outputs
 
     def attend(layer: int, q, k, v):
-        rows, (heads, head_dim) = len(paths), q.shape[1:]
-        q_, k_, v_ = (t.index_select(0, padded).view(rows, longest, t.shape[1], head_dim).transpose(1, 2) for t in (q, k, v))
-        mask = masks.get(windows[layer])
-        out = families.attention(q_, k_, v_, mask=mask, causal=mask is None, scale=scale, softcap=softcap)
-        return out.transpose(1, 2).reshape(rows * longest, heads, head_dim).index_select(0, real)
+        outputs = []
+        for g in groups:
+            q_ = q.index_select(0, g.queries).unflatten(0, g.query_shape).transpose(1, 2)
+            k_, v_ = (t.index_select(0, g.keys).unflatten(0, g.key_shape).transpose(1, 2) for t in (k, v))
+            mask = g.masks[windows[layer]]
+            out = families.attention(q_, k_, v_, mask=mask, causal=mask is None, scale=scale, softcap=softcap)
+            outputs.append(out.transpose(1, 2).flatten(0, 1).index_select(0, g.real))
+        return torch.cat(outputs).index_select(0, back)
     return attend
+
+
+def _attention_groups(paths: list[np.ndarray], starts: list[int], waste: float = 1.25) -> list[list[int]]:
+    """The paths as groups of like shapes (queries, keys): sorted by size, a group grows while padding its
+    members to its largest costs at most `waste` times their own query x key slots."""
+    shape = {n: (len(path) - start, len(path)) for n, (path, start) in enumerate(zip(paths, starts)) if start < len(path)}
+    groups, current, own = [], [], 0
+    for n in sorted(shape, key=lambda n: shape[n], reverse=True):
+        queries, keys = shape[n]
+        if current:
+            padded = (len(current) + 1) * shape[current[0]][0] * max(keys, max(shape[m][1] for m in current))
+            if padded > waste * (own + queries * keys):
+                groups.append(current)
+                current, own = [], 0
+        current.append(n)
+        own += queries * keys
+    return groups + [current] if current else groups
+
+
+class _AttentionGroup:
+    """Paths that attend in one padded call: which flat tokens are its queries and keys (padding repeats a
+    path's last query, which sees what that one sees, so no row is empty), the mask of each window, and which
+    of its output slots are real."""
+
+    def __init__(self, paths, starts, members: list[int], windows, device) -> None:
+        queries = max(len(paths[n]) - starts[n] for n in members)
+        keys = max(len(paths[n]) for n in members)
+        self.query_shape, self.key_shape = (len(members), queries), (len(members), keys)
+        query_index = np.zeros((len(members), queries), dtype=np.int64)
+        key_index = np.zeros((len(members), keys), dtype=np.int64)
+        position = np.zeros((len(members), queries), dtype=np.int64)  # each query's place on its path
+        real, owned = [], []
+        for row, n in enumerate(members):
+            path, start = paths[n], starts[n]
+            key_index[row, :len(path)] = path
+            query_index[row] = path[-1]
+            query_index[row, :len(path) - start] = path[start:]
+            position[row] = len(path) - 1
+            position[row, :len(path) - start] = np.arange(start, len(path))
+            real.append(row * queries + np.arange(len(path) - start))
+            owned.append(path[start:])
+        self.queries = torch.from_numpy(query_index.reshape(-1)).to(device)
+        self.keys = torch.from_numpy(key_index.reshape(-1)).to(device)
+        self.real = torch.from_numpy(np.concatenate(real)).to(device)
+        self.owned = np.concatenate(owned)
+        # Rows that own their whole path (nothing shared before them) and no window shorter than them: the
+        # plain causal call. Otherwise a mask: a query sees the keys at or before its place, within the window.
+        whole = all(starts[n] == 0 for n in members)
+        slots, places = torch.arange(keys, device=device), torch.from_numpy(position).to(device)
+        self.masks = {w: None if whole and (w is None or w >= keys) else families.window_mask(places, slots, w)[:, None]
+                      for w in set(windows)}
 
 
 def _adapter_key(active: _Active) -> int:

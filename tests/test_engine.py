@@ -480,7 +480,7 @@ def test_the_batched_forward_matches_transformers_on_each_architecture_it_claims
     the logits of rows packed end to end as training runs them, sliding windows included."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kernel_backend import families, lora, sampler
+    from kernel_backend import families, lora, prefix_tree, sampler
     from kernel_backend.types import SampleOptions, SamplingParams
 
     assert architecture in sampler.BATCHED_ARCHITECTURES
@@ -516,6 +516,19 @@ def test_the_batched_forward_matches_transformers_on_each_architecture_it_claims
         packed = families.final_logits(config, model.lm_head(sampler.flat_forward(model, ids, positions, attend)))
         for part, row in zip(packed.split([len(row) for row in rows]), rows):
             torch.testing.assert_close(part, reference(torch.tensor([row])).logits[0], rtol=0, atol=1e-5)
+    # ... and over rows that share prefixes, as one tree of tokens (prefix_tree.py): a branch's own tokens
+    # attend along its path with the causal mask shifted, past the sliding window (8) where there is one.
+    branch = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    rows = [prompt[:13], prompt, prompt[:15] + branch, prompt[:3] + branch[:4], prompt[:15] + branch[:5] + prompt[:2]]
+    tree = prefix_tree.Tree()
+    for row in rows:
+        tree.add(None, row)
+    attend = sampler.causal_within_paths(model, tree.leaf_paths())
+    with lora.route(model, [None] * len(tree.tokens)), torch.no_grad():
+        hidden = sampler.flat_forward(model, torch.tensor(tree.tokens), torch.tensor(tree.positions), attend)
+        logits = families.final_logits(config, model.lm_head(hidden))
+        for path, row in zip(tree.paths, rows):
+            torch.testing.assert_close(logits[path], reference(torch.tensor([row])).logits[0], rtol=0, atol=1e-5)
 
 
 # ---- c. adapters over one base do not touch each other ------------------------------------------
@@ -994,7 +1007,7 @@ def test_target_logprobs_gradient_matches_autograd():
         torch.testing.assert_close(fused_grad, logits.grad, rtol=0, atol=1e-12)
 
 
-def test_rows_that_share_a_prefix_are_computed_once_and_train_as_if_apart(engine, two_adapters):
+def test_rows_that_share_a_prefix_are_computed_once_and_train_as_if_apart(engine, two_adapters, monkeypatch):
     """prefix_tree.py: a GRPO group (one prompt, three answers, one of them twice) and an episode's per-turn
     datums (each the one before it plus a turn), under the importance-sampling loss, in one batch with
     another adapter's rows: each row's logprobs, the loss and the gradient equal the rows run one at a time,
@@ -1028,3 +1041,29 @@ def test_rows_that_share_a_prefix_are_computed_once_and_train_as_if_apart(engine
     _assert_grads_close(_grads(engine, a), grads_apart)
     assert together.computed_tokens == len(prompt) + sum(map(len, answers)) + len(episode)
     assert all(r.computed_tokens == len(d.tokens) for r, d in zip(apart, data))
+    # Micro-batches of 24 tokens cut both trees apart (the group's answers and the episode's turns land in
+    # different micro-batches): each computes its own copy of the prefixes it holds, and the sums are the same.
+    _zero_grads(engine, a)
+    monkeypatch.setattr(engine.settings, "micro_batch_tokens", 24)
+    split = engine.forward_backward(a, data, "importance_sampling")
+    for alone, shared in zip(apart, split.loss_fn_outputs):
+        np.testing.assert_allclose(shared["logprobs"], alone.loss_fn_outputs[0]["logprobs"], rtol=0, atol=1e-5)
+    _assert_grads_close(_grads(engine, a), grads_apart)
+    assert together.computed_tokens < split.computed_tokens < sum(len(d.tokens) for d in data)
+
+
+def test_a_micro_batch_counts_a_shared_prefix_once_and_its_keys_at_a_sixteenth():
+    """prefix_tree.Tree.cost_with, what _micro_batches bounds: the tokens the model runs, unless the keys
+    attention gathers (every leaf path's length) are more than KEYS_PER_TOKEN times as many."""
+    from kernel_backend import prefix_tree
+
+    tree, prompt = prefix_tree.Tree(), list(range(100))
+    assert tree.cost_with("a", prompt) == 100
+    tree.add("a", prompt)
+    assert tree.cost_with("b", prompt) == 200  # another adapter's row shares nothing
+    assert tree.cost_with("a", prompt + [7] * 10) == 110  # an answer after the prompt: 10 more tokens
+    tree.add("a", prompt + [7] * 10)
+    for i in range(30):  # 30 short branches off the prompt: 31 tokens, but 30 more paths of 102 keys
+        tree.add("a", prompt + [8, i])
+    assert len(tree.tokens) == 141 and tree.key_slots == 110 + 30 * 102
+    assert tree.cost_with("a", prompt) == -(-tree.key_slots // prefix_tree.KEYS_PER_TOKEN) == 199
