@@ -14,7 +14,7 @@ An entry may also keep the prompt's logprobs (when its request computed them fro
 position), so a `compute_logprobs` that shares the prefix needs no logits there either.
 
 Memory: at most `budget_tokens` cached positions (keys and values of every layer), least recently
-used out first.
+used out first; a prompt that another one holds all of, but for a few last tokens, goes when that one comes.
 """
 
 from __future__ import annotations
@@ -115,7 +115,11 @@ class PrefixCache:
             if shared == len(tokens):
                 self.entries.move_to_end(key)
                 return
-            if shared == len(entry.tokens):
+            if len(entry.tokens) - shared < MIN_SHARED_TOKENS <= shared:
+                # The new prompt holds all of this one but a tail too short to be worth a lookup: a multi-turn
+                # episode's next prompt, where the chat template's generation header ("<|im_start|>assistant")
+                # gave way to the reply and the next turn. Kept, such entries fill the cache (each turn of every
+                # episode) and push out the ones the next turns need.
                 self._evict(key)
         while self.entries and self.tokens + len(tokens) > self.budget_tokens:
             self._evict(next(iter(self.entries)))

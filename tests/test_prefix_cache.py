@@ -161,6 +161,14 @@ def test_the_cache_keeps_to_its_budget_and_keeps_the_longer_prompt():
     assert [len(e.tokens) for e in cache.entries.values()] == [20]
     cache.store(None, 0, list(range(12)), kv(12), kv(12), None)  # already held whole: nothing new
     assert cache.tokens == 20
+    # The next turn of a conversation holds all of the last prompt but its generation header (3 tokens): it
+    # replaces it. One that differs in more (a sibling answer, 10 tokens) is kept beside it.
+    turns = prefix_cache.PrefixCache(budget_tokens=100)
+    turns.store(None, 0, list(range(20)), kv(20), kv(20), None)
+    turns.store(None, 0, list(range(17)) + [5] * 10, kv(27), kv(27), None)
+    assert [len(e.tokens) for e in turns.entries.values()] == [27]
+    turns.store(None, 0, list(range(17)) + [6] * 10, kv(27), kv(27), None)
+    assert [e.tokens[-1] for e in turns.entries.values()] == [5, 6] and turns.tokens == 54
     cache.store(None, 0, [7] * 15, kv(15), kv(15), None)
     cache.store(None, 0, [9] * 15, kv(15), kv(15), None)  # 50 > 40: the least recently used goes
     assert cache.tokens <= 40 and [e.tokens[0] for e in cache.entries.values()] == [7, 9]
