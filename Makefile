@@ -48,10 +48,10 @@ chromium:
 		echo "No /usr/bin/chromium and not root: the browser test will be skipped (apt-get install chromium)"; \
 	fi
 
-# The vLLM sampler's own venv (kernel_backend/vllm_venv.py): built once per machine into
+# The vLLM sampler's own venv (kernel_backend/vllm/venv.py): built once per machine into
 # ~/.cache/stepwise/vllm-cpu-<key>, outside the checkout, so later clean clones reuse it.
 vllm-venv: install
-	$(PY) -m kernel_backend.vllm_venv build
+	$(PY) -m kernel_backend.vllm.venv build
 
 # The vLLM venv and the evaluation clients' venvs (tests/client_venvs.py) build in the background
 # while the other tests run (a minute or two cold); the tests that use them run last and wait (tests/conftest.py).
@@ -63,7 +63,7 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 test:
 	@rm -rf $(REPORT) && mkdir -p $(REPORT)
 	@start=$$(date +%s); $(MAKE) --no-print-directory install chromium && echo $$(( $$(date +%s) - start )) > $(REPORT)/install-seconds
-	@$(PY) -m kernel_backend.vllm_venv build --background
+	@$(PY) -m kernel_backend.vllm.venv build --background
 	@$(PY) tests/client_venvs.py build --background
 	@status=0; \
 	echo "pytest: every test, on both cores"; \

@@ -64,7 +64,7 @@ def sdk_step_time(base_url: str, api_key: str, steps: int) -> tuple[float, str]:
 
 
 def engine_step_time(steps: int) -> float:
-    from kernel_backend.engine import Engine
+    from kernel_backend.engine.core import Engine
     from kernel_backend.types import AdamParams, Datum, LoraConfig
 
     engine = Engine(BASE)

@@ -1,4 +1,4 @@
-"""Scale-out: four training clients on one engine worker against the same four on two (kernel_backend/cluster.py).
+"""Scale-out: four training clients on one engine worker against the same four on two (kernel_backend/execution/cluster.py).
 
 Two parts, each printing a ratio measured in this one run:
 
@@ -7,7 +7,7 @@ Two parts, each printing a ratio measured in this one run:
               aggregate train tokens/s on a backend with one Ray worker, then on one with two (one torch
               thread per worker in both), started one after the other on this machine.
                                                                           Target: >= 1.6x on 2 cores.
-- snapshot:   what an automatic snapshot (ops.optim_step's save of weights + AdamW state to the checkpoint
+- snapshot:   what an automatic snapshot (engine_work.optim_step's save of weights + AdamW state to the checkpoint
               store, which recovery restores from) costs against a training step, in this process on the
               engine: rank 32, a step of 4 x ~128 tokens. Prints what snapshots every 1, 5 and 10 steps cost
               and the interval that keeps it under 1% of training time (STEPWISE_SNAPSHOT_EVERY's default).
@@ -89,15 +89,15 @@ def throughput(workers: int, steps: int) -> float:
 
 def snapshot_cost(repeats: int) -> tuple[float, float]:
     """(seconds of one training step, seconds of one automatic snapshot), medians, on this process's engine."""
-    from kernel_backend import ops
+    from kernel_backend.execution import engine_work
     from kernel_backend.config import Settings
-    from kernel_backend.engine import Engine
+    from kernel_backend.engine.core import Engine
     from kernel_backend.types import AdamParams, LoraConfig
 
     from helpers import sft_datum
 
     settings = Settings(home=home())
-    engine, ctx = Engine(settings=settings), ops.Context.of(settings)
+    engine, ctx = Engine(settings=settings), engine_work.Context.of(settings)
     engine.create_adapter("run", LoraConfig(rank=32, seed=0))
     data = [sft_datum(q, a + " " + a + " " + a) for q, a in QUESTIONS]  # about 128 tokens each
     params = AdamParams(learning_rate=1e-4)
@@ -105,14 +105,14 @@ def snapshot_cost(repeats: int) -> tuple[float, float]:
     for _ in tqdm(range(repeats), desc="snapshot vs step"):
         start = time.perf_counter()
         engine.forward_backward("run", data)
-        ops.optim_step(engine, ctx, "run", params)
+        engine_work.optim_step(engine, ctx, "run", params)
         steps.append(time.perf_counter() - start)
         engine.forward_backward("run", data)
         start = time.perf_counter()
-        ops.optim_step(engine, ctx, "run", params, snapshot_key="t/run/snapshot", snapshot_every=1)
+        engine_work.optim_step(engine, ctx, "run", params, snapshot_key="t/run/snapshot", snapshot_every=1)
         with_snapshot = time.perf_counter() - start
         start = time.perf_counter()
-        ops.optim_step(engine, ctx, "run", params)  # no gradients: the step alone, to subtract
+        engine_work.optim_step(engine, ctx, "run", params)  # no gradients: the step alone, to subtract
         snapshots.append(with_snapshot - (time.perf_counter() - start))
     return statistics.median(steps), statistics.median(snapshots)
 

@@ -84,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from kernel_backend.config import Settings
-    from kernel_backend.engine import Engine
+    from kernel_backend.engine.core import Engine
     from kernel_backend.types import AdamParams, Datum, LoraConfig, SamplingParams
 
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"

@@ -7,7 +7,7 @@ builds it from the recipe's CLIConfig), batch 4, group 4, 16-token guesses, 2 st
   one datum per turn, each holding the whole conversation before it, and that backend computed each datum alone;
   its prefix cache (a 32nd of the sample cache) held about a third of a batch's episodes, so most turns prefilled
   their whole conversation again;
-- after: this checkout: the datums' shared prefixes computed once (kernel_backend/prefix_tree.py, exact to float
+- after: this checkout: the datums' shared prefixes computed once (kernel_backend/engine/prefix_tree.py, exact to float
   rounding), and a prefix cache (an 8th of the sample cache) that holds every episode's last prompt.
 
 Prints each run's wall time (the cookbook's process, start to end), its steps' time/total, the sample requests'

@@ -1,4 +1,4 @@
-"""The base layers' products through oneDNN (kernel_backend/matmul.py) against torch's own (MKL).
+"""The base layers' products through oneDNN (kernel_backend/engine/matmul.py) against torch's own (MKL).
 
 Two parts, each printing ratios measured in this one run (oneDNN over torch, higher is better):
 
@@ -6,7 +6,7 @@ Two parts, each printing ratios measured in this one run (oneDNN over torch, hig
             1536 -> 576, 576 -> 49152) at 1, 4, 32, 256 and 1024 rows: x W^T (forward) and g W
             (the input gradient), GFLOP/s of each, weights cold (all 30 layers' weights in turn, as
             a forward pass meets them; they do not fit in the cache), products under
-            threads.SMALL_WORK on one thread as in the engine.
+            small_products.SMALL_WORK on one thread as in the engine.
 - engine:   one Engine (SmolLM2-135M-Instruct, fp32) with its base products switched between the
             two, interleaved round by round: a LoRA training step (rank 32, every target, 8 x 128
             tokens, forward_backward + optim_step) and the sampling workload of bench/sample.py's
@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from kernel_backend import matmul, threads  # noqa: E402
+from kernel_backend.engine import matmul, small_products  # noqa: E402
 
 SIDES = {"torch": F.linear, "onednn": matmul.onednn_linear}
 # (in, out, how many of them one forward pass meets): the default model's base layers.
@@ -59,7 +59,7 @@ def bench_products(rounds: int) -> None:
             for direction, (operand, transpose) in {"forward": (x, False), "grad": (grad, True)}.items():
                 for side, product in SIDES.items():
                     def one_pass():
-                        with threads.small(rows * inputs * outputs):  # as the engine's layers run them
+                        with small_products.small(rows * inputs * outputs):  # as the engine's layers run them
                             for w in weights:
                                 product(operand, w.t() if transpose else w)
                     one_pass()
@@ -76,8 +76,8 @@ def bench_products(rounds: int) -> None:
 
 
 def bench_engine(rounds: int) -> None:
-    from kernel_backend import lora
-    from kernel_backend.engine import Engine
+    from kernel_backend.engine import lora
+    from kernel_backend.engine.core import Engine
     from kernel_backend.types import AdamParams, Datum, LoraConfig, SamplingParams
 
     engine = Engine()

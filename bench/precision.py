@@ -27,7 +27,7 @@ import benchenv  # noqa: E402, F401 - first: OMP_WAIT_POLICY, sys.path (bench/be
 import numpy as np  # noqa: E402
 
 from kernel_backend.config import Settings  # noqa: E402
-from kernel_backend.engine import Engine  # noqa: E402
+from kernel_backend.engine.core import Engine  # noqa: E402
 from kernel_backend.types import AdamParams, Datum, LoraConfig, SamplingParams  # noqa: E402
 
 QUESTIONS = [

@@ -1,4 +1,4 @@
-"""What computing shared prefixes once saves in forward_backward (kernel_backend/prefix_tree.py).
+"""What computing shared prefixes once saves in forward_backward (kernel_backend/engine/prefix_tree.py).
 
 Two batches of the shapes RL sends, on the default model (SmolLM2-135M) in this process, each timed
 with prefix sharing on and off (Settings.share_prefixes) on the same Engine, alternating:
@@ -73,7 +73,7 @@ def main() -> None:
 
     import torch
 
-    from kernel_backend.engine import Engine
+    from kernel_backend.engine.core import Engine
     from kernel_backend.types import LoraConfig
 
     engine = Engine()

@@ -10,7 +10,7 @@ Five parts, each printing a ratio measured in this one run (higher is better):
             --sampler serial (the default): the loop every request went through before, one request
             after another. Both give the same tokens for the same seeds (the script checks), so they
             do the same work.                                   Target: >= 5x.
-            --sampler vllm: the vLLM sampler (needs its venv: python -m kernel_backend.vllm_venv
+            --sampler vllm: the vLLM sampler (needs its venv: python -m kernel_backend.vllm.venv
             build). Its random streams are not ours, so every sample runs exactly 32 tokens
             (stop=[]) for the same work; the requests run once through the LoRA samplers and once
             through base-model samplers; printed also: each server's start-up (the vLLM worker's
@@ -20,12 +20,12 @@ Five parts, each printing a ratio measured in this one run (higher is better):
             temperature 1, in this process: `Engine.sample` over transformers' `generate` on the
             PEFT model (peft.get_peft_model, the same LoRA shape).      Target: >= 1.0x.
 - small:    the server part's workload in this process, through each decoder, with small products
-            on one thread (kernel_backend/threads.py, the default) and on every thread.
+            on one thread (kernel_backend/engine/small_products.py, the default) and on every thread.
 - family:   the small part's workload (batched against serial, threads as the server has them) on a
             tiny random Qwen3 built from its config (hidden 256, 4 layers, the default model's
-            tokenizer): the families beyond Llama take the batched decoder too (kernel_backend/families.py).
+            tokenizer): the families beyond Llama take the batched decoder too (kernel_backend/engine/families.py).
 - prefix:   one distillation step's teacher scoring (16 compute_logprobs sharing their prompts) in
-            this process, with the prefix cache (kernel_backend/prefix_cache.py) on and off.
+            this process, with the prefix cache (kernel_backend/engine/prefix_cache.py) on and off.
 - recipes:  the rl and distillation recipes with their defaults, each against a serial-sampler
             server and a batched one: wall time, and the recipe's final metric. Long (tens of
             minutes); not in the default set.                            Target: time halved.
@@ -245,7 +245,7 @@ def bench_generate(rounds: int, samples: int = 8, new_tokens: int = 64) -> None:
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from kernel_backend.engine import Engine
+    from kernel_backend.engine.core import Engine
     from kernel_backend.types import LoraConfig, SamplingParams
 
     engine = Engine(BASE)
@@ -289,29 +289,29 @@ def bench_generate(rounds: int, samples: int = 8, new_tokens: int = 64) -> None:
           f"({load_before} before, {load_line()} after)")
 
 
-# ---- small: small products on one thread (kernel_backend/threads.py) vs on every thread --------------------
+# ---- small: small products on one thread (kernel_backend/engine/small_products.py) vs on every thread --------------------
 
 
 def bench_small_products(rounds: int) -> None:
     """The server part's workload (8 requests x 4 samples x 32 tokens, four rank-32 adapters) in this
-    process, through each decoder, with threads.small on (the default) and off (SMALL_WORK = 0: every
+    process, through each decoder, with small_products.small on (the default) and off (SMALL_WORK = 0: every
     product on every thread, as before it), rounds interleaved."""
     import torch
 
-    from kernel_backend import threads
-    from kernel_backend.engine import Engine
+    from kernel_backend.engine import small_products
+    from kernel_backend.engine.core import Engine
 
     engine = workload_engine(Engine(BASE))
-    default_work = threads.SMALL_WORK
+    default_work = small_products.SMALL_WORK
 
     def run(side: tuple[str, bool]) -> int:
         decoder, small_on = side
-        threads.SMALL_WORK = default_work if small_on else 0
+        small_products.SMALL_WORK = default_work if small_on else 0
         return decode_workload(engine, decoder)
 
     sides = [(decoder, on) for decoder in ("batched", "serial") for on in (True, False)]
     seconds, tokens, load_before = interleaved(sides, run, rounds)
-    threads.SMALL_WORK = default_work
+    small_products.SMALL_WORK = default_work
     print(f"\n[small] 8 requests x 4 samples x max 32 tokens, 4 adapters, in process, {torch.get_num_threads()} threads, "
           "OMP_WAIT_POLICY=" + os.environ.get("OMP_WAIT_POLICY", ""))
     rate = {side: tokens[side] / statistics.median(s) for side, s in seconds.items()}
@@ -350,12 +350,12 @@ def decode_workload(engine, decoder: str) -> int:
 
 
 def bench_family(rounds: int) -> None:
-    """A tiny random Qwen3 (q/k norms: families.py) through the batched decoder and the serial loop."""
+    """A tiny random Qwen3 (q/k norms: engine/families.py) through the batched decoder and the serial loop."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from kernel_backend.config import Settings
-    from kernel_backend.engine import Engine
+    from kernel_backend.engine.core import Engine
     from helpers import default_tokenizer
 
     tokenizer = default_tokenizer()
@@ -386,8 +386,8 @@ def bench_prefix(rounds: int) -> None:
     """The distillation recipe's teacher scoring of one step, in this process: 16 compute_logprobs
     (4 questions x 4 answers of 24 tokens, each behind the pirate system prompt, base model),
     submitted together, with the prefix cache on (the default) and off, rounds interleaved."""
-    from kernel_backend import prefix_cache
-    from kernel_backend.engine import Engine
+    from kernel_backend.engine import prefix_cache
+    from kernel_backend.engine.core import Engine
     from kernel_backend.types import SampleOptions, SamplingParams
     from workbench.recipes import distillation
 

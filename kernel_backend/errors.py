@@ -8,8 +8,8 @@
 | Cancelled   | -    | the sampler, when the client went away (a UserError: the request bills nothing)  |
 | NotFound    | 404  | the service's lookups: unknown ids, and another tenant's (not revealed as such)  |
 | Gone        | 410  | a finished or expired session, an interrupted request                            |
-| OverBudget  | 402  | budgets.py, when a request's bound would pass a budget (no client retries a 402) |
-| RateLimited | 429  | admission.py, over a per-tenant limit, with Retry-After                          |
+| OverBudget  | 402  | service/budgets.py, when a request's bound would pass a budget (no client retries a 402) |
+| RateLimited | 429  | service/admission.py, over a per-tenant limit, with Retry-After                          |
 | HomeInUse   | -    | start-up: another backend already serves this SQLite home                        |
 
 Anything else a request raises is ours: a 500 (or a failed future of category "server") whose message names no

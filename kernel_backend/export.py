@@ -12,10 +12,10 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from kernel_backend import lora, models
+from kernel_backend.engine import base_models, lora
 from kernel_backend.config import Settings
-from kernel_backend.storage import CheckpointStorage
-from kernel_backend.store import Store, parse_tinker_path
+from kernel_backend.persistence.checkpoint_storage import CheckpointStorage
+from kernel_backend.persistence.database import Store, parse_tinker_path
 from kernel_backend.errors import UserError
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -51,7 +51,7 @@ def _export(source: Path, settings: Settings, target: Path, merged: bool) -> Pat
     import json
 
     base_name = json.loads((source / "adapter_config.json").read_text())["base_model_name_or_path"]
-    _, base_dir = models.resolve(base_name, settings.models_dir, settings.base_models)
+    _, base_dir = base_models.resolve(base_name, settings.models_dir, settings.base_models)
     config = lora.read_peft_config(source)
     scale = config.alpha / config.rank
     weights = load_file(base_dir / "model.safetensors")

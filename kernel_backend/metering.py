@@ -6,7 +6,7 @@ compute_logprobs, and tokens of forward-only passes), sample (generated tokens) 
 `prices.toml` beside this file or the file STEPWISE_PRICES names.
 
 A forward(_backward) is billed for every token it sends, as Tinker bills it, whatever the backend
-saves: rows that share a prefix compute it once (prefix_tree.py), and the ledger row's metrics show
+saves: rows that share a prefix compute it once (engine/prefix_tree.py), and the ledger row's metrics show
 what the model ran under COMPUTED beside the billed count, so a user sees the saving and the price
 stays what the request alone decides (not what it happened to be batched with).
 """

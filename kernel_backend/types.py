@@ -67,7 +67,7 @@ class AdamParams:
 
 @dataclass
 class DimuonParams:
-    """One Dimuon step (Tinker's second optimizer, for LoRA matrices; see optimizers.py).
+    """One Dimuon step (Tinker's second optimizer, for LoRA matrices; see engine/optimizers.py).
 
     The SDK has no default learning rate for Dimuon. tinker 0.38 sends the first three
     fields; newer SDKs also send damping and rank_lr_correction_exponent (defaults below).
@@ -86,7 +86,7 @@ class ForwardResult:
 
     loss_fn_outputs: list[dict[str, np.ndarray]]  # each has "logprobs", shaped like target_tokens
     metrics: dict[str, float]  # keys are "name:reduction", always with "loss:sum"
-    computed_tokens: int | None = None  # tokens the model ran: the data's, less every prefix its rows share (prefix_tree.py)
+    computed_tokens: int | None = None  # tokens the model ran: the data's, less every prefix its rows share (engine/prefix_tree.py)
 
 
 @dataclass
@@ -217,5 +217,5 @@ class SampleResult:
     # prompt_alt_tokens_k's draws, [len(prompt) - 1, k] each: token ids (int64) and their logprobs (float32).
     prompt_alt_tokens: np.ndarray | None = None
     prompt_alt_logprobs: np.ndarray | None = None
-    # Prompt tokens whose keys and values came from the prefix cache (prefix_cache.py), not computed.
+    # Prompt tokens whose keys and values came from the prefix cache (engine/prefix_cache.py), not computed.
     cached_prompt_tokens: int = 0

@@ -1,7 +1,7 @@
 """Virtual environments built once per machine into a cache folder, outside any checkout.
 
 Some programs we run cannot share the backend's venv: vLLM pins an older transformers
-(kernel_backend/vllm_venv.py), and the real clients the tests drive (lm-eval, inspect-ai, the
+(kernel_backend/vllm/venv.py), and the real clients the tests drive (lm-eval, inspect-ai, the
 `anthropic` SDK, tinker-cookbook: tests/client_venvs.py) bring their own pins. Each gets a venv
 
     $XDG_CACHE_HOME/stepwise/<name>-<key>/      (default ~/.cache/stepwise/...)

@@ -8,9 +8,9 @@
   `adapters` fixture does that and deletes them afterwards).
 - `tokenizer`: the default model's tokenizer.
 - `tinker_server`: a backend process like the embedded one (with `--cluster`: on two Ray engine workers,
-  kernel_backend/cluster.py, so the official-SDK tests run against a cluster unchanged); `shared_server`:
+  kernel_backend/execution/cluster.py, so the official-SDK tests run against a cluster unchanged); `shared_server`:
   one set up like a server several people share (per-tenant caps on, small limits), for the hardening tests.
-- `vllm_python`: the vLLM venv's interpreter (kernel_backend/vllm_venv.py), waiting for a build under
+- `vllm_python`: the vLLM venv's interpreter (kernel_backend/vllm/venv.py), waiting for a build under
   way (make test starts one in the background), or a skip that says how to build it. Tests marked
   `vllm` run after all the others, to give that build time; so do those marked `clients` (the real
   evaluation clients, tests/client_venvs.py).
@@ -39,7 +39,7 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 # The backend places the default model's tokenizer in the Hugging Face hub cache, where the SDK's
-# SamplingClient.get_tokenizer() looks (kernel_backend/models.py). A throwaway cache per test run,
+# SamplingClient.get_tokenizer() looks (kernel_backend/engine/base_models.py). A throwaway cache per test run,
 # set before anything imports huggingface_hub (and inherited by the servers), leaves the user's own alone.
 _HF_HUB_CACHE = tempfile.mkdtemp(prefix="stepwise-test-hf-hub-")
 os.environ["HF_HUB_CACHE"] = _HF_HUB_CACHE
@@ -114,7 +114,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def vllm_python():
-    from kernel_backend import vllm_venv
+    from kernel_backend.vllm import venv as vllm_venv
     from kernel_backend.config import Settings
 
     settings = Settings()
@@ -152,7 +152,7 @@ def stepwise_home(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def engine(stepwise_home, tiny_model):
     """The session's in-process Engine, on the tiny stand-in for the default model (tests/tiny_model.py)."""
-    from kernel_backend.engine import Engine
+    from kernel_backend.engine.core import Engine
     from tiny_model import stand_in_settings
 
     return Engine(settings=stand_in_settings(tiny_model))
@@ -161,7 +161,7 @@ def engine(stepwise_home, tiny_model):
 @pytest.fixture(scope="session")
 def real_engine(stepwise_home):
     """An in-process Engine on the real default model, for the tests about what it learns or computes."""
-    from kernel_backend.engine import Engine
+    from kernel_backend.engine.core import Engine
 
     return Engine()
 

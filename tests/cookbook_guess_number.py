@@ -5,7 +5,7 @@ offline set-up it shares tests/cookbook_common.py. The recipe is the cookbook's,
 build_config (tinker_cookbook/recipes/multiplayer_rl/guess_number/train.py) make the train.Config, and
 `rl.train.main` runs it. An episode: the model guesses an integer in [0, 1024), the environment answers "Too low",
 "Too high" or "Correct" as the next user turn, up to 10 turns; the cookbook sends one datum per turn, each holding
-the conversation before it (the server computes their shared prefixes once: kernel_backend/prefix_tree.py).
+the conversation before it (the server computes their shared prefixes once: kernel_backend/engine/prefix_tree.py).
 
 What this script sets is the recipe's own CLI options: the sizes (--batch-size, --group-size, --max-tokens),
 max_steps, the log path, and eval_every (--eval-every, default 0: the recipe's test set is 103 numbers x 4

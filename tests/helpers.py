@@ -10,7 +10,7 @@ import uuid
 
 import numpy as np
 
-from kernel_backend import models
+from kernel_backend.engine import base_models
 from kernel_backend.types import AdamParams, Datum, TargetIds
 
 
@@ -19,7 +19,7 @@ def default_tokenizer():
     """The default model's tokenizer (converts the model on first use, like the engine)."""
     from workbench.recipes.common import local_tokenizer
 
-    return local_tokenizer(models.DEFAULT_MODEL)
+    return local_tokenizer(base_models.DEFAULT_MODEL)
 
 
 def new_id(prefix: str = "adapter") -> str:
@@ -82,7 +82,7 @@ def model_logprobs(engine, adapter_id: str | None, tokens: list[int]):
     every position of `tokens`, through transformers' own forward, under `adapter_id` (None: the base model)."""
     import torch
 
-    from kernel_backend import lora
+    from kernel_backend.engine import lora
 
     adapter = engine._slot(adapter_id).adapter if adapter_id is not None else None
     with torch.inference_mode(), lora.route(engine.model, [adapter]):
@@ -105,7 +105,7 @@ def one_lora_layer(in_features: int, out_features: int):
     """A model of one frozen linear layer named q_proj, wrapped for LoRA (lora.attach), on the CPU."""
     import torch
 
-    from kernel_backend import lora
+    from kernel_backend.engine import lora
 
     model = torch.nn.Sequential()
     model.add_module("q_proj", torch.nn.Linear(in_features, out_features, bias=False))

@@ -1,4 +1,4 @@
-"""The adapter cache (kernel_backend/adapter_cache.py): what does not fit is evicted by last use and comes
+"""The adapter cache (kernel_backend/engine/adapter_cache.py): what does not fit is evicted by last use and comes
 back exactly, a tenant over its share evicts its own adapters, and an adapter a decode request is using is
 never evicted under it.
 
@@ -14,7 +14,7 @@ import contextlib
 import pytest
 
 from helpers import new_id, sft_datum, train
-from kernel_backend.sampler import SampleRequest
+from kernel_backend.engine.sampler import SampleRequest
 from kernel_backend.types import AdamParams, SamplingParams
 
 DATA = [sft_datum("What is the capital of Zorblax?", "Quimbleton."),

@@ -1,4 +1,4 @@
-"""Budgets the server enforces (kernel_backend/budgets.py), through the official tinker SDK and the openai client.
+"""Budgets the server enforces (kernel_backend/service/budgets.py), through the official tinker SDK and the openai client.
 
 Each test works as a tenant of its own (a key made as an operator makes one), so its budgets and its
 ledger are its own on the shared test server. Costs here are real prices of real token counts: a

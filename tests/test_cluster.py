@@ -1,4 +1,4 @@
-"""Scale-out on Ray (kernel_backend/cluster.py), with the official SDK against a real backend process.
+"""Scale-out on Ray (kernel_backend/execution/cluster.py), with the official SDK against a real backend process.
 
 One backend for the module, one Ray head on loopback inside it (num_cpus=2, no dashboard, a small
 object store), three engine workers on this CPU: worker-0 and worker-1 load the default model
@@ -26,7 +26,7 @@ import torch
 from tinker import types
 
 from helpers import forward_logprobs, new_id, sft_datum
-from kernel_backend.cluster import shard_bounds
+from kernel_backend.execution.cluster import shard_bounds
 from kernel_backend.types import AdamParams, LoraConfig
 from servers import Server, start_server
 from tiny_model import stand_in_env
@@ -231,7 +231,7 @@ def test_a_killed_worker_s_run_comes_back_bit_identical_and_trained(client, clus
 
 def kill_worker(server: Server, name: str) -> None:
     """ray.kill the worker's actor, from a second Ray driver on the backend's cluster; Ray restarts it."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # the head is on loopback (kernel_backend/cluster.py)
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # the head is on loopback (kernel_backend/execution/cluster.py)
     os.environ["RAY_AUTH_MODE"] = "token"  # a local head asks for the token Ray keeps in ~/.ray/auth_token
     import ray
 

@@ -235,7 +235,7 @@ def test_cookbook_multi_turn_recipe_guess_number_runs_to_the_end(cookbook_python
     cookbook sends a datum per turn, each holding the conversation before it (it merges turns into one datum only
     where the next prompt extends the tokens sampled, and this env writes the model's turns back as role "player",
     re-rendered): the ledger bills every token sent and shows the model ran under half of them (the prefixes the
-    datums share, once: kernel_backend/prefix_tree.py; 3.1x fewer here), and the sampler's logprobs still equal the
+    datums share, once: kernel_backend/engine/prefix_tree.py; 3.1x fewer here), and the sampler's logprobs still equal the
     trainer's (the cookbook's own kl_sample_train_v1, about 1e-8)."""
     headers = {"X-API-Key": LOOPBACK_KEY}
     usage_url = f"{loopback_server.base_url}/api/v1/usage"

@@ -146,7 +146,7 @@ def test_merged_export_loads_in_plain_transformers(home, tmp_path):
 def test_encrypted_checkpoints_in_an_fsspec_store_need_the_key(home):
     """Checkpoints go to STEPWISE_STORAGE_URL (here a file:// URL, which takes the same fsspec code path
     as s3:// or gs://: upload under a temporary name, move, download to read), sealed before upload."""
-    from kernel_backend.crypto import MAGIC, MANIFEST
+    from kernel_backend.persistence.crypto import MAGIC, MANIFEST
 
     store_url = f"file://{home / 'remote-store'}"
     env = {"STEPWISE_STORAGE_URL": store_url, "STEPWISE_ENCRYPTION_KEY": "operator-secret"}

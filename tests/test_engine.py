@@ -24,7 +24,7 @@ import torch
 
 from helpers import (chat_prompt, default_tokenizer, chat_tokens, forward_logprobs, model_logprobs, new_id, sft_datum,
                      shifted_datum, target_ids, train)
-from kernel_backend.engine import Engine, Pass
+from kernel_backend.engine.core import Engine, Pass
 from kernel_backend.types import AdamParams, Datum, ForwardResult, LoraConfig, SampleOptions, SamplingParams
 from kernel_backend.errors import UserError
 
@@ -362,7 +362,7 @@ def test_chunked_prefill_a_full_cache_and_the_serial_loop_agree(engine, tokenize
     logprobs, the same answers to their options (alternative prompt tokens drawn chunk by chunk,
     targets and the last n prompt logprobs starting mid-chunk), and prompt logprobs equal to the
     training path's."""
-    from kernel_backend import sampler
+    from kernel_backend.engine import sampler
 
     a, _, _, _ = pair
     _, conversation = chat_tokens(*PROBE, tokenizer)
@@ -411,8 +411,8 @@ def test_a_training_job_finishes_while_a_long_sample_decodes(engine, tokenizer, 
     import threading
     import time
 
-    from kernel_backend.ops import SampleOp
-    from kernel_backend.scheduler import Job, Scheduler
+    from kernel_backend.execution.engine_work import SampleOp
+    from kernel_backend.execution.scheduler import Job, Scheduler
 
     adapter = adapters(rank=4, seed=9)
     done: list[tuple[str, object]] = []
@@ -467,20 +467,20 @@ FAMILY_CONFIGS = {
 
 
 def test_every_family_the_packed_forward_claims_is_checked_here():
-    from kernel_backend import sampler
+    from kernel_backend.engine import sampler
 
     assert set(sampler.BATCHED_ARCHITECTURES) == set(FAMILY_CONFIGS)
 
 
 @pytest.mark.parametrize("architecture", list(FAMILY_CONFIGS))
 def test_the_batched_forward_matches_transformers_on_each_architecture_it_claims(architecture):
-    """The decoder writes the layer out itself (sampler.flat_forward, with families.py's switches): on a
+    """The decoder writes the layer out itself (sampler.flat_forward, with engine/families.py's switches): on a
     tiny random model of each architecture in BATCHED_ARCHITECTURES (a shape check, so random weights are
     fine), its prompt logprobs and sampled-token logprobs equal transformers' own forward pass, and so do
     the logits of rows packed end to end as training runs them, sliding windows included."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kernel_backend import families, lora, prefix_tree, sampler
+    from kernel_backend.engine import families, lora, prefix_tree, sampler
     from kernel_backend.types import SampleOptions, SamplingParams
 
     assert architecture in sampler.BATCHED_ARCHITECTURES
@@ -516,7 +516,7 @@ def test_the_batched_forward_matches_transformers_on_each_architecture_it_claims
         packed = families.final_logits(config, model.lm_head(sampler.flat_forward(model, ids, positions, attend)))
         for part, row in zip(packed.split([len(row) for row in rows]), rows):
             torch.testing.assert_close(part, reference(torch.tensor([row])).logits[0], rtol=0, atol=1e-5)
-    # ... and over rows that share prefixes, as one tree of tokens (prefix_tree.py): a branch's own tokens
+    # ... and over rows that share prefixes, as one tree of tokens (engine/prefix_tree.py): a branch's own tokens
     # attend along its path with the causal mask shifted, past the sliding window (8) where there is one.
     branch = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(2)).tolist()
     rows = [prompt[:13], prompt, prompt[:15] + branch, prompt[:3] + branch[:4], prompt[:15] + branch[:5] + prompt[:2]]
@@ -752,7 +752,7 @@ def test_save_and_load_state_resume_exactly(engine, tokenizer, adapters, tmp_pat
 
 
 def test_the_step_history_writes_past_steps_as_saved_then_and_stays_in_its_bounds(engine, tokenizer, adapters, tmp_path):
-    from kernel_backend.step_history import StepHistory
+    from kernel_backend.engine.step_history import StepHistory
 
     kept_before = engine.history
     engine.history = StepHistory(per_run=2, budget_bytes=1 << 30)
@@ -988,7 +988,7 @@ def test_bad_sampling_params_raise_user_error(engine, primed, case):
 def test_target_logprobs_gradient_matches_autograd():
     """The engine's fused log_softmax+gather (with its own backward) against plain autograd; with an
     index, rows that share logits rows (a shared prefix) each read their own targets there."""
-    from kernel_backend.engine import target_logprobs
+    from kernel_backend.engine.core import target_logprobs
 
     g = torch.Generator().manual_seed(0)
     for shape, k, index in (((2, 5, 11), 3, None), ((7, 13), 1, None), ((5, 13), 2, [0, 1, 2, 0, 1, 3, 4, 4])):
@@ -1008,7 +1008,7 @@ def test_target_logprobs_gradient_matches_autograd():
 
 
 def test_rows_that_share_a_prefix_are_computed_once_and_train_as_if_apart(engine, two_adapters, monkeypatch):
-    """prefix_tree.py: a GRPO group (one prompt, three answers, one of them twice) and an episode's per-turn
+    """engine/prefix_tree.py: a GRPO group (one prompt, three answers, one of them twice) and an episode's per-turn
     datums (each the one before it plus a turn), under the importance-sampling loss, in one batch with
     another adapter's rows: each row's logprobs, the loss and the gradient equal the rows run one at a time,
     and the model ran each shared prefix once. Every row's targets are its own (random, not its next
@@ -1055,7 +1055,7 @@ def test_rows_that_share_a_prefix_are_computed_once_and_train_as_if_apart(engine
 def test_a_micro_batch_counts_a_shared_prefix_once_and_its_keys_at_a_sixteenth():
     """prefix_tree.Tree.cost_with, what _micro_batches bounds: the tokens the model runs, unless the keys
     attention gathers (every leaf path's length) are more than KEYS_PER_TOKEN times as many."""
-    from kernel_backend import prefix_tree
+    from kernel_backend.engine import prefix_tree
 
     tree, prompt = prefix_tree.Tree(), list(range(100))
     assert tree.cost_with("a", prompt) == 100

@@ -19,7 +19,7 @@ import torch
 from tinker import types
 
 from kernel_backend import tool_calls
-from kernel_backend.losses import compute_loss
+from kernel_backend.engine.losses import compute_loss
 from test_service import BASE
 from workbench import episodes
 from workbench.recipes import rl

@@ -1,4 +1,4 @@
-"""The model families beyond Llama, end to end through the official SDK (kernel_backend/families.py).
+"""The model families beyond Llama, end to end through the official SDK (kernel_backend/engine/families.py).
 
 A tiny random Qwen3 and a tiny random Gemma 3 (built from their configs, with the default model's
 tokenizer, since nothing may be downloaded here) are registered with STEPWISE_BASE_MODELS on a backend
@@ -100,7 +100,7 @@ def test_lora_gradients_equal_peft_and_the_exported_adapter_gives_the_same_logit
 
     from peft import PeftModel
 
-    from kernel_backend import families, lora, sampler
+    from kernel_backend.engine import families, lora, sampler
     from kernel_backend.types import LoraConfig
 
     model = _tiny(architecture, {}).requires_grad_(False)

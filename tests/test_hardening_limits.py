@@ -156,7 +156,7 @@ def test_recorded_stability_info_is_capped_per_session_when_admitted(tmp_path):
     from types import SimpleNamespace
 
     from kernel_backend.service import stability
-    from kernel_backend.store import StabilityRow, Store
+    from kernel_backend.persistence.database import StabilityRow, Store
     from kernel_backend.types import SampledSequence, SampleResult
     from kernel_backend.errors import UserError
 

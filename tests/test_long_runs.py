@@ -26,7 +26,7 @@ import soak  # noqa: E402
 def adapter_bytes(engine) -> dict[str, int]:
     """What the adapter cache counts for a rank-8 training run (its weights, gradients and AdamW's two moments)
     and for a sampler of it (its weights alone), measured on an engine of the same model as the server's."""
-    from kernel_backend.adapter_cache import TRAINING_COPIES
+    from kernel_backend.engine.adapter_cache import TRAINING_COPIES
     from kernel_backend.types import LoraConfig
 
     from helpers import new_id

@@ -136,7 +136,7 @@ def test_lora_layer_outputs_and_gradients_match_the_plain_formula(routing):
     base-model rows) gives base(x) + scale * B(A x) row by row, and the gradients autograd
     computes from that plain formula, for the input and for each adapter's A and B: the layer's
     own backward (lora._AddDeltas) writes them out by hand."""
-    from kernel_backend import lora
+    from kernel_backend.engine import lora
     from kernel_backend.types import LoraConfig
 
     torch.manual_seed(0)
@@ -180,7 +180,7 @@ def test_lora_layer_outputs_and_gradients_match_the_plain_formula(routing):
 def test_lora_layer_without_gradients_computes_the_same_outputs():
     """Under no_grad (sampling) the layer adds its deltas in place without autograd's bookkeeping:
     the same numbers as with it."""
-    from kernel_backend import lora
+    from kernel_backend.engine import lora
     from kernel_backend.types import LoraConfig
 
     torch.manual_seed(0)

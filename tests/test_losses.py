@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kernel_backend.losses import (
+from kernel_backend.engine.losses import (
     LOSS_FNS,
     check_config,
     compute_loss,

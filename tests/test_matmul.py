@@ -1,4 +1,4 @@
-"""The base layers' products through oneDNN (kernel_backend/matmul.py) give torch's numbers.
+"""The base layers' products through oneDNN (kernel_backend/engine/matmul.py) give torch's numbers.
 
 oneDNN sums in another order than MKL, so results agree to float32 rounding, not bit for bit:
 checked on single products (forward and input gradient) and on the real model (logprobs, a
@@ -14,7 +14,7 @@ import torch
 from torch.nn import functional as F
 
 from helpers import new_id, sft_datum, train
-from kernel_backend import lora, matmul
+from kernel_backend.engine import lora, matmul
 from kernel_backend.types import LoraConfig
 
 onednn_only = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")

@@ -1,4 +1,4 @@
-"""The optimizers (kernel_backend/optimizers.py): Dimuon's step against a float64 reference, and
+"""The optimizers (kernel_backend/engine/optimizers.py): Dimuon's step against a float64 reference, and
 both optimizers through the engine: Dimuon's state resumes bit-identically, and mismatched or bad
 params change nothing.
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from helpers import new_id, sft_datum
-from kernel_backend import optimizers
-from kernel_backend.optimizers import Dimuon, matrix_sign
+from kernel_backend.engine import optimizers
+from kernel_backend.engine.optimizers import Dimuon, matrix_sign
 from kernel_backend.types import AdamParams, DimuonParams, LoraConfig
 from kernel_backend.errors import UserError
 

@@ -1,4 +1,4 @@
-"""Prefix caching in the batched decoder (kernel_backend/prefix_cache.py).
+"""Prefix caching in the batched decoder (kernel_backend/engine/prefix_cache.py).
 
 A prompt that starts like one prefilled before, on the same weights, reuses its keys and values
 (and its logprobs, for compute_logprobs): the results equal a cold computation (to float32 rounding), and changed
@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from helpers import chat_prompt, sft_datum, train
-from kernel_backend import prefix_cache
+from kernel_backend.engine import prefix_cache
 from kernel_backend.types import SampleOptions, SamplingParams
 
 # The sampler's guarantee (fp32): a reused prefix changes only the shapes of the products, and with
-# them the summation order (oneDNN's blocking depends on the row count, kernel_backend/matmul.py).
+# them the summation order (oneDNN's blocking depends on the row count, kernel_backend/engine/matmul.py).
 ATOL = 1e-4
 SYSTEM = "You are a pirate. Always talk like a pirate and say 'Arr!'"
 ANSWERS = [" Arr, the sea be blue and deep!", " Ahoy, I like the color red.", " Arr! Gold, matey."]

@@ -11,10 +11,10 @@ from __future__ import annotations
 import threading
 import time
 
-from kernel_backend.engine import Pass
-from kernel_backend.ops import SampleOp
-from kernel_backend.sampler import SampleRequest
-from kernel_backend.scheduler import Job, Scheduler
+from kernel_backend.engine.core import Pass
+from kernel_backend.execution.engine_work import SampleOp
+from kernel_backend.engine.sampler import SampleRequest
+from kernel_backend.execution.scheduler import Job, Scheduler
 from kernel_backend.types import ForwardResult, SampleResult, SamplingParams
 
 

@@ -309,7 +309,7 @@ class World:
         return self.tc.save_weights_for_sampler(name).result().path
 
     def stored_file(self, path: str, file: str) -> Path:
-        """A checkpoint's file in the server's local checkpoint folder (kernel_backend.store.checkpoint_key)."""
+        """A checkpoint's file in the server's local checkpoint folder (kernel_backend.persistence.database.checkpoint_key)."""
         run, segment, name = path.removeprefix("tinker://").split("/")
         return self.server.home / "checkpoints" / "local" / run.replace(":", "_") / segment / name / file
 

@@ -1,4 +1,4 @@
-"""The checkpoint store (kernel_backend/storage.py): a local folder or any fsspec URL, written atomically.
+"""The checkpoint store (kernel_backend/persistence/checkpoint_storage.py): a local folder or any fsspec URL, written atomically.
 
 `memory://` is fsspec's in-process filesystem: the same calls as s3:// or gs:// without a network.
 The server-level test (sealed checkpoints in a file:// store, across restarts) is in test_durability.
@@ -11,8 +11,8 @@ import uuid
 import fsspec
 import pytest
 
-from kernel_backend import crypto
-from kernel_backend.storage import MANIFEST, CheckpointStorage
+from kernel_backend.persistence import crypto
+from kernel_backend.persistence.checkpoint_storage import MANIFEST, CheckpointStorage
 
 
 KINDS = ["local", "memory", "file-url"]

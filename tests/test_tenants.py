@@ -158,7 +158,7 @@ def test_a_revoked_key_stops_working_and_so_do_its_jwts(two_tenants):
 
 def test_forged_expired_and_misused_tokens_answer_401_invalid_token(two_tenants):
     """Only the server's own, unexpired auth JWTs pass; the SDK re-exchanges its key on this 401."""
-    from kernel_backend import signing
+    from kernel_backend.persistence import signing
 
     server, a, _, home = two_tenants
     claims = dict(iss=signing.ISSUER, sub="tml:user:local", org_id="local", email="",
@@ -177,9 +177,9 @@ def test_forged_expired_and_misused_tokens_answer_401_invalid_token(two_tenants)
 
 
 def _server_key(home) -> bytes:
-    """The signing key the server made and keeps in its database (kernel_backend/signing.py)."""
-    from kernel_backend import signing
-    from kernel_backend.store import Store
+    """The signing key the server made and keeps in its database (kernel_backend/persistence/signing.py)."""
+    from kernel_backend.persistence import signing
+    from kernel_backend.persistence.database import Store
 
     return signing.server_secret(Store(f"sqlite:///{home / 'stepwise.db'}"))
 

@@ -112,13 +112,13 @@ def test_connect_starts_the_embedded_backend_once_and_announces_it(service, step
 
 
 def test_connect_binds_to_a_running_backend_and_explains_failures(service, monkeypatch):
-    from kernel_backend import keys
+    from kernel_backend.persistence import api_keys
     from kernel_backend.config import Settings
-    from kernel_backend.store import Store
+    from kernel_backend.persistence.database import Store
 
     embedded = workbench.current()
     settings = Settings()  # the embedded backend's home: its database holds the keys
-    other_key = keys.create(Store(settings.database_url), "workbench-other")
+    other_key = api_keys.create(Store(settings.database_url), "workbench-other")
     try:
         bound = workbench.connect(embedded.base_url, api_key=other_key)
         assert bound is not service and not workbench.current().embedded

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kernel_backend import models
+from kernel_backend.engine import base_models
 
 # A model of a few hundred thousand weights besides its embedding (which the vocabulary fixes).
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -27,7 +27,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 def default_model_dir(models_dir: Path) -> Path:
     """The converted default model (converting its GGUF the first time on this machine)."""
-    return models.resolve(models.DEFAULT_MODEL, Path(models_dir))[1]
+    return base_models.resolve(base_models.DEFAULT_MODEL, Path(models_dir))[1]
 
 
 def tiny_model_folder(folder, architecture: str, models_dir, **config) -> str:
@@ -64,12 +64,12 @@ SAMPLE_CACHE_MB = 46
 
 def stand_in_env(folder: Path) -> dict[str, str]:
     """A backend's environment that serves `folder` under the default model's name."""
-    return {"STEPWISE_BASE_MODELS": f"{models.DEFAULT_MODEL}={folder}", "STEPWISE_SAMPLE_CACHE_MB": str(SAMPLE_CACHE_MB)}
+    return {"STEPWISE_BASE_MODELS": f"{base_models.DEFAULT_MODEL}={folder}", "STEPWISE_SAMPLE_CACHE_MB": str(SAMPLE_CACHE_MB)}
 
 
 def stand_in_settings(folder: Path):
     """The Settings of an in-process Engine on the stand-in (the same as stand_in_env's)."""
     from kernel_backend.config import Settings
 
-    return Settings(base_models=[f"{models.DEFAULT_MODEL}={folder}"], sample_cache_mb=SAMPLE_CACHE_MB)
+    return Settings(base_models=[f"{base_models.DEFAULT_MODEL}={folder}"], sample_cache_mb=SAMPLE_CACHE_MB)
 

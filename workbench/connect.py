@@ -26,7 +26,7 @@ process id, so the backend ends them when the process is gone.
 usage API that the widgets use. This module owns the connection state of the kernel; widgets
 only read it.
 
-Budgets (the backend's kernel_backend/budgets.py refuses, with HTTP 402, a request that would pass
+Budgets (the backend's kernel_backend/service/budgets.py refuses, with HTTP 402, a request that would pass
 one): `connect(budget_usd=0.5)` puts one on the kernel's session through its user_metadata, so it
 holds from the session's first request; `set_budget(...)` / `remove_budget(...)` change one later
 (PUT / DELETE /api/v1/budgets/{scope}/{target}); `budgets()` lists the tenant's.
@@ -311,7 +311,7 @@ def run_id_of(training_run) -> str | None:
     return training_run.model_id
 
 
-BUDGET_STATES = ("ok", "warning", "exhausted")  # kernel_backend/budgets.py: "warning" from 80%; "exhausted" refuses
+BUDGET_STATES = ("ok", "warning", "exhausted")  # kernel_backend/service/budgets.py: "warning" from 80%; "exhausted" refuses
 
 
 def tightest_budget(budgets: list[dict]) -> dict | None:
@@ -331,7 +331,7 @@ def _budget_amounts(usd, tokens) -> tuple[float | None, int | None]:
         except (TypeError, ValueError):
             return math.nan
 
-    # As the backend checks them (kernel_backend/budgets.py); 0 is a budget too: it refuses all work.
+    # As the backend checks them (kernel_backend/service/budgets.py); 0 is a budget too: it refuses all work.
     if usd is not None and not (math.isfinite(number(usd)) and number(usd) >= 0):
         raise ValueError(f"a budget in dollars is a number from 0 up (budget_usd=0.5), not {usd!r}")
     if tokens is not None and not (math.isfinite(number(tokens)) and number(tokens) == int(number(tokens)) >= 0):

@@ -9,7 +9,7 @@ Steps count optimizer steps: step k is the state after the k-th optim_step (step
 The backend keeps each run's state after its last STEPWISE_STEP_HISTORY steps (default 8) and its
 start in memory, and on disk every STEPWISE_SNAPSHOT_EVERY-th step (default 10, the newest
 STEPWISE_SNAPSHOTS_KEPT = 8 of them), for as long as the run's session lives
-(kernel_backend/step_history.py); `save_state` what you want to keep for longer.
+(kernel_backend/engine/step_history.py); `save_state` what you want to keep for longer.
 
 A fork is a run of its own (its own id, ledger rows, name in the sidebar) made the Tinker way:
 a checkpoint of the parent's state after step k (our one route of its own, for a step already past:

@@ -21,7 +21,7 @@ export interface ISnapshot {
 }
 
 /**
- * A budget as the backend counts it (kernel_backend/budgets.py): the most a session or a training run
+ * A budget as the backend counts it (kernel_backend/service/budgets.py): the most a session or a training run
  * may spend, what was spent against it, and its state. The state is the source of truth for colours:
  * "warning" from 80% spent, "exhausted" when the backend refuses more work (all spent, or too little
  * left for the work asked).
@@ -79,7 +79,7 @@ export interface ISession {
   checkpoints: ICheckpoint[];
   sampler_snapshots: ISnapshot[];
   backend: string;
-  /** The engine worker its first run lives on, when the backend runs Ray workers (kernel_backend/cluster.py). */
+  /** The engine worker its first run lives on, when the backend runs Ray workers (kernel_backend/execution/cluster.py). */
   worker?: string | null;
   /** Null (or absent, from a backend before budgets) when the session has none. */
   budget?: IBudget | null;

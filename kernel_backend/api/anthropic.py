@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from kernel_backend import tool_calls
-from kernel_backend.admission import SEED_RANGE
+from kernel_backend.service.admission import SEED_RANGE
 from kernel_backend.api.auth import tenant_of
 from kernel_backend.api.openai import cut_at_stop, start_streaming, text_deltas, visible_tokens
 from kernel_backend.api.tinker import service

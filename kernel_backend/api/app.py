@@ -16,16 +16,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kernel_backend.api import anthropic as anthropic_routes
-from kernel_backend.api import budgets as budget_routes
-from kernel_backend.api import tinker as tinker_routes
-from kernel_backend.api import openai as openai_routes
-from kernel_backend.api import rest as rest_routes
-from kernel_backend.api import usage as usage_routes
-from kernel_backend import budgets, errors
+from kernel_backend.api import anthropic as anthropic_routes, budgets as budget_routes, openai as openai_routes, rest as rest_routes, tinker as tinker_routes, usage as usage_routes
+from kernel_backend.service import Service, budgets
+from kernel_backend import errors
 from kernel_backend.config import Settings
 from kernel_backend.errors import RateLimited, redact_paths
-from kernel_backend.service import Service
 
 log = logging.getLogger("stepwise.api")
 

@@ -1,7 +1,7 @@
 """Who is calling: the credential (X-API-Key, or Authorization: Bearer) and the tenant it belongs to.
 
 Two kinds of credential are accepted on every route:
-- an API key, `tml-...`: keys live hashed in the database (kernel_backend/keys.py);
+- an API key, `tml-...`: keys live hashed in the database (kernel_backend/persistence/api_keys.py);
 - a short-lived JWT (`eyJ...`) that POST /api/v1/auth/token issued for a key (the SDK exchanges its
   key for one when client/config says pjwt_auth_enabled, and refreshes it before it expires). It
   names its key, so revoking the key ends its JWTs at once.
@@ -20,8 +20,10 @@ from dataclasses import dataclass
 
 from fastapi import HTTPException, Request
 
-from kernel_backend import budgets, keys, runtime, signing
-from kernel_backend.keys import LOCAL_TENANT
+from kernel_backend.service import budgets
+from kernel_backend.persistence import api_keys, signing
+from kernel_backend import runtime
+from kernel_backend.persistence.api_keys import LOCAL_TENANT
 
 
 @dataclass
@@ -48,7 +50,7 @@ def caller_of(request: Request) -> Caller:
     if key.startswith("eyJ"):
         claims = signing.verify(service.signing_key, key, "auth")
         key_id = claims.get("key_id") if claims else None
-        row = keys.live_key(service.store, key_id=key_id) if isinstance(key_id, int) else None
+        row = api_keys.live_key(service.store, key_id=key_id) if isinstance(key_id, int) else None
         if row is None or row.tenant != claims.get("org_id"):
             raise HTTPException(401, "invalid or expired token: exchange your API key for a new one at "
                                      "/api/v1/auth/token (the tinker SDK does this by itself)",
@@ -62,7 +64,7 @@ def caller_of(request: Request) -> Caller:
     ):
         raise HTTPException(401, f"{key!r} is accepted only by a backend that listens on loopback (127.0.0.1), "
                                  "from this machine; this one needs a key made with `stepwise keys create --tenant NAME`")
-    row = keys.live_key(service.store, key)
+    row = api_keys.live_key(service.store, key)
     if row is None:
         raise HTTPException(401, "unknown or revoked API key; create one with `stepwise keys create --tenant NAME`")
     return _caller(row)

@@ -1,4 +1,4 @@
-"""The budgets API: the most a session, a training run, an API key or a tenant may spend (kernel_backend/budgets.py).
+"""The budgets API: the most a session, a training run, an API key or a tenant may spend (kernel_backend/service/budgets.py).
 
     GET    /api/v1/budgets                      the caller's budgets, each with what was spent and its state
     PUT    /api/v1/budgets/{scope}/{target}     {"budget_usd": 1.0, "budget_tokens": null}: set or change one
@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from kernel_backend.api.auth import tenant_of
 from kernel_backend.api.tinker import service
-from kernel_backend.keys import LOCAL_TENANT
+from kernel_backend.persistence.api_keys import LOCAL_TENANT
 from kernel_backend.service import Service, accounts
 
 router = APIRouter(prefix="/api/v1/budgets")

@@ -30,13 +30,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from kernel_backend import tool_calls
-from kernel_backend.admission import SEED_RANGE
+from kernel_backend.service.admission import SEED_RANGE
 from kernel_backend.api.auth import tenant_of
 from kernel_backend.api.tinker import service
 from kernel_backend.service import Service, sampling
-from kernel_backend.errors import NotFound
+from kernel_backend.errors import NotFound, UserError, redact_paths
 from kernel_backend.types import SampleOptions, SamplingParams
-from kernel_backend.errors import UserError, redact_paths
 
 
 class OpenAIError(Exception):
@@ -48,7 +47,7 @@ class OpenAIError(Exception):
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         if self.status == 404:
             kind = "not_found_error"
-        if self.status == 402:  # a budget refused it (kernel_backend/budgets.py); OpenAI's name for spent credit
+        if self.status == 402:  # a budget refused it (kernel_backend/service/budgets.py); OpenAI's name for spent credit
             kind = "insufficient_quota"
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status)

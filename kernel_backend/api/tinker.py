@@ -16,7 +16,7 @@ from tinker import types as T
 from kernel_backend.api import wire
 from kernel_backend.api.auth import Caller, caller_of, operator_of, tenant_of
 from kernel_backend.service import Service, accounts, checkpoints, sampling, sessions, training
-from kernel_backend.store import FutureRow
+from kernel_backend.persistence.database import FutureRow
 from kernel_backend.errors import UserError
 
 router = APIRouter(prefix="/api/v1")
@@ -69,7 +69,7 @@ def healthz():
 def client_config(tenant: str = Depends(tenant_of)):
     # JWT auth on: the SDK exchanges its key at /auth/token for short-lived JWTs (and whoami() reads them).
     # Plain JSON bodies and unchunked forward_backward are what this server handles best.
-    # A 402 here is a budget that refuses more work (kernel_backend/budgets.py), not a lapsed payment that
+    # A 402 here is a budget that refuses more work (kernel_backend/service/budgets.py), not a lapsed payment that
     # may come back: the SDK should not pause and resend for up to an hour, but stop (after one resend).
     return {"pjwt_auth_enabled": True, "proto_compress_fwdbwd": False, "billing_exception_max_pause_duration_sec": 0}
 
@@ -128,7 +128,7 @@ def admin_stats(tenant: str = Depends(operator_of), svc: Service = Depends(servi
 
 @router.get("/cluster")
 def cluster(tenant: str = Depends(operator_of), svc: Service = Depends(service)):
-    """Where the engines run (the operator's key only): with Ray workers (kernel_backend/cluster.py) each worker's
+    """Where the engines run (the operator's key only): with Ray workers (kernel_backend/execution/cluster.py) each worker's
     state, device, memory, runs, samplers and queue, and where each run lives; else the in-process engine."""
     return svc.executor.report()
 

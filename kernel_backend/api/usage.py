@@ -17,7 +17,7 @@ import datetime as dt
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, Field
 
-from kernel_backend import models
+from kernel_backend.engine import base_models
 from kernel_backend.api.auth import tenant_of
 from kernel_backend.api.tinker import service
 from kernel_backend.metering import Usage
@@ -44,7 +44,7 @@ MAX_COUNT = 10**15
 
 
 class EstimateRequest(BaseModel):
-    base_model: str = models.DEFAULT_MODEL
+    base_model: str = base_models.DEFAULT_MODEL
     # Either counts...
     prefill_tokens: int = Field(0, ge=0, le=MAX_COUNT)
     sample_tokens: int = Field(0, ge=0, le=MAX_COUNT)

@@ -428,7 +428,7 @@ def optim_params(params: Any) -> AdamParams | DimuonParams:
     """optim_step's params as the SDK sends them: `adam_params` {learning_rate, beta1, beta2, eps,
     weight_decay, grad_clip_norm} (parsed by the SDK's AdamParams), or `optimizer_params` {type:
     "dimuon", learning_rate, grad_clip_norm, beta1, and from newer SDKs damping and
-    rank_lr_correction_exponent}. Values are checked by kernel_backend.optimizers."""
+    rank_lr_correction_exponent}. Values are checked by kernel_backend.engine.optimizers."""
     if hasattr(params, "beta2"):  # tinker.types.AdamParams
         return AdamParams(params.learning_rate, params.beta1, params.beta2, params.eps, params.weight_decay,
                           params.grad_clip_norm)

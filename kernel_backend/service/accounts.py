@@ -6,7 +6,7 @@ and the audit log:
     usage_report, sessions_report    the usage API (kernel_backend/api/usage.py) that the workbench
                                      widgets and the JupyterLab sidebar poll
     set_budget, delete_budget        the budgets API (kernel_backend/api/budgets.py; the counting is in
-                                     kernel_backend/budgets.py)
+                                     kernel_backend/service/budgets.py)
     billing_usage                    AdminClient.get_billing_usage: hourly buckets of tokens and cost
     checkpoint_storage_usage         AdminClient.get_current_checkpoint_storage_usage
     audit_log                        AdminClient.get_audit_log: a UTC day of the audit log
@@ -22,13 +22,12 @@ import math
 
 from sqlalchemy import func, select
 
-from kernel_backend import budgets, keys, signing
-from kernel_backend.service import sessions
+from kernel_backend.service import budgets, sessions
+from kernel_backend.persistence import api_keys, signing
 from kernel_backend.service.checkpoints import SNAPSHOTS_PER_RUN, checkpoint_json
 from kernel_backend.service.core import Service, audit, iso, user_urn
-from kernel_backend.errors import NotFound
-from kernel_backend.store import AuditRow, CheckpointRow, ModelRow, SamplerRow, SessionRow, UsageRow, now, utc
-from kernel_backend.errors import UserError
+from kernel_backend.errors import NotFound, UserError
+from kernel_backend.persistence.database import AuditRow, CheckpointRow, ModelRow, SamplerRow, SessionRow, UsageRow, now, utc
 
 # The longest window get_billing_usage answers, as Tinker's.
 MAX_BILLING_WINDOW = dt.timedelta(days=14)
@@ -239,7 +238,7 @@ def budget_owner(svc: Service, tenant: str, scope: str, target: str) -> str:
     elif scope == "run":
         svc.run(tenant, target)
     elif scope == "key":
-        if not any(k.prefix == target and k.tenant == tenant and k.revoked_at is None for k in keys.list_keys(svc.store)):
+        if not any(k.prefix == target and k.tenant == tenant and k.revoked_at is None for k in api_keys.list_keys(svc.store)):
             raise NotFound(f"no live API key of yours has the prefix {target!r} (`stepwise keys list` shows them)")
     else:
         return target

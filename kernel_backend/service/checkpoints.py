@@ -2,7 +2,7 @@
 calls on saved ones (list, delete, TTL, weights_info).
 
 Saving and loading are jobs in their run's seq_id order. A checkpoint is a folder in the checkpoint
-store (kernel_backend/storage.py: staged, sealed when encryption is on, put in place atomically)
+store (kernel_backend/persistence/checkpoint_storage.py: staged, sealed when encryption is on, put in place atomically)
 plus a row that names it by its tinker:// path. Three kinds:
 
     weights/           save_state: the adapter (PEFT format) and its optimizer's state
@@ -16,13 +16,14 @@ Who else may read a checkpoint (publishing, copies) is in publishing.py.
 
 from __future__ import annotations
 
-from kernel_backend import crypto, optimizers
-from kernel_backend.ops import Op
+from kernel_backend.persistence import crypto
+from kernel_backend.engine import optimizers
+from kernel_backend.execution.engine_work import Op
 from kernel_backend.service import recovery
 from kernel_backend.service.core import Service, audit, iso, json_result, new_id, train_key
-from kernel_backend.errors import NotFound
-from kernel_backend.scheduler import Job
-from kernel_backend.store import (
+from kernel_backend.errors import NotFound, UserError
+from kernel_backend.execution.scheduler import Job
+from kernel_backend.persistence.database import (
     CheckpointRow,
     KIND_SEGMENTS,
     FutureRow,
@@ -32,7 +33,6 @@ from kernel_backend.store import (
     expiry,
     tinker_path,
 )
-from kernel_backend.errors import UserError
 
 # How many in-memory sampler snapshots (save_weights_and_get_sampling_client) a run keeps.
 SNAPSHOTS_PER_RUN = 4

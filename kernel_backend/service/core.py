@@ -1,7 +1,7 @@
 """The service's core: what every concern module shares.
 
 `Service` owns the store (durable rows), the checkpoint storage, the executor (where jobs run: this
-process's engines or Ray workers', kernel_backend/executor.py), admission, and the futures' waiters.
+process's engines or Ray workers', kernel_backend/execution/executor.py), admission, and the futures' waiters.
 It queues work (`submit`), records each outcome and its ledger row (`on_done`), answers polls
 (`retrieve`), expires what is over (`reap`), and looks rows up for a tenant (`session`, `run`,
 `live_run`, `checkpoint`, `sampler`): another tenant's ids are `NotFound`, so their existence is not revealed.
@@ -11,8 +11,8 @@ checkpoints, sampling, accounts), as plain functions that take the `Service` fir
 
 Errors (kernel_backend/errors.py): `UserError` for bad input (400), `NotFound` for ids the caller cannot
 see (404, also for another tenant's ids), `Gone` (410), `RateLimited` (429) from admission
-(kernel_backend/admission.py), which every function that queues work calls first, and `OverBudget`
-(402) from the budgets (kernel_backend/budgets.py), which `admit` counts at the same moment.
+(kernel_backend/service/admission.py), which every function that queues work calls first, and `OverBudget`
+(402) from the budgets (kernel_backend/service/budgets.py), which `admit` counts at the same moment.
 
 Every change to a session, run, checkpoint or project writes an audit row (`audit`), in the same
 transaction as the change where the change is an insert.
@@ -27,16 +27,19 @@ import logging
 import threading
 import uuid
 
-from kernel_backend import budgets, keys, lora, models, ops, runtime, signing
-from kernel_backend.admission import Admission
+from kernel_backend.service import budgets, recovery, stability
+from kernel_backend.persistence import api_keys, signing
+from kernel_backend.engine import base_models, lora
+from kernel_backend.execution import engine_work
+from kernel_backend import runtime
+from kernel_backend.service.admission import Admission
 from kernel_backend.config import Settings
 from kernel_backend.errors import Gone, HomeInUse, NotFound, UserError, error_payload, failure_category
-from kernel_backend.executor import SAMPLER_REQUESTS, Executor, InProcess
-from kernel_backend.keys import LOCAL_TENANT
+from kernel_backend.execution.executor import SAMPLER_REQUESTS, Executor, InProcess
+from kernel_backend.persistence.api_keys import LOCAL_TENANT
 from kernel_backend.metering import Prices, Usage
-from kernel_backend.scheduler import Job, log_failure
-from kernel_backend.service import recovery, stability
-from kernel_backend.store import (
+from kernel_backend.execution.scheduler import Job, log_failure
+from kernel_backend.persistence.database import (
     CheckpointRow,
     FutureRow,
     ModelRow,
@@ -96,7 +99,7 @@ class Service:
         self.settings = settings or Settings()
         self._lock_home()
         self.store = Store(self.settings.database_url)
-        self.ctx = ops.Context.of(self.settings)  # what engine-side work reaches: settings, the checkpoint store
+        self.ctx = engine_work.Context.of(self.settings)  # what engine-side work reaches: settings, the checkpoint store
         self.storage = self.ctx.storage
         self.prices = Prices(self.settings.prices_path or None)
         self.admission = Admission(self.settings, self.store, self.adapter_bytes)
@@ -104,14 +107,14 @@ class Service:
         self.signing_key = signing.server_secret(self.store, self.settings.signing_key)
         if self.settings.sampler not in ("batched", "serial", "vllm"):
             raise ValueError(f"STEPWISE_SAMPLER must be 'batched', 'serial' or 'vllm', not {self.settings.sampler!r}")
-        # Where jobs run (kernel_backend/executor.py): this process's engines, or Ray workers'
-        # (STEPWISE_WORKERS or STEPWISE_RAY_ADDRESS, kernel_backend/cluster.py).
+        # Where jobs run (kernel_backend/execution/executor.py): this process's engines, or Ray workers'
+        # (STEPWISE_WORKERS or STEPWISE_RAY_ADDRESS, kernel_backend/execution/cluster.py).
         self.executor: Executor
         if self.settings.workers or self.settings.ray_address:
             if self.settings.sampler == "vllm":
                 raise ValueError("STEPWISE_SAMPLER=vllm runs with the in-process engine only; unset STEPWISE_WORKERS "
                                  "and STEPWISE_RAY_ADDRESS, or use the built-in sampler")
-            from kernel_backend.cluster import Cluster
+            from kernel_backend.execution.cluster import Cluster
 
             self.executor = Cluster(self.settings, self.storage, self.on_done,
                                     replay=lambda run_id, location: recovery.replay_after_worker_loss(self, run_id, location))
@@ -130,7 +133,7 @@ class Service:
         if cleaned := self.storage.clean_staging():
             log.info("removed %d scratch folders of interrupted checkpoint writes", cleaned)
         if self.settings.local_key:
-            keys.create(self.store, LOCAL_TENANT, self.settings.local_key)
+            api_keys.create(self.store, LOCAL_TENANT, self.settings.local_key)
         self._reaper = threading.Thread(target=self._reap_forever, name="stepwise-reaper", daemon=True)
         self._stopping = threading.Event()
 
@@ -155,10 +158,10 @@ class Service:
 
     def start(self, preload: list[str] | None = None) -> None:
         """Load base models (before serving, so the first request is not slow) and start the thread."""
-        registered = models.registered_models(self.settings.base_models)
+        registered = base_models.registered_models(self.settings.base_models)
         # dict.fromkeys: the default model once, also where a registered entry stands in for it.
         names = list(dict.fromkeys(self.model_name(name) for name in
-                                   (preload if preload is not None else [models.DEFAULT_MODEL, *registered])))
+                                   (preload if preload is not None else [base_models.DEFAULT_MODEL, *registered])))
         self.executor.start(names)
         self._reaper.start()
 
@@ -171,7 +174,7 @@ class Service:
         self._stopping.set()
         self.executor.stop()
         if self.settings.local_key:  # the embedded backend's key dies with it
-            keys.revoke(self.store, self.settings.local_key)
+            api_keys.revoke(self.store, self.settings.local_key)
 
     def _fail_interrupted_futures(self) -> None:
         """Futures left pending by a previous process, other than journaled ones (replay answers those, see
@@ -227,7 +230,7 @@ class Service:
         lanes += self.store.list(SamplerRow, SamplerRow.session_id == session_id)
         for lane in lanes:
             free = Job(new_id(), f"free:{lane.id}", lane.base_model, seq=None,
-                       op=ops.Op("free_adapters", {"adapter_ids": [lane.id]}))
+                       op=engine_work.Op("free_adapters", {"adapter_ids": [lane.id]}))
             self.executor.submit(free, ordered=False)
         log.info("session %s %s; freed %d adapters", session_id, status, len(lanes))
 
@@ -236,7 +239,7 @@ class Service:
     def admit(self, tenant: str, request_id: str, base_model: str, bound: Usage, session_id: str | None = None,
               run_id: str | None = None) -> None:
         """Count a request's most work (`bound`, tokens by kind) now, when it is admitted: against the tenant's
-        tokens per minute (admission.py) and every budget that covers it (budgets.py), or raise before
+        tokens per minute (service/admission.py) and every budget that covers it (service/budgets.py), or raise before
         anything is queued. Its ledger row settles both (`on_done`)."""
         tokens = bound.prefill_tokens + bound.sample_tokens + bound.train_tokens
         if not tokens:  # free work (an optim_step, a save) passes every budget
@@ -393,7 +396,7 @@ class Service:
 
     def model_name(self, name: str) -> str:
         """Canonical base-model name; UserError naming the available ones if unknown."""
-        return models.resolve(name, self.settings.models_dir, self.settings.base_models)[0]
+        return base_models.resolve(name, self.settings.models_dir, self.settings.base_models)[0]
 
     def adapter_bytes(self, base_model: str, lora_config: dict) -> int:
         """One copy of an adapter's weights on `base_model` (0 while that model is not loaded); admission's measure."""

@@ -2,7 +2,7 @@
 (export_session_trace).
 
 The SDK fetches these with plain GETs and no credentials, so each URL carries a signed token
-(kernel_backend/signing.py) that names what it opens and expires after STEPWISE_DOWNLOAD_URL_TTL_S.
+(kernel_backend/persistence/signing.py) that names what it opens and expires after STEPWISE_DOWNLOAD_URL_TTL_S.
 This backend serves them itself at /api/v1/downloads/{token}/{file}, from any checkpoint store
 (decrypting files sealed at rest), so the same URLs work for a local folder and an object store.
 """
@@ -13,11 +13,11 @@ import contextlib
 import datetime as dt
 from pathlib import Path
 
-from kernel_backend import signing
+from kernel_backend.persistence import signing
 from kernel_backend.service import checkpoints, sessions
 from kernel_backend.service.core import Service, audit, iso
 from kernel_backend.errors import NotFound
-from kernel_backend.store import now
+from kernel_backend.persistence.database import now
 
 
 def _url(svc: Service, base_url: str, file: str, **claims) -> str:

@@ -19,7 +19,7 @@ from sqlalchemy import select
 
 from kernel_backend.service import checkpoints, sessions
 from kernel_backend.service.core import Service, audit, new_id
-from kernel_backend.store import CheckpointRow, ModelRow, SessionRow, expiry, tinker_path
+from kernel_backend.persistence.database import CheckpointRow, ModelRow, SessionRow, expiry, tinker_path
 from kernel_backend.errors import UserError
 
 MAX_IDEMPOTENCY_KEY = 128

@@ -33,9 +33,9 @@ import pickle
 
 from sqlalchemy import delete, func, select
 
-from kernel_backend.ops import Op
-from kernel_backend.scheduler import Job
-from kernel_backend.store import FutureRow, JournalRow, ModelRow, RunSnapshotRow, SessionRow, now
+from kernel_backend.execution.engine_work import Op
+from kernel_backend.execution.scheduler import Job
+from kernel_backend.persistence.database import FutureRow, JournalRow, ModelRow, RunSnapshotRow, SessionRow, now
 
 log = logging.getLogger("stepwise.recovery")
 
@@ -174,7 +174,7 @@ def replay_run(svc, model_id: str, after_seq: int | None, creation: bool) -> int
 
 def replay_after_worker_loss(svc, model_id: str, snapshot_location: str | None) -> int:
     """A Ray worker died and the cluster restored `model_id` on a live one from its snapshot (or its origin):
-    the journal since then makes it the run that was lost (kernel_backend/cluster.py, Cluster._restore)."""
+    the journal since then makes it the run that was lost (kernel_backend/execution/cluster.py, Cluster._restore)."""
     after = None
     if snapshot_location is not None:
         rows = svc.store.list(RunSnapshotRow, RunSnapshotRow.model_id == model_id,

@@ -13,17 +13,16 @@ import dataclasses
 import json
 import threading
 
-from kernel_backend import admission, models
-from kernel_backend.ops import SampleOp
-from kernel_backend.service import stability
+from kernel_backend.service import admission, stability
+from kernel_backend.engine import base_models
+from kernel_backend.execution.engine_work import SampleOp
 from kernel_backend.service.checkpoints import SNAPSHOTS_PER_RUN, loadable
 from kernel_backend.service.core import PROTO_TYPE, Service, json_result, new_id
-from kernel_backend.errors import NotFound
-from kernel_backend.scheduler import Job
+from kernel_backend.errors import NotFound, UserError
+from kernel_backend.execution.scheduler import Job
 from kernel_backend.metering import Usage
-from kernel_backend.store import CheckpointRow, FutureRow, ModelRow, SamplerRow, parse_tinker_path
+from kernel_backend.persistence.database import CheckpointRow, FutureRow, ModelRow, SamplerRow, parse_tinker_path
 from kernel_backend.types import SampleOptions, SamplingParams
-from kernel_backend.errors import UserError
 
 
 def create_sampling_session(svc: Service, tenant: str, session_id: str, seq: int, base_model: str | None,
@@ -147,7 +146,7 @@ def openai_model(svc: Service, tenant: str, model: str) -> tuple[str, str | None
 
 
 def openai_models(svc: Service, tenant: str) -> list[str]:
-    names = list(dict.fromkeys([*models.available_models(), *svc.executor.facts()]))
+    names = list(dict.fromkeys([*base_models.available_models(), *svc.executor.facts()]))
     samplers = svc.store.list(CheckpointRow, CheckpointRow.tenant == tenant, CheckpointRow.kind != "external",
                               order=CheckpointRow.created_at)
     return names + [c.tinker_path for c in samplers]
@@ -158,7 +157,7 @@ def tokenizer(svc: Service, base_model: str):
     if base_model not in svc.tokenizers:
         from transformers import AutoTokenizer
 
-        folder = models.resolve(base_model, svc.settings.models_dir, svc.settings.base_models)[1]
+        folder = base_models.resolve(base_model, svc.settings.models_dir, svc.settings.base_models)[1]
         svc.tokenizers[base_model] = AutoTokenizer.from_pretrained(folder)
     return svc.tokenizers[base_model]
 

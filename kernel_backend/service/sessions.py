@@ -14,11 +14,10 @@ import re
 
 from sqlalchemy import and_, func, or_, select
 
-from kernel_backend import budgets
+from kernel_backend.service import budgets
 from kernel_backend.service.core import DEFAULT_PROJECT, Service, audit, iso, new_id, user_urn
-from kernel_backend.errors import Gone
-from kernel_backend.store import CheckpointRow, ModelRow, SamplerRow, SessionRow, UsageRow, now, utc
-from kernel_backend.errors import UserError
+from kernel_backend.errors import Gone, UserError
+from kernel_backend.persistence.database import CheckpointRow, ModelRow, SamplerRow, SessionRow, UsageRow, now, utc
 
 PROJECT_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:-]{0,127}")
 FINISH_REASONS = ("success", "errored", "interrupted")

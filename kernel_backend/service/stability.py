@@ -2,7 +2,7 @@
 
 Recording. A sample request with `record_stability_info` keeps, per returned sequence id, the request's
 prompt, the sampled tokens and the sampler's logprob of each token: the "information captured at sampling
-time" that stable_reinforce's importance weight needs (kernel_backend/losses.py). Rows are in the store
+time" that stable_reinforce's importance weight needs (kernel_backend/engine/losses.py). Rows are in the store
 (StabilityRow), so a restart keeps them; they belong to the session that sampled them and expire a day
 after sampling, each training request that uses one restarting its day (Tinker's documented lifetime);
 an ended session's rows go at once (nothing can train on them any more).
@@ -27,7 +27,7 @@ import threading
 
 import numpy as np
 
-from kernel_backend.store import StabilityRow, now
+from kernel_backend.persistence.database import StabilityRow, now
 from kernel_backend.types import Datum, SampleResult, Span
 from kernel_backend.errors import UserError
 

@@ -10,7 +10,7 @@ past; that is this module, behind two REST routes (api/rest.py):
          {"kind": "training" | "sampler"}                  named step-00000k; answers a future to poll
 
 Where a past step's state is (the policy, docs/workbench.md states it too): the engine keeps the last
-STEPWISE_STEP_HISTORY steps of each run in memory, and its start (kernel_backend/step_history.py); on disk
+STEPWISE_STEP_HISTORY steps of each run in memory, and its start (kernel_backend/engine/step_history.py); on disk
 are the run's recovery snapshots, every STEPWISE_SNAPSHOT_EVERY steps, the newest STEPWISE_SNAPSHOTS_KEPT of
 them (service/recovery.py). Both last as long as the run's session; a step checkpoint is a checkpoint
 like any other (kept until deleted or its TTL).
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from kernel_backend.service import checkpoints, recovery
 from kernel_backend.service.core import Service
-from kernel_backend.store import FutureRow
+from kernel_backend.persistence.database import FutureRow
 from kernel_backend.errors import UserError
 
 

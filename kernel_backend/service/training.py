@@ -10,15 +10,15 @@ import random
 
 from sqlalchemy import select
 
-from kernel_backend import admission, budgets, models, optimizers
-from kernel_backend.engine import Pass
+from kernel_backend.service import admission, budgets, recovery, sessions, stability
+from kernel_backend.engine import base_models, optimizers
+from kernel_backend.engine.core import Pass
 from kernel_backend.metering import Usage
-from kernel_backend.ops import Op
+from kernel_backend.execution.engine_work import Op
 from kernel_backend.service.checkpoints import checkpoint_json
-from kernel_backend.service import recovery, sessions, stability
 from kernel_backend.service.core import PROTO_TYPE, Service, audit, iso, json_result, new_id, train_key
-from kernel_backend.scheduler import Job
-from kernel_backend.store import CheckpointRow, FutureRow, ModelRow, SessionRow, now
+from kernel_backend.execution.scheduler import Job
+from kernel_backend.persistence.database import CheckpointRow, FutureRow, ModelRow, SessionRow, now
 from kernel_backend.types import AdamParams, Datum, DimuonParams, LoraConfig
 from kernel_backend.errors import UserError
 
@@ -39,7 +39,7 @@ def create_model(svc: Service, tenant: str, session_id: str, model_seq_id: int, 
         config = LoraConfig(**existing.lora_config)
     else:
         # A seed of its own, kept: replaying its creation, a remake after a Ray worker dies and a data-parallel
-        # run's replicas (cluster.py) must all make the same adapter.
+        # run's replicas (execution/cluster.py) must all make the same adapter.
         if config.seed is None:
             config.seed = random.getrandbits(63)
         svc.admission.adapter(tenant, base, vars(config), training=True)
@@ -59,7 +59,7 @@ def create_model(svc: Service, tenant: str, session_id: str, model_seq_id: int, 
 
 
 def replicas_asked(user_metadata: dict | None) -> int | None:
-    """Data-parallel replicas a run asks for in its user_metadata ({"replicas": "2"}; kernel_backend/cluster.py)."""
+    """Data-parallel replicas a run asks for in its user_metadata ({"replicas": "2"}; kernel_backend/execution/cluster.py)."""
     value = (user_metadata or {}).get("replicas")
     if value is None:
         return None
@@ -76,12 +76,12 @@ def get_info(svc: Service, tenant: str, model_id: str) -> dict:
     run = svc.run(tenant, model_id)
     # The SDK's get_tokenizer() loads tokenizer_id on the client. The embedded backend's client is on
     # this machine, so the local folder works offline; a shared server names the model, never a path.
-    folder = models.resolve(run.base_model, svc.settings.models_dir, svc.settings.base_models)[1]
+    folder = base_models.resolve(run.base_model, svc.settings.models_dir, svc.settings.base_models)[1]
     tokenizer_id = str(folder) if svc.settings.embedded else run.base_model
     return {
         "type": "get_info",
         "model_id": model_id,
-        "model_data": {"arch": models.architecture(folder), "model_name": run.base_model, "tokenizer_id": tokenizer_id},
+        "model_data": {"arch": base_models.architecture(folder), "model_name": run.base_model, "tokenizer_id": tokenizer_id},
         "is_lora": True,
         "lora_rank": run.lora_config["rank"],
         "model_name": run.base_model,
@@ -167,7 +167,7 @@ def training_runs(svc: Service, tenant: str, limit: int, offset: int, project_id
 def capabilities(svc: Service) -> dict:
     loaded = svc.executor.facts()
     supported = []
-    for name in dict.fromkeys([*models.available_models(), *loaded]):
+    for name in dict.fromkeys([*base_models.available_models(), *loaded]):
         supported.append({
             "model_name": name,
             "max_context_length": loaded[name]["max_context"] if name in loaded else None,

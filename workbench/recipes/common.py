@@ -469,7 +469,7 @@ def summarize(recipe: str, config: BaseConfig, service_client: tinker.ServiceCli
 # Planning a run's cost: each recipe's estimate(config)
 #
 # A recipe's `planned_tokens(config, assume)` walks the loop its run() would walk, with no backend,
-# and counts each metered call's tokens as the backend meters them (kernel_backend/scheduler.py):
+# and counts each metered call's tokens as the backend meters them (kernel_backend/execution/scheduler.py):
 # a sample request bills its prompt once however many answers it asks for; compute_logprobs is the
 # SDK's sample request of max_tokens=1, so the whole sequence is prefill and one token is sampled;
 # forward is prefill, forward_backward is train, and forward_backward_custom is both (the SDK runs a

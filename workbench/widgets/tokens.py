@@ -32,10 +32,10 @@ def local_tokenizer(base_model: str | None = None):
     Raises for a model this machine does not have."""
     from transformers import AutoTokenizer
 
-    from kernel_backend import models
+    from kernel_backend.engine import base_models
     from kernel_backend.config import Settings
 
-    return AutoTokenizer.from_pretrained(models.resolve(base_model or models.DEFAULT_MODEL, Settings().models_dir)[1])
+    return AutoTokenizer.from_pretrained(base_models.resolve(base_model or base_models.DEFAULT_MODEL, Settings().models_dir)[1])
 
 
 def token_pieces(token_ids: Sequence[int], tokenizer=None) -> list[str]:

@@ -1,4 +1,4 @@
-"""The engine worker of a Ray cluster (cluster.py): a Ray actor per device, an Engine per base model and the same
+"""The engine worker of a Ray cluster (execution/cluster.py): a Ray actor per device, an Engine per base model and the same
 Scheduler as in-process, answering each job's Outcome to the gateway.
 
 Also what both sides of the cluster share: a worker's answer (`Outcome`) and the error of a lost worker (`WorkerLost`).
@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernel_backend import ops
+from kernel_backend.execution import engine_work
 from kernel_backend.config import Settings
-from kernel_backend.engine import Engine
+from kernel_backend.engine.core import Engine
 from kernel_backend.errors import UserError
-from kernel_backend.ops import Op
-from kernel_backend.scheduler import Job, Scheduler
+from kernel_backend.execution.engine_work import Op
+from kernel_backend.execution.scheduler import Job, Scheduler
 
 log = logging.getLogger("stepwise.cluster")
 
@@ -55,7 +55,7 @@ class EngineWorker:
         torch.set_num_threads(max(1, settings.worker_threads))
         self.name, self.settings, self.memory_budget = name, settings, memory_budget
         self.incarnation = uuid.uuid4().hex  # a process Ray restarted is a new incarnation: its state is gone
-        self.ctx = ops.Context.of(settings)
+        self.ctx = engine_work.Context.of(settings)
         self.scheduler = Scheduler(lambda base: Engine(base, settings), self._done, settings.max_batch_tokens, self.ctx)
         self.state, self.error = "starting", None
         self._waiting: dict[str, asyncio.Future] = {}
@@ -214,7 +214,7 @@ class EngineWorker:
         """The step on the summed gradients; on failure the replica's own gradients are put back."""
         work, flat = self._reduce.pop(job.request_id, (None, None))
         if work is None:
-            return ops.run(engine, self.ctx, job.op)
+            return engine_work.run(engine, self.ctx, job.op)
         work.wait()  # raises if the all-reduce failed (a peer stopped)
         params = self._params(job)
         own = [p.grad for p in params]
@@ -224,7 +224,7 @@ class EngineWorker:
             p.grad = flat[offset:offset + p.numel()].view_as(p).clone() if count > 0 else None
             offset += p.numel()
         try:
-            return ops.run(engine, self.ctx, job.op)
+            return engine_work.run(engine, self.ctx, job.op)
         except Exception:
             for p, g in zip(params, own):
                 p.grad = g

@@ -1,7 +1,7 @@
 """The compute owner: one frozen base model on one device, many LoRA adapters over it.
 
 Every training and sampling primitive is a method here: forward, forward_backward (gradients
-accumulate until optim_step), optim_step (AdamW or Dimuon per adapter, optimizers.py), sample, compute_logprobs,
+accumulate until optim_step), optim_step (AdamW or Dimuon per adapter, engine/optimizers.py), sample, compute_logprobs,
 save/load of state (weights + optimizer) and of sampler weights.
 
 The engine is not thread-safe: one thread owns it (the scheduler, or a test). Every method
@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from kernel_backend import adapter_cache, families, lora, losses, matmul, models, optimizers, prefix_tree, sampler
-from kernel_backend.step_history import StepHistory, write_state
+from kernel_backend.engine import adapter_cache, base_models, families, lora, losses, matmul, optimizers, prefix_tree, sampler
+from kernel_backend.engine.step_history import StepHistory, write_state
 from kernel_backend.config import Settings
 from kernel_backend.types import (
     AdamParams,
@@ -58,7 +58,7 @@ class Pass:
 
 @dataclass
 class _Slot:
-    """An adapter and, when it trains, its optimizer (AdamW or Dimuon: optimizers.py)."""
+    """An adapter and, when it trains, its optimizer (AdamW or Dimuon: engine/optimizers.py)."""
 
     adapter: lora.Adapter
     optimizer: torch.optim.Optimizer | None = None
@@ -76,10 +76,10 @@ class _Row:
 
 
 class Engine:
-    def __init__(self, base_model: str = models.DEFAULT_MODEL, settings: Settings | None = None) -> None:
+    def __init__(self, base_model: str = base_models.DEFAULT_MODEL, settings: Settings | None = None) -> None:
         self.settings = settings or Settings()
         dtype = getattr(torch, self.settings.dtype)
-        self.base = models.load(base_model, self.settings.models_dir, self.settings.device, dtype,
+        self.base = base_models.load(base_model, self.settings.models_dir, self.settings.device, dtype,
                                 self.settings.base_models)
         self.model = self.base.model
         self.tokenizer = self.base.tokenizer
@@ -87,12 +87,12 @@ class Engine:
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 2048))
         lora.attach(self.model, matmul.choose(self.settings.matmul, self.settings.device, dtype))
         self.decoder = self._make_decoder()
-        # Every adapter this engine serves; what stays on the device is bounded in bytes (adapter_cache.py).
+        # Every adapter this engine serves; what stays on the device is bounded in bytes (engine/adapter_cache.py).
         self.adapters = adapter_cache.AdapterCache(
             adapter_cache.budget_bytes(self.settings.adapter_cache_mb, self.settings.device),
             self.settings.max_adapter_mb_per_tenant << 20, self.settings.home / "spill", self.settings.device,
             in_use=lambda: {id(a) for a in self.decoder.adapters()})
-        # Each run's state after its recent steps, to fork from or sample at (step_history.py).
+        # Each run's state after its recent steps, to fork from or sample at (engine/step_history.py).
         self.history = StepHistory(self.settings.step_history, self.settings.step_history_mb << 20)
 
     @property
@@ -105,7 +105,7 @@ class Engine:
         self.decoder = self._make_decoder()
 
     def _make_decoder(self) -> sampler.Decoder | sampler.SerialDecoder:
-        """Every sample request on this model goes through this decoder (see sampler.py)."""
+        """Every sample request on this model goes through this decoder (see engine/sampler.py)."""
         settings = self.settings
         if settings.sampler not in ("batched", "serial", "vllm"):  # with vllm, the engine decodes only its own checks
             raise ValueError(f"STEPWISE_SAMPLER must be 'batched', 'serial' or 'vllm', not {settings.sampler!r}")
@@ -324,7 +324,7 @@ class Engine:
 
     def _micro_batches(self, rows: list[_Row], adapters: list[lora.Adapter]) -> list[list[_Row]]:
         """Group rows so that each micro-batch stays within micro_batch_tokens: the tokens the model runs, where
-        rows of one adapter that share a prefix share its tokens (prefix_tree.py, _tree_key), or, padded through
+        rows of one adapter that share a prefix share its tokens (engine/prefix_tree.py, _tree_key), or, padded through
         transformers (not sampler.Decoder.supports), its rows x their longest."""
         packed = sampler.Decoder.supports(self.model)
         batches, current, tree = [], [], prefix_tree.Tree()
@@ -343,7 +343,7 @@ class Engine:
 
     def _target_logprobs(self, rows: list[_Row], adapters: list[lora.Adapter]) -> tuple[list[torch.Tensor], Counter]:
         """Each row's logprobs of its target tokens, and the tokens the model ran per adapter (by id). The
-        families of families.py run the rows as one tree of tokens, no padding, every shared prefix once (the
+        families of engine/families.py run the rows as one tree of tokens, no padding, every shared prefix once (the
         sampler's own forward pass, sampler.flat_forward); others right-padded through transformers' forward."""
         if sampler.Decoder.supports(self.model):
             return self._packed_target_logprobs(rows, adapters)
@@ -378,7 +378,7 @@ class Engine:
 
     def _packed_target_logprobs(self, rows: list[_Row], adapters: list[lora.Adapter]) -> tuple[list[torch.Tensor], Counter]:
         """The rows as one flat batch of tokens, every prefix that rows of one adapter share computed once
-        (prefix_tree.py): no product sees a padding token or a token twice, attention stays within each row."""
+        (engine/prefix_tree.py): no product sees a padding token or a token twice, attention stays within each row."""
         device = self.model.device
         tree = prefix_tree.Tree()
         for n, (row, adapter) in enumerate(zip(rows, adapters)):
@@ -683,7 +683,7 @@ class _TargetLogprobs(torch.autograd.Function):
     vocabulary-sized tensor is allocated (cross_entropy's backward allocates two, each
     batch x length x vocab floats, plus the zero fill of one).
     With `index` (flat logits, N x V), target row i is read at logits row index[i]: rows that share a
-    prefix share its logits (prefix_tree.py), each with its own targets, and their gradients add up.
+    prefix share its logits (engine/prefix_tree.py), each with its own targets, and their gradients add up.
     """
 
     @staticmethod

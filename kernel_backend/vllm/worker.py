@@ -1,8 +1,8 @@
 """The vLLM sampler worker: a small process of ours that runs vLLM's async engine for one base model.
 
-It runs in the vLLM venv (kernel_backend/vllm_venv.py), not the backend's, so it imports nothing
-from kernel_backend: only the standard library and vLLM. The backend (kernel_backend/vllm_sampler.py)
-starts it as `<venv>/bin/python -P vllm_worker.py '<json engine args>'` and talks to it over the
+It runs in the vLLM venv (kernel_backend/vllm/venv.py), not the backend's, so it imports nothing
+from kernel_backend: only the standard library and vLLM. The backend (kernel_backend/execution/vllm_sampler.py)
+starts it as `<venv>/bin/python -P vllm/worker.py '<json engine args>'` and talks to it over the
 process's stdin and stdout, one JSON object per line each way:
 
     -> {"id": 1, "op": "add_adapter", "name": "run:train:0@sampler-3", "path": "/.../adapter"}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kernel_backend.errors import UserError
 
-# The checkpoint's manifest (kernel_backend/storage.py): checksums of the files as stored, so it is
+# The checkpoint's manifest (kernel_backend/persistence/checkpoint_storage.py): checksums of the files as stored, so it is
 # written after sealing and is never sealed itself.
 MANIFEST = "manifest.json"
 MAGIC = b"SWENC01\n"

@@ -1,4 +1,4 @@
-"""threads.small: small products run on the calling thread alone, and every thread comes back after."""
+"""small_products.small: small products run on the calling thread alone, and every thread comes back after."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import one_lora_layer
-from kernel_backend import lora, threads
+from kernel_backend.engine import lora, small_products
 from kernel_backend.types import LoraConfig
 
 
@@ -19,12 +19,12 @@ def two_threads():
 
 
 def test_small_work_runs_on_one_thread_and_gives_the_threads_back(two_threads):
-    with threads.small(threads.SMALL_WORK - 1):
+    with small_products.small(small_products.SMALL_WORK - 1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == 2
-    with threads.small(threads.SMALL_WORK):  # large work keeps every thread
+    with small_products.small(small_products.SMALL_WORK):  # large work keeps every thread
         assert torch.get_num_threads() == 2
-    with pytest.raises(ValueError), threads.small(10):
+    with pytest.raises(ValueError), small_products.small(10):
         raise ValueError("boom")
     assert torch.get_num_threads() == 2  # restored on the way out of an error too
 
@@ -44,7 +44,7 @@ def test_a_small_lora_layer_computes_the_same_on_one_thread_as_on_two(two_thread
         one_thread = model.q_proj(x)
         assert set(seen) == {1}  # every product of this layer ran on one thread
         seen.clear()
-        monkeypatch.setattr(threads, "SMALL_WORK", 0)
+        monkeypatch.setattr(small_products, "SMALL_WORK", 0)
         two = model.q_proj(x)
         assert set(seen) == {2}
     torch.testing.assert_close(one_thread, two, rtol=1e-6, atol=1e-6)

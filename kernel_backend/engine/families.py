@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernel_backend import threads
+from kernel_backend.engine import small_products
 
 
 @dataclass(frozen=True)
@@ -117,8 +117,8 @@ def feed_forward(family: Family, mlp: torch.nn.Module, x: torch.Tensor) -> torch
         return mlp(x[None])[0]
     act = mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn  # Phi-3 names it activation_fn
     # Elementwise: one thread was faster than two from a decode step's 32 rows to a prefill's 512
-    # (the wake-up of the sleeping workers costs more than the second core saves; threads.py).
-    with threads.small(gate.numel()):
+    # (the wake-up of the sleeping workers costs more than the second core saves; engine/small_products.py).
+    with small_products.small(gate.numel()):
         gate = act(gate) * up
     return mlp.down_proj(gate)
 

@@ -1,8 +1,8 @@
 """The vLLM sampler (STEPWISE_SAMPLER=vllm): sample requests served by vLLM instead of the engine.
 
 Three pieces, from the bottom up:
-- `WorkerProcess`: one vLLM worker (kernel_backend/vllm_worker.py) running in the vLLM venv
-  (kernel_backend/vllm_venv.py), and the pipe to it: JSON lines, replies matched to requests by id,
+- `WorkerProcess`: one vLLM worker (kernel_backend/vllm/worker.py) running in the vLLM venv
+  (kernel_backend/vllm/venv.py), and the pipe to it: JSON lines, replies matched to requests by id,
   so any number of requests are in flight at once and vLLM batches them.
 - `VllmSampler`: one base model's worker plus the LoRA adapters registered with it. An adapter
   version is a folder of PEFT files (what save_weights_for_sampler writes); the service names it by
@@ -11,7 +11,7 @@ Three pieces, from the bottom up:
   (save_weights_and_get_sampling_client) stay until the service removes them; of the other versions
   the latest STEPWISE_VLLM_MAX_ADAPTERS used are kept, and the one used longest ago is unloaded.
 - `VllmSampling`: what the service calls. Sample jobs (Sample, Completion, ChatCompletion) come here
-  instead of the scheduler thread; each runs its usual function (ops.sample_request) on a pool thread
+  instead of the scheduler thread; each runs its usual function (engine_work.sample_request) on a pool thread
   against an `_EngineView`, which answers the engine calls a sample job makes (has_adapter, load_sampler,
   sample) with vLLM, after the engine's own validation. So admission, metering, idempotency, tenancy
   and error categories are the service's, unchanged; only the sampling moved.
@@ -42,16 +42,18 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kernel_backend import engine as engine_module, models, ops, vllm_venv
+from kernel_backend.engine import base_models, core as engine_module
+from kernel_backend.execution import engine_work
+from kernel_backend.vllm import venv as vllm_venv
 from kernel_backend.config import Settings
 from kernel_backend.metering import Usage
-from kernel_backend.scheduler import Job, log_failure
+from kernel_backend.execution.scheduler import Job, log_failure
 from kernel_backend.types import SampledSequence, SampleOptions, SampleResult, SamplingParams
 from kernel_backend.errors import UserError
 
 log = logging.getLogger("stepwise.vllm")
 
-WORKER = Path(__file__).with_name("vllm_worker.py")
+WORKER = Path(__file__).parents[1] / "vllm" / "worker.py"
 # LoRA ranks vLLM accepts for max_lora_rank.
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -76,7 +78,7 @@ class WorkerError(RuntimeError):
 
 
 class WorkerProcess:
-    """A vLLM worker process and the pipe to it (see kernel_backend/vllm_worker.py for the messages)."""
+    """A vLLM worker process and the pipe to it (see kernel_backend/vllm/worker.py for the messages)."""
 
     def __init__(self, python: Path, args: dict, env: dict, log_path: Path) -> None:
         self.python, self.args, self.env, self.log_path = python, args, env, log_path
@@ -179,7 +181,7 @@ class VllmSampler:
         self.base_model = base_model
         slug = base_model.replace("/", "--")
         self.adapters_dir = settings.home / "vllm" / slug / "adapters"
-        model_dir = models.resolve(base_model, settings.models_dir, settings.base_models)[1]
+        model_dir = base_models.resolve(base_model, settings.models_dir, settings.base_models)[1]
         python = vllm_venv.python(settings)
         if python is None:
             raise RuntimeError(f"STEPWISE_SAMPLER=vllm needs the vLLM venv, which is not built on this machine: "
@@ -444,7 +446,7 @@ class VllmSampling:
         try:
             view = _EngineView(self, self._engine(job.base_model), job.base_model)
             # The job's usual function, with the view as its engine: its sample_request samples with vLLM right away.
-            result = ops.sample_request(view, self.scheduler.ctx, job.sample, job.on_token, job.cancel)
+            result = engine_work.sample_request(view, self.scheduler.ctx, job.sample, job.on_token, job.cancel)
             job.usage = Usage(prefill_tokens=job.tokens, sample_tokens=sum(len(s.tokens) for s in result.sequences))
         except Exception as e:  # as the scheduler does: bad input is the user's, anything else is logged
             log_failure(job.request_id, e)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kernel_backend import lora, optimizers
+from kernel_backend.engine import lora, optimizers
 
 
 @dataclass

@@ -20,7 +20,7 @@ import time
 
 from sqlalchemy.exc import IntegrityError
 
-from kernel_backend.store import SecretRow, Store
+from kernel_backend.persistence.database import SecretRow, Store
 
 HEADER = {"alg": "HS256", "typ": "JWT"}
 # Issuer of auth JWTs. The SDK's whoami() also accepts a JWT passed as the api_key when its issuer

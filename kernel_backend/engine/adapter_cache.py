@@ -19,7 +19,7 @@ use alone. An adapter a decode request is using, or one the call at hand needs (
 evicted: when nothing else can go, the cache holds more than its bound for a while, and refuses
 nothing.
 
-The engine owns one AdapterCache (engine.py); it is not thread-safe, like the engine.
+The engine owns one AdapterCache (engine/core.py); it is not thread-safe, like the engine.
 """
 
 from __future__ import annotations

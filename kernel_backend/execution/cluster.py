@@ -1,8 +1,8 @@
 """Scale-out on Ray: one gateway (this process: the API, the store, the ledger), many engine workers
-(cluster_worker.py).
+(execution/cluster_worker.py).
 
     Service.submit ──> Cluster (this process): placement, replicas, heartbeats, recovery
-                          │ the Job, its engine-side work plain data (ops.py), pickled by Ray
+                          │ the Job, its engine-side work plain data (execution/engine_work.py), pickled by Ray
                           ▼
                        EngineWorker, a Ray actor per device: an Engine per base model and the same
                        Scheduler as in-process (seq_id order per run, passes of runs batched, one
@@ -52,16 +52,16 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from kernel_backend import lora
-from kernel_backend.adapter_cache import TRAINING_COPIES
-from kernel_backend.cluster_worker import GROUP_TIMEOUT_S, EngineWorker, Outcome, WorkerLost
+from kernel_backend.engine import lora
+from kernel_backend.engine.adapter_cache import TRAINING_COPIES
+from kernel_backend.execution.cluster_worker import GROUP_TIMEOUT_S, EngineWorker, Outcome, WorkerLost
 from kernel_backend.config import Settings
-from kernel_backend.engine import merge_metrics
+from kernel_backend.engine.core import merge_metrics
 from kernel_backend.errors import UserError
 from kernel_backend.metering import COMPUTED, Usage
-from kernel_backend.ops import Op
-from kernel_backend.scheduler import Job
-from kernel_backend.storage import CheckpointStorage
+from kernel_backend.execution.engine_work import Op
+from kernel_backend.execution.scheduler import Job
+from kernel_backend.persistence.checkpoint_storage import CheckpointStorage
 from kernel_backend.types import ForwardResult
 
 log = logging.getLogger("stepwise.cluster")
@@ -143,7 +143,7 @@ class _Dispatch:
 
 
 class Cluster:
-    """Placement, replicas, heartbeats and recovery, on the gateway: an executor (executor.py). `on_done(job,
+    """Placement, replicas, heartbeats and recovery, on the gateway: an executor (execution/executor.py). `on_done(job,
     outcome)` as the scheduler's."""
 
     restores_runs = True  # a lost worker's runs come back from the snapshots the gateway keeps

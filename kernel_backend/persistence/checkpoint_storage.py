@@ -33,8 +33,8 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
-from kernel_backend import crypto
-from kernel_backend.crypto import MANIFEST
+from kernel_backend.persistence import crypto
+from kernel_backend.persistence.crypto import MANIFEST
 from kernel_backend.errors import UserError
 
 log = logging.getLogger("stepwise.storage")

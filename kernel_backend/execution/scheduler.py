@@ -8,15 +8,15 @@ another. When several lanes have a forward / forward_backward at their head, tho
 as one batch with per-row LoRA routing (`Engine.run_passes`).
 
 Sample requests do not take turns one by one: they join their base model's decoder (one
-continuous batch, kernel_backend/sampler.py), taken round-robin across sampler lanes whenever the
+continuous batch, kernel_backend/engine/sampler.py), taken round-robin across sampler lanes whenever the
 decoder has room. The thread then alternates between decode steps (each a step for every live
 request) and the other jobs, sharing its time between them by lanes: the decoder counts as many
 lanes as it has requests from, so a long generation cannot starve training, nor training stall
 generation. A job is never interrupted: a decode step waits for the job before it, and a job
 for the decode step before it.
 
-A job's engine-side work is plain data (kernel_backend/ops.py: an `Op`, a `Pass` or a `SampleOp`), so
-the same scheduler runs in this process or inside an `EngineWorker` on Ray (kernel_backend/cluster.py).
+A job's engine-side work is plain data (kernel_backend/execution/engine_work.py: an `Op`, a `Pass` or a `SampleOp`), so
+the same scheduler runs in this process or inside an `EngineWorker` on Ray (kernel_backend/execution/cluster.py).
 Its outcome, the op's plain result or the exception it raised, is handed to `on_done(job, outcome)`
 with the job's usage, metrics, duration and the run's step filled in; the service turns it into the
 reply and the ledger row (`Job.encode`) and wakes whoever is polling.
@@ -32,11 +32,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kernel_backend import ops
-from kernel_backend.engine import Engine, Pass
+from kernel_backend.execution import engine_work
+from kernel_backend.engine.core import Engine, Pass
 from kernel_backend.metering import COMPUTED, Usage
-from kernel_backend.ops import Op, SampleOp
-from kernel_backend.sampler import SampleRequest
+from kernel_backend.execution.engine_work import Op, SampleOp
+from kernel_backend.engine.sampler import SampleRequest
 from kernel_backend.errors import UserError
 
 log = logging.getLogger("stepwise.scheduler")
@@ -52,11 +52,11 @@ class Job:
     base_model: str
     # Ordering within a training lane; None for samplers and for a run's creation job.
     seq: int | None
-    # The engine-side work, plain data (kernel_backend/ops.py), one of: an op (ops.run does it)...
+    # The engine-side work, plain data (kernel_backend/execution/engine_work.py), one of: an op (engine_work.run does it)...
     op: Op | None = None
     # ...or a forward(_backward) pass, batched with other lanes'...
     fb_pass: Pass | None = None
-    # ...or a sample request, which joins its model's decoder (ops.sample_request validates it there).
+    # ...or a sample request, which joins its model's decoder (engine_work.sample_request validates it there).
     sample: SampleOp | None = None
     # Never sent to a worker: a function of the engine, made where it runs (the vLLM sampler's own calls; a
     # worker's data-parallel steps around the op).
@@ -67,16 +67,16 @@ class Job:
     on_token: Callable | None = None
     cancel: object | None = None
     # A worker's own condition for running the job once it heads its lane (a data-parallel optim_step
-    # waits for its gradient all-reduce, cluster.py); called on the scheduler thread.
+    # waits for its gradient all-reduce, execution/cluster.py); called on the scheduler thread.
     gate: Callable[[], bool] | None = None
     tokens: int = 0
-    # Data-parallel replicas a run's first job asks for (kernel_backend/cluster.py; None: the server's setting).
+    # Data-parallel replicas a run's first job asks for (kernel_backend/execution/cluster.py; None: the server's setting).
     replicas: int | None = None
     # Who and what, for the ledger.
     tenant: str = ""
     session_id: str | None = None
     request_type: str = ""
-    api_key: str | None = None  # the prefix of the key that sent it (budgets.py)
+    api_key: str | None = None  # the prefix of the key that sent it (service/budgets.py)
     arrived: float = field(default_factory=time.monotonic)
     # Filled in while it runs, for the ledger: tokens processed, metrics, seconds of compute, and the
     # optim steps its training run has taken when it is done.
@@ -108,7 +108,7 @@ class _Lane:
 
 class Scheduler:
     def __init__(self, load_engine: Callable[[str], Engine], on_done, max_batch_tokens: int,
-                 ctx: ops.Context | None = None) -> None:
+                 ctx: engine_work.Context | None = None) -> None:
         """`on_done(job, outcome)`: the op's result, or the exception it raised. `ctx`: what ops reach besides
         the engine (the settings and the checkpoint store)."""
         self._load_engine = load_engine
@@ -143,10 +143,10 @@ class Scheduler:
         return self.engines[base_model]
 
     def facts(self) -> dict[str, dict]:
-        """Each loaded base model's facts (ops.model_facts); any thread."""
+        """Each loaded base model's facts (engine_work.model_facts); any thread."""
         for name, engine in list(self.engines.items()):
             if name not in self._facts:
-                self._facts[name] = ops.model_facts(engine)
+                self._facts[name] = engine_work.model_facts(engine)
         return dict(self._facts)
 
     def submit(self, job: Job, ordered: bool) -> None:
@@ -279,7 +279,7 @@ class Scheduler:
         """Validate a sample job on its engine and hand it to the engine's decoder."""
         try:
             engine = self.engine(job.base_model)
-            request = ops.sample_request(engine, self.ctx, job.sample, job.on_token, job.cancel)
+            request = engine_work.sample_request(engine, self.ctx, job.sample, job.on_token, job.cancel)
         except Exception as e:  # bad input, an unknown sampler, a model that cannot load
             self._fail(job, e)
             return
@@ -327,37 +327,37 @@ class Scheduler:
             tokens += job.tokens
         return partners
 
-    def _run(self, jobs: list[Job]) -> None:
+    def _run(self, batch: list[Job]) -> None:
         start = time.perf_counter()
         try:
-            engine = self.engine(jobs[0].base_model)
-        except Exception as e:  # a base model that cannot load fails its jobs, not the thread
-            for job in jobs:
+            engine = self.engine(batch[0].base_model)
+        except Exception as e:  # a base model that cannot load fails its batch, not the thread
+            for job in batch:
                 self._fail(job, e)
             return
-        if jobs[0].fb_pass is not None:
+        if batch[0].fb_pass is not None:
             try:
-                results = engine.run_passes([j.fb_pass for j in jobs])
+                results = engine.run_passes([j.fb_pass for j in batch])
             except Exception as e:
-                results = [e] * len(jobs)
+                results = [e] * len(batch)
             elapsed = time.perf_counter() - start
-            for job, result in zip(jobs, results):
+            for job, result in zip(batch, results):
                 if isinstance(result, Exception):
                     self._fail(job, result)
                     continue
                 # A batch's time is shared among its passes by their token counts.
-                job.duration_s = elapsed * job.tokens / max(1, sum(j.tokens for j in jobs))
+                job.duration_s = elapsed * job.tokens / max(1, sum(j.tokens for j in batch))
                 # The ledger shows what the model ran beside what is billed (every token sent, Tinker's price):
-                # rows that share a prefix run it once (prefix_tree.py).
+                # rows that share a prefix run it once (engine/prefix_tree.py).
                 job.metrics = {**result.metrics, COMPUTED: result.computed_tokens}
                 kind = "prefill_tokens" if job.fb_pass.forward_only else "train_tokens"
                 job.usage = Usage(**{kind: job.tokens})
                 job.step = _steps(engine, job.lane)
                 self._on_done(job, result)
             return
-        job = jobs[0]
+        job = batch[0]
         try:
-            result = job.call(engine) if job.call is not None else ops.run(engine, self.ctx, job.op)
+            result = job.call(engine) if job.call is not None else engine_work.run(engine, self.ctx, job.op)
         except Exception as e:
             self._fail(job, e)
             return

@@ -180,7 +180,7 @@ class UsageRow(Base):
 
 
 class BudgetRow(Base):
-    """A spending limit on a session, a training run, an API key or a tenant (kernel_backend/budgets.py)."""
+    """A spending limit on a session, a training run, an API key or a tenant (kernel_backend/service/budgets.py)."""
 
     __tablename__ = "budgets"
     __table_args__ = (UniqueConstraint("scope", "target"),)
@@ -398,7 +398,7 @@ class Store:
     # ---- checkpoints ----------------------------------------------------------------------------
 
     def checkpoint_key(self, tenant: str, model_id: str, kind: str, name: str) -> str:
-        """Where a checkpoint goes in the checkpoint store (kernel_backend.storage), relative to its root."""
+        """Where a checkpoint goes in the checkpoint store (kernel_backend.persistence.checkpoint_storage), relative to its root."""
         # ':' is legal in model ids but awkward in paths on some filesystems; keep it readable.
         return f"{tenant}/{model_id.replace(':', '_')}/{KIND_SEGMENTS[kind]}/{name}"
 

@@ -11,7 +11,7 @@ import secrets
 
 from sqlalchemy import select
 
-from kernel_backend.store import ApiKeyRow, Store, now
+from kernel_backend.persistence.database import ApiKeyRow, Store, now
 
 # The tenant of the key the embedded backend registers for itself (STEPWISE_LOCAL_KEY).
 LOCAL_TENANT = "local"

@@ -7,7 +7,7 @@ A `Decoder` holds the requests of every session, adapter and prompt at once. Eac
 3. runs one decode step: one forward over the newest token of every live row, each row routed to
    its own adapter by `lora.route`, as training rows are.
 A prompt that starts like a recent one on the same weights prefills only what follows the shared
-prefix, whose keys and values come from the prefix cache (prefix_cache.py).
+prefix, whose keys and values come from the prefix cache (engine/prefix_cache.py).
 Rows join when their prompt's prefill is done and leave when they stop, so a new request starts
 within a step or two, however long the generations already running. The `num_samples` rows of a
 request share its prompt's prefill (one forward, its keys and values copied to each row).
@@ -24,7 +24,7 @@ What every path keeps, exactly:
   stop token is kept in the returned tokens.
 
 The forward pass is written here for Llama's layer (embed; per layer: norm, attention with rotary
-positions, norm, MLP; norm; lm_head) and the families that vary it (families.py: Qwen3, Mistral,
+positions, norm, MLP; norm; lm_head) and the families that vary it (engine/families.py: Qwen3, Mistral,
 Phi-3, Gemma, Gemma 3), calling the model's own modules. Tokens travel as one
 flat (tokens, hidden) batch, so rows of different lengths need no padding: attention is the only
 step that knows which tokens belong together, and it reads each row's cache up to its own length.
@@ -42,11 +42,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kernel_backend import families, lora, prefix_cache, threads
+from kernel_backend.engine import families, lora, prefix_cache, small_products
 from kernel_backend.types import SampledSequence, SampleOptions, SampleResult, SamplingParams
 from kernel_backend.errors import Cancelled
 
-# Architectures whose modules the batched forward below calls (families.py: Llama's layer and its variants).
+# Architectures whose modules the batched forward below calls (engine/families.py: Llama's layer and its variants).
 BATCHED_ARCHITECTURES = tuple(families.FAMILIES)
 
 
@@ -150,7 +150,7 @@ class _Active:
         self.decode_text = decode_text
         self.prefilled = 0  # prompt tokens whose keys and values are computed
         self.cached = 0  # of those, copied from the prefix cache
-        self.weights_version: int | None = None  # the adapter's, when the prefill began (prefix_cache.py)
+        self.weights_version: int | None = None  # the adapter's, when the prefill began (engine/prefix_cache.py)
         self.keys: torch.Tensor | None = None  # (layers, kv_heads, prompt, head_dim) during prefill
         self.values: torch.Tensor | None = None
         n, options, scored = request.num_samples, request.options, len(request.prompt) - 1
@@ -543,7 +543,7 @@ class Decoder:
         attention_work = 2 * n * self.heads * self.head_dim * longest  # multiply-adds of a layer's attention
 
         def attend(layer: int, q, k, v):
-            with threads.small(attention_work):  # a few rows' attention: tiny ops (threads.py)
+            with small_products.small(attention_work):  # a few rows' attention: tiny ops (engine/small_products.py)
                 if permuted:
                     q, k, v = q[cache_order], k[cache_order], v[cache_order]
                 keys, values = self.cache.keys[layer], self.cache.values[layer]
@@ -621,7 +621,7 @@ class Decoder:
 def flat_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
     """Hidden states after the final norm for a flat batch of tokens, (tokens, hidden), for the
     architectures in families.FAMILIES, with the model's own modules (LoRA routing included).
-    The decoder's prefill and decode steps use it, and so does training (engine.py: rows packed, no padding).
+    The decoder's prefill and decode steps use it, and so does training (engine/core.py: rows packed, no padding).
 
     `attend(layer, q, k, v)` gets this layer's rotated queries (tokens, heads, head_dim), keys and
     values (tokens, kv_heads, head_dim), stores the keys and values if it keeps a cache, and returns
@@ -667,8 +667,8 @@ def causal_within_rows(model: torch.nn.Module, lengths: list[int], device=None):
 def causal_within_paths(model: torch.nn.Module, paths: list[np.ndarray], device=None):
     """An `attend` for flat_forward in training: `paths` are sequences of flat token indices, and each token
     sees the tokens before it on its path (and, in a sliding-window layer of `model`, only the last `window`
-    of them; its scale and any score soft-cap are the model's, families.py). Rows laid end to end are paths
-    of consecutive indices; rows that share a prefix share its tokens (prefix_tree.py).
+    of them; its scale and any score soft-cap are the model's, engine/families.py). Rows laid end to end are paths
+    of consecutive indices; rows that share a prefix share its tokens (engine/prefix_tree.py).
 
     Each token's query runs once, on the first path that holds it, against that path's keys up to it (causal:
     what it sees is the same on every path through it). A path's own tokens, those no earlier path holds, are

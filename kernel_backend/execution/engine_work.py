@@ -2,11 +2,11 @@
 
 The service (the gateway: store, ledger, replies) describes each job's engine-side work as one of
     Op        a name and keyword arguments: create an adapter, an optim_step, save, load, ...
-    Pass      a forward or forward_backward pass (engine.py), batched with other runs'
+    Pass      a forward or forward_backward pass (engine/core.py), batched with other runs'
     SampleOp  a sample request, which joins the model's decode batch
 plain dataclasses of numbers, strings, lists and numpy arrays, which pickle. So one job runs on
 the scheduler thread of this process, or travels as it is to an `EngineWorker` on Ray
-(kernel_backend/cluster.py), whose own scheduler runs it the same way.
+(kernel_backend/execution/cluster.py), whose own scheduler runs it the same way.
 
 The functions below do the work. Each touches only the engine and a `Context`: the settings and
 the checkpoint store, which every worker reaches (a local folder on one machine, an fsspec URL
@@ -20,9 +20,10 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, field
 
-from kernel_backend import crypto, lora
+from kernel_backend.persistence import crypto
+from kernel_backend.engine import lora
 from kernel_backend.config import Settings
-from kernel_backend.storage import CheckpointStorage, folder_size
+from kernel_backend.persistence.checkpoint_storage import CheckpointStorage, folder_size
 from kernel_backend.types import AdamParams, DimuonParams, LoraConfig, SampleOptions, SamplingParams
 from kernel_backend.errors import UserError
 
@@ -47,7 +48,7 @@ class SampleOp:
     location: str | None = None
     path: str | None = None  # the checkpoint's tinker:// path: what errors call it
     missing: str = ""
-    owner: str = ""  # the tenant whose share of the adapter cache a loaded checkpoint uses (adapter_cache.py)
+    owner: str = ""  # the tenant whose share of the adapter cache a loaded checkpoint uses (engine/adapter_cache.py)
 
 
 @dataclass
@@ -79,7 +80,7 @@ def create_adapter(engine, ctx: Context, model_id: str, config: LoraConfig, opti
 def optim_step(engine, ctx: Context, model_id: str, params: AdamParams | DimuonParams,
                snapshot_key: str | None = None, snapshot_every: int = 0) -> dict:
     """One optimizer step; with `snapshot_every`, every that many steps the run's state (weights and
-    optimizer) is also written to `snapshot_key` in the store, which recovery restores from (cluster.py)."""
+    optimizer) is also written to `snapshot_key` in the store, which recovery restores from (execution/cluster.py)."""
     metrics = engine.optim_step(model_id, params)
     step = engine.steps(model_id)
     snapshot = None
@@ -120,7 +121,7 @@ def save(engine, ctx: Context, model_id: str, kind: str, key: str, path: str, ov
     size and step; the gateway writes the checkpoint's row.
 
     With `step`, the state after that step instead of the run's current one: from the engine's step history
-    (step_history.py), else from the run's recovery snapshot of that step at `snapshot_location`."""
+    (engine/step_history.py), else from the run's recovery snapshot of that step at `snapshot_location`."""
     if not overwrite and ctx.storage.exists(key):
         raise UserError(f"checkpoint {path} already exists; pass overwrite=True or pick another name")
     with ctx.storage.writing(key) as (staging, located):
@@ -199,7 +200,7 @@ def model_facts(engine) -> dict:
 
 
 def noop(engine, ctx: Context) -> dict:
-    """Nothing: keeps a replica's seq_id order whole when another replica does the work (cluster.py)."""
+    """Nothing: keeps a replica's seq_id order whole when another replica does the work (execution/cluster.py)."""
     return {}
 
 

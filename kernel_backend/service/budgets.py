@@ -6,7 +6,7 @@ Who sets them:
 - any of them later, and an API key's: PUT /api/v1/budgets/{scope}/{target} (kernel_backend/api/budgets.py);
 - a tenant's (all its keys and sessions together): the operator, on that route.
 
-How they count (the same way the token limits in admission.py do): when a request is admitted, its
+How they count (the same way the token limits in service/admission.py do): when a request is admitted, its
 upper-bound cost is priced (a sample at max_tokens for every sample; a forward_backward exactly, from
 its datums) and added to what is in flight; the request is refused if spent (the ledger) + in flight +
 this request would pass any budget that covers it. Refused: `OverBudget`, HTTP 402, before anything is
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from sqlalchemy import func, or_, select
 
 from kernel_backend.metering import Usage
-from kernel_backend.store import BudgetRow, SamplerRow, Store, UsageRow, now
+from kernel_backend.persistence.database import BudgetRow, SamplerRow, Store, UsageRow, now
 from kernel_backend.errors import OverBudget, UserError
 
 SCOPES = ("session", "run", "key", "tenant")

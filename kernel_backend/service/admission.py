@@ -16,7 +16,7 @@ slip past a limit while the first ones are still queued):
 - checkpoint storage kept (STEPWISE_MAX_STORED_MB_PER_TENANT), checked before each save;
 - an adapter that could never be resident (larger than the tenant's share of an engine's adapter cache,
   or the whole cache). How many adapters a tenant has is never a limit: the adapter cache keeps what
-  fits and evicts the least recently used (kernel_backend/adapter_cache.py).
+  fits and evicts the least recently used (kernel_backend/engine/adapter_cache.py).
 
 The service calls `Admission` from each method that queues work; a refusal raises `RateLimited`
 (429, with Retry-After, for limits that free up with time) or `UserError` (400, for a request that
@@ -32,11 +32,11 @@ from typing import Callable
 
 from sqlalchemy import func, select
 
-from kernel_backend import adapter_cache
-from kernel_backend.adapter_cache import TRAINING_COPIES
+from kernel_backend.engine import adapter_cache
+from kernel_backend.engine.adapter_cache import TRAINING_COPIES
 from kernel_backend.config import Settings
 from kernel_backend.metering import Usage
-from kernel_backend.store import CheckpointRow, SessionRow, Store
+from kernel_backend.persistence.database import CheckpointRow, SessionRow, Store
 from kernel_backend.types import SampleOptions, SamplingParams, check_sample_size
 from kernel_backend.errors import RateLimited, UserError
 
@@ -120,7 +120,7 @@ class Admission:
 
     def adapter(self, tenant: str, base_model: str, lora_config: dict, training: bool) -> None:
         """Could this adapter (a training run, or a sampler of a checkpoint) ever be resident? Never refused for how
-        many adapters the tenant has: an engine's adapter cache evicts to make room (adapter_cache.py)."""
+        many adapters the tenant has: an engine's adapter cache evicts to make room (engine/adapter_cache.py)."""
         new = self.adapter_bytes(base_model, lora_config) * (TRAINING_COPIES if training else 1)
         share = self.settings.max_adapter_mb_per_tenant << 20
         cache = adapter_cache.budget_bytes(self.settings.adapter_cache_mb, self.settings.device)

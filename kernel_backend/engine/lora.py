@@ -1,7 +1,7 @@
 """Multi-adapter LoRA: many sessions' adapters over one frozen base model.
 
 `attach(model)` replaces every linear layer LoRA can target with a `MultiLoraLinear` that
-wraps the frozen original (whose product with the input may go through oneDNN: matmul.py).
+wraps the frozen original (whose product with the input may go through oneDNN: engine/matmul.py).
 Adapters (`Adapter`) hold their own A/B matrices per target; a forward pass runs under
 `route(model, adapters_per_row)`, so the rows of one batch may belong to different adapters:
 each layer adds `scale * B(A x)` to the rows of each adapter (a grouped LoRA matmul, one small
@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
-from kernel_backend import threads
+from kernel_backend.engine import small_products
 from kernel_backend.types import LoraConfig
 from kernel_backend.errors import UserError
 
@@ -69,8 +69,8 @@ class MultiLoraLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
         tokens, (out_features, in_features) = x2d.shape[0], self.base.weight.shape
-        # A decode step's products are small: on one thread they skip OpenMP's wake-up (threads.py).
-        with threads.small(tokens * in_features * out_features):
+        # A decode step's products are small: on one thread they skip OpenMP's wake-up (engine/small_products.py).
+        with small_products.small(tokens * in_features * out_features):
             out = self.product(x2d, self.base.weight, self.base.bias)
         groups = [(adapter, rows) for adapter, rows in self.routing.groups if self.name in adapter.weights]
         if not groups:
@@ -81,7 +81,7 @@ class MultiLoraLinear(nn.Module):
         spans = [_token_rows(rows, per_row, tokens) for _, rows in groups]
         weights = [w for adapter, _ in groups for w in adapter.weights[self.name]]
         scales = [adapter.scale for adapter, _ in groups]
-        with threads.small(tokens * rank * (in_features + out_features)):
+        with small_products.small(tokens * rank * (in_features + out_features)):
             if torch.is_grad_enabled() and (x2d.requires_grad or any(w.requires_grad for w in weights)):
                 out = _AddDeltas.apply(out, x2d, spans, scales, *weights)
             else:

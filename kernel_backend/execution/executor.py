@@ -1,7 +1,7 @@
 """Where the service's jobs run: one interface, two executors. The service holds one and never asks which.
 
 - `InProcess`, the embedded default: this process's engines (one per base model), run by one scheduler thread
-  (scheduler.py); with STEPWISE_SAMPLER=vllm, sample requests go to vLLM workers instead (vllm_sampler.py). Runs a
+  (execution/scheduler.py); with STEPWISE_SAMPLER=vllm, sample requests go to vLLM workers instead (execution/vllm_sampler.py). Runs a
   crash cut off come back from their snapshots and journals, replayed (service/recovery.py) after the engines load
   and before the thread takes any job.
 - `cluster.Cluster` (STEPWISE_WORKERS or STEPWISE_RAY_ADDRESS): the engines in Ray workers; the gateway restores a
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Callable, Protocol
 
-from kernel_backend.engine import Engine
-from kernel_backend.scheduler import Job, Scheduler
-from kernel_backend.vllm_sampler import VllmSampling
+from kernel_backend.engine.core import Engine
+from kernel_backend.execution.scheduler import Job, Scheduler
+from kernel_backend.execution.vllm_sampler import VllmSampling
 
 # Request types that sample: a vLLM sampler answers them instead of the engines, and their ledger rows are a sampler's.
 SAMPLER_REQUESTS = ("Sample", "ChatCompletion", "Completion", "Message")
