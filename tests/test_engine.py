@@ -474,13 +474,13 @@ def test_every_family_the_packed_forward_claims_is_checked_here():
 
 @pytest.mark.parametrize("architecture", list(FAMILY_CONFIGS))
 def test_the_batched_forward_matches_transformers_on_each_architecture_it_claims(architecture):
-    """The decoder writes the layer out itself (sampler.flat_forward, with engine/families.py's switches): on a
+    """The decoder writes the layer out itself (packed_forward.flat_forward, with engine/families.py's switches): on a
     tiny random model of each architecture in BATCHED_ARCHITECTURES (a shape check, so random weights are
     fine), its prompt logprobs and sampled-token logprobs equal transformers' own forward pass, and so do
     the logits of rows packed end to end as training runs them, sliding windows included."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kernel_backend.engine import families, lora, prefix_tree, sampler
+    from kernel_backend.engine import families, lora, packed_forward, prefix_tree, sampler
     from kernel_backend.types import SampleOptions, SamplingParams
 
     assert architecture in sampler.BATCHED_ARCHITECTURES
@@ -511,9 +511,9 @@ def test_the_batched_forward_matches_transformers_on_each_architecture_it_claims
     rows = [prompt[:13], prompt]
     ids = torch.tensor([t for row in rows for t in row])
     positions = torch.cat([torch.arange(len(row)) for row in rows])
-    attend = sampler.causal_within_rows(model, [len(row) for row in rows])
+    attend = packed_forward.causal_within_rows(model, [len(row) for row in rows])
     with lora.route(model, [None] * len(ids)), torch.no_grad():
-        packed = families.final_logits(config, model.lm_head(sampler.flat_forward(model, ids, positions, attend)))
+        packed = families.final_logits(config, model.lm_head(packed_forward.flat_forward(model, ids, positions, attend)))
         for part, row in zip(packed.split([len(row) for row in rows]), rows):
             torch.testing.assert_close(part, reference(torch.tensor([row])).logits[0], rtol=0, atol=1e-5)
     # ... and over rows that share prefixes, as one tree of tokens (engine/prefix_tree.py): a branch's own tokens
@@ -523,9 +523,9 @@ def test_the_batched_forward_matches_transformers_on_each_architecture_it_claims
     tree = prefix_tree.Tree()
     for row in rows:
         tree.add(None, row)
-    attend = sampler.causal_within_paths(model, tree.leaf_paths())
+    attend = packed_forward.causal_within_paths(model, tree.leaf_paths())
     with lora.route(model, [None] * len(tree.tokens)), torch.no_grad():
-        hidden = sampler.flat_forward(model, torch.tensor(tree.tokens), torch.tensor(tree.positions), attend)
+        hidden = packed_forward.flat_forward(model, torch.tensor(tree.tokens), torch.tensor(tree.positions), attend)
         logits = families.final_logits(config, model.lm_head(hidden))
         for path, row in zip(tree.paths, rows):
             torch.testing.assert_close(logits[path], reference(torch.tensor([row])).logits[0], rtol=0, atol=1e-5)

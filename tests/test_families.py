@@ -100,7 +100,7 @@ def test_lora_gradients_equal_peft_and_the_exported_adapter_gives_the_same_logit
 
     from peft import PeftModel
 
-    from kernel_backend.engine import families, lora, sampler
+    from kernel_backend.engine import families, lora, packed_forward
     from kernel_backend.types import LoraConfig
 
     model = _tiny(architecture, {}).requires_grad_(False)
@@ -119,9 +119,9 @@ def test_lora_gradients_equal_peft_and_the_exported_adapter_gives_the_same_logit
     rows = [torch.randint(0, 300, (n,), generator=generator).tolist() for n in (19, 12)]  # longer than a window of 8
     ids = torch.tensor([t for row in rows for t in row])
     positions = torch.cat([torch.arange(len(row)) for row in rows])
-    attend = sampler.causal_within_rows(model, [len(r) for r in rows])
+    attend = packed_forward.causal_within_rows(model, [len(r) for r in rows])
     with lora.route(model, [adapter] * len(ids)):
-        logits = families.final_logits(model.config, model.lm_head(sampler.flat_forward(model, ids, positions, attend)))
+        logits = families.final_logits(model.config, model.lm_head(packed_forward.flat_forward(model, ids, positions, attend)))
     ours = sum(torch.nn.functional.cross_entropy(part[:-1], torch.tensor(row[1:]), reduction="sum")
                for part, row in zip(logits.split([len(r) for r in rows]), rows))
     ours.backward()

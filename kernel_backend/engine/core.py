@@ -24,7 +24,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from kernel_backend.engine import adapter_cache, base_models, families, lora, losses, matmul, optimizers, prefix_tree, sampler
+from kernel_backend.engine import (adapter_cache, base_models, families, lora, losses, matmul, optimizers, packed_forward,
+                                   prefix_tree, sampler)
 from kernel_backend.engine.step_history import StepHistory, write_state
 from kernel_backend.config import Settings
 from kernel_backend.types import (
@@ -344,7 +345,7 @@ class Engine:
     def _target_logprobs(self, rows: list[_Row], adapters: list[lora.Adapter]) -> tuple[list[torch.Tensor], Counter]:
         """Each row's logprobs of its target tokens, and the tokens the model ran per adapter (by id). The
         families of engine/families.py run the rows as one tree of tokens, no padding, every shared prefix once (the
-        sampler's own forward pass, sampler.flat_forward); others right-padded through transformers' forward."""
+        sampler's own forward pass, packed_forward.flat_forward); others right-padded through transformers' forward."""
         if sampler.Decoder.supports(self.model):
             return self._packed_target_logprobs(rows, adapters)
         device = self.model.device
@@ -386,9 +387,9 @@ class Engine:
         by_id = {id(a): a for a in adapters}
         ids = torch.tensor(tree.tokens, device=device)
         positions = torch.tensor(tree.positions, device=device)
-        attend = sampler.causal_within_paths(self.model, tree.leaf_paths(), device)
+        attend = packed_forward.causal_within_paths(self.model, tree.leaf_paths(), device)
         with lora.route(self.model, [by_id[adapter] for adapter, _ in tree.keys]):
-            hidden = sampler.flat_forward(self.model, ids, positions, attend)
+            hidden = packed_forward.flat_forward(self.model, ids, positions, attend)
             logits = families.final_logits(self.model.config, self.model.lm_head(hidden).float())  # .float(): a no-op in float32
         computed = Counter(adapter for adapter, _ in tree.keys)
         lengths = [len(r.tokens) for r in rows]

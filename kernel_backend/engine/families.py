@@ -1,4 +1,4 @@
-"""The model families the packed forward (sampler.flat_forward) runs, and how each one's layer differs from Llama's.
+"""The model families the packed forward (packed_forward.flat_forward) runs, and how each one's layer differs from Llama's.
 
 Llama's decoder layer is the pattern: norm, attention with rotary positions, residual add; norm, gated
 MLP, residual add. The families people post-train change it in a few places, and only those places are

@@ -11,7 +11,7 @@ every gradient are those of the rows computed apart (to float rounding: tests/te
 
 Attention runs once per node too: a node's query is taken on the first leaf path that holds it (a row
 whose path another row extends needs no path of its own: its tokens are all on the longer one), against
-the keys of that path up to it (sampler.causal_within_paths). Rows of different adapters never share a
+the keys of that path up to it (packed_forward.causal_within_paths). Rows of different adapters never share a
 node (the routing key is the adapter): the same tokens under other LoRA weights have other activations.
 """
 
