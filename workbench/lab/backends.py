@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from kernel_backend.runtime import pid_alive
-from workbench.connect import stepwise_home
+from workbench.connection import stepwise_home
 
 SESSIONS_PATH = "/api/v1/usage/sessions"
 TIMEOUT_S = 5.0  # a poll every second or two must not pile up behind a backend that hangs

@@ -28,7 +28,7 @@ from tinker import types
 
 from kernel_backend import tool_calls
 from kernel_backend.metering import KINDS, Prices, Usage
-from workbench.connect import session_id_of
+from workbench.connection import session_id_of
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -93,7 +93,7 @@ def endpoint_of(config: BaseConfig, service_client: tinker.ServiceClient) -> tup
 def runs_dir() -> Path:
     """Where recipes and notebooks write what they record (metrics, labels): $STEPWISE_HOME/runs,
     not the current folder, which for a notebook may be a source checkout."""
-    from workbench.connect import stepwise_home
+    from workbench.connection import stepwise_home
 
     return stepwise_home() / "runs"
 

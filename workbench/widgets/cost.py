@@ -21,7 +21,7 @@ import math
 import anywidget
 import traitlets as t
 
-from workbench.connect import run_id_of, session_id_of  # noqa: F401 - here too, where the widgets import them
+from workbench.connection import run_id_of, session_id_of  # noqa: F401 - here too, where the widgets import them
 from workbench.widgets.polling import Poller
 
 _ESM = """
