@@ -22,7 +22,7 @@ from kernel_backend import tool_calls
 from kernel_backend.engine.losses import compute_loss
 from test_service import BASE
 from workbench import episodes
-from workbench.recipes import rl
+from workbench.recipes import estimates, rl
 from workbench.episodes import Episode, Segment, Step, Tool, ToolEnv
 
 
@@ -263,7 +263,7 @@ def test_a_multi_turn_runs_estimate_bounds_every_turn_of_every_episode(stepwise_
     request with a prompt of max_episode_tokens, and trains as a datum of that length."""
     config = rl.Config(task=TwoTurnTask(), steps=2, groups_per_batch=2, group_size=4, max_tokens=8, max_turns=3,
                        max_episode_tokens=512, eval_prompts=1, eval_samples=2, monitor_prompts=0)
-    usage = rl.planned_tokens(config, rl.common.Assumed()).usage()
+    usage = rl.planned_tokens(config, estimates.Assumed()).usage()
     episodes_played = 2 * 1 * 2 + 2 * 2 * 4  # the eval before and after, then every step's groups
     assert usage.prefill_tokens == episodes_played * 3 * 512
     assert usage.sample_tokens == episodes_played * 3 * 8

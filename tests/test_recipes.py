@@ -35,7 +35,7 @@ import pytest
 import tinker
 
 from servers import Server
-from workbench.recipes import common, distillation, preference, rl, sft
+from workbench.recipes import common, distillation, estimates, preference, rl, sft
 
 
 @pytest.fixture
@@ -80,7 +80,7 @@ def check_summary(summary: common.Summary, server: Server, recipe: str, metric: 
     return rows
 
 
-def check_estimate(estimate: common.Estimate, summary: common.Summary, typical: bool = True) -> float:
+def check_estimate(estimate: estimates.Estimate, summary: common.Summary, typical: bool = True) -> float:
     """What the run spent is within the estimate's upper bound, kind by kind, and (`typical`) within ±30%
     of its typical cost; returns actual / estimate, which the test prints."""
     for kind in ("prefill", "sample", "train"):
@@ -94,7 +94,7 @@ def check_estimate(estimate: common.Estimate, summary: common.Summary, typical: 
     return ratio
 
 
-def measured_estimate(recipe, config, summary: common.Summary) -> common.Estimate:
+def measured_estimate(recipe, config, summary: common.Summary) -> estimates.Estimate:
     """The recipe's estimate for `config` with the lengths its run measured (read from its metrics file)."""
     estimate = recipe.estimate(config, previous=summary.metrics_path)
     assert f"as measured in {summary.metrics_path}" in estimate.assumption, estimate
@@ -291,9 +291,9 @@ def test_sft_estimate_of_the_defaults(stepwise_home):
     cost lies between the estimate with empty answers and the upper bound, under 3% apart. (Run once,
     the defaults spent 12,514 tokens, $0.000327: 0.994 of the upper bound, in 82 s.)"""
     config = sft.Config()
-    price = common.prices_for(config)
-    upper = sft.planned_tokens(config, common.Assumed()).usage()
-    silent = sft.planned_tokens(config, common.Assumed(completion=0)).usage()  # answers of no tokens at all
+    price = estimates.prices_for(config)
+    upper = sft.planned_tokens(config, estimates.Assumed()).usage()
+    silent = sft.planned_tokens(config, estimates.Assumed(completion=0)).usage()  # answers of no tokens at all
     assert upper.sample_tokens == config.sample_questions * config.sample_max_tokens and silent.sample_tokens == 0
     assert upper.train_tokens == silent.train_tokens > 0 and upper.prefill_tokens == silent.prefill_tokens > 0
     assert silent.cost(price) >= 0.97 * upper.cost(price), (silent, upper)

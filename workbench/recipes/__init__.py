@@ -1,7 +1,7 @@
 """The cookbook: small recipes built from a few shared pieces (workbench.recipes.common).
 
 Each recipe module has a `Config` dataclass, `run(config, service_client=None, on_step=None)
--> Summary` and `estimate(config) -> common.Estimate` (the run's tokens by kind and cost, from the
+-> Summary` and `estimate(config) -> estimates.Estimate` (the run's tokens by kind and cost, from the
 config alone, before it runs), and runs as a script (`python -m workbench.recipes.<name> --steps
 10 ...`; with no --base-url it uses the local backend through workbench.connect(), started if none
 runs). Every step's metrics go to a JSONL file ($STEPWISE_HOME/runs by default) and to

@@ -35,7 +35,7 @@ import numpy as np
 import tinker
 from tinker import types
 
-from workbench.recipes import common
+from workbench.recipes import common, estimates
 from workbench.recipes.common import BaseConfig, Summary
 
 PROMPTS = [
@@ -149,14 +149,14 @@ def choose_prompts(prompts: list[str], config: Config, rng: np.random.Generator)
     return [prompts[i] for i in rng.choice(len(prompts), size=min(config.prompts_per_step, len(prompts)), replace=False)]
 
 
-def planned_tokens(config: Config, assume: common.Assumed) -> common.Tally:
-    """The tokens run(config) sends, call by call, in its order (common.Tally): each step's prompts are
+def planned_tokens(config: Config, assume: estimates.Assumed) -> estimates.Tally:
+    """The tokens run(config) sends, call by call, in its order (estimates.Tally): each step's prompts are
     drawn with run()'s seed, so every prompt is the run's own; each answer counts assume.answer(max_tokens)."""
     tokenizer = common.local_tokenizer(config.base_model)
     prompts = common.read_prompts(config.prompts_path, PROMPTS)
     rng = np.random.default_rng(config.seed)
     answer = assume.answer(config.max_tokens)
-    tally = common.Tally()
+    tally = estimates.Tally()
     for _ in range(config.steps):
         data = []
         for prompt in choose_prompts(prompts, config, rng):
@@ -164,16 +164,16 @@ def planned_tokens(config: Config, assume: common.Assumed) -> common.Tally:
             tally.sample_request(student_prompt, config.samples_per_prompt, answer)  # the student's answers
             teacher_prompt = len(teacher_prompt_of(tokenizer, prompt, config))  # the teacher scores each answer
             tally.compute_logprobs(teacher_prompt + answer, times=config.samples_per_prompt)
-            data += [common.datum_input(student_prompt, answer)] * config.samples_per_prompt
+            data += [estimates.datum_input(student_prompt, answer)] * config.samples_per_prompt
         tally.forward_backward(data)  # one importance_sampling step on every answer
     return tally
 
 
-def estimate(config: Config, previous: str | None = None) -> common.Estimate:
-    """The run's tokens by meter and cost, before it runs (common.Estimate). Prompts are exact; each
+def estimate(config: Config, previous: str | None = None) -> estimates.Estimate:
+    """The run's tokens by meter and cost, before it runs (estimates.Estimate). Prompts are exact; each
     sampled answer counts max_tokens (the upper bound) or, typically, the mean length a previous
     distillation run measured (`previous`, its metrics JSONL; default: the latest)."""
-    return common.estimate_run("distillation", config, planned_tokens, previous)
+    return estimates.estimate_run("distillation", config, planned_tokens, previous)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ import torch
 from tinker import types
 
 from workbench.dpo import add_reference_logprobs, completion_datum, dpo_loss
-from workbench.recipes import common
+from workbench.recipes import common, estimates
 from workbench.recipes.common import BaseConfig, Summary
 
 PROMPTS = [
@@ -237,7 +237,7 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
     if not pairs:
         raise RuntimeError(f"rule {config.rule!r} labeled no pair (every pair tied): try more prompts or another rule")
     log = common.MetricsLog(common.metrics_path_for(config, "preference"), on_step)
-    try:  # how many prompts gave a pair, and the answers' length: for the next estimate (common.measured)
+    try:  # how many prompts gave a pair, and the answers' length: for the next estimate (estimates.measured)
         initial, final = train_dpo(tc, pairs, config, log, prompts=len(prompts), samples=2 * len(candidates),
                                    sample_tokens=sum(len(t) for c in candidates for t in c["completion_tokens"]))
     finally:
@@ -257,18 +257,18 @@ def prompts_of(config: Config) -> list[str]:
 # The estimate: run() above, counting tokens instead of sending them
 
 
-def planned_tokens(config: Config, assume: common.Assumed) -> common.Tally:
-    """The tokens run(config) sends, call by call, in its order (common.Tally). Prompts are exact; each
+def planned_tokens(config: Config, assume: estimates.Assumed) -> estimates.Tally:
+    """The tokens run(config) sends, call by call, in its order (estimates.Tally). Prompts are exact; each
     answer counts assume.answer(max_tokens) tokens, and a share assume.kept of the prompts gives a pair
     (a tie under the rule, or two identical answers, gives none)."""
     tokenizer = common.local_tokenizer(config.base_model)
     prompts = [len(rendered_prompt(tokenizer, p, config)) for p in prompts_of(config)]
     answer = assume.answer(config.max_tokens)
-    tally = common.Tally()
+    tally = estimates.Tally()
     for prompt in prompts:  # sample_candidates: two answers to each prompt, from the base model
         tally.sample_request(prompt, 2, answer)
     paired = prompts[: max(1, round(assume.kept * len(prompts)))]
-    data = [common.datum_input(prompt, answer) for prompt in paired for _ in ("chosen", "rejected")]
+    data = [estimates.datum_input(prompt, answer) for prompt in paired for _ in ("chosen", "rejected")]
     tally.forward(data)  # add_reference_logprobs: one forward at the initial weights
     stream = common.batches(list(range(len(paired))), config.batch_pairs, np.random.default_rng(config.seed))
     for _ in range(config.steps):  # DPO: forward_backward_custom on each batch of pairs
@@ -283,13 +283,13 @@ def kept_share(rows: list[dict]) -> float | None:
     return first["pairs"] / first["prompts"] if first else None
 
 
-def estimate(config: Config, previous: str | None = None) -> common.Estimate:
-    """The run's tokens by meter and cost, before it runs (common.Estimate). Prompts are exact. Sampled
+def estimate(config: Config, previous: str | None = None) -> estimates.Estimate:
+    """The run's tokens by meter and cost, before it runs (estimates.Estimate). Prompts are exact. Sampled
     answers: the upper bound counts max_tokens for each and a pair from every prompt; the typical figure
     takes the mean answer length and the share of prompts that gave a pair from a previous preference
     run (`previous`, its metrics JSONL; default: the latest). The answers' length counts many times over:
     each is sampled once, then forwarded and trained on at every step its pair is in a batch."""
-    return common.estimate_run("preference", config, planned_tokens, previous, kept_share)
+    return estimates.estimate_run("preference", config, planned_tokens, previous, kept_share)
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ from tinker import types
 
 from kernel_backend import tool_calls
 from workbench import episodes, rollout_log
-from workbench.recipes import common
+from workbench.recipes import common, estimates
 from workbench.recipes.common import BaseConfig, Summary
 
 LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "stable_reinforce")
@@ -681,8 +681,8 @@ def drops_tied_groups(config: Config) -> bool:
 # The estimate: the loop above, counting tokens instead of sending them
 
 
-def planned_tokens(config: Config, assume: common.Assumed) -> common.Tally:
-    """The tokens run(config) sends, call by call, in its order (common.Tally). The problems are drawn
+def planned_tokens(config: Config, assume: estimates.Assumed) -> estimates.Tally:
+    """The tokens run(config) sends, call by call, in its order (estimates.Tally). The problems are drawn
     with run()'s seeds, so every prompt is the run's own; each answer counts assume.answer(max_tokens)
     tokens, and the answers to a share assume.kept of the prompts are trained on (tied or filtered groups
     are not), where dropping applies."""
@@ -695,7 +695,7 @@ def planned_tokens(config: Config, assume: common.Assumed) -> common.Tally:
                     for p in task.problems(config.eval_prompts, np.random.default_rng(config.seed + 10_000))]
     probe_prompts = [len(render(task, tokenizer, p))
                      for p in task.problems(config.monitor_prompts, np.random.default_rng(config.seed + 20_000))]
-    tally = common.Tally()
+    tally = estimates.Tally()
     if hasattr(task, "env"):  # multi-turn: bounded by max_turns requests an episode, each within max_episode_tokens
         return planned_episodes(config, tally, answer, len(eval_prompts), kept)
     for prompt in eval_prompts:  # the held-out eval before training: eval_samples answers each
@@ -713,14 +713,14 @@ def planned_tokens(config: Config, assume: common.Assumed) -> common.Tally:
         for prompt in probe_prompts:
             tally.compute_logprobs(prompt + answer)
         # one forward_backward on the kept groups' answers (a step with none kept sends no forward_backward)
-        tally.forward_backward(kept * common.datum_input(prompt, answer) for prompt in prompts
+        tally.forward_backward(kept * estimates.datum_input(prompt, answer) for prompt in prompts
                                for _ in range(config.group_size))
     for prompt in eval_prompts:  # and the held-out eval again, after training
         tally.sample_request(prompt, config.eval_samples, answer)
     return tally
 
 
-def planned_episodes(config: Config, tally: common.Tally, answer: float, eval_prompts: int, kept: float) -> common.Tally:
+def planned_episodes(config: Config, tally: estimates.Tally, answer: float, eval_prompts: int, kept: float) -> estimates.Tally:
     """A multi-turn run's upper bound: every episode takes max_turns turns, each prompt as long as
     max_episode_tokens allows (what the environments answer is not known before they run)."""
     longest = config.max_episode_tokens
@@ -732,7 +732,7 @@ def planned_episodes(config: Config, tally: common.Tally, answer: float, eval_pr
     episodes_of(eval_prompts * config.eval_samples)
     for _ in range(config.steps):
         episodes_of(config.groups_per_batch * config.group_size)
-        tally.forward_backward(kept * common.datum_input(longest, 1)
+        tally.forward_backward(kept * estimates.datum_input(longest, 1)
                                for _ in range(config.groups_per_batch * config.group_size))
     episodes_of(eval_prompts * config.eval_samples)
     return tally
@@ -745,13 +745,13 @@ def kept_share(rows: list[dict]) -> float | None:
     return sum(r["groups_used"] for r in steps) / groups if groups else None
 
 
-def estimate(config: Config, previous: str | None = None) -> common.Estimate:
-    """The run's tokens by meter and cost, before it runs (common.Estimate). Prompts are exact. Sampled
+def estimate(config: Config, previous: str | None = None) -> estimates.Estimate:
+    """The run's tokens by meter and cost, before it runs (estimates.Estimate). Prompts are exact. Sampled
     answers: the upper bound counts max_tokens each and trains on every group; the typical figure takes
     the mean answer length and the share of groups trained on that a previous rl run measured (`previous`,
     its metrics JSONL; default: the latest). A strict verifier's short answers stop at EOS well before
     max_tokens, and tied groups are dropped, so the upper bound can be well above the run."""
-    return common.estimate_run("rl", config, planned_tokens, previous, kept_share)
+    return estimates.estimate_run("rl", config, planned_tokens, previous, kept_share)
 
 
 def _parts_of(groups: list[Group]) -> dict[str, list[float]]:

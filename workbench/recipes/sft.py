@@ -30,7 +30,7 @@ import numpy as np
 import tinker
 from tinker import types
 
-from workbench.recipes import common
+from workbench.recipes import common, estimates
 from workbench.recipes.common import BaseConfig, Summary
 
 
@@ -150,7 +150,7 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
         sampler = service_client.create_sampling_client(model_path=sampler_path).result()
         checked = checked_records(config, eval_records)
         answers, answer_tokens = greedy_answers(sampler, tokenizer, checked, config.sample_max_tokens) if checked else ([], 0)
-        if answers:  # the answers' lengths, for the next estimate (common.measured)
+        if answers:  # the answers' lengths, for the next estimate (estimates.measured)
             log.log(config.steps, samples=len(answers), sample_tokens=answer_tokens)
     finally:
         bar.close()
@@ -164,8 +164,8 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
                             progress_unit="0.1 eval_loss drop", progress=(initial - latest_eval) / 0.1)
 
 
-def planned_tokens(config: Config, assume: common.Assumed) -> common.Tally:
-    """The tokens run(config) sends, call by call, in its order (common.Tally). The data are read and
+def planned_tokens(config: Config, assume: estimates.Assumed) -> estimates.Tally:
+    """The tokens run(config) sends, call by call, in its order (estimates.Tally). The data are read and
     batched exactly as run() does (the same seed), so only the greedy answers' length is assumed."""
     tokenizer = common.local_tokenizer(config.base_model)
     rng = np.random.default_rng(config.seed)
@@ -173,7 +173,7 @@ def planned_tokens(config: Config, assume: common.Assumed) -> common.Tally:
     train = [common.chat_datum(tokenizer, r["messages"], config.train_on).model_input.length for r in train_records]
     evals = [common.chat_datum(tokenizer, r["messages"], config.train_on).model_input.length for r in eval_records]
     stream = common.batches(train, config.batch_size, rng)  # the same batches, as lengths
-    tally = common.Tally()
+    tally = estimates.Tally()
     if evals:
         tally.forward(evals)  # the initial eval loss
     for step in range(1, config.steps + 1):
@@ -185,11 +185,11 @@ def planned_tokens(config: Config, assume: common.Assumed) -> common.Tally:
     return tally
 
 
-def estimate(config: Config, previous: str | None = None) -> common.Estimate:
-    """The run's tokens by meter and cost, before it runs (common.Estimate). Everything but the greedy
+def estimate(config: Config, previous: str | None = None) -> estimates.Estimate:
+    """The run's tokens by meter and cost, before it runs (estimates.Estimate). Everything but the greedy
     answers at the end is exact; those count sample_max_tokens each (the upper bound), or, typically,
     as long as the answers of a previous sft run (`previous`, a metrics JSONL; default: the latest)."""
-    return common.estimate_run("sft", config, planned_tokens, previous)
+    return estimates.estimate_run("sft", config, planned_tokens, previous)
 
 
 if __name__ == "__main__":
