@@ -22,7 +22,7 @@ import pytest
 
 from test_workbench_widgets import FakeUsage
 from workbench import rollout_log
-from workbench.recipes import common, rl
+from workbench.recipes import common, rl, rl_monitoring
 from workbench.rollout_log import RolloutLog
 from workbench.widgets.dashboard import LOSS_PANEL, Dashboard
 from workbench.widgets.rollouts import RolloutInspector, step_summary
@@ -48,7 +48,7 @@ def test_tied_groups_are_counted_dropped_and_filtered_as_asked():
               group("d", ["p q r s", "p q r"], [0, 1])]      # mixed, but the filter rejects it
     rl.triage(groups, drop_constant_groups=True, group_filter=lambda g: g.problem.question != "d")
     assert [g.dropped for g in groups] == ["", "tied", "tied", "filtered"]
-    m = rl.group_metrics(groups)
+    m = rl_monitoring.group_metrics(groups)
     assert (m["frac_mixed"], m["all_good"], m["all_bad"]) == (0.5, 0.25, 0.25)
     assert (m["dropped_tied"], m["dropped_filtered"]) == (2, 1)
     rollouts = rl.rollouts_of(groups)
@@ -62,7 +62,7 @@ def test_tied_groups_are_counted_dropped_and_filtered_as_asked():
 def test_diversity_length_and_entropy_of_a_step():
     groups = [group("a", ["the one", "the one", "the one", "other"], [1, 1, 1, 0], logprob=-0.5),
               group("b", ["the one", "x y z", "x y z", "w"], [1, 0, 0, 0], logprob=-2.0)]
-    m = rl.group_metrics(groups)
+    m = rl_monitoring.group_metrics(groups)
     assert m["distinct_in_group"] == pytest.approx((2 / 4 + 3 / 4) / 2)
     assert m["distinct_in_batch"] == pytest.approx(4 / 8)  # "the one", "other", "x y z", "w"
     assert m["completion_tokens"] == pytest.approx((2 + 2 + 2 + 1 + 2 + 3 + 3 + 1) / 8)
@@ -73,10 +73,10 @@ def test_diversity_length_and_entropy_of_a_step():
 def test_the_kl_to_the_base_and_its_penalty_per_token():
     groups = [group("a", ["x y", "z"], [1, 0], logprob=-1.0)]
     base = [[np.array([-1.5, -1.0]), np.array([-3.0])]]  # the base model's logprob of each sampled token
-    diffs, mean = rl.kl_to_base(groups, base)
+    diffs, mean = rl_monitoring.kl_to_base(groups, base)
     assert [d.tolist() for d in diffs] == [[0.5, 0.0], [2.0]]
     assert mean == pytest.approx(2.5 / 3)
-    penalty = rl.kl_penalty(diffs, mean, coef=0.1)
+    penalty = rl_monitoring.kl_penalty(diffs, mean, coef=0.1)
     # coef x (mean - token's): the token the policy likes far more than the base is pushed down most
     assert np.concatenate(penalty).tolist() == pytest.approx([0.1 * (mean - 0.5), 0.1 * mean, 0.1 * (mean - 2.0)])
     assert sum(float(p.sum()) for p in penalty) == pytest.approx(0.0, abs=1e-12)  # centred: no group's mean moves
@@ -90,18 +90,18 @@ def test_the_collapse_and_kl_flags_name_the_answers_that_show_them():
     config = rl.Config(collapse_distinct=0.25, kl_alert=1.0)
     collapsed = [group(f"q{i}", ["The benevolent one"], [1], kind="probe") for i in range(8)]
     base = [[np.array([-4.0, -4.0, -4.0])] for _ in collapsed]  # the policy at -1: 3 nats a token above the base
-    metrics, count, answer = rl.probe_metrics(collapsed, base)
+    metrics, count, answer = rl_monitoring.probe_metrics(collapsed, base)
     assert metrics == {"probe_distinct": 1 / 8, "kl_policy_base": pytest.approx(3.0)}
-    flags = rl.flags_for(metrics, count, answer, 8, config)
+    flags = rl_monitoring.flags_for(metrics, count, answer, 8, config)
     assert flags == [{"kind": "collapse", "detail": "8 of 8 held-out answers identical: 'The benevolent one'"},
                      {"kind": "kl", "detail": "KL to the base 3.00 nats/token on the held-out answers (alert above 1); "
                                               "e.g. 'The benevolent one'"}]
     healthy = [group(f"q{i}", [f"answer number {i}"], [1], kind="probe") for i in range(8)]
-    metrics, count, answer = rl.probe_metrics(healthy, [[np.array([-1.0, -1.0, -1.0])] for _ in healthy])
-    assert rl.flags_for(metrics, count, answer, 8, config) == []
+    metrics, count, answer = rl_monitoring.probe_metrics(healthy, [[np.array([-1.0, -1.0, -1.0])] for _ in healthy])
+    assert rl_monitoring.flags_for(metrics, count, answer, 8, config) == []
     two = [group(f"q{i}", ["yes" if i % 2 else "no"], [1], kind="probe") for i in range(8)]
-    metrics, count, answer = rl.probe_metrics(two, [[np.array([-1.0])] for _ in two])
-    assert rl.flags_for(metrics, count, answer, 8, config)[0]["detail"] == "2 distinct of 8 held-out answers; 4 are 'no'"
+    metrics, count, answer = rl_monitoring.probe_metrics(two, [[np.array([-1.0])] for _ in two])
+    assert rl_monitoring.flags_for(metrics, count, answer, 8, config)[0]["detail"] == "2 distinct of 8 held-out answers; 4 are 'no'"
 
 
 # ---- the store ------------------------------------------------------------------------------------------
@@ -233,8 +233,8 @@ def test_two_runs_on_one_dashboard_a_click_opens_the_clicked_runs_step(tmp_path)
 
 def test_a_collapse_onto_white_space_is_named_in_words():
     blank = [group(f"q{i}", ["\n\n\n"], [0], kind="probe") for i in range(4)]
-    metrics, count, answer = rl.probe_metrics(blank, [[np.array([])] for _ in blank])
-    (flag,) = rl.flags_for(metrics, count, answer, 4, rl.Config())
+    metrics, count, answer = rl_monitoring.probe_metrics(blank, [[np.array([])] for _ in blank])
+    (flag,) = rl_monitoring.flags_for(metrics, count, answer, 4, rl.Config())
     assert flag["detail"] == "4 of 4 held-out answers identical: '(nothing but white space)'"
 
 

@@ -84,9 +84,7 @@ those sums in a few steps, and the high learning rate killed exploration.
 from __future__ import annotations
 
 import json
-import re
 import typing
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,111 +92,14 @@ import numpy as np
 import tinker
 from tinker import types
 
-from kernel_backend import tool_calls
 from workbench import episodes, rollout_log
 from workbench.recipes import common, estimates
+from workbench.recipes.rl_monitoring import against_base, group_metrics, sampler_vs_learner
+from workbench.recipes.rl_tasks import TASKS, AdditionTask, Problem, Task, task_for  # noqa: F401 - rl.Task etc. (rl_tasks.py)
 from workbench.recipes.common import BaseConfig, Summary
 
 LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "stable_reinforce")
 TIED = "every group tied"  # why a step is skipped
-
-
-# ---------------------------------------------------------------------------------------------
-# The task: what a custom task implements
-
-
-@dataclass
-class Problem:
-    question: str
-    answer: str = ""
-    operands: tuple[int, ...] = ()
-
-
-class Task:
-    """What the recipe asks of a task. Subclass it (or write any class with these methods) and pass
-    an instance, `rl.Config(task=MyTask())`:
-
-    - `problems(n, rng)`: n fresh problems (`Problem(question, answer)`), drawn with the numpy generator;
-    - `render(tokenizer, problem)`: the prompt's tokens (here: the question as one user turn of the
-      chat template; override it for a system prompt or few-shot turns);
-    - `reward(text, problem)`: the number the policy is trained to raise;
-    - `grade(text, problem)`: the reward's parts, {name: value}, each logged per step and stored with
-      the rollouts (none here);
-    - `eval_metric`: what the held-out eval averages, "reward" or one of grade's parts.
-
-    A multi-turn task (tools, a game, a simulated user) has `env(problem)` instead of render, reward and
-    grade: a fresh environment per answer (workbench/episodes.py: `reset()`, `step(history, reply)`),
-    and `tools`, the episodes.Tool list offered in every episode. Each answer is then an episode of up to
-    `max_turns` policy turns, rewarded by its environment, trained as one datum in which only the
-    policy's tokens carry the advantage; its turns, tool calls and tool errors are logged as reward parts.
-    """
-
-    eval_metric = "reward"
-
-    def problems(self, n: int, rng: np.random.Generator) -> list[Problem]:
-        raise NotImplementedError("a task's problems(n, rng) returns n Problem(question, answer)")
-
-    def render(self, tokenizer, problem: Problem) -> list[int]:
-        if hasattr(self, "env"):  # a multi-turn task: its first turn's prompt, the tools offered
-            return tool_calls.render(tokenizer, self.env(problem).reset(), tool_schemas(self))
-        return common.user_prompt(tokenizer, problem.question)
-
-    def grade(self, text: str, problem: Problem) -> dict[str, float]:
-        return {}
-
-    def reward(self, text: str, problem: Problem) -> float:
-        raise NotImplementedError("a task's reward(text, problem) scores one reply")
-
-
-class AdditionTask(Task):
-    """Questions "What is a plus b? Reply with only the number." for a, b in [low, high].
-
-    The verifier is strict: a reply is correct when it is the sum and nothing else, allowing only a
-    restatement of the question before it ("4 + 3 = 7", "4 plus 3 equals 7.", "The answer is 7")
-    and a final full stop. "5 + 5 = 10 Snakes, following" is wrong: the prompt asked for the
-    number only. A second, separate check, `format`, is 1 when the reply is exactly a number (right
-    or wrong): the instruction followed to the letter. The training reward is
-    `correct + format_weight * format` (format_weight 0 by default: the format is logged, not
-    trained on); the held-out eval counts `correct` only.
-    """
-
-    eval_metric = "correct"
-
-    def __init__(self, low: int = 1, high: int = 9, template: str = "What is {a} plus {b}? Reply with only the number.",
-                 format_weight: float = 0.0):
-        self.low, self.high, self.template, self.format_weight = low, high, template, format_weight
-
-    def problems(self, n: int, rng: np.random.Generator) -> list[Problem]:
-        out = []
-        for _ in range(n):
-            a, b = (int(x) for x in rng.integers(self.low, self.high + 1, size=2))
-            out.append(Problem(self.template.format(a=a, b=b), str(a + b), (a, b)))
-        return out
-
-    @staticmethod
-    def grade(text: str, problem: Problem) -> dict[str, float]:
-        """{"correct": 0 or 1, "format": 0 or 1} for one reply (see the class docstring)."""
-        a, b = (re.escape(str(x)) for x in problem.operands) if problem.operands else ("", "")
-        restated = rf"(?:the answer is|{a}\s*(?:\+|plus)\s*{b}\s*(?:=|is|equals))\s*" if a else r"(?:the answer is)\s*"
-        answer = re.fullmatch(rf"\s*(?:{restated})?(-?\d+)\s*\.?\s*", text, flags=re.IGNORECASE)
-        only_number = re.fullmatch(r"\s*-?\d+\s*\.?\s*", text) is not None
-        return {"correct": float(answer is not None and answer.group(1) == problem.answer),
-                "format": float(only_number)}
-
-    def reward(self, text: str, problem: Problem) -> float:
-        grade = self.grade(text, problem)
-        return grade["correct"] + self.format_weight * grade["format"]
-
-
-TASKS = {"addition": AdditionTask}  # config.task by name: each is built with (high=max_operand, format_weight=)
-
-
-def task_for(config: "Config"):
-    if not isinstance(config.task, str):
-        return config.task
-    if config.task not in TASKS:
-        raise ValueError(f"unknown task {config.task!r}: one of {', '.join(TASKS)}, or pass a Task instance")
-    return TASKS[config.task](high=config.max_operand, format_weight=config.format_weight)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,10 +215,6 @@ class Rollouts:
 def render(task, tokenizer, problem: Problem) -> list[int]:
     """The problem's prompt tokens: the task's own render, or Task's (duck-typed tasks need not have one)."""
     return task.render(tokenizer, problem) if hasattr(task, "render") else Task.render(task, tokenizer, problem)
-
-
-def tool_schemas(task) -> list[dict] | None:
-    return [t.schema for t in task.tools] if getattr(task, "tools", None) else None
 
 
 @dataclass
@@ -444,102 +341,6 @@ def evaluate(sampler, tokenizer, task, problems: list[Problem], samples: int, ma
     finally:
         bar.close()
     return float(np.mean(rollouts.part(getattr(task, "eval_metric", "reward"))))
-
-
-# ---------------------------------------------------------------------------------------------
-# What a step's rollouts say: triage, diversity, the distance to the base model
-
-
-def group_metrics(groups: list[Group]) -> dict[str, float]:
-    """The tinker cookbook's by-group counts (a tied group is all good when its reward is at least
-    0.5, else all bad), what was dropped, and the rollouts' diversity, length and entropy (the mean
-    surprisal, -logprob, of the sampled tokens: an estimate of the policy's per-token entropy)."""
-    n = len(groups)
-    tied = [g for g in groups if g.tied]
-    texts = [t.strip() for g in groups for t in g.texts]
-    lengths = [len(s.tokens) for g in groups for s in g.sequences]
-    logprobs = [x for g in groups for s in g.sequences for x in s.logprobs]
-    return {"frac_mixed": (n - len(tied)) / n, "all_good": sum(g.rewards[0] >= 0.5 for g in tied) / n,
-            "all_bad": sum(g.rewards[0] < 0.5 for g in tied) / n,
-            "dropped_tied": sum(g.dropped == "tied" for g in groups),
-            "dropped_filtered": sum(g.dropped == "filtered" for g in groups),
-            "distinct_in_group": float(np.mean([len({t.strip() for t in g.texts}) / len(g.texts) for g in groups])),
-            "distinct_in_batch": len(set(texts)) / len(texts),
-            "completion_tokens": float(np.mean(lengths)), "entropy": float(-np.mean(logprobs)) if logprobs else 0.0}
-
-
-def base_logprobs(base_sampler, groups: list[Group]) -> list[list[np.ndarray]]:
-    """The base model's logprob of each sampled token, per group and answer, all asked at once
-    (compute_logprobs: prefill only, metered on the session)."""
-    futures = [[base_sampler.compute_logprobs(types.ModelInput.from_ints(g.prompt + list(s.tokens)))
-                for s in g.sequences] for g in groups]
-    return [[np.asarray(f.result()[len(g.prompt):], dtype=float) for f in fs] for g, fs in zip(groups, futures)]
-
-
-def kl_to_base(groups: list[Group], base: list[list[np.ndarray]]) -> tuple[list[np.ndarray], float]:
-    """Per answer, each sampled token's logprob under the policy minus under the base model, and the
-    mean over all tokens: the estimate of KL(policy || base) per token (the cookbook's kl_policy_base)."""
-    diffs = [np.asarray(s.logprobs, dtype=float) - b for g, bs in zip(groups, base) for s, b in zip(g.sequences, bs)]
-    tokens = np.concatenate(diffs) if diffs else np.zeros(0)
-    return diffs, float(tokens.mean()) if tokens.size else 0.0
-
-
-def kl_penalty(diffs: list[np.ndarray], mean: float, coef: float) -> list[np.ndarray]:
-    """The KL penalty as per-token advantages (the cookbook's incorporate_kl_penalty): coef x (the
-    batch's mean difference - this token's). Tokens the policy likes more than the base does are
-    pushed down, the rest up; centred, so it moves no group's mean advantage."""
-    return [coef * (mean - d) for d in diffs]
-
-
-def probe_metrics(probes: list[Group], base: list[list[np.ndarray]]) -> tuple[dict, int, str]:
-    """The held-out probes' diversity and KL to the base, and the most common answer (count, text)."""
-    answers = [t.strip() for g in probes for t in g.texts]
-    common_answer, count = Counter(answers).most_common(1)[0]
-    _, kl = kl_to_base(probes, base)
-    shown = common_answer if common_answer else "(nothing but white space)"  # a policy can collapse onto "\n\n\n"
-    return {"probe_distinct": len(set(answers)) / len(answers), "kl_policy_base": kl}, count, shown
-
-
-def flags_for(metrics: dict, count: int, answer: str, n: int, config: Config) -> list[dict]:
-    """The collapse and KL flags of a step, with the answers that show it."""
-    flags = []
-    if metrics["probe_distinct"] <= config.collapse_distinct:
-        distinct = round(metrics["probe_distinct"] * n)
-        detail = (f"{n} of {n} held-out answers identical: {answer!r}" if count == n else
-                  f"{distinct} distinct of {n} held-out answers; {count} are {answer!r}")
-        flags.append({"kind": "collapse", "detail": detail})
-    if metrics["kl_policy_base"] > config.kl_alert:
-        flags.append({"kind": "kl", "detail": f"KL to the base {metrics['kl_policy_base']:.2f} nats/token on the "
-                                              f"held-out answers (alert above {config.kl_alert:g}); e.g. {answer!r}"})
-    return flags
-
-
-def against_base(base, kept: list[Group], probes: list[Group], config: Config) -> tuple[dict, list | None]:
-    """A step's measures against the base model, from one batch of its compute_logprobs: with the leash,
-    the kept answers' KL and their per-token penalty; the probes' diversity, KL and flags."""
-    leashed = kept if config.kl_penalty_coef else []
-    base_lp = base_logprobs(base, leashed + probes) if base is not None and (leashed or probes) else []
-    row, penalty = {}, None
-    if leashed:
-        diffs, row["kl_batch_base"] = kl_to_base(leashed, base_lp[:len(leashed)])
-        penalty = kl_penalty(diffs, row["kl_batch_base"], config.kl_penalty_coef)
-        row["kl_penalty_tokens"] = sum(len(g.prompt) + len(s.tokens) for g in leashed for s in g.sequences)
-    if probes:
-        probe_row, count, answer = probe_metrics(probes, base_lp[len(leashed):])
-        row.update(probe_row, flags=flags_for(probe_row, count, answer, len(probes), config))
-    return row, penalty
-
-
-def sampler_vs_learner(data: list[types.Datum], outputs: list[dict], masks: list[np.ndarray]) -> dict[str, float]:
-    """Over the tokens the policy sampled, d = sampler logprob - learner logprob: kl_sampler (mean d) and
-    the sampler-vs-trainer gap (mean and max |d|)."""
-    diffs = [
-        common.as_numpy(datum.loss_fn_inputs["logprobs"])[mask] - common.as_numpy(out["logprobs"])[mask]
-        for datum, out, mask in zip(data, outputs, masks)
-    ]
-    d = np.concatenate(diffs) if diffs else np.zeros(1)
-    return {"kl_sampler": float(d.mean()), "logprob_gap_mean": float(np.abs(d).mean()),
-            "logprob_gap_max": float(np.abs(d).max())}
 
 
 def rollouts_dir_for(config: Config, metrics_path) -> Path:
