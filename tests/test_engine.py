@@ -988,7 +988,7 @@ def test_bad_sampling_params_raise_user_error(engine, primed, case):
 def test_target_logprobs_gradient_matches_autograd():
     """The engine's fused log_softmax+gather (with its own backward) against plain autograd; with an
     index, rows that share logits rows (a shared prefix) each read their own targets there."""
-    from kernel_backend.engine.core import target_logprobs
+    from kernel_backend.engine.losses import target_logprobs
 
     g = torch.Generator().manual_seed(0)
     for shape, k, index in (((2, 5, 11), 3, None), ((7, 13), 1, None), ((5, 13), 2, [0, 1, 2, 0, 1, 3, 4, 4])):

@@ -248,7 +248,7 @@ class Engine:
                 continue
             results[i] = ForwardResult(
                 loss_fn_outputs=[{"logprobs": lp.float().cpu().numpy()} for lp in logprobs_of[i]],
-                metrics=merge_metrics(metrics_of[i]),
+                metrics=losses.merge_metrics(metrics_of[i]),
                 computed_tokens=computed_of[i],
             )
         return results
@@ -369,12 +369,12 @@ class Engine:
             targets = torch.zeros(len(rows), length, k, dtype=torch.long)
             for i, r in enumerate(rows):
                 targets[i, : len(r.tokens)] = r.targets.reshape(len(r.tokens), k)
-            lp = target_logprobs(logits, targets.to(device))
+            lp = losses.target_logprobs(logits, targets.to(device))
             return [lp[i, : len(r.tokens)].reshape(r.targets.shape) for i, r in enumerate(rows)], computed
         out = []
         for i, r in enumerate(rows):
             targets = r.targets.to(device).reshape(len(r.tokens), -1)
-            out.append(target_logprobs(logits[i, : len(r.tokens)], targets).reshape(r.targets.shape))
+            out.append(losses.target_logprobs(logits[i, : len(r.tokens)], targets).reshape(r.targets.shape))
         return out, computed
 
     def _packed_target_logprobs(self, rows: list[_Row], adapters: list[lora.Adapter]) -> tuple[list[torch.Tensor], Counter]:
@@ -397,8 +397,8 @@ class Engine:
             targets = torch.cat([r.targets.reshape(len(r.tokens), -1) for r in rows]).to(device)
             index = torch.from_numpy(np.concatenate(tree.paths)).to(device)
             return [lp.reshape(r.targets.shape)
-                    for lp, r in zip(target_logprobs(logits, targets, index).split(lengths), rows)], computed
-        return [target_logprobs(logits, r.targets.to(device).reshape(len(r.tokens), -1),
+                    for lp, r in zip(losses.target_logprobs(logits, targets, index).split(lengths), rows)], computed
+        return [losses.target_logprobs(logits, r.targets.to(device).reshape(len(r.tokens), -1),
                                 torch.from_numpy(path).to(device)).reshape(r.targets.shape)
                 for path, r in zip(tree.paths, rows)], computed
 
@@ -676,46 +676,6 @@ class _Snapshot:
         slot.steps = self.steps
 
 
-class _TargetLogprobs(torch.autograd.Function):
-    """log_softmax(logits).gather(-1, targets), with a leaner backward than autograd's.
-
-    Forward runs the fused log_softmax kernel once and keeps its output; backward turns that
-    output into softmax in place: d/dlogits = scatter(g) - softmax * sum(g). No other
-    vocabulary-sized tensor is allocated (cross_entropy's backward allocates two, each
-    batch x length x vocab floats, plus the zero fill of one).
-    With `index` (flat logits, N x V), target row i is read at logits row index[i]: rows that share a
-    prefix share its logits (engine/prefix_tree.py), each with its own targets, and their gradients add up.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-        logprobs = torch.log_softmax(logits, dim=-1)
-        ctx.save_for_backward(logprobs, targets, index)
-        if index is None:
-            return logprobs.gather(-1, targets)
-        return logprobs[index[:, None], targets]
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        logprobs, targets, index = ctx.saved_tensors
-        grad_logits = logprobs.exp_()  # saved for this backward only: reuse its memory
-        if index is None:
-            grad_logits.mul_(-grad.sum(-1, keepdim=True))
-            grad_logits.scatter_add_(-1, targets, grad)
-        else:
-            total = torch.zeros(len(grad_logits), dtype=grad.dtype, device=grad.device).index_add_(0, index, grad.sum(-1))
-            grad_logits.mul_(-total[:, None])
-            grad_logits.index_put_((index[:, None].expand_as(targets), targets), grad, accumulate=True)
-        return grad_logits, None, None
-
-
-def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
-    """logits (..., V), targets (..., K) int64 -> the targets' logprobs, shape (..., K).
-    With `index`: logits (N, V), targets (M, K), target row i read at logits row index[i]."""
-    return _TargetLogprobs.apply(logits, targets, index)
-
-
 def _check_tokens(tokens, vocab_size: int, where: str) -> list[int]:
     arr = np.asarray(tokens)
     if arr.ndim != 1 or arr.size == 0:
@@ -746,26 +706,6 @@ def _grads(adapter: lora.Adapter) -> list[torch.Tensor | None]:
 def _restore_grads(adapter: lora.Adapter, grads: list[torch.Tensor | None]) -> None:
     for p, g in zip(adapter.parameters(), grads):
         p.grad = g
-
-
-def merge_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
-    """Combine per-micro-batch metrics: sums add, means weight by token count, min/max reduce."""
-    if len(parts) == 1:
-        return parts[0][0]
-    merged: dict[str, float] = {}
-    total = sum(n for _, n in parts) or 1
-    for key in parts[0][0]:
-        values = [(m[key], n) for m, n in parts]
-        reduction = key.rsplit(":", 1)[-1]
-        if reduction == "sum":
-            merged[key] = sum(v for v, _ in values)
-        elif reduction == "min":
-            merged[key] = min(v for v, _ in values)
-        elif reduction == "max":
-            merged[key] = max(v for v, _ in values)
-        else:
-            merged[key] = sum(v * n for v, n in values) / total
-    return merged
 
 
 class _atomic_dir:

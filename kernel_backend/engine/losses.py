@@ -3,7 +3,8 @@
 This module owns the loss definitions the engine applies to the model's log-probabilities of
 the target tokens: cross_entropy, importance_sampling, ppo, cispo, dro, gspo and stable_reinforce.
 It also owns their inputs (which `loss_fn_inputs` each needs), their `loss_fn_config` keys and
-defaults, and the metrics they report. stable_reinforce's sampler logprobs and sampled-token mask
+defaults, the metrics they report (and how micro-batches' metrics merge), and the log-probabilities
+themselves (`target_logprobs`: log_softmax and gather, with a lean backward). stable_reinforce's sampler logprobs and sampled-token mask
 are not the client's: the service fills them from what the sampler recorded (service/stability.py).
 
 Every loss is a SUM over tokens, never a mean: Tinker does no length normalisation, so a
@@ -317,3 +318,66 @@ def compute_loss(
 
     loss, metrics = LOSS_FNS[loss_fn](logprobs, full, config)
     return loss, {"loss:sum": float(loss.detach()), **metrics}
+
+
+# ---- the losses' input and their metrics across micro-batches -------------------------------
+
+
+class _TargetLogprobs(torch.autograd.Function):
+    """log_softmax(logits).gather(-1, targets), with a leaner backward than autograd's.
+
+    Forward runs the fused log_softmax kernel once and keeps its output; backward turns that
+    output into softmax in place: d/dlogits = scatter(g) - softmax * sum(g). No other
+    vocabulary-sized tensor is allocated (cross_entropy's backward allocates two, each
+    batch x length x vocab floats, plus the zero fill of one).
+    With `index` (flat logits, N x V), target row i is read at logits row index[i]: rows that share a
+    prefix share its logits (engine/prefix_tree.py), each with its own targets, and their gradients add up.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        ctx.save_for_backward(logprobs, targets, index)
+        if index is None:
+            return logprobs.gather(-1, targets)
+        return logprobs[index[:, None], targets]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        logprobs, targets, index = ctx.saved_tensors
+        grad_logits = logprobs.exp_()  # saved for this backward only: reuse its memory
+        if index is None:
+            grad_logits.mul_(-grad.sum(-1, keepdim=True))
+            grad_logits.scatter_add_(-1, targets, grad)
+        else:
+            total = torch.zeros(len(grad_logits), dtype=grad.dtype, device=grad.device).index_add_(0, index, grad.sum(-1))
+            grad_logits.mul_(-total[:, None])
+            grad_logits.index_put_((index[:, None].expand_as(targets), targets), grad, accumulate=True)
+        return grad_logits, None, None
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    """logits (..., V), targets (..., K) int64 -> the targets' logprobs, shape (..., K).
+    With `index`: logits (N, V), targets (M, K), target row i read at logits row index[i]."""
+    return _TargetLogprobs.apply(logits, targets, index)
+
+
+def merge_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """Combine per-micro-batch metrics: sums add, means weight by token count, min/max reduce."""
+    if len(parts) == 1:
+        return parts[0][0]
+    merged: dict[str, float] = {}
+    total = sum(n for _, n in parts) or 1
+    for key in parts[0][0]:
+        values = [(m[key], n) for m, n in parts]
+        reduction = key.rsplit(":", 1)[-1]
+        if reduction == "sum":
+            merged[key] = sum(v for v, _ in values)
+        elif reduction == "min":
+            merged[key] = min(v for v, _ in values)
+        elif reduction == "max":
+            merged[key] = max(v for v, _ in values)
+        else:
+            merged[key] = sum(v * n for v, n in values) / total
+    return merged
