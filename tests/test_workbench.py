@@ -431,7 +431,7 @@ def test_live_labeler_trains_from_labels_while_it_samples_ahead(service, tmp_pat
         live.close()
 
 
-# ---- go back to any step: fork, sampler_at, undo (workbench/steps.py) ---------------------------------
+# ---- go back to any step: fork, sampler_at, undo (workbench/past_steps.py) ---------------------------------
 
 
 def step_data(tokenizer, k: int) -> list[types.Datum]:

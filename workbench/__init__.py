@@ -8,7 +8,7 @@
 
 The widgets and DPO helpers load lazily (PEP 562), so `stepwise serve`, which imports
 workbench.cli, does not pull in plotly, pandas and torch. connect() and the step functions (fork,
-sampler_at, undo: workbench/steps.py) are imported eagerly: `connect` shares its name with its
+sampler_at, undo: workbench/past_steps.py) are imported eagerly: `connect` shares its name with its
 module, and binding the function here first keeps `workbench.connect` the function (import the
 module with `from workbench.connect import ...`).
 """
@@ -19,7 +19,7 @@ import importlib
 
 from workbench.connect import budgets, connect, current, disconnect, remove_budget, set_budget
 from workbench.connection import BackendError, Connection
-from workbench.steps import fork, kept_steps, lineage, sampler_at, undo
+from workbench.past_steps import fork, kept_steps, lineage, sampler_at, undo
 
 _EXPORTS = {
     # widgets

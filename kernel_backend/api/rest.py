@@ -20,7 +20,7 @@ from tinker import types as T
 
 from kernel_backend.api.auth import tenant_of
 from kernel_backend.api.tinker import Limit, Offset, future_reply, json_body, service
-from kernel_backend.service import Service, accounts, checkpoints, downloads, publishing, sessions, steps, training
+from kernel_backend.service import Service, accounts, checkpoints, downloads, publishing, past_steps, sessions, training
 from kernel_backend.errors import UserError
 
 router = APIRouter(prefix="/api/v1")
@@ -50,14 +50,14 @@ def training_run(model_id: str, access_scope: str | None = AccessScope, tenant: 
 
 @router.get("/training_runs/{model_id}/steps")
 def run_steps(model_id: str, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    return steps.kept(svc, tenant, model_id)
+    return past_steps.kept(svc, tenant, model_id)
 
 
 @router.post("/training_runs/{model_id}/steps/{step}/checkpoint")
 def checkpoint_step(model_id: str, step: int, body: dict, tenant: str = Depends(tenant_of),
                     svc: Service = Depends(service)):
-    """A checkpoint of the run's state after a past step (service/steps.py): a future, polled like the SDK's."""
-    return future_reply(steps.save(svc, tenant, model_id, step, body.get("kind", "training")))
+    """A checkpoint of the run's state after a past step (service/past_steps.py): a future, polled like the SDK's."""
+    return future_reply(past_steps.save(svc, tenant, model_id, step, body.get("kind", "training")))
 
 
 @router.get("/training_runs/{model_id}/checkpoints")

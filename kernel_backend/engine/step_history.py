@@ -13,7 +13,7 @@ Older steps are reachable where the run's recovery snapshots are, on disk (every
 steps, the newest STEPWISE_SNAPSHOTS_KEPT of them: service/recovery.py). `write` turns a kept step into
 a checkpoint folder in save_state's format (or the adapter alone, for a sampler), which is how a fork
 (create_training_client_from_state_with_optimizer) or a sampler of that step gets it: see
-service/steps.py. The copies live in host memory whatever the device, so they take nothing from the
+service/past_steps.py. The copies live in host memory whatever the device, so they take nothing from the
 adapter cache's device budget.
 """
 

@@ -176,7 +176,7 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
         mine = runs_of[session.id]
         first = mine[0] if mine else None
         # Each run on its own: a session's runs are separate models, their steps are not one count.
-        # Its user_metadata carries its name and, for a fork, its lineage (parent_run_id, fork_step: service/steps.py).
+        # Its user_metadata carries its name and, for a fork, its lineage (parent_run_id, fork_step: service/past_steps.py).
         runs = [{"training_run_id": r.id, "base_model": r.base_model, "lora_rank": r.lora_config["rank"],
                  "steps": int(steps.get(r.id, 0)), "last_loss": last_fb.get(r.id, {}).get("loss:sum"),
                  "cost": run_cost.get(r.id, 0.0),  # its own training work (its rollouts are in the run scope of usage)

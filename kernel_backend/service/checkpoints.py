@@ -49,7 +49,7 @@ def save_weights(svc: Service, tenant: str, model_id: str, seq_id: int | None, n
     """save_state (kind "training": weights + optimizer), save_weights_for_sampler (kind "sampler") or
     save_weights_external (kind "external": optionally age-encrypted to `age_recipients`).
 
-    With `step`: the run's state after that optim step, not its current one (service/steps.py)."""
+    With `step`: the run's state after that optim step, not its current one (service/past_steps.py)."""
     run = svc.live_run(tenant, model_id)
     if name is None:
         if seq_id is None:

@@ -128,7 +128,7 @@ class Service:
         # State of one concern each, kept here because it lives as long as the service:
         self.tokenizers: dict[str, object] = {}  # sampling: base model -> tokenizer for the API threads
         self.stability = stability.Recorder(self.settings, self.store)  # stable_reinforce: the recording cap
-        self.kept_steps: dict[str, list[int]] = {}  # steps: run -> the steps its engine keeps in memory (service/steps.py)
+        self.kept_steps: dict[str, list[int]] = {}  # steps: run -> the steps its engine keeps in memory (service/past_steps.py)
         self._fail_interrupted_futures()
         if cleaned := self.storage.clean_staging():
             log.info("removed %d scratch folders of interrupted checkpoint writes", cleaned)
@@ -299,7 +299,7 @@ class Service:
     def on_done(self, job: Job, outcome) -> None:
         """Record a job's outcome (its op's result, or the exception it raised) as the reply `job.encode`
         makes of it and, for a completed request, its ledger row (failures bill nothing)."""
-        if isinstance(outcome, dict) and "kept_steps" in outcome:  # what a run can go back to (service/steps.py)
+        if isinstance(outcome, dict) and "kept_steps" in outcome:  # what a run can go back to (service/past_steps.py)
             self.kept_steps[job.lane] = outcome["kept_steps"]
         if not job.request_type:  # the service's own housekeeping (freeing adapters): no future, no bill
             return

@@ -10,7 +10,7 @@ STEPWISE_JOURNAL_MB) the optim_step also writes the run's state (weights and opt
 they were just used) to the checkpoint store under a key of its own (ops.optim_step). When that step is
 recorded, the run's journal up to its seq_id is deleted, and so are its snapshots past the newest
 STEPWISE_SNAPSHOTS_KEPT: what is durable per run is its newest snapshot and the requests since (the older
-snapshots kept are steps a fork can start from, service/steps.py).
+snapshots kept are steps a fork can start from, service/past_steps.py).
 
 Replay. When a backend starts (`replay`), each run of an active session that has a snapshot or a journal
 is rebuilt before anything else runs: its snapshot is loaded (or the run is created again, with the seed
@@ -81,7 +81,7 @@ def snapshot_args(svc, tenant: str, model_id: str) -> dict:
 
 def snapshotted(svc, model_id: str, seq: int | None, snapshot: dict) -> None:
     """An optim_step wrote a snapshot: record it, then forget what it supersedes (the journal up to its seq, and
-    the older snapshots past the newest STEPWISE_SNAPSHOTS_KEPT, which stay as steps to fork from: service/steps.py).
+    the older snapshots past the newest STEPWISE_SNAPSHOTS_KEPT, which stay as steps to fork from: service/past_steps.py).
     The row is written before anything is deleted, so a crash in between loses nothing."""
     if seq is None:
         return  # without a seq_id nothing orders the journal around it: keep the journal whole
@@ -99,7 +99,7 @@ def snapshotted(svc, model_id: str, seq: int | None, snapshot: dict) -> None:
 
 
 def snapshot_at(svc, model_id: str, step: int) -> str | None:
-    """Where the run's snapshot of the state after `step` is in the store, if one is kept (service/steps.py)."""
+    """Where the run's snapshot of the state after `step` is in the store, if one is kept (service/past_steps.py)."""
     rows = svc.store.list(RunSnapshotRow, RunSnapshotRow.model_id == model_id, RunSnapshotRow.step == step,
                           order=RunSnapshotRow.seq.desc(), limit=1)
     return rows[0].location if rows else None

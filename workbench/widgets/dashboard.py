@@ -28,7 +28,7 @@ Several runs. A session-scoped dashboard overlays the session's runs: the loss h
 run, named by the run's name (its user_metadata "name", which `workbench.fork(..., name=)` sets)
 or its number, and `log(step, run=tc, **values)` gives each logged metric one trace per run too
 (`run=` may also be a run's name). `Dashboard(training_run_id=[tc1, tc2])` overlays just those
-runs, their rollouts' cost included. A fork's steps count on from its fork step (workbench/steps.py),
+runs, their rollouts' cost included. A fork's steps count on from its fork step (workbench/past_steps.py),
 so its traces start there, on its parent's x axis. `smoothing=0.6` draws each trace as an
 exponential moving average (the state keeps the raw values). After `workbench.undo(tc)` the steps
 the run takes again replace the undone ones' losses (a forward_backward at a step the run had

@@ -140,7 +140,7 @@ class Probes(w.VBox):
         self.measure(self._step, wait=False)  # the "before"
 
     def _start_step(self, connection) -> int:
-        from workbench.steps import current_step
+        from workbench.past_steps import current_step
 
         connection = connection or connection_of(self.training_client)
         if connection is None:
