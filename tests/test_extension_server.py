@@ -279,7 +279,7 @@ def test_each_run_carries_the_lineage_the_sidebar_draws_its_tree_from(fetch, hom
     announce(home, tinker_server.base_url, tinker_server.api_key)
     sessions = get_report(fetch)["sessions"]
     runs = {run["training_run_id"]: run for s in sessions for run in s["runs"]}
-    assert runs[fork.model_id]["user_metadata"] == {"name": "the fork", "parent_run_id": trained_session["run"],
-                                                    "fork_step": "2"}
-    assert "parent_run_id" not in runs[trained_session["run"]]["user_metadata"]
+    assert runs[fork.model_id]["user_metadata"] == {"name": "the fork"}  # the user's own; the lineage is ours:
+    assert (runs[fork.model_id]["parent_run_id"], runs[fork.model_id]["fork_step"]) == (trained_session["run"], 2)
+    assert runs[trained_session["run"]]["parent_run_id"] is None
     assert runs[trained_session["run"]]["cost"] > 0 and runs[fork.model_id]["cost"] == 0.0

@@ -220,6 +220,11 @@ def test_dimuon_resumes_exactly(client, tokenizer):
     # The optimizer comes back with its state: the resumed run takes exactly the same steps.
     resumed = client.create_training_client_from_state_with_optimizer(path).result()
     assert dimuon_steps(resumed, data, 4) == uninterrupted
+    # Its checkpoints say so, as the SDK reads them (and so do the resumed run's).
+    rest = client.create_rest_client()
+    assert rest.get_weights_info_by_tinker_path(path).result().optimizer_config.type == "dimuon"
+    resumed_path = resumed.save_state("resumed").result().path
+    assert rest.get_weights_info_by_tinker_path(resumed_path).result().optimizer_config.type == "dimuon"
 
     # AdamParams on a Dimuon run fail with the fix in the message, and change nothing: the
     # pending gradients then take the same Dimuon step as the resumed run's.
@@ -379,6 +384,9 @@ def _(w: World, cls: str, method: str):
     tc = w.call(w.service, method, w.state_path)
     assert tc.get_info().lora_rank == 4
     assert w.loss(tc) == pytest.approx(w.state_loss, abs=1e-4)
+    # The user's metadata is theirs: none of the backend's own keys (the lineage has fields of its own).
+    mine = w.call(w.service, method, w.state_path, user_metadata={"experiment": "warm start"})
+    assert w.rest.get_training_run(mine.model_id).result().user_metadata == {"experiment": "warm start"}
 
 
 @row(*both("ServiceClient", "create_training_client_from_state_with_optimizer"))
@@ -677,7 +685,7 @@ def _(w: World, cls: str, method: str):
 @row("RestClient.get_weights_info_by_tinker_path")
 def _(w: World, cls: str, method: str):
     info = w.rest.get_weights_info_by_tinker_path(w.state_path).result()
-    assert (info.base_model, info.lora_rank, info.is_lora) == (BASE, 4, True)
+    assert (info.base_model, info.lora_rank, info.is_lora, info.optimizer_config.type) == (BASE, 4, True, "adamw")
 
 
 @row(*both("RestClient", "list_training_runs"))

@@ -14,7 +14,8 @@ STEPWISE_SNAPSHOTS_KEPT = 8 of them), for as long as the run's session lives
 A fork is a run of its own (its own id, ledger rows, name in the sidebar) made the Tinker way:
 a checkpoint of the parent's state after step k (our one route of its own, for a step already past:
 kernel_backend/service/past_steps.py), then `create_training_client_from_state_with_optimizer(path)`,
-which records `parent_run_id` and `fork_step` in the new run's user_metadata. Its adapter and
+which records the new run's `parent_run_id` and `fork_step` (fields of the backend's own: its
+user_metadata stays what you gave; `workbench.lineage(run)` reads them). Its adapter and
 optimizer state are bit for bit the parent's after step k, so the same step k+1 on both gives the
 same weights; its steps count on from k, so its curves start at step k on the parent's x axis.
 The parent is not touched.

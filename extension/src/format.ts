@@ -89,7 +89,7 @@ export function runTree(runs: IRun[]): { run: IRun; depth: number }[] {
   const ids = new Set(runs.map(r => r.training_run_id));
   const children = new Map<string | null, IRun[]>();
   for (const run of runs) {
-    const parent = run.user_metadata?.parent_run_id;
+    const parent = run.parent_run_id;
     const key = parent && ids.has(parent) ? parent : null;
     children.set(key, [...(children.get(key) ?? []), run]);
   }

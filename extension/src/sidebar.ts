@@ -235,7 +235,7 @@ function runItem(run: IRun, depth: number, session: ISession, symbol: string): H
   item.dataset.depth = String(depth);
   item.style.paddingLeft = `${depth * 14}px`;
   item.title = run.training_run_id;
-  const parent = run.user_metadata?.parent_run_id;
+  const parent = run.parent_run_id;
   const parentRun = session.runs.find(r => r.training_run_id === parent);
   const other =
     run.base_model !== session.base_model || run.lora_rank !== session.lora_rank
@@ -245,7 +245,7 @@ function runItem(run: IRun, depth: number, session: ISession, symbol: string): H
   if (parent) {
     const from = parentRun ? runName(parentRun, session.session_id) : parent;
     item.dataset.parent = parent;
-    item.append(el('span', 'jp-StepwiseRun-fork', `from ${from} @ step ${run.user_metadata?.fork_step ?? '?'}`));
+    item.append(el('span', 'jp-StepwiseRun-fork', `from ${from} @ step ${run.fork_step ?? '?'}`));
   }
   item.append(
     el('span', 'jp-StepwiseRun-steps', plural(run.steps, 'step')),

@@ -49,7 +49,10 @@ export interface IRun {
   lora_rank: number;
   steps: number;
   last_loss: number | null;
-  /** Its name ("name") and, for a fork, where it branched off ("parent_run_id", "fork_step"). */
+  /** A fork: the run it branched off and the step it started from (null for a run made from scratch). */
+  parent_run_id?: string | null;
+  fork_step?: number | null;
+  /** The user's own, its name ("name") among them. */
   user_metadata?: Record<string, string>;
   cost?: number;
   /** Null (or absent, from a backend before budgets) when the run has none. */

@@ -81,6 +81,10 @@ class ModelRow(Base):
     copied_from: Mapped[str | None] = mapped_column(String(1024), nullable=True)
     # The copy's X-Idempotency-Key: a retried copy_weights finds this run instead of copying again.
     idempotency_key: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)
+    optimizer: Mapped[str | None] = mapped_column(String(32), nullable=True)  # "adamw" or "dimuon"; None: adamw (older rows)
+    # A run made from another's checkpoint: where it branched off (the user's user_metadata stays theirs).
+    parent_run_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    fork_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class SamplerRow(Base):

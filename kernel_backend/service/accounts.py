@@ -24,7 +24,7 @@ from sqlalchemy import func, select
 
 from kernel_backend.service import budgets, sessions
 from kernel_backend.persistence import api_keys, signing
-from kernel_backend.service.checkpoints import SNAPSHOTS_PER_RUN, checkpoint_json
+from kernel_backend.service.checkpoints import SNAPSHOTS_PER_RUN, checkpoint_json, lineage
 from kernel_backend.service.core import Service, audit, iso, user_urn
 from kernel_backend.errors import NotFound, UserError
 from kernel_backend.persistence.database import AuditRow, CheckpointRow, ModelRow, SamplerRow, SessionRow, UsageRow, now, utc
@@ -176,9 +176,9 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
         mine = runs_of[session.id]
         first = mine[0] if mine else None
         # Each run on its own: a session's runs are separate models, their steps are not one count.
-        # Its user_metadata carries its name and, for a fork, its lineage (parent_run_id, fork_step: service/past_steps.py).
+        # Its user_metadata carries its name; a fork's lineage is in fields of its own (checkpoints.lineage).
         runs = [{"training_run_id": r.id, "base_model": r.base_model, "lora_rank": r.lora_config["rank"],
-                 "steps": int(steps.get(r.id, 0)), "last_loss": last_fb.get(r.id, {}).get("loss:sum"),
+                 **lineage(r), "steps": int(steps.get(r.id, 0)), "last_loss": last_fb.get(r.id, {}).get("loss:sum"),
                  "cost": run_cost.get(r.id, 0.0),  # its own training work (its rollouts are in the run scope of usage)
                  "budget": budget("run", r.id),
                  "user_metadata": {k: str(v) for k, v in (r.user_metadata or {}).items()}} for r in mine]

@@ -126,9 +126,11 @@ def load_weights(svc: Service, tenant: str, path: str, with_optimizer: bool, mod
         model_id = f"{session_id}:train:{model_seq_id}"
         if svc.store.get(ModelRow, model_id) is None:
             svc.admission.adapter(tenant, source.base_model, source.lora_config, training=True)
+            restored = with_optimizer and checkpoint.kind == "training"  # the run keeps the optimizer it was saved with
             svc.store.add(ModelRow(id=model_id, session_id=session_id, tenant=tenant, base_model=source.base_model,
-                                   lora_config=source.lora_config,
-                                   user_metadata=lineage(source, checkpoint, user_metadata)),
+                                   lora_config=source.lora_config, user_metadata=own_metadata(source, user_metadata),
+                                   optimizer=(source.optimizer if restored else optimizer_type) or "adamw",
+                                   parent_run_id=source.id, fork_step=checkpoint.step),
                           audit(tenant, "training_run_created", tenant, model_id=model_id, base_model=source.base_model,
                                 lora_rank=source.lora_config["rank"], from_checkpoint=path))
         dedupe, seq = f"create_model:{session_id}:{model_seq_id}", None
@@ -147,14 +149,23 @@ def load_weights(svc: Service, tenant: str, path: str, with_optimizer: bool, mod
     return svc.submit(tenant, "LoadWeights", dedupe, job, ordered=True, session_id=session)
 
 
-def lineage(source: ModelRow, checkpoint: CheckpointRow, user_metadata: dict | None) -> dict:
-    """A run made from a checkpoint records where it branched off: `parent_run_id` and `fork_step` in its
-    user_metadata (plain strings, so the SDK's TrainingRun shows them), beside the user's own keys. Without
-    user_metadata of its own it keeps its parent's, but not the parent's name or lineage."""
-    own = dict(user_metadata) if user_metadata else {k: v for k, v in (source.user_metadata or {}).items()
-                                                     if k not in ("name", "parent_run_id", "fork_step")}
-    branch = {"parent_run_id": source.id, **({"fork_step": str(checkpoint.step)} if checkpoint.step is not None else {})}
-    return {**branch, **own}
+def own_metadata(source: ModelRow, user_metadata: dict | None) -> dict:
+    """A run made from a checkpoint: the user_metadata its creator gave, else its parent's but for the parent's name
+    (and the lineage keys rows from before lineage had columns of its own kept there). Where it branched off is
+    in its own fields, ModelRow.parent_run_id and fork_step."""
+    if user_metadata:
+        return dict(user_metadata)
+    return {k: v for k, v in (source.user_metadata or {}).items() if k not in ("name", "parent_run_id", "fork_step")}
+
+
+def lineage(run: ModelRow) -> dict:
+    """Where a run branched off: {"parent_run_id", "fork_step"}, both None for a run made from scratch. Rows
+    from before the columns kept it in user_metadata, as strings."""
+    meta = run.user_metadata or {}
+    if run.parent_run_id is not None or "parent_run_id" not in meta:
+        return {"parent_run_id": run.parent_run_id, "fork_step": run.fork_step}
+    step = str(meta.get("fork_step", ""))
+    return {"parent_run_id": meta["parent_run_id"], "fork_step": int(step) if step.isdigit() else None}
 
 
 # ---- whose checkpoint: the tenant's own, or one published --------------------------------------------
@@ -233,8 +244,10 @@ def weights_info(svc: Service, tenant: str, path: str) -> dict:
     row = svc.checkpoint(tenant, path)
     run = svc.store.get(ModelRow, row.model_id)
     lora = run.lora_config
+    optimizer = run.optimizer or "adamw"
     return {
         "base_model": run.base_model,
+        "optimizer_config": {"type": optimizer, **({"version": 1} if optimizer == "dimuon" else {})},  # the SDK's
         "is_lora": True,
         "lora_rank": lora["rank"],
         "train_unembed": lora["train_unembed"],

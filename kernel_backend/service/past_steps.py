@@ -1,8 +1,8 @@
 """A run's past steps: which states after which optim steps can still be had, and a checkpoint of one.
 
 A fork is plain Tinker: a checkpoint of the parent's state after step k, then
-`create_training_client_from_state_with_optimizer(path)`, which records the lineage (parent_run_id,
-fork_step: checkpoints.lineage). What Tinker has no call for is a checkpoint of a step that is already
+`create_training_client_from_state_with_optimizer(path)`, which records the lineage (the new run's
+parent_run_id and fork_step fields: checkpoints.lineage). What Tinker has no call for is a checkpoint of a step that is already
 past; that is this module, behind two REST routes (api/rest.py):
 
     GET  /api/v1/training_runs/{run}/steps                 what the run can go back to
@@ -33,12 +33,10 @@ def kept(svc: Service, tenant: str, model_id: str) -> dict:
     run = svc.run(tenant, model_id)
     memory = svc.kept_steps.get(model_id, [])
     disk = recovery.snapshot_steps(svc, model_id)
-    meta = run.user_metadata or {}
     return {
         "training_run_id": model_id,
         "steps": [{"step": s, "where": "memory" if s in memory else "disk"} for s in sorted({*memory, *disk})],
-        "parent_run_id": meta.get("parent_run_id"),
-        "fork_step": int(meta["fork_step"]) if str(meta.get("fork_step", "")).isdigit() else None,
+        **checkpoints.lineage(run),
     }
 
 

@@ -46,7 +46,7 @@ def create_model(svc: Service, tenant: str, session_id: str, model_seq_id: int, 
         budget = budgets.from_metadata(tenant, "run", model_id, user_metadata)  # {"budget_usd": "0.2"}
         svc.store.add(*([budget] if budget else []),
                       ModelRow(id=model_id, session_id=session_id, tenant=tenant, base_model=base,
-                               lora_config=vars(config), user_metadata=dict(user_metadata or {})),
+                               lora_config=vars(config), user_metadata=dict(user_metadata or {}), optimizer=optimizer_type),
                       audit(tenant, "training_run_created", tenant, model_id=model_id, base_model=base,
                             lora_rank=config.rank))
 

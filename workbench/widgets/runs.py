@@ -3,8 +3,8 @@
     runs = workbench.Runs(session=client, dashboard=dashboard)   # dashboard=: its logged metrics per run too
     runs                                                         # a table, refreshed every few seconds
 
-A run forked with workbench.fork (or made from a checkpoint of another run) records `parent_run_id`
-and `fork_step` in its user_metadata (kernel_backend/service/past_steps.py); that is the tree. Each line
+A run forked with workbench.fork (or made from a checkpoint of another run) has a `parent_run_id`
+and a `fork_step` (the backend's fields, kernel_backend/service/checkpoints.py's lineage); that is the tree. Each line
 shows the run's name (user_metadata "name", else its number), where it branched off, the steps it
 covers (a fork's start at its fork step: the steps of its parent's x axis), its last loss, the latest
 value of each metric a Dashboard logged for it, and its cost (its own training work).
@@ -76,7 +76,7 @@ class Runs(w.VBox):
         session = next((s for s in report.json()["sessions"] if s["session_id"] == self.session_id), None)
         runs = []
         for run in (session or {}).get("runs", []):
-            # Its kept steps, and its lineage as the backend reads it from its user_metadata (service/past_steps.py).
+            # Its kept steps, and its lineage (service/past_steps.py).
             listing = http.get(f"/api/v1/training_runs/{run['training_run_id']}/steps")
             listing.raise_for_status()
             steps = listing.json()

@@ -97,15 +97,14 @@ describe('SessionsSidebar', () => {
   });
 
   it('draws forks indented under the run they branched from, named, with their fork step', async () => {
-    const run = (n: number, meta: Record<string, string> = {}) => ({
+    const run = (n: number, name: string | null, parent: string | null = null, forkStep: number | null = null) => ({
       training_run_id: `a:train:${n}`, base_model: 'HuggingFaceTB/SmolLM2-135M-Instruct', lora_rank: 8,
-      steps: 2, last_loss: 1.5, user_metadata: meta
+      steps: 2, last_loss: 1.5, user_metadata: (name ? { name } : {}) as Record<string, string>,
+      parent_run_id: parent, fork_step: forkStep
     });
     // Made in this order: the grandchild (3) before the second child (2) of the root.
-    const runs = [run(0, { name: 'base' }), run(1, { name: 'hot', parent_run_id: 'a:train:0', fork_step: '3' }),
-                  run(3, { parent_run_id: 'a:train:1', fork_step: '5' }),
-                  run(2, { name: 'cold', parent_run_id: 'a:train:0', fork_step: '1' }),
-                  run(4, { name: 'elsewhere', parent_run_id: 'b:train:0', fork_step: '2' })];
+    const runs = [run(0, 'base'), run(1, 'hot', 'a:train:0', 3), run(3, null, 'a:train:1', 5),
+                  run(2, 'cold', 'a:train:0', 1), run(4, 'elsewhere', 'b:train:0', 2)];
     const { node, model } = await drawn([report([session('a', { runs })])]);
     const [row] = rows(node);
     const items = Array.from(row.querySelectorAll<HTMLElement>('li.jp-StepwiseRun'));
