@@ -1,11 +1,12 @@
 """What a new user types first: the README's "Fifteen lines" as printed, and `make lab`.
 
-- The README's code block runs unchanged against `python -m kernel_backend serve --port 8000` (the
-  command its comment gives) in a fresh STEPWISE_HOME: the loopback-only server accepts the
-  well-known key "tml-local", the model learns the taught answer; a notebook of that home shares the
-  server and leaves it running; a second server of the home stops with a message naming the first;
-  a server listening on every address refuses the key with a message that says what to do instead. (Port 8000 is used when it
-  is free; otherwise the same command on a free port, and the code's URL with it.)
+- The README's code block runs unchanged as a script beside a notebook's backend in a fresh STEPWISE_HOME:
+  `workbench.connect()` joins the backend the notebook started, and the model learns the taught answer; the
+  well-known key gets a 401 there that says how to connect. The README's server of your own, `python -m
+  kernel_backend serve --port 8000`, accepts "tml-local" on loopback; a notebook of that home shares it and
+  leaves it running; a second server of the home stops with a message naming the first; a server listening on
+  every address refuses the key with a message that says what to do instead. (Port 8000 is used when it is
+  free; otherwise the same command on a free port.)
 - `make lab` starts JupyterLab on copies of the notebooks, JUPYTER_ARGS reaches Jupyter, and it adds
   --allow-root for root only (the command line make runs as another user has none).
 
@@ -16,6 +17,7 @@ keys, commands and exit statuses.
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import re
@@ -59,30 +61,53 @@ def fresh_home(tmp_path, stepwise_home):
     return home
 
 
-def test_the_readme_example_runs_as_printed(fresh_home):
+def test_the_readme_example_runs_as_printed_beside_a_notebooks_backend(fresh_home):
+    """A notebook holds the home's backend (workbench.connect() started it: a port and a key of its own, no
+    loopback key); the README's lines, run as a script, join that backend and teach the answer."""
     code = readme_example()
-    assert 'api_key="tml-local"' in code and "python -m kernel_backend serve --port 8000" in code
+    assert "client = workbench.connect()" in code
+    env = {**os.environ, "STEPWISE_HOME": str(fresh_home), **REAL_MODEL_ENV}
+    notebook = subprocess.Popen([sys.executable, "-c", "import sys, workbench; workbench.connect(progress=False); "
+                                 "print(workbench.current().base_url, flush=True); sys.stdin.read()"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    try:
+        base_url = notebook.stdout.readline().strip()
+        assert base_url.startswith("http://127.0.0.1:"), f"the notebook's connect() failed ({notebook.poll()})"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=REPO,
+                             env={**os.environ, "STEPWISE_HOME": str(fresh_home)})
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "Quibbleton" in out.stdout, out.stdout
+        backend = json.loads((fresh_home / "runtime" / "backend.json").read_text())
+        assert backend["base_url"] == base_url  # the script used the notebook's backend and started none
+        # Plain tinker code with the well-known key gets a 401 that says how to reach this backend.
+        refused = httpx.get(f"{base_url}/api/v1/usage", headers={"X-API-Key": "tml-local"})
+        assert refused.status_code == 401 and "workbench.connect()" in refused.json()["detail"], refused.text
+    finally:
+        notebook.stdin.close()
+        notebook.wait(timeout=60)
+
+
+def test_a_server_a_person_started_is_the_homes_shared_backend(fresh_home, tiny_model):
+    """`python -m kernel_backend serve --port 8000` (the README's server of your own) listens on loopback with
+    the key tml-local; a notebook of the same home uses it (found in runtime/backend.json) and leaves it running
+    when it exits: a person started it, not a kernel. A second server of the home stops at once, naming it."""
+    from tiny_model import stand_in_env
+
     port = 8000 if port_free(8000) else free_port()
-    code = code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
     server = subprocess.Popen([sys.executable, "-m", "kernel_backend", "serve", "--port", str(port)],
-                              env={**os.environ, "STEPWISE_HOME": str(fresh_home), **REAL_MODEL_ENV}, cwd=REPO,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                              env={**os.environ, "STEPWISE_HOME": str(fresh_home), **stand_in_env(tiny_model)},
+                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180
         while not _healthy(f"http://127.0.0.1:{port}"):
             assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
             time.sleep(0.3)
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=REPO,
-                             env={**os.environ, "STEPWISE_HOME": str(fresh_home)})
-        # A notebook of the same home uses this server (found in runtime/backend.json, with the
-        # loopback key) and leaves it running when it exits: a person started it, not a kernel.
         joined = subprocess.run([sys.executable, "-c", "import workbench; workbench.connect(progress=False); "
                                  "print(workbench.current().base_url, workbench.current().api_key)"],
                                 capture_output=True, text=True, timeout=120, cwd=REPO,
                                 env={**os.environ, "STEPWISE_HOME": str(fresh_home)})
         assert joined.stdout.split() == [f"http://127.0.0.1:{port}", "tml-local"], joined.stderr[-2000:]
         assert server.poll() is None and _healthy(f"http://127.0.0.1:{port}")
-        # A second server of the same home stops at once and names the running one.
         second = subprocess.run([sys.executable, "-m", "kernel_backend", "serve", "--port", str(free_port())],
                                 capture_output=True, text=True, timeout=120, cwd=REPO,
                                 env={**os.environ, "STEPWISE_HOME": str(fresh_home)})
@@ -91,8 +116,6 @@ def test_the_readme_example_runs_as_printed(fresh_home):
     finally:
         server.terminate()
         server.wait(timeout=30)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "Quibbleton" in out.stdout, out.stdout
 
 
 def test_a_server_on_every_address_refuses_the_loopback_key(fresh_home, tiny_model):

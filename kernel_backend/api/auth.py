@@ -66,7 +66,9 @@ def caller_of(request: Request) -> Caller:
                                  "from this machine; this one needs a key made with `stepwise keys create --tenant NAME`")
     row = api_keys.live_key(service.store, key)
     if row is None:
-        raise HTTPException(401, "unknown or revoked API key; create one with `stepwise keys create --tenant NAME`")
+        raise HTTPException(401, "unknown or revoked API key; create one with `stepwise keys create --tenant NAME`, or, "
+                                 "for the backend a notebook started, connect with `workbench.connect()` (its URL and "
+                                 "key are in $STEPWISE_HOME/runtime/backend.json)")
     return _caller(row)
 
 
