@@ -11,6 +11,7 @@ tokenizer and chat template): budgets count tokens and dollars, which any model'
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -64,6 +65,8 @@ def test_a_session_budget_stops_the_loop_at_the_step_that_would_pass_it_and_rais
     message = str(refused.value)
     assert f"the budget of session {session_id} is" in message and "spent" in message
     assert f"/api/v1/budgets/session/{session_id}" in message
+    detail = refused.value.body["detail"]  # every amount in plain decimals ($0.0000336, never $3.36e-05)
+    assert detail.startswith("over budget:") and not re.search(r"\$[\d.,]*e[-+]", detail), detail
     # The SDK does not retry it for long: the server's client/config turns the SDK's billing pause off
     # (one resend, 5 s later, then it raises).
     assert time.monotonic() - started < 30
@@ -200,3 +203,12 @@ def test_budget_input_is_checked_and_a_bad_one_changes_nothing(tinker_server):
     with pytest.raises(tinker.APIStatusError, match="the budget of tenant budget-input is"):
         tc.forward_backward(DATA, "cross_entropy").result()
     assert rest(tinker_server, key, "DELETE", f"/api/v1/budgets/session/{target}").status_code == 200
+
+
+def test_money_is_written_in_plain_decimals():
+    """What the refusals and the budget reports say: cents for real amounts, three significant digits for the
+    tiny ones of a small model, never an exponent."""
+    from kernel_backend.service.budgets import usd
+
+    assert [usd(x) for x in (0, 2e-05, 3.36e-06, 0.000108, 0.5, 1234.5)] == [
+        "$0", "$0.00002", "$0.00000336", "$0.000108", "$0.5000", "$1,234.5000"]

@@ -250,5 +250,11 @@ def _refusal(budget: BudgetRow, limit: str, spent: str, pending: str, cost: str)
 
 
 def usd(amount: float) -> str:
-    """Money as people read it: cents for real amounts, enough digits for the tiny ones of a small model."""
-    return f"${amount:,.4f}" if amount == 0 or amount >= 0.01 else f"${amount:.3g}"
+    """Money as people read it, always in plain decimals: cents for real amounts, three significant digits for
+    the tiny ones of a small model ($0.0000336, never $3.36e-05), and $0 for nothing."""
+    if amount == 0:
+        return "$0"
+    if amount >= 0.01:
+        return f"${amount:,.4f}"
+    decimals = 2 - math.floor(math.log10(amount))
+    return f"${amount:.{decimals}f}".rstrip("0")
