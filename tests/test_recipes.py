@@ -133,6 +133,17 @@ def test_lr_schedules():
         common.lr_at(1, 5, 1.0, "exponential")
 
 
+def test_a_summary_says_what_its_two_numbers_are():
+    """A headline "reward: 0.6875 -> 0.7083" alone reads as start and end; it is the first step against the mean
+    of the last few (each step's reward comes from a small fresh batch), and the summary says so."""
+    assert common.window_words(12, 3) == "step 1 -> the mean of steps 10-12"
+    assert common.window_words(2, 1) == "step 1 -> step 2"
+    assert common.before_after([0.5, 0.25, 0.75, 1.0]) == (0.5, pytest.approx(2 / 3), 3)
+    summary = common.Summary(recipe="rl", training_run_id="s:train:0", steps=12, metric="reward", initial=0.6875,
+                             final=0.7083, tokens=100, cost=0.0, compared=common.window_words(12, 3))
+    assert "reward: 0.6875 -> 0.7083 (step 1 -> the mean of steps 10-12)" in str(summary)
+
+
 def test_rl_reward_and_preference_labels():
     problem = rl.Problem("What is 3 plus 4? Reply with only the number.", "7", (3, 4))
     grade = rl.AdditionTask.grade

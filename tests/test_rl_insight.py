@@ -102,6 +102,9 @@ def test_the_collapse_and_kl_flags_name_the_answers_that_show_them():
     two = [group(f"q{i}", ["yes" if i % 2 else "no"], [1], kind="probe") for i in range(8)]
     metrics, count, answer = rl_monitoring.probe_metrics(two, [[np.array([-1.0])] for _ in two])
     assert rl_monitoring.flags_for(metrics, count, answer, 8, config)[0]["detail"] == "2 distinct of 8 held-out answers; 4 are 'no'"
+    # Just past the alert, the KL is written with the digits that show it is past ("1.004 ... above 1", not "1.00").
+    (kl,) = rl_monitoring.flags_for({"probe_distinct": 1.0, "kl_policy_base": 1.0041}, 1, "fine", 8, config)
+    assert kl["detail"].startswith("KL to the base 1.004 nats/token on the held-out answers (alert above 1)"), kl
 
 
 # ---- the store ------------------------------------------------------------------------------------------

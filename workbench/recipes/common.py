@@ -372,6 +372,7 @@ class Summary:
     extra: dict = field(default_factory=dict)
     skipped_steps: int = 0      # of `steps`, taken with nothing to train on (an optim_step, no gradient)
     skipped_why: str = ""       # why, e.g. "every group tied"
+    compared: str = ""          # what initial and final are, in words: "step 1 -> the mean of steps 10-12"
     # What this run spent: its session's usage at the end minus at the start of run(), so it counts the
     # training run and the session-side calls (base-model sampling, reference and teacher logprobs),
     # and nothing the session did before (the demo's RL run follows its SFT run in one session).
@@ -396,7 +397,7 @@ class Summary:
                    if self.skipped_steps else "")
         lines = [
             f"{self.recipe}: {self.steps} steps on {self.training_run_id}{skipped}",
-            f"  {self.metric}: {self.initial:.4g} -> {self.final:.4g}",
+            f"  {self.metric}: {self.initial:.4g} -> {self.final:.4g}" + (f" ({self.compared})" if self.compared else ""),
             f"  training run: {self.tokens:,} tokens, ${self.cost:.6f}",
         ]
         if self.session_cost is not None:
@@ -417,6 +418,12 @@ class Summary:
             lines.append(f"  sampler weights: {self.sampler_path}")
         lines.append(f"  metrics: {self.metrics_path}")
         return "\n".join(lines)
+
+
+def window_words(steps: int, window: int) -> str:
+    """What before_after compares, in words."""
+    last = f"step {steps}" if window == 1 else f"the mean of steps {steps - window + 1}-{steps}"
+    return f"step 1 -> {last}"
 
 
 def before_after(history: list[float], window: int = 3) -> tuple[float, float, int]:

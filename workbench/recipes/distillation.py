@@ -140,7 +140,8 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
     sampler_path = tc.save_weights_for_sampler("distillation-final").result().path
     initial, final, window = common.before_after(history)  # first step (initial weights) vs last steps
     return common.summarize("distillation", config, service_client, tc, config.steps, "kl_teacher", initial, final,
-                            log, start=start, sampler_path=sampler_path, extra={"kl_window": window},
+                            log, compared=common.window_words(len(history), window), start=start,
+                            sampler_path=sampler_path, extra={"kl_window": window},
                             progress_unit="0.1 kl_teacher drop", progress=(initial - final) / 0.1)
 
 

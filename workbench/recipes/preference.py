@@ -245,7 +245,8 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
     sampler_path = tc.save_weights_for_sampler("preference-final").result().path
     extra = {"pairs": len(pairs), "examples": [{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in pairs[:3]]}
     return common.summarize("preference", config, service_client, tc, config.steps, "logprob_margin", initial, final,
-                            log, start=start, sampler_path=sampler_path, extra=extra,
+                            log, compared="every pair's chosen - rejected, before -> after training", start=start,
+                            sampler_path=sampler_path, extra=extra,
                             progress_unit="label", progress=len(pairs))
 
 

@@ -465,10 +465,12 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
                  rollouts=str(rollouts_path), flagged_steps=flagged)
     if eval_problems:
         metric, initial, final = "eval_reward", extra["eval_reward_before"], extra["eval_reward_after"]
+        compared = f"{len(eval_problems)} held-out problems, before -> after training"
     else:
         metric, initial, final = "reward", first, last
+        compared = common.window_words(len(rewards_by_step), window)
     return common.summarize("rl", config, service_client, tc, config.steps, metric, initial, final, log,
-                            start=start, checkpoints=checkpoints, sampler_path=sampler_path, extra=extra,
+                            compared=compared, start=start, checkpoints=checkpoints, sampler_path=sampler_path, extra=extra,
                             skipped_steps=skipped, skipped_why=skipped_why,
                             progress_unit="0.1 reward gained", progress=(final - initial) / 0.1)
 

@@ -79,9 +79,18 @@ def flags_for(metrics: dict, count: int, answer: str, n: int, config: Config) ->
                   f"{distinct} distinct of {n} held-out answers; {count} are {answer!r}")
         flags.append({"kind": "collapse", "detail": detail})
     if metrics["kl_policy_base"] > config.kl_alert:
-        flags.append({"kind": "kl", "detail": f"KL to the base {metrics['kl_policy_base']:.2f} nats/token on the "
-                                              f"held-out answers (alert above {config.kl_alert:g}); e.g. {answer!r}"})
+        flags.append({"kind": "kl", "detail": f"KL to the base {past(metrics['kl_policy_base'], config.kl_alert)} "
+                                              f"nats/token on the held-out answers (alert above {config.kl_alert:g}); "
+                                              f"e.g. {answer!r}"})
     return flags
+
+
+def past(value: float, limit: float) -> str:
+    """`value` to two decimals, or to as many more as it takes to show it is past `limit` (1.004 above 1, not 1.00)."""
+    digits = 2
+    while round(value, digits) <= limit and digits < 6:
+        digits += 1
+    return f"{value:.{digits}f}"
 
 
 def against_base(base, kept: list[Group], probes: list[Group], config: Config) -> tuple[dict, list | None]:

@@ -160,6 +160,7 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
     if answers:
         extra["answer_accuracy"] = float(np.mean([a["correct"] for a in answers]))
     return common.summarize("sft", config, service_client, tc, config.steps, "eval_loss", initial, latest_eval, log,
+                            compared="held-out, per token: before -> after training",
                             start=start, checkpoints=checkpoints, sampler_path=sampler_path, extra=extra,
                             progress_unit="0.1 eval_loss drop", progress=(initial - latest_eval) / 0.1)
 
