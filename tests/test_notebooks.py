@@ -551,6 +551,9 @@ def test_explore_notebook(lab, browser):
     assert [(r.locator(".wb-run-name").text_content(), r.get_attribute("data-depth")) for r in runs.all()] == [
         ("lr 1e-3", "0"), ("lr 3e-3", "1")]
     assert runs.nth(1).locator("td").nth(1).text_content() == f"lr 1e-3 @ step {fork_step}"
+    assert "last loss (sum)" in page.locator(".wb-runs th").all_text_contents()
+    assert re.match(r"The session spent \$\S+: \$\S+ on these runs' training, \$\S+ on the rest \(sampling",
+                    page.locator(".wb-runs-note").text_content()), page.locator(".wb-runs-note").text_content()
     open_sidebar(page)
     row = page.locator("li.jp-StepwiseSession[data-name='05_explore.ipynb']")
 

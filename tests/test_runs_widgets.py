@@ -14,7 +14,7 @@ import pytest
 from tinker import types
 
 import workbench
-from workbench.widgets.cost import session_id_of
+from workbench.widgets.cost import format_cost, session_id_of
 from workbench.widgets.dashboard import LOSS_PANEL, Dashboard
 from workbench.widgets.runs import Runs, tree_order
 
@@ -108,6 +108,13 @@ def test_runs_tree_and_a_dashboard_of_chosen_runs(service, tokenizer):
     assert rows[b.model_id]["last_loss"] is None
     assert rows[root.model_id]["cost"] > 0 and rows[b.model_id]["cost"] == 0.0
     assert rows[a.model_id]["metrics"] == {"acc": 0.5} and rows[other.model_id]["metrics"] == {}
+    # The loss column says it is a sum; a note says what the session spent beyond the runs' own training.
+    page = runs.table.value
+    assert "<th title='the last forward_backward&#x27;s loss: a sum over its tokens, not a mean'>last loss (sum)</th>" in page
+    own = sum(r["cost"] for r in runs.runs)
+    assert runs.session_cost >= own > 0
+    assert (f"The session spent {format_cost(runs.session_cost)}: {format_cost(own)} on these runs' training, "
+            f"{format_cost(runs.session_cost - own)} on the rest") in page
     assert "root @ step 2" in runs.table.value and "A @ step 3" in runs.table.value
     for widget in (dash, runs):
         widget.close()

@@ -7,7 +7,10 @@ A run forked with workbench.fork (or made from a checkpoint of another run) has 
 and a `fork_step` (the backend's fields, kernel_backend/service/checkpoints.py's lineage); that is the tree. Each line
 shows the run's name (user_metadata "name", else its number), where it branched off, the steps it
 covers (a fork's start at its fork step: the steps of its parent's x axis), its last loss, the latest
-value of each metric a Dashboard logged for it, and its cost (its own training work).
+value of each metric a Dashboard logged for it, and its cost (its own training work). The loss is a
+sum over the step's tokens (Tinker's losses are sums), unlike a per-token eval_loss; a note under the
+table says what the session spent beyond its runs' training (sampling, logprobs), so the rows need
+not add up to the session's cost.
 
 Everything comes from the usage API's session report (GET /api/v1/usage/sessions, the sidebar's
 source) and each run's kept steps (GET /api/v1/training_runs/{id}/steps, whose newest is the step
@@ -58,6 +61,7 @@ class Runs(w.VBox):
 
         self.connection = connection or current()
         self.session_id = session_id_of(session)
+        self.session_cost: float | None = None  # the whole session's, from the usage API
         if self.session_id is None:
             raise ValueError("Runs needs session= (a ServiceClient that has made a training client, or a session id)")
         self.dashboard = dashboard
@@ -74,6 +78,7 @@ class Runs(w.VBox):
         report = http.get("/api/v1/usage/sessions", params={"limit": SESSIONS_LISTED})
         report.raise_for_status()
         session = next((s for s in report.json()["sessions"] if s["session_id"] == self.session_id), None)
+        self.session_cost = float(session["cost"]) if session else None
         runs = []
         for run in (session or {}).get("runs", []):
             # Its kept steps, and its lineage (service/past_steps.py).
@@ -107,7 +112,11 @@ class Runs(w.VBox):
             return "<div class='wb-runs-empty' style='font:12px sans-serif;color:#666'>No training runs in this session yet.</div>"
         names = {r["training_run_id"]: r["name"] for r in self.runs}
         metrics = list(dict.fromkeys(name for r in self.runs for name in r["metrics"]))
-        head = "".join(f"<th>{html.escape(h)}</th>" for h in ["run", "branched from", "steps", "last loss", *metrics, "cost"])
+        columns = [("run", ""), ("branched from", ""), ("steps", ""),
+                   ("last loss (sum)", "the last forward_backward's loss: a sum over its tokens, not a mean"),
+                   *((m, "the latest value the dashboard logged") for m in metrics),
+                   ("cost", "the run's own training work (forward_backward, optim_step)")]
+        head = "".join(f"<th title='{html.escape(why, quote=True)}'>{html.escape(name)}</th>" for name, why in columns)
         rows = []
         for r in self.runs:
             branch = ""
@@ -124,7 +133,17 @@ class Runs(w.VBox):
                 f"<td>{r['first_step']}–{r['step']}</td><td>{loss}</td>{values}<td>{format_cost(r['cost'])}</td></tr>")
         return ("<table class='wb-runs-table' style='border-collapse:collapse;font:12px sans-serif'>"
                 "<style>.wb-runs-table td,.wb-runs-table th{border-bottom:1px solid #eee;padding:3px 8px;text-align:left}</style>"
-                f"<tr>{head}</tr>{''.join(rows)}</table>")
+                f"<tr>{head}</tr>{''.join(rows)}</table>{self._note()}")
+
+    def _note(self) -> str:
+        """What the session spent beyond its runs' own training: the rows' costs do not add up to it."""
+        if self.session_cost is None:
+            return ""
+        own = sum(r["cost"] for r in self.runs)
+        rest = max(0.0, self.session_cost - own)
+        return (f"<div class='wb-runs-note' style='font:11px sans-serif;color:#666;padding:4px 8px'>The session spent "
+                f"{format_cost(self.session_cost)}: {format_cost(own)} on these runs' training, {format_cost(rest)} on "
+                "the rest (sampling, and logprobs of its samplers and base model).</div>")
 
     def _show_error(self, error: Exception) -> None:
         self.error = str(error)
