@@ -1,0 +1,92 @@
+"""The layout holds: kernel_backend's packages import only the layers below them, and no module imports
+another that (at import time) imports it back (docs/architecture.md, "The map").
+
+Read from the source with `ast`, nothing imported: module-level imports only (an import inside a function is
+lazy, and a `TYPE_CHECKING` block never runs), for kernel_backend/ and workbench/.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# The layers, lowest first: a module may import its own layer and those below it. The shared modules are at
+# the bottom; the process (the command line, the supervisor, export) at the top, free to import anything.
+LAYERS = {"shared": 0, "engine": 1, "persistence": 1, "vllm": 1, "execution": 2, "service": 3, "api": 4, "process": 5}
+SHARED = {"config", "errors", "types", "metering", "runtime", "tool_calls", "venvs"}
+PACKAGES = {"engine", "persistence", "vllm", "execution", "service", "api"}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in ("kernel_backend", "workbench"):
+        for path in (REPO / package).rglob("*.py"):
+            found[".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")] = path
+    return found
+
+
+def imports(path: Path, known: dict[str, Path], everywhere: bool = False) -> set[str]:
+    """The project's modules `path` imports: at module level, or (everywhere) anywhere in it."""
+    tree = ast.parse(path.read_text())
+    nodes = ast.walk(tree) if everywhere else (n for n in tree.body if not isinstance(n, ast.If))
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                found.add(name if name in known else node.module)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return {name for name in found if name in known}
+
+
+def layer(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "kernel_backend" or len(parts) == 1:
+        return None
+    return "shared" if parts[1] in SHARED else parts[1] if parts[1] in PACKAGES else "process"
+
+
+def test_no_import_runs_up_a_layer():
+    known = modules()
+    upward = []
+    for module, path in known.items():
+        here = layer(module)
+        if here is None or here == "process":
+            continue
+        for target in imports(path, known, everywhere=True):  # lazy imports too: a layer is a layer
+            there = layer(target)
+            if there is not None and there != here and LAYERS[there] >= LAYERS[here]:
+                upward.append(f"{module} ({here}) imports {target} ({there})")
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_circle():
+    known = modules()
+    graph = {module: imports(path, known) - {module} for module, path in known.items()}
+    circles, done = [], set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            circles.append(" -> ".join(path[path.index(module):] + [module]))
+            return
+        if module in done:
+            return
+        for target in sorted(graph[module]):
+            visit(target, path + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    assert not circles, "\n".join(circles)
+
+
+def test_the_checks_see_the_packages():
+    """The checks above are not vacuous: they find the packages, and an upward import where one is planted."""
+    known = modules()
+    assert {layer(m) for m in known} >= {"shared", "engine", "persistence", "vllm", "execution", "service", "api",
+                                        "process"}
+    assert "kernel_backend.engine.lora" in imports(known["kernel_backend.engine.core"], known)
+    assert LAYERS[layer("kernel_backend.service.core")] > LAYERS[layer("kernel_backend.execution.executor")]
