@@ -211,8 +211,14 @@ def test_lab_memory_marks_what_a_backend_that_does_not_answer_took_down():
     assert gone["f"]["status"] == "finished"
     assert by_id(memory.remembered(set(), stopped=set(), announced=set()))["s"]["status"] == "ended"  # no kernel
     # Alive (announced, not stopped: slow this once, or past its listing's limit): as it was last seen.
-    assert by_id(memory.remembered({("http://b", "f")}, stopped=set(), announced={"http://b"})) == \
+    assert by_id(memory.remembered({"f"}, stopped=set(), announced={"http://b"})) == \
         {"s": {**row, "remembered": True}}
+    assert memory.totals()["sessions"] == 2 and memory.totals()["cost"] == 1.0
+    # The home's backend came back at another URL (a kernel restarted after the first exited unused) and lists
+    # the same session, finished: one session, counted once, not a live row beside a remembered "ended" one.
+    memory.update([{**row, "backend": "http://b2", "status": "finished"}])
+    assert memory.remembered({"s"}, stopped=set(), announced={"http://b2"}) == [by_id(memory.remembered(
+        set(), stopped=set(), announced={"http://b2"}))["f"]]
     assert memory.totals()["sessions"] == 2 and memory.totals()["cost"] == 1.0
     small = LabMemory(most=1)
     small.update([row, {**finished, "created_at": "2000-01-01T00:00:00+00:00"}])

@@ -93,28 +93,30 @@ class LabMemory:
     def __init__(self, since: dt.datetime | None = None, most: int = MAX_REMEMBERED):
         self.since = since or dt.datetime.now(dt.timezone.utc)
         self.most = most
-        self._rows: dict[tuple[str, str], dict] = {}  # (backend, session id) -> its latest row
+        # session id -> its latest row. By id alone: a home's backend that stopped and came back (a kernel
+        # restarted after it exited unused) is at another URL, and lists the same sessions from the same database.
+        self._rows: dict[str, dict] = {}
 
-    def notebook_of(self, backend: str, session_id: str) -> str | None:
+    def notebook_of(self, session_id: str) -> str | None:
         """The notebook the session's kernel last ran, as last seen (its kernel may be gone now)."""
-        return self._rows.get((backend, session_id), {}).get("notebook")
+        return self._rows.get(session_id, {}).get("notebook")
 
     def update(self, rows: list[dict]) -> None:
         """Learn the rows a poll read (each with its "backend")."""
         for row in rows:
-            self._rows[(row["backend"], row["session_id"])] = row
+            self._rows[row["session_id"]] = row
         if len(self._rows) > self.most:
             newest = sorted(self._rows.items(), key=lambda item: str(item[1].get("created_at", "")), reverse=True)
             self._rows = dict(newest[:self.most])
 
-    def remembered(self, read: set[tuple[str, str]], stopped: set[str], announced: set[str]) -> list[dict]:
-        """The sessions seen before that this poll did not read (`read`: their keys), as they stand
+    def remembered(self, read: set[str], stopped: set[str], announced: set[str]) -> list[dict]:
+        """The sessions seen before that this poll did not read (`read`: their ids), as they stand
         now. A backend that is announced and has not `stopped` is alive: it merely listed them no more
         (past its `limit`) or answered badly this once, so they are as last seen. One that stopped,
         or that no kernel announces any more, took its active sessions down with it."""
         rows = []
-        for key, row in self._rows.items():
-            if key in read:
+        for session_id, row in self._rows.items():
+            if session_id in read:
                 continue
             backend = row["backend"]
             row = {**row, "remembered": True}
@@ -165,9 +167,11 @@ async def read_report(backends: list[Backend], limit: int = 50, active_only: boo
             continue
         currency = answer.get("currency", currency)
         for row in answer["sessions"]:
+            if any(r["session_id"] == row["session_id"] for r in sessions):
+                continue  # two backends of one home's database, for a moment: listed once
             # Only a running session has a kernel: an ended one's pid may be another process's by now.
             live = notebooks.get(row.get("kernel_pid")) if row.get("status") == "active" else None
-            notebook = live or lab.notebook_of(backend.base_url, row["session_id"])
+            notebook = live or lab.notebook_of(row["session_id"])
             sessions.append({**row, "backend": backend.base_url, "notebook": notebook, "remembered": False})
         theirs = answer["running"]
         for key in ("sessions", "prefill_tokens", "sample_tokens", "train_tokens", "cost"):
@@ -177,7 +181,7 @@ async def read_report(backends: list[Backend], limit: int = 50, active_only: boo
             running["by_kind"][kind]["tokens"] += part.get("tokens", 0)
             running["by_kind"][kind]["cost"] += part.get("cost", 0.0)
     lab.update(sessions)
-    remembered = lab.remembered({(r["backend"], r["session_id"]) for r in sessions},
+    remembered = lab.remembered({r["session_id"] for r in sessions},
                                 {b["base_url"] for b in listed if b["stopped"]}, {b.base_url for b in backends})
     sessions += [r for r in remembered if r["status"] == "active"] if active_only else remembered
     return {"sessions": sessions, "running": running, "lab": lab.totals(), "backends": listed, "currency": currency,
