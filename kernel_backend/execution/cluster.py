@@ -56,7 +56,7 @@ from kernel_backend.engine import lora
 from kernel_backend.engine.adapter_cache import TRAINING_COPIES
 from kernel_backend.execution.cluster_worker import GROUP_TIMEOUT_S, EngineWorker, Outcome, WorkerLost
 from kernel_backend.config import Settings
-from kernel_backend.engine.core import merge_metrics
+from kernel_backend.engine.losses import merge_metrics
 from kernel_backend.errors import UserError
 from kernel_backend.metering import COMPUTED, Usage
 from kernel_backend.execution.engine_work import Op
