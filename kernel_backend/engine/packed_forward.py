@@ -100,16 +100,16 @@ def _attention_groups(paths: list[np.ndarray], starts: list[int], waste: float =
     """The paths as groups of like shapes (queries, keys): sorted by size, a group grows while padding its
     members to its largest costs at most `waste` times their own query x key slots."""
     shape = {n: (len(path) - start, len(path)) for n, (path, start) in enumerate(zip(paths, starts)) if start < len(path)}
-    groups, current, own = [], [], 0
+    groups, current, own, longest = [], [], 0, 0  # the group, its own slots, its most keys
     for n in sorted(shape, key=lambda n: shape[n], reverse=True):
         queries, keys = shape[n]
         if current:
-            padded = (len(current) + 1) * shape[current[0]][0] * max(keys, max(shape[m][1] for m in current))
+            padded = (len(current) + 1) * shape[current[0]][0] * max(keys, longest)
             if padded > waste * (own + queries * keys):
                 groups.append(current)
-                current, own = [], 0
+                current, own, longest = [], 0, 0
         current.append(n)
-        own += queries * keys
+        own, longest = own + queries * keys, max(longest, keys)
     return groups + [current] if current else groups
 
 

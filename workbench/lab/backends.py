@@ -159,6 +159,7 @@ async def read_report(backends: list[Backend], limit: int = 50, active_only: boo
     running = {"sessions": 0, "prefill_tokens": 0, "sample_tokens": 0, "train_tokens": 0, "cost": 0.0,
                "by_kind": {kind: {"tokens": 0, "cost": 0.0} for kind in KINDS}}
     sessions, listed, currency = [], [], "USD"
+    listed_ids: set[str] = set()  # the sessions already in `sessions`
     for backend, (answer, error, stopped) in zip(backends, answers):
         listed.append({"base_url": backend.base_url, "embedded": backend.embedded, "started": backend.started,
                        "kernel_pids": backend.kernel_pids, "sessions": len(answer["sessions"]) if answer else 0,
@@ -167,8 +168,9 @@ async def read_report(backends: list[Backend], limit: int = 50, active_only: boo
             continue
         currency = answer.get("currency", currency)
         for row in answer["sessions"]:
-            if any(r["session_id"] == row["session_id"] for r in sessions):
+            if row["session_id"] in listed_ids:
                 continue  # two backends of one home's database, for a moment: listed once
+            listed_ids.add(row["session_id"])
             # Only a running session has a kernel: an ended one's pid may be another process's by now.
             live = notebooks.get(row.get("kernel_pid")) if row.get("status") == "active" else None
             notebook = live or lab.notebook_of(row["session_id"])
