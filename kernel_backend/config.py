@@ -93,7 +93,7 @@ class Settings:
                          "per-tenant caps, and get_info reports the local tokenizer folder; unset: a shared server")
     adapter_cache_mb: int = env("ADAPTER_CACHE_MB", 0, "the adapters an engine keeps on its device (runs, samplers); "
                                 "past it the least recently used is dropped or spilled (engine/adapter_cache.py); 0: a "
-                                "tenth of a GPU's memory, 1024 on CPU")
+                                "tenth of a GPU's memory, 512 on CPU")
     # Per-tenant limits (0: none), counted when work is admitted (kernel_backend/service/admission.py).
     max_sessions_per_tenant: int = env("MAX_SESSIONS_PER_TENANT", 0, "sessions a tenant may have alive at once")
     tokens_per_minute: int = env("TOKENS_PER_MINUTE", 0, "tokens admitted per tenant per minute")
@@ -154,7 +154,7 @@ class Settings:
     snapshots_kept: int = env("SNAPSHOTS_KEPT", 8, "each run keeps its newest this many snapshots (steps to fork from)")
     step_history: int = env("STEP_HISTORY", 8, "in host memory, each run's state after its last this many steps "
                             "(engine/step_history.py)")
-    step_history_mb: int = env("STEP_HISTORY_MB", 1024, "...within this many MB for all runs of an engine together")
+    step_history_mb: int = env("STEP_HISTORY_MB", 512, "...within this many MB for all runs of an engine together")
     heartbeat_s: float = env("HEARTBEAT_S", 1.0, "workers answer a heartbeat this often; one that misses several in a "
                              "row is taken for dead")
     ray_num_cpus: int = env("RAY_NUM_CPUS", 0, "CPUs the Ray head this backend starts offers; 0: the machine's")

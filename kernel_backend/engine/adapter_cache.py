@@ -43,12 +43,14 @@ TRAINING_COPIES = 4
 
 
 def budget_bytes(cache_mb: int, device: str) -> int:
-    """STEPWISE_ADAPTER_CACHE_MB in bytes; 0 means a default: a tenth of a GPU's memory, 1 GiB on CPU."""
+    """STEPWISE_ADAPTER_CACHE_MB in bytes; 0 means a default: a tenth of a GPU's memory, 512 MiB on CPU (where the
+    cache shares the machine's memory with everything else, and a dropped sampler loads again in milliseconds:
+    docs/performance.md, "Memory")."""
     if cache_mb > 0:
         return cache_mb << 20
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_properties(torch.device(device)).total_memory // 10
-    return 1 << 30
+    return 512 << 20
 
 
 @dataclass

@@ -101,6 +101,21 @@ class Engine:
         """The adapters resident on the device now, by id (what memory reports count)."""
         return self.adapters.resident()
 
+    def memory(self) -> dict[str, int]:
+        """The bytes this engine holds, by what holds them (GET /api/v1/cluster, bench/memory.py): the base
+        model; resident adapters as the adapter cache counts them (a run's weights, gradients and optimizer
+        state); the copies of recent steps (engine/step_history.py); the decoding rows' KV cache and the prefix
+        cache of finished prompts (engine/sampler.py, engine/prefix_cache.py)."""
+        kv = getattr(self.decoder, "cache", None)
+        prefixes = getattr(self.decoder, "prefixes", None)
+        return {
+            "base_model_bytes": sum(t.nbytes for t in [*self.model.parameters(), *self.model.buffers()]),
+            "adapter_bytes": self.adapters.stats()["resident_bytes"],
+            "step_history_bytes": self.history.nbytes(),
+            "sampler_kv_bytes": kv.keys.nbytes + kv.values.nbytes if kv is not None else 0,
+            "prefix_cache_bytes": prefixes.nbytes() if prefixes is not None else 0,
+        }
+
     def reset_decoder(self) -> None:
         """Forget every request in the decoder (after a failed step; the scheduler fails them)."""
         self.decoder = self._make_decoder()

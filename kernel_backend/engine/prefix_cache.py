@@ -75,6 +75,9 @@ class PrefixCache:
         return {"entries": len(self.entries), "tokens": self.tokens, "budget_tokens": self.budget_tokens,
                 "hits": self.hits, "reused_tokens": self.reused_tokens}
 
+    def nbytes(self) -> int:
+        return sum(entry.keys.nbytes + entry.values.nbytes for entry in list(self.entries.values()))
+
     def lookup(self, adapter, prompt: list[int]) -> tuple[Entry | None, int]:
         """The entry sharing the longest prefix with `prompt` on these weights, and that length
         (0 and None when none shares MIN_SHARED_TOKENS)."""

@@ -6,7 +6,7 @@ two moments), so the engine keeps a copy after every step:
 
     step 0      the run's initial weights, kept for the run's life (a fork "from the start")
     the last STEPWISE_STEP_HISTORY steps (default 8) of each run, older ones dropped as new ones come
-    and no more than STEPWISE_STEP_HISTORY_MB (default 1024) for all runs of an engine together: past
+    and no more than STEPWISE_STEP_HISTORY_MB (default 512) for all runs of an engine together: past
     that, the oldest copies go first, whichever run they belong to (step 0 copies last).
 
 Older steps are reachable where the run's recovery snapshots are, on disk (every STEPWISE_SNAPSHOT_EVERY
@@ -62,6 +62,9 @@ class StepHistory:
         self.budget_bytes = budget_bytes
         self.runs: dict[str, collections.OrderedDict[int, StepState]] = {}
         self._order = itertools.count()
+
+    def nbytes(self) -> int:
+        return sum(state.nbytes for states in list(self.runs.values()) for state in list(states.values()))
 
     def record(self, run_id: str, adapter: lora.Adapter, optimizer, steps: int) -> None:
         """Keep the run's state as it is now, after `steps` optim steps (0: just created or loaded)."""

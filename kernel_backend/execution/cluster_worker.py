@@ -102,7 +102,8 @@ class EngineWorker:
         else:
             total = self.memory_budget
             free = total - base - adapters
-        return {"total": total, "free": max(0, free), "base_model_bytes": base, "adapter_bytes": adapters}
+        return {"total": total, "free": max(0, free), "base_model_bytes": base, "adapter_bytes": adapters,
+                "engines": {name: engine.memory() for name, engine in engines.items()}}
 
     async def run(self, job: Job, ordered: bool) -> Outcome:
         """Queue a job on this worker's scheduler and answer its outcome when it is done."""

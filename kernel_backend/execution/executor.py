@@ -110,4 +110,5 @@ class InProcess:
     def report(self) -> dict:
         return {"mode": "in-process", "workers": [{
             "name": "in-process", "state": "live", "device": self.settings.device, "models": sorted(self.engines),
-            "adapters": sum(self.adapter_counts().values()), "queue_depth": self.scheduler.queue_depth()}], "runs": {}}
+            "adapters": sum(self.adapter_counts().values()), "queue_depth": self.scheduler.queue_depth(),
+            "memory": {name: engine.memory() for name, engine in self.engines.items()}}], "runs": {}}

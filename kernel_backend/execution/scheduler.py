@@ -24,6 +24,8 @@ reply and the ledger row (`Job.encode`) and wakes whoever is polling.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import threading
 import time
@@ -43,6 +45,9 @@ log = logging.getLogger("stepwise.scheduler")
 
 # How long a lane waits for a missing seq_id before running the next one it has.
 GAP_WAIT_S = 2.0
+# Idle this long after work, the scheduler gives freed memory back to the system (`return_freed_memory`). Not at
+# once: a client's next call usually follows within milliseconds, and memory given back costs page faults to take again.
+RETURN_MEMORY_AFTER_IDLE_S = 1.0
 
 
 @dataclass
@@ -188,6 +193,7 @@ class Scheduler:
     # ---- the thread ---------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        worked, idle_since = False, None  # work done since memory was last returned; when the thread went idle
         while True:
             with self._cv:
                 while True:
@@ -198,7 +204,13 @@ class Scheduler:
                     job_lanes = self._ready_job_lanes()
                     if decoding or job_lanes:
                         break
+                    if worked:  # idle a while after work: return what it freed (not between a client's calls)
+                        idle_since = idle_since or time.monotonic()
+                        if time.monotonic() - idle_since >= RETURN_MEMORY_AFTER_IDLE_S:
+                            return_freed_memory()
+                            worked = False
                     self._cv.wait(timeout=0.5)
+                worked, idle_since = True, None
                 decode_turn = decoding and (not job_lanes or self._decode_s / self._decoding_lanes(samples)
                                             <= self._jobs_s / job_lanes)
                 picked = [] if decode_turn else self._pick()
@@ -368,6 +380,29 @@ class Scheduler:
     def _fail(self, job: Job, error: Exception) -> None:
         log_failure(job.request_id, error)
         self._on_done(job, error)
+
+
+def _load_libc():
+    path = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(path) if path else None
+    except OSError:
+        return None
+
+
+_LIBC = _load_libc()
+
+
+def return_freed_memory() -> None:
+    """Give the memory the last jobs freed back to the operating system (glibc's malloc_trim).
+
+    A training micro-batch's activations take about 2.5 MB a token (docs/performance.md). Once freed,
+    glibc keeps most of that memory in its heaps for later, so without this the server's resident
+    memory stays near the highest peak it ever reached (a laptop's browser and notebook need it back).
+    Called when the scheduler goes idle; it takes a few milliseconds. A no-op without glibc."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def _steps(engine: Engine, lane: str) -> int | None:
