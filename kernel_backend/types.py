@@ -6,6 +6,7 @@ directly. Arrays are numpy so they cross thread and process boundaries cheaply.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -99,6 +100,19 @@ class SamplingParams:
     # None: stop at the tokenizer's end-of-sequence tokens. []: never stop.
     # Otherwise a list of strings, or a list of token ids (not mixed).
     stop: list[str] | list[int] | None = None
+    # Beyond Tinker's fields (engine/sampler.py, adjust_logits and filter_logits; docs/tinker-surface.md). They change
+    # what is sampled, never the logprobs returned: those stay the model's own, as compute_logprobs gives them.
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (after temperature)
+    repetition_penalty: float = 1.0  # a token of the prompt or the output: logit / p if positive, else logit x p
+    frequency_penalty: float = 0.0  # minus this x the times the token is in the output so far (OpenAI's)
+    presence_penalty: float = 0.0  # minus this once the token is in the output (OpenAI's)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100 bans it, +100 forces it)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a row's own history or biases change its logits (adjust_logits)."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or bool(self.frequency_penalty) \
+            or bool(self.presence_penalty)
 
 
 # The widest per-position answer a sample request may ask for: top-k logprobs (prompt or sampled),
@@ -171,6 +185,32 @@ class SampleOptions:
 
 # The most samples one request may ask for.
 MAX_NUM_SAMPLES = 128
+
+
+# logit_bias: OpenAI's bounds (a bias in [-100, 100], at most 300 tokens).
+MAX_LOGIT_BIAS_TOKENS = 300
+
+
+def check_logit_adjustments(params: SamplingParams, vocab_size: int) -> None:
+    """min_p, the penalties and logit_bias, each in its range (a UserError naming the parameter)."""
+    def finite_in(name: str, low: float, high: float, low_open: bool = False) -> None:
+        value = getattr(params, name)
+        if not (math.isfinite(value) and (low < value if low_open else low <= value) and value <= high):
+            interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+            raise UserError(f"{name} must be in {interval}, got {value}")
+
+    finite_in("min_p", 0.0, 1.0)
+    finite_in("repetition_penalty", 0.0, 10.0, low_open=True)
+    finite_in("frequency_penalty", -2.0, 2.0)
+    finite_in("presence_penalty", -2.0, 2.0)
+    bias = params.logit_bias or {}
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise UserError(f"logit_bias names {len(bias)} tokens; at most {MAX_LOGIT_BIAS_TOKENS}")
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise UserError(f"logit_bias key {token!r} is not a token id of this model (0 to {vocab_size - 1})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise UserError(f"logit_bias[{token}] must be a number in [-100, 100], got {value!r}")
 
 
 def check_sample_size(prompt_tokens: int, num_samples, params: SamplingParams, max_context: int, max_sample_tokens: int,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from typing import Literal
@@ -82,6 +83,14 @@ class SamplingFields(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # OpenAI's penalties and logit_bias, and vLLM's min_p, top_k and repetition_penalty (what verifiers' harnesses
+    # send); each changes what is sampled, not the logprobs returned (the model's own: engine/sampler.py).
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> a bias in [-100, 100]
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stream: bool = False
@@ -147,12 +156,24 @@ def build_router(prefix: str) -> APIRouter:
     return router
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids written as strings."""
+    if not bias:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        bad = next(token for token in bias if not token.lstrip("-").isdigit())
+        raise OpenAIError(400, f"logit_bias key {bad!r} is not a token id", param="logit_bias") from None
+
+
 def _as_openai(e: Exception) -> OpenAIError:
     if isinstance(e, OpenAIError):
         return e
     if isinstance(e, NotFound):
         return OpenAIError(404, str(e), param="model", code="model_not_found")
-    return OpenAIError(400, str(e))
+    named = re.match(r"\w+", str(e))  # the engine's checks start with the field they refuse ("min_p must be ...")
+    return OpenAIError(400, str(e), param=named[0] if named and named[0] in ChatRequest.model_fields else None)
 
 
 def _message(message: ChatMessage) -> dict:
@@ -206,7 +227,9 @@ async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, 
     # max_tokens 0 (score only) is one prefill, as compute_logprobs is: the token it yields is not returned
     # (and, like compute_logprobs's, billed as one sample token).
     params = SamplingParams(max_tokens=max_tokens or 1, temperature=body.temperature, top_p=body.top_p,
-                            seed=body.seed, stop=stop or None)
+                            seed=body.seed, stop=stop or None, top_k=body.top_k or -1, min_p=body.min_p,
+                            repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
+                            presence_penalty=body.presence_penalty, logit_bias=_logit_bias(body.logit_bias))
     options = SampleOptions(topk_sample_logprobs=top_logprobs, prompt_logprobs=echo and wants_logprobs,
                             topk_prompt_logprobs=top_logprobs if echo and wants_logprobs else 0)
     request_type = "ChatCompletion" if chat else "Completion"

@@ -359,7 +359,8 @@ def sampling_params_from_json(obj: Any) -> SamplingParams:
     if obj is None:
         obj = {}
     if not isinstance(obj, dict):
-        raise UserError("sampling_params must be an object {max_tokens?, seed?, stop?, temperature, top_k, top_p}")
+        raise UserError("sampling_params must be an object {max_tokens?, seed?, stop?, temperature, top_k, top_p, "
+                        "min_p?, repetition_penalty?, frequency_penalty?, presence_penalty?, logit_bias?}")
 
     def number(key: str, default: Any, kind: type) -> Any:
         value = obj.get(key)
@@ -377,6 +378,11 @@ def sampling_params_from_json(obj: Any) -> SamplingParams:
         is_id = lambda s: isinstance(s, int) and not isinstance(s, bool)  # noqa: E731
         if not isinstance(stop, list) or not (all(isinstance(s, str) for s in stop) or all(map(is_id, stop))):
             raise UserError("sampling_params.stop must be a string, a list of strings or a list of token ids")
+    bias = obj.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise UserError("sampling_params.logit_bias must be an object {token id: bias}")
+        bias = {_token_id(key, "sampling_params.logit_bias"): value for key, value in bias.items()}
     return SamplingParams(
         max_tokens=number("max_tokens", None, int),
         temperature=number("temperature", 1.0, float),
@@ -384,7 +390,23 @@ def sampling_params_from_json(obj: Any) -> SamplingParams:
         top_p=number("top_p", 1.0, float),
         seed=number("seed", None, int),
         stop=stop,
+        # Ours, beyond the SDK's SamplingParams (docs/tinker-surface.md): a client that sends them gets them.
+        min_p=number("min_p", 0.0, float),
+        repetition_penalty=number("repetition_penalty", 1.0, float),
+        frequency_penalty=number("frequency_penalty", 0.0, float),
+        presence_penalty=number("presence_penalty", 0.0, float),
+        logit_bias=bias or None,
     )
+
+
+def _token_id(key: Any, where: str) -> int:
+    """A token id given as a JSON object's key ("42") or a number."""
+    try:
+        if isinstance(key, bool):
+            raise ValueError
+        return int(key)
+    except (TypeError, ValueError):
+        raise UserError(f"{where}: {key!r} is not a token id") from None
 
 
 def sample_options(body: Any) -> SampleOptions:

@@ -37,6 +37,7 @@ from kernel_backend.types import (
     SampleOptions,
     SampleResult,
     SamplingParams,
+    check_logit_adjustments,
     check_sample_size,
 )
 from kernel_backend.errors import UserError
@@ -536,6 +537,7 @@ class Engine:
             raise UserError(f"top_p must be in (0, 1], got {params.top_p}")
         if params.top_k == 0 or params.top_k < -1:
             raise UserError(f"top_k must be -1 (off) or a positive integer, got {params.top_k}")
+        check_logit_adjustments(params, self.vocab_size)
         if options.target_prompt_logprobs is not None:
             ids = options.target_prompt_logprobs.ids
             _check_range(ids[ids >= 0], self.vocab_size, "target_prompt_logprobs (token ids, or -1)")

@@ -33,6 +33,7 @@ also the baseline the benchmarks compare against: it is the loop every request w
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -88,9 +89,31 @@ def cache_tokens(model: torch.nn.Module, megabytes: int) -> int:
 # ---- choosing tokens -------------------------------------------------------------------------
 
 
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """One row's logits (vocab,) as that row samples from them, before temperature and the filters: logit_bias
+    added, then the repetition penalty over the tokens of the prompt and the output (CTRL's, as transformers
+    and vLLM apply it), then OpenAI's frequency and presence penalties over the output's. A new tensor."""
+    out = logits.clone()
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=out.device)
+        out[ids] += torch.tensor(list(params.logit_bias.values()), dtype=out.dtype, device=out.device)
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), device=out.device)
+        picked = out[seen]
+        out[seen] = torch.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
+    if output and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(output, device=out.device), minlength=out.shape[-1]).to(out.dtype)
+        out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(out.dtype)
+    return out
+
+
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (nucleus) filtering; masked entries become -inf."""
+    """Temperature, then min-p, top-k and top-p (nucleus) filtering; masked entries become -inf."""
     logits = logits / params.temperature
+    if params.min_p > 0:
+        # Less likely than min_p x the most likely token: log p < log p_max + log min_p.
+        floor = logits.max(-1, keepdim=True).values + math.log(params.min_p)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -242,7 +265,7 @@ class _Active:
 def _choose_for(actives: list[_Active], rows: list[int], logits: torch.Tensor):
     """Tokens, model logprobs and top-k lists for rows (logits row i is actives[i]'s row rows[i]).
 
-    Rows whose requests filter alike (temperature, top-k, top-p) draw in one call, each from its
+    Rows whose requests filter alike (temperature, top-k, top-p, min-p) draw in one call, each from its
     own random stream: every op works row by row, so a row's token does not depend on its company
     (one call over a step's rows is 1.4x faster than one per request: bench/sample.py's workload)."""
     log_total = torch.logsumexp(logits, -1, keepdim=True)
@@ -250,15 +273,19 @@ def _choose_for(actives: list[_Active], rows: list[int], logits: torch.Tensor):
     tops: list[list[tuple[int, float]] | None] = [None] * len(rows)
     by_filter: dict[tuple, list[int]] = {}
     by_topk: dict[int, list[int]] = {}
+    sampled_from = logits  # the model's logits, but where a row's penalties or biases change its own
     for i, active in enumerate(actives):
         params = active.request.params
-        by_filter.setdefault((params.temperature, params.top_k, params.top_p), []).append(i)
+        by_filter.setdefault((params.temperature, params.top_k, params.top_p, params.min_p), []).append(i)
         if active.request.options.topk_sample_logprobs:
             by_topk.setdefault(active.request.options.topk_sample_logprobs, []).append(i)
+        if params.adjusts_logits:
+            sampled_from = logits.clone() if sampled_from is logits else sampled_from
+            sampled_from[i] = adjust_logits(logits[i], params, active.request.prompt, active.sequences[rows[i]].tokens)
     for members in by_filter.values():
         index = torch.tensor(members, device=logits.device)
         generators = [actives[i].generators[rows[i]] for i in members]
-        mine = logits if len(members) == len(rows) else logits[index]  # usually every row: no copy
+        mine = sampled_from if len(members) == len(rows) else sampled_from[index]  # usually every row: no copy
         tokens[index] = choose(mine, actives[members[0]].request.params, generators)
     for k, members in by_topk.items():
         index = torch.tensor(members, device=logits.device)

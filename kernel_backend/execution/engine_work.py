@@ -190,13 +190,13 @@ def sample_request(engine, ctx: Context, op: SampleOp, on_token=None, cancel=Non
 
 def model_facts(engine) -> dict:
     """A loaded base model's facts the gateway bounds requests with, wherever the engine runs: its context
-    length, and the bytes one rank of LoRA takes on each target module kind (admission's adapter measure)."""
+    length, its vocabulary's size, and the bytes one rank of LoRA takes on each target module kind (admission's adapter measure)."""
     per_rank: dict[str, int] = {}
     for name, module in lora.lora_layers(engine.model).items():
         kind = name.rsplit(".", 1)[-1]
         weight = module.base.weight
         per_rank[kind] = per_rank.get(kind, 0) + (weight.shape[0] + weight.shape[1]) * weight.element_size()
-    return {"max_context": engine.max_context, "lora_bytes_per_rank": per_rank}
+    return {"max_context": engine.max_context, "vocab_size": engine.vocab_size, "lora_bytes_per_rank": per_rank}
 
 
 def noop(engine, ctx: Context) -> dict:

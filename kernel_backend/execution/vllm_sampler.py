@@ -330,7 +330,9 @@ class VllmSampler:
             reply = self.worker.call(
                 "sample", on_tokens=on_tokens, adapter=version.name if version else None, prompt=list(prompt),
                 n=num_samples, max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k,
-                top_p=params.top_p, seed=params.seed, stop_token_ids=sorted(stop_token_ids),
+                top_p=params.top_p, seed=params.seed, min_p=params.min_p, repetition_penalty=params.repetition_penalty,
+                frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
+                logit_bias=params.logit_bias, stop_token_ids=sorted(stop_token_ids),
                 stop_strings=list(stop_strings), prompt_logprobs=options.prompt_logprobs,
                 topk_prompt_logprobs=options.topk_prompt_logprobs, topk_sample_logprobs=options.topk_sample_logprobs,
                 stream=on_token is not None,

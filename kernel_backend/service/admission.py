@@ -37,7 +37,7 @@ from kernel_backend.engine.adapter_cache import TRAINING_COPIES
 from kernel_backend.config import Settings
 from kernel_backend.metering import Usage
 from kernel_backend.persistence.database import CheckpointRow, SessionRow, Store
-from kernel_backend.types import SampleOptions, SamplingParams, check_sample_size
+from kernel_backend.types import SampleOptions, SamplingParams, check_logit_adjustments, check_sample_size
 from kernel_backend.errors import RateLimited, UserError
 
 # Seeds are 64-bit, as torch.Generator takes them.
@@ -52,10 +52,11 @@ def check_seed(seed, where: str = "seed") -> None:
 
 
 def check_sampling(prompt_tokens: int, num_samples, params: SamplingParams, max_context: int, max_sample_tokens: int,
-                   options: SampleOptions | None = None) -> Usage:
+                   options: SampleOptions | None = None, vocab_size: int = 1 << 31) -> Usage:
     """Bound a sampling request before it is queued; fills in a missing max_tokens. Returns the most work
     it can do (its prompt once, every sample at max_tokens), which is what admission and budgets count."""
     check_sample_size(prompt_tokens, num_samples, params, max_context, max_sample_tokens, options or SampleOptions())
+    check_logit_adjustments(params, vocab_size)
     check_seed(params.seed, "sampling_params.seed")
     return Usage(prefill_tokens=prompt_tokens, sample_tokens=num_samples * params.max_tokens)
 

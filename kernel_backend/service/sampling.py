@@ -99,8 +99,9 @@ def check_sampling(svc: Service, base_model: str, prompt: list[int], num_samples
     """Bound a sampling request before it is queued (admission.check_sampling); returns its most work."""
     facts = svc.executor.facts().get(base_model)
     max_context = facts["max_context"] if facts is not None else len(prompt) + svc.settings.max_sample_tokens
+    vocab_size = facts.get("vocab_size", 1 << 31) if facts is not None else 1 << 31  # not loaded yet: the engine checks
     return admission.check_sampling(len(prompt), num_samples, params, max_context, svc.settings.max_sample_tokens,
-                                    options)
+                                    options, vocab_size)
 
 
 def sampler_op(svc: Service, sampler: SamplerRow, prompt: list[int], num_samples: int, params: SamplingParams,

@@ -45,6 +45,11 @@ def sampling_params(request: dict):
         top_k=request["top_k"] if request["top_k"] > 0 else 0,  # Tinker's -1 and vLLM's 0 both mean off
         top_p=request["top_p"],
         seed=request["seed"],
+        min_p=request.get("min_p", 0.0),
+        repetition_penalty=request.get("repetition_penalty", 1.0),
+        frequency_penalty=request.get("frequency_penalty", 0.0),
+        presence_penalty=request.get("presence_penalty", 0.0),
+        logit_bias={int(k): v for k, v in request["logit_bias"].items()} if request.get("logit_bias") else None,  # JSON keys: str
         # Only our stop set ends a sequence: vLLM's own end-of-sequence check is off, and the backend
         # put the end-of-sequence tokens in stop_token_ids when they apply (not for stop=[]).
         ignore_eos=True,
