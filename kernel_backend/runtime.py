@@ -64,6 +64,55 @@ def pid_alive(pid: int) -> bool:
         return True  # no /proc (not Linux): kill(0) said it exists
 
 
+def loopback_peer(client_host: str, client_port: int, server_port: int) -> tuple[int, str] | None:
+    """The process on this machine at the other end of a loopback connection, as (pid, a short name: the
+    script or module it runs), found through /proc (Linux); None elsewhere, for another address, or when
+    the socket is not ours to see. The backend names a plain SDK script's session after it, and ends the
+    session when that process exits (Service.reap), as it does for workbench.connect()'s kernels."""
+    if not is_loopback(client_host):
+        return None
+    inode = None
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:  # "sl local_address rem_address st ... uid timeout inode": ports in hex
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == client_port and int(fields[2].rsplit(":", 1)[1], 16) == server_port:
+                inode = fields[9]
+                break
+        if inode:
+            break
+    if not inode or inode == "0":
+        return None
+    target = f"socket:[{inode}]"
+    for pid_dir in Path("/proc").glob("[0-9]*"):
+        try:
+            if any(os.readlink(fd) == target for fd in (pid_dir / "fd").iterdir()):
+                return int(pid_dir.name), _process_name(pid_dir)
+        except OSError:
+            continue  # exited meanwhile, or another user's
+    return None
+
+
+def _process_name(pid_dir: Path) -> str:
+    """`train.py` for `python train.py --lr 1e-4`, `mypkg.train` for `python -m mypkg.train`, else the program."""
+    argv = (pid_dir / "cmdline").read_bytes().decode(errors="replace").split("\0")
+    argv = [a for a in argv if a]
+    if not argv:
+        return pid_dir.name
+    if Path(argv[0]).name.startswith("python"):
+        rest = [a for a in argv[1:] if not a.startswith("-") or a in ("-m", "-c")]
+        if rest[:1] == ["-m"] and len(rest) > 1:
+            return rest[1]
+        if rest[:1] == ["-c"]:
+            return "python -c"
+        if rest:
+            return Path(rest[0]).name
+    return Path(argv[0]).name
+
+
 def write_private_json(path: Path, record: dict) -> None:
     """Write `record` atomically, readable by its owner only (these files hold API keys)."""
     path.parent.mkdir(parents=True, exist_ok=True)

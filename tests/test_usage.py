@@ -201,3 +201,37 @@ def test_sessions_report_lists_each_run_and_the_sampler_snapshots(tinker_server)
     assert len(kept) == SNAPSHOTS_PER_RUN and {k["training_run_id"] for k in kept} == {runs[0].model_id}
     newest_first = [s._sampling_session_id for s in reversed(snapshots)][:SNAPSHOTS_PER_RUN]
     assert [k["sampler_id"] for k in kept] == newest_first
+
+
+def test_a_plain_sdk_scripts_session_is_named_after_it_and_ends_when_it_exits(shared_server, tmp_path):
+    """A script that uses the tinker SDK alone (no workbench.connect()): the backend finds its process by its
+    loopback socket, lists the session under the script's name, and ends it once the script has exited
+    (within the reaper's interval, 0.5 s here), not after the 5-minute heartbeat timeout."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "my_training_script.py"
+    script.write_text(
+        "import sys, tinker\n"
+        f"client = tinker.ServiceClient(base_url={shared_server.base_url!r}, api_key={shared_server.api_key!r})\n"
+        f"tc = client.create_lora_training_client(base_model={BASE!r}, rank=4).result()\n"
+        "print(tc.model_id.split(':')[0], flush=True)\n"
+        "sys.stdin.readline()\n")
+    process = subprocess.Popen([sys.executable, str(script), "--lr", "1e-4"], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+
+    def row(session_id):
+        r = httpx.get(shared_server.base_url + "/api/v1/usage/sessions", params={"limit": 1000},
+                      headers={"X-API-Key": shared_server.api_key})
+        return next(s for s in r.json()["sessions"] if s["session_id"] == session_id)
+
+    try:
+        session_id = process.stdout.readline().strip()
+        assert (row(session_id)["display_name"], row(session_id)["status"]) == ("my_training_script.py", "active")
+    finally:
+        process.communicate(timeout=60)  # stdin closes: the script ends
+    deadline = time.monotonic() + 20
+    while row(session_id)["status"] == "active" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert row(session_id)["status"] == "finished"

@@ -13,6 +13,7 @@ import json
 from fastapi import APIRouter, Depends, Query, Request, Response
 from tinker import types as T
 
+from kernel_backend import runtime
 from kernel_backend.api import wire
 from kernel_backend.api.auth import Caller, caller_of, operator_of, tenant_of
 from kernel_backend.service import Service, accounts, checkpoints, sampling, sessions, training
@@ -86,9 +87,14 @@ def telemetry(tenant: str = Depends(tenant_of)):
 
 
 @router.post("/create_session")
-def create_session(body: T.CreateSessionRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+def create_session(body: T.CreateSessionRequest, request: Request, tenant: str = Depends(tenant_of),
+                   svc: Service = Depends(service)):
+    # A process on this machine (a plain SDK script) is found by its socket; workbench.connect() says its own pid.
+    client = None
+    if request.client is not None and "local_pid" not in (body.user_metadata or {}):
+        client = runtime.loopback_peer(request.client.host, request.client.port, request.url.port or 80)
     return sessions.create_session(svc, tenant, body.tags, body.user_metadata, body.sdk_version, body.display_name,
-                                   body.project_id)
+                                   body.project_id, client)
 
 
 @router.post("/session_heartbeat")

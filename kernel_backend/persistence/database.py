@@ -63,6 +63,10 @@ class SessionRow(Base):
     # What the client said when it closed the session (ServiceClient.close): success | errored | interrupted.
     finish_reason: Mapped[str | None] = mapped_column(String(16), nullable=True)
     finish_detail: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # The process on this machine that opened it over loopback (a plain SDK script: runtime.loopback_peer), and
+    # its script's name: what the sidebar calls a session without a display_name; it ends when that process does.
+    client_pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    client_name: Mapped[str | None] = mapped_column(String(256), nullable=True)
 
 
 class ModelRow(Base):

@@ -186,7 +186,7 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
         rows.append({
             "session_id": session.id,
             "status": session.status,
-            "display_name": session.display_name,
+            "display_name": session.display_name or session.client_name,  # a plain SDK script: its file's name
             # The process that opened it, on this machine (workbench.connect() sets it): the JupyterLab
             # server extension finds the notebook a kernel runs now from it, after a rename too.
             "kernel_pid": int(pid) if pid.isdigit() else None,

@@ -207,10 +207,11 @@ class Service:
         for session in self.store.list(SessionRow, SessionRow.status == "active", SessionRow.last_heartbeat < cutoff):
             self.end_session(session.id, "expired")
             self.store.add(audit(session.tenant, "session_expired", None, session_id=session.id))
-        # A session opened by a process on this machine (workbench.connect() puts its pid in the
-        # metadata) ends with that process: a shut-down kernel's session is over, not idle.
+        # A session opened by a process on this machine (workbench.connect() puts its pid in the metadata; a
+        # plain SDK script's is found by its socket) ends with that process: a shut-down kernel's or a finished
+        # script's session is over, not idle.
         for session in self.store.list(SessionRow, SessionRow.status == "active"):
-            pid = str((session.user_metadata or {}).get("local_pid", ""))
+            pid = str(session.client_pid or (session.user_metadata or {}).get("local_pid", ""))
             if pid.isdigit() and not runtime.pid_alive(int(pid)):
                 self.end_session(session.id, "finished")
         for checkpoint in self.store.list(CheckpointRow, CheckpointRow.expires_at.is_not(None), CheckpointRow.expires_at < now()):

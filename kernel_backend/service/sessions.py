@@ -45,7 +45,8 @@ def project_column():
 
 
 def create_session(svc: Service, tenant: str, tags, user_metadata, sdk_version, display_name=None,
-                   project_id: str | None = None) -> dict:
+                   project_id: str | None = None, client: tuple[int, str] | None = None) -> dict:
+    """`client`: (pid, name) of the local process that asked (runtime.loopback_peer), when known."""
     if project_id is not None:
         check_project_id(project_id)
     svc.admission.session(tenant)
@@ -61,6 +62,8 @@ def create_session(svc: Service, tenant: str, tags, user_metadata, sdk_version, 
             display_name=display_name,
             sdk_version=sdk_version,
             project_id=project_id,
+            client_pid=client[0] if client else None,
+            client_name=client[1] if client else None,
         ),
         audit(tenant, "session_created", tenant, session_id=session_id, project_id=project_id or DEFAULT_PROJECT),
     )
