@@ -96,7 +96,7 @@ def one_run(service_client) -> None:
     """A quickstart-sized SFT run, a sampler, a few samples."""
     from tinker import types
 
-    training_client = service_client.create_lora_training_client(base_model=BASE, rank=8, seed=1)
+    training_client = service_client.create_lora_training_client(base_model=BASE, rank=8, seed=1).result()
     tokenizer = training_client.get_tokenizer()
     text = " ".join(f"Fact {i}: the number after {i} is {i + 1}." for i in range(12))
     ids = tokenizer.encode(text)[:129]
@@ -105,7 +105,7 @@ def one_run(service_client) -> None:
     for _ in range(10):
         training_client.forward_backward([datum] * 8, "cross_entropy").result()
         training_client.optim_step(types.AdamParams(learning_rate=1e-4)).result()
-    sampler = training_client.save_weights_and_get_sampling_client("one-run")
+    sampler = training_client.save_weights_and_get_sampling_client("one-run").result()
     sampler.sample(types.ModelInput.from_ints(ids[:16]), 8, types.SamplingParams(max_tokens=32, temperature=1.0)).result()
 
 

@@ -113,8 +113,57 @@ def plots(page) -> list[dict]:
         return {title: title(el.layout.title), x: title(el.layout.xaxis.title), y: title(el.layout.yaxis.title),
                 traces: el.data.map(t => ({name: t.name, steps: [...(t.x || [])].filter((_, i) => t.y[i] !== null),
                                            y: [...(t.y || [])].filter(y => y !== null)})),
-                fits: box.right <= output.right + 1, drawn: el.querySelectorAll('.scatterlayer .trace').length};
+                fits: box.right <= output.right + 1, drawn: el.querySelectorAll('.scatterlayer .trace').length,
+                // The legend: its entries, and whether any is cut off (outside the plot, or behind a legend scrollbar).
+                legend: el.querySelectorAll('.legend .traces').length,
+                legend_cut: [...el.querySelectorAll('.legend .traces')].some(entry => {
+                    const e = entry.getBoundingClientRect();
+                    return e.bottom > box.bottom + 1 || e.top < box.top - 1 || e.right > box.right + 1;
+                }) || [...el.querySelectorAll('.legend .scrollbar')].some(bar => bar.getBoundingClientRect().height > 0)};
     })""")
+
+
+def drawn_points(page) -> dict[str, dict[str, list]]:
+    """Each plot's drawn points, by title then trace name: their boxes on the page [left, top, right, bottom]."""
+    return page.evaluate("""() => Object.fromEntries([...document.querySelectorAll('.jp-Notebook .js-plotly-plot')].map(el => [
+        (el.layout.title.text ?? el.layout.title),
+        Object.fromEntries([...el.querySelectorAll('.scatterlayer .trace')].map(g => [
+            g.__data__[0].trace.name,
+            [...g.querySelectorAll('path.point')].map(p => {
+                const r = p.getBoundingClientRect();
+                return [r.left, r.top, r.right, r.bottom];
+            })]))]))""")
+
+
+def hover_inside(page, title: str, trace: str) -> None:
+    """Hover the first point of `trace` in plot `title`: its hover label must lie inside the plot, not be cut
+    off at an edge."""
+    find = """(title) => [...document.querySelectorAll('.jp-Notebook .js-plotly-plot')]
+                   .find(el => (el.layout.title.text ?? el.layout.title) === title)"""
+    centre = page.evaluate(f"""([title, trace]) => {{
+        const el = ({find})(title);
+        el.scrollIntoView({{block: 'center'}});
+        const g = [...el.querySelectorAll('.scatterlayer .trace')].find(g => g.__data__[0].trace.name === trace);
+        const r = g.querySelector('path.point').getBoundingClientRect();
+        return [(r.left + r.right) / 2, (r.top + r.bottom) / 2];
+    }}""", [title, trace])
+    page.mouse.move(*centre)
+
+    def inside():
+        boxes = page.evaluate(f"""(title) => {{
+            const el = ({find})(title);
+            const label = el.querySelector('.hoverlayer .hovertext');
+            const r = el.getBoundingClientRect(), l = label && label.getBoundingClientRect();
+            return label && [r.left, r.top, r.right, l.left, l.top, l.right];
+        }}""", title)
+        assert boxes, "no hover label"
+        left, top, right, label_left, label_top, label_right = boxes
+        assert left - 1 <= label_left and label_right <= right + 1 and top - 1 <= label_top, (boxes, title)
+    eventually(inside)
+
+
+def overlapping(a: list[float], b: list[float]) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
 
 
 def skip_marks(plot: dict) -> dict[str, list[int]]:
@@ -128,6 +177,8 @@ def check_plots(page, steps: int, expected_panels: set[str]) -> list[dict]:
     every_step = set(range(1, steps + 1))
     for plot in shown:
         assert plot["title"] and plot["x"] == "step" and plot["y"], plot
+        if len(plot["traces"]) > 1:  # every entry of the legend shown, none cut off
+            assert plot["legend"] == len(plot["traces"]) and not plot["legend_cut"], (plot["title"], plot["legend"])
         skipped = {s for marked in skip_marks(plot).values() for s in marked}
         assert any(set(t["steps"]) | skipped == every_step for t in plot["traces"]), (steps, plot)
         assert plot["drawn"] == len(plot["traces"]) and plot["fits"], plot
@@ -643,12 +694,12 @@ def click_point(page, title: str, trace: str) -> int:
             .find(el => ((el.layout.title || {}).text ?? el.layout.title) === title);
         gd.scrollIntoView({block: 'center'});
         const full = gd._fullLayout, box = gd.getBoundingClientRect();
-        // the lines shown (marks along the edges are on y2; a trace hidden from its legend is not shown)
+        // the lines shown (marks along the edges are on y2 and y3; a trace hidden from its legend is not shown)
         const shown = gd.data.filter(t => t.visible !== 'legendonly');
         const lines = shown.filter(t => !t.yaxis || t.yaxis === 'y');
-        const axis = t => t.yaxis === 'y2' ? full.yaxis2 : full.yaxis;
-        const pixel = (t, i) => ({x: box.left + full._size.l + full.xaxis.l2p(t.x[i]),
-                                  y: box.top + full._size.t + axis(t).l2p(t.y[i])});
+        const axis = t => ({y2: full.yaxis2, y3: full.yaxis3})[t.yaxis] || full.yaxis;  // y3: the flags' strip
+        const pixel = (t, i) => ({x: box.left + full.xaxis._offset + full.xaxis.l2p(t.x[i]),
+                                  y: box.top + axis(t)._offset + axis(t).l2p(t.y[i])});
         const mine = lines.find(t => t.name === trace);
         if (!mine) return {gap: -1, traces: gd.data.map(t => [t.name, t.visible, t.yaxis])};
         let best = null;
@@ -711,6 +762,13 @@ def test_rl_insight_notebook(lab, browser):
     assert set(losses) == set(runs) and all(set(steps) | skipped == set(every) for steps in losses.values()), losses
     flagged = traces["flag: collapse"]
     assert flagged and all(p["traces"][-1]["name"].startswith("flag: ") for p in by_title.values())
+    for plot in by_title.values():  # the flag marks sit above the lines, never on a point of one
+        points = drawn_points(page)[plot["title"]]
+        marks = [box for name, boxes in points.items() if name.startswith("flag: ") for box in boxes]
+        lines = [box for name, boxes in points.items() if not name.startswith(("flag: ", "skipped (")) for box in boxes]
+        assert marks and lines and not any(overlapping(m, p) for m in marks for p in lines), plot["title"]
+        assert plot["legend"] == len(plot["traces"]) and not plot["legend_cut"], (plot["title"], plot["legend"])
+    hover_inside(page, "reward", "flag: collapse")
     alerts = page.locator(".wb-flag[data-kind='collapse']")
     assert alerts.count() >= 1 and "of no leash · collapse: " in alerts.first.text_content()
 

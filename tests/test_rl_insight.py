@@ -191,7 +191,7 @@ def test_the_dashboard_flags_steps_in_words_and_marks_every_panel(tmp_path):
     assert "step 3 · collapse: 8 of 8 held-out answers identical: &#x27;The benevolent one&#x27;" in dash.alerts.value
     for title in (LOSS_PANEL, "reward", "probe_distinct"):
         (mark,) = [t for t in dash.figures[title].data if t.name == "flag: collapse"]
-        assert list(mark.x) == [3] and mark.yaxis == "y2"
+        assert list(mark.x) == [3] and mark.yaxis == "y3"  # the flags' strip above the plot
     # The rollouts below the plots, on the newest step; a click on a point opens its step.
     assert dash.inspector is not None and dash.inspector.step == 3 and dash.inspector in dash.children
     assert dash.clicks.hint.startswith("Click a point")

@@ -68,6 +68,7 @@ from __future__ import annotations
 import copy
 import html
 import math
+import textwrap
 import threading
 
 import ipywidgets as w
@@ -84,6 +85,8 @@ LOSS_TYPE = "ForwardBackward"
 LOSS_PANEL = "loss per step (loss:sum, summed over tokens)"
 PAGE = 1000
 PANEL_WIDTH, PANEL_HEIGHT = 440, 250
+LEGEND_ROW_PX = 20
+HOVER_LINE_CHARS = 48  # a flag's detail, wrapped: a wide hover label is cut at the panel's edge
 
 
 def _figure(title: str, y_title: str, series: dict[str, tuple[list, list]],
@@ -119,26 +122,41 @@ def _figure(title: str, y_title: str, series: dict[str, tuple[list, list]],
         data.append(go.Scatter(x=xs, y=ys, customdata=at, yaxis="y2", mode="markers", name=f"skipped ({why})",
                                marker=dict(symbol="x-thin-open", size=10, color="#888", line=dict(width=2)),
                                hovertemplate=f"{at_step}: skipped ({why})<extra></extra>"))
+    # Flags sit in a strip of their own above the plot (a third y axis), so they never hide a line at its top.
     for kind in dict.fromkeys(f["kind"] for f in flags):
         mine = [f for f in flags if f["kind"] == kind and place(None, f["step"]) is not None]
-        data.append(go.Scatter(x=[place(None, f["step"]) for f in mine], y=[0.96] * len(mine), yaxis="y2",
-                               mode="markers", name=f"flag: {kind}", text=[f["detail"] for f in mine],
+        data.append(go.Scatter(x=[place(None, f["step"]) for f in mine], y=[0.5] * len(mine), yaxis="y3",
+                               mode="markers", name=f"flag: {kind}",
+                               text=["<br>".join(textwrap.wrap(f["detail"], HOVER_LINE_CHARS)) for f in mine],
                                customdata=[f["step"] for f in mine],
                                marker=dict(symbol="triangle-down", size=10, color="#d62728"),
                                hovertemplate=f"{at_step}: {kind}<br>%{{text}}<extra></extra>"))
     # Against cost: dollars to three significant digits, never SI prefixes (plotly's "5µ" is not money).
     xaxis = (dict(title=dict(text="$"), tickformat=".3~r", rangemode="tozero") if x_of
              else dict(title=dict(text="step"), dtick=_dtick(last)))
+    # The legend below the axis, every entry shown: the panel grows a row at a time rather than clip it.
+    legend_height = LEGEND_ROW_PX * _legend_rows([trace.name for trace in data]) if len(data) > 1 else 0
     return go.Figure(
         data=data,
         layout=go.Layout(
-            title=dict(text=title, font=dict(size=14)), width=PANEL_WIDTH, height=PANEL_HEIGHT,
-            margin=dict(l=60, r=15, t=40, b=45), showlegend=len(data) > 1,
-            legend=dict(orientation="h", y=-0.3), xaxis=xaxis,
-            yaxis=dict(title=dict(text=y_title)),
+            title=dict(text=title, font=dict(size=14)), width=PANEL_WIDTH, height=PANEL_HEIGHT + legend_height,
+            margin=dict(l=60, r=15, t=40, b=45 + legend_height), showlegend=len(data) > 1,
+            legend=dict(orientation="h", yref="container", y=0, yanchor="bottom", x=0, xanchor="left", maxheight=1),
+            xaxis=xaxis, hoverlabel=dict(align="left"),
+            yaxis=dict(title=dict(text=y_title), domain=[0, 0.86] if flags else [0, 1]),
             yaxis2=dict(overlaying="y", range=[0, 1], visible=False, fixedrange=True),
+            yaxis3=dict(domain=[0.9, 1], range=[0, 1], visible=False, fixedrange=True),
         ),
     )
+
+
+def _legend_rows(names: list[str]) -> int:
+    """How many rows plotly's horizontal legend takes for these entries in a panel: it lines them up in
+    columns as wide as the widest (a symbol and a gap of about 40 px, then the name at about 7 px a
+    character), as many as the panel's width holds."""
+    widest = 40 + 7 * max(map(len, names), default=0)
+    per_row = max(1, (PANEL_WIDTH - 20) // widest)
+    return -(-len(names) // per_row)
 
 
 def _broken_at(xs: list, ys: list, skipped: list[int]) -> tuple[list, list]:
