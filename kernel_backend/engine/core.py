@@ -197,10 +197,12 @@ class Engine:
         trained = [p.adapter_id for p in passes if not p.forward_only]
         if len(set(trained)) != len(trained):
             raise ValueError("run_passes takes at most one backward pass per adapter")
+        topk = [0] * len(passes)  # the top-k tokens per position each pass asks for (losses.TOPK_KEY)
         for i, p in enumerate(passes):
             # One entry per pass, whatever fails: configs[i] must stay pass i's config.
             try:
                 config = losses.check_config(p.loss_fn, p.loss_fn_config)
+                topk[i] = losses.topk_of(p.loss_fn_config)
                 rows.extend(self._check_pass(i, p))
             except UserError as e:
                 config = {}
@@ -217,6 +219,7 @@ class Engine:
         routed = {i: slots[i].adapter if not passes[i].forward_only else slots[i].adapter.detached() for i in live}
         saved_grads = {i: _grads(slots[i].adapter) for i in live if not passes[i].forward_only}
         logprobs_of: dict[int, list[torch.Tensor]] = {i: [] for i in live}
+        tops_of: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in live}
         metrics_of: dict[int, list[tuple[dict[str, float], int]]] = {i: [] for i in live}
         computed_of = {i: 0 for i in live}  # tokens the model ran for the pass, each shared prefix once
         pending = [r for r in rows if results[r.pass_index] is None]
@@ -225,8 +228,9 @@ class Engine:
             if not active:
                 continue
             any_backward = any(not passes[r.pass_index].forward_only for r in active)
+            k = max(topk[r.pass_index] for r in active)
             with torch.set_grad_enabled(any_backward):
-                row_logprobs, computed = self._target_logprobs(active, [routed[r.pass_index] for r in active])
+                row_logprobs, computed, row_tops = self._target_logprobs(active, [routed[r.pass_index] for r in active], k)
             total = None
             for i in dict.fromkeys(r.pass_index for r in active):
                 computed_of[i] += computed[id(routed[i])]
@@ -245,6 +249,9 @@ class Engine:
                     results[i] = e
                     continue
                 logprobs_of[i].extend(x.detach() for _, x in mine)
+                if topk[i]:
+                    tops_of[i].extend((ids[:, :topk[i]], lps[:, :topk[i]])
+                                      for r, (ids, lps) in zip(active, row_tops) if r.pass_index == i)
                 metrics_of[i].append((metrics, lp.numel()))
                 if not passes[i].forward_only:
                     total = loss if total is None else total + loss
@@ -262,8 +269,11 @@ class Engine:
                 if i in saved_grads:
                     _restore_grads(slots[i].adapter, saved_grads[i])
                 continue
+            outputs = [{"logprobs": lp.float().cpu().numpy()} for lp in logprobs_of[i]]
+            for out, (ids, lps) in zip(outputs, tops_of[i]):
+                out.update(topk_token_ids=ids.cpu().numpy(), topk_logprobs=lps.float().cpu().numpy())
             results[i] = ForwardResult(
-                loss_fn_outputs=[{"logprobs": lp.float().cpu().numpy()} for lp in logprobs_of[i]],
+                loss_fn_outputs=outputs,
                 metrics=losses.merge_metrics(metrics_of[i]),
                 computed_tokens=computed_of[i],
             )
@@ -358,12 +368,14 @@ class Engine:
             batches.append(current)
         return batches
 
-    def _target_logprobs(self, rows: list[_Row], adapters: list[lora.Adapter]) -> tuple[list[torch.Tensor], Counter]:
-        """Each row's logprobs of its target tokens, and the tokens the model ran per adapter (by id). The
+    def _target_logprobs(self, rows: list[_Row], adapters: list[lora.Adapter], topk: int = 0
+                         ) -> tuple[list[torch.Tensor], Counter, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Each row's logprobs of its target tokens, the tokens the model ran per adapter (by id), and with
+        `topk` each row's k most likely tokens per position with their logprobs (losses.top_logprobs). The
         families of engine/families.py run the rows as one tree of tokens, no padding, every shared prefix once (the
         sampler's own forward pass, packed_forward.flat_forward); others right-padded through transformers' forward."""
         if sampler.Decoder.supports(self.model):
-            return self._packed_target_logprobs(rows, adapters)
+            return self._packed_target_logprobs(rows, adapters, topk)
         device = self.model.device
         length = max(len(r.tokens) for r in rows)
         ids = torch.zeros(len(rows), length, dtype=torch.long)
@@ -379,6 +391,7 @@ class Engine:
         computed = Counter()
         for r, adapter in zip(rows, adapters):
             computed[id(adapter)] += len(r.tokens)
+        tops = [losses.top_logprobs(logits[i, : len(r.tokens)], topk) for i, r in enumerate(rows)] if topk else []
         ks = {1 if r.targets.dim() == 1 else r.targets.shape[1] for r in rows}
         if len(ks) == 1:  # the usual case: one fused op over the whole padded batch
             k = ks.pop()
@@ -386,14 +399,14 @@ class Engine:
             for i, r in enumerate(rows):
                 targets[i, : len(r.tokens)] = r.targets.reshape(len(r.tokens), k)
             lp = losses.target_logprobs(logits, targets.to(device))
-            return [lp[i, : len(r.tokens)].reshape(r.targets.shape) for i, r in enumerate(rows)], computed
+            return [lp[i, : len(r.tokens)].reshape(r.targets.shape) for i, r in enumerate(rows)], computed, tops
         out = []
         for i, r in enumerate(rows):
             targets = r.targets.to(device).reshape(len(r.tokens), -1)
             out.append(losses.target_logprobs(logits[i, : len(r.tokens)], targets).reshape(r.targets.shape))
-        return out, computed
+        return out, computed, tops
 
-    def _packed_target_logprobs(self, rows: list[_Row], adapters: list[lora.Adapter]) -> tuple[list[torch.Tensor], Counter]:
+    def _packed_target_logprobs(self, rows: list[_Row], adapters: list[lora.Adapter], topk: int = 0):
         """The rows as one flat batch of tokens, every prefix that rows of one adapter share computed once
         (engine/prefix_tree.py): no product sees a padding token or a token twice, attention stays within each row."""
         device = self.model.device
@@ -409,14 +422,18 @@ class Engine:
             logits = families.final_logits(self.model.config, self.model.lm_head(hidden).float())  # .float(): a no-op in float32
         computed = Counter(adapter for adapter, _ in tree.keys)
         lengths = [len(r.tokens) for r in rows]
+        tops = []
+        if topk:  # a node's top-k once, each row reading its path's nodes
+            node_ids, node_lps = losses.top_logprobs(logits, topk)
+            tops = [(node_ids[path], node_lps[path]) for path in map(torch.from_numpy, tree.paths)]
         if len({1 if r.targets.dim() == 1 else r.targets.shape[1] for r in rows}) == 1:  # the usual case: one op
             targets = torch.cat([r.targets.reshape(len(r.tokens), -1) for r in rows]).to(device)
             index = torch.from_numpy(np.concatenate(tree.paths)).to(device)
             return [lp.reshape(r.targets.shape)
-                    for lp, r in zip(losses.target_logprobs(logits, targets, index).split(lengths), rows)], computed
+                    for lp, r in zip(losses.target_logprobs(logits, targets, index).split(lengths), rows)], computed, tops
         return [losses.target_logprobs(logits, r.targets.to(device).reshape(len(r.tokens), -1),
                                 torch.from_numpy(path).to(device)).reshape(r.targets.shape)
-                for path, r in zip(tree.paths, rows)], computed
+                for path, r in zip(tree.paths, rows)], computed, tops
 
     # ---- optimizer --------------------------------------------------------------------------
 

@@ -251,13 +251,32 @@ def optional_inputs(loss_fn: str) -> dict[str, float]:
     return dict(_OPTIONAL_INPUTS[loss_fn])
 
 
+# Any loss's loss_fn_config may also ask for each position's k most likely tokens and their logprobs
+# (loss_fn_outputs "topk_token_ids" and "topk_logprobs", N x k): what a soft-label or top-k distillation loss
+# needs (issue 43). Ours, beyond Tinker's keys; docs/tinker-surface.md. k is bounded as the sampler's top-k is.
+TOPK_KEY = "topk_logprobs"
+MAX_TOPK = 20
+
+
+def topk_of(config: dict | None) -> int:
+    """The k a loss_fn_config asks for (0: none); a UserError for anything but an integer in [0, MAX_TOPK]."""
+    k = (config or {}).get(TOPK_KEY, 0)
+    if isinstance(k, bool) or not isinstance(k, numbers.Real) or k != int(k) or not 0 <= k <= MAX_TOPK:
+        raise UserError(f"loss_fn_config[{TOPK_KEY!r}] must be an integer from 0 to {MAX_TOPK}, got {k!r}")
+    return int(k)
+
+
 def check_config(loss_fn: str, config: dict | None) -> dict[str, float]:
-    """Merge the caller's loss_fn_config over the defaults, rejecting anything we would ignore."""
+    """Merge the caller's loss_fn_config over the defaults, rejecting anything we would ignore (TOPK_KEY is
+    every loss's, read by topk_of)."""
     _check_name(loss_fn)
     defaults = _DEFAULT_CONFIGS[loss_fn]
     merged = dict(defaults)
-    allowed = ", ".join(sorted(defaults)) or "none"
+    allowed = ", ".join(sorted([*defaults, TOPK_KEY]))
     for key, value in (config or {}).items():
+        if key == TOPK_KEY:
+            topk_of(config)
+            continue
         if key not in defaults:
             # Silently ignoring a misspelt key would train with the default instead.
             raise UserError(f"unknown loss_fn_config key {key!r} for {loss_fn}; allowed keys: {allowed}")
@@ -355,6 +374,13 @@ class _TargetLogprobs(torch.autograd.Function):
             grad_logits.mul_(-total[:, None])
             grad_logits.index_put_((index[:, None].expand_as(targets), targets), grad, accumulate=True)
         return grad_logits, None, None
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's k most likely token ids and their logprobs (log_softmax over the whole vocabulary)."""
+    with torch.no_grad():  # log_softmax, as target_logprobs computes them (logsumexp rounds differently, ~1e-5)
+        best = torch.topk(logits.log_softmax(-1), k, dim=-1)
+        return best.indices, best.values
 
 
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
