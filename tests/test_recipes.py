@@ -279,6 +279,20 @@ def test_distillation_lowers_the_kl_to_the_teacher(endpoint, real_model_server, 
     assert summary.cost_per_unit == pytest.approx(summary.spent / ((summary.initial - summary.final) / 0.1))
 
 
+def test_distillation_on_the_teachers_top_k_lowers_both_kls(endpoint, real_model_server, tmp_path):
+    """loss="topk" (issue 43): the teacher's 8 most likely tokens at each answer position as soft labels, through
+    forward_backward_custom on (N, 8) targets. The student learns the teacher's behaviour: the KL over the
+    teacher's top-k and the sampled-token KL both fall, and the run costs what its estimate said."""
+    config = distillation.Config(**endpoint, steps=5, prompts_per_step=3, samples_per_prompt=2, max_tokens=12,
+                                 loss="topk", topk=8, metrics_path=str(tmp_path / "distillation-topk.jsonl"))
+    summary = distillation.run(config)
+    rows = check_summary(summary, real_model_server, "distillation", "kl_teacher")
+    kl_topk = [r["kl_topk"] for r in rows]
+    assert all(kl >= 0 for kl in kl_topk) and np.mean(kl_topk[-2:]) < 0.7 * kl_topk[0], kl_topk
+    assert summary.final < summary.initial * 0.7, [r["kl_teacher"] for r in rows]
+    check_estimate(measured_estimate(distillation, config, summary), summary)
+
+
 def test_rl_defaults_raise_the_held_out_reward_at_the_estimated_cost(endpoint, real_model_server, tmp_path):
     """The default config (12 steps of 4 prompts x 8 answers of up to 12 tokens, 16 held-out problems
     scored before and after): the held-out reward rises (0.125 -> 1.0 and 0.19 -> 0.83 in two runs,

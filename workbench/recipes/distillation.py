@@ -16,6 +16,13 @@ Each step:
    compute_logprobs on (teacher prompt + the student's answer);
 3. per-token advantage = kl_coef * (teacher_logprob - student_logprob), i.e. minus the per-token
    reverse-KL estimate, and one importance_sampling forward_backward + optim_step.
+
+`loss="topk"` trains on the teacher's whole top-k distribution at each answer position instead of the one
+sampled token (soft-label distillation, tinker-feedback#86): step 2 asks the teacher for its `topk` most
+likely tokens at every answer position (topk_prompt_logprobs), the student's datum has those ids as (N, k)
+target_tokens, and forward_backward_custom differentiates the cross-entropy of the teacher's top-k
+probabilities (renormalized over the k) against the student's logprobs of the same k tokens, whose
+value minus the teacher's entropy is `kl_topk`, the KL(teacher top-k || student) per answer token.
 Headline metric: kl_teacher, the mean over sampled tokens of student_logprob - teacher_logprob
 (a Monte-Carlo estimate of the per-token reverse KL(student || teacher) on the student's own
 samples), logged every step; it falls as the student takes on the teacher's behaviour.
@@ -59,12 +66,19 @@ class Config(BaseConfig):
     kl_coef: float = 1.0
     learning_rate: float = 1e-3
     lr_schedule: str = "constant"
+    loss: str = "sampled"  # "sampled": the reverse-KL estimate on each sampled token; "topk": the teacher's top-k
+    topk: int = 8  # with loss="topk": the teacher's tokens per position (at most 20)
+
+    def __post_init__(self) -> None:
+        if self.loss not in ("sampled", "topk"):
+            raise ValueError(f"loss must be 'sampled' or 'topk', not {self.loss!r}")
 
 
 @dataclass
 class Batch:
     data: list[types.Datum] = field(default_factory=list)
     kl: list[np.ndarray] = field(default_factory=list)  # per sample: student_lp - teacher_lp per token
+    soft_labels: list[np.ndarray] = field(default_factory=list)  # loss="topk", per datum: (N, k) teacher probabilities
     sample_tokens: int = 0
     samples: int = 0  # answers sampled
     example: dict | None = None
@@ -89,18 +103,77 @@ def distill_batch(student, teacher, tokenizer, prompts: list[str], config: Confi
             batch.samples += 1
             if not seq.tokens:
                 continue
-            teacher_lp = teacher.compute_logprobs(types.ModelInput.from_ints(teacher_prompt + list(seq.tokens)))
-            scored.append((prompt, student_prompt, len(teacher_prompt), seq, teacher_lp))
-    for prompt, student_prompt, n_teacher_prompt, seq, teacher_lp in scored:
-        teacher_lp = np.asarray(teacher_lp.result()[n_teacher_prompt:], dtype=np.float32)
+            scored.append((prompt, student_prompt, seq, teacher_scores(teacher, teacher_prompt + list(seq.tokens),
+                                                                         len(seq.tokens), config)))
+    for prompt, student_prompt, seq, scores in scored:
+        teacher_lp, teacher_top = scores()
         student_lp = np.asarray(seq.logprobs, dtype=np.float32)
         kl = student_lp - teacher_lp
         batch.kl.append(kl)
         batch.sample_tokens += len(seq.tokens)
-        batch.data.append(common.rollout_datum(student_prompt, seq.tokens, student_lp, -config.kl_coef * kl))
+        if config.loss == "topk":
+            datum, probs = soft_label_datum(student_prompt, seq.tokens, teacher_top)
+            batch.data.append(datum)
+            batch.soft_labels.append(probs)
+        else:
+            batch.data.append(common.rollout_datum(student_prompt, seq.tokens, student_lp, -config.kl_coef * kl))
         if batch.example is None:
             batch.example = {"prompt": prompt, "answer": tokenizer.decode(seq.tokens, skip_special_tokens=True)}
     return batch
+
+
+def teacher_scores(teacher, tokens: list[int], answer: int, config: Config):
+    """The teacher's logprob of each of the last `answer` tokens and, with loss="topk", its top-k (ids,
+    logprobs) at each of those positions: a function to call for them once the request is done."""
+    if config.loss == "sampled":
+        future = teacher.compute_logprobs(types.ModelInput.from_ints(tokens))
+        return lambda: (np.asarray(future.result()[-answer:], dtype=np.float32), None)
+    future = teacher.sample(types.ModelInput.from_ints(tokens), 1, types.SamplingParams(max_tokens=1),
+                            include_prompt_logprobs=True, topk_prompt_logprobs=config.topk,
+                            prompt_logprobs_last_n=answer)
+
+    def scores():
+        result = future.result()
+        top = result.topk_prompt_logprobs[-answer:]
+        ids = np.array([[token for token, _ in row] for row in top], dtype=np.int64)
+        lps = np.array([[lp for _, lp in row] for row in top], dtype=np.float32)
+        return np.asarray(result.prompt_logprobs[-answer:], dtype=np.float32), (ids, lps)
+    return scores
+
+
+def soft_label_datum(prompt: list[int], answer: list[int], teacher_top) -> tuple[types.Datum, np.ndarray]:
+    """The student's datum over prompt + answer with the teacher's top-k ids as (N, k) targets at the answer's
+    positions, and the teacher's probabilities renormalized over its k (0 at the prompt's positions, whose
+    targets are the next token repeated: they carry no weight)."""
+    ids, lps = teacher_top
+    tokens = list(prompt) + list(answer)
+    n, k, start = len(tokens) - 1, ids.shape[1], len(prompt) - 1
+    targets = np.repeat(np.asarray(tokens[1:], dtype=np.int64)[:, None], k, axis=1)
+    targets[start:] = ids
+    probs = np.zeros((n, k), dtype=np.float32)
+    probs[start:] = np.exp(lps - lps.max(1, keepdims=True))
+    probs[start:] /= probs[start:].sum(1, keepdims=True)
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": types.TensorData.from_numpy(targets),
+                                        "weights": types.TensorData.from_numpy((probs > 0).astype(np.float32))})
+    return datum, probs
+
+
+def soft_label_loss(soft_labels: list[np.ndarray]):
+    """forward_backward_custom's loss: the cross-entropy of the teacher's top-k probabilities against the
+    student's logprobs of those k tokens, summed over answer tokens; metric kl_topk, per answer token."""
+    import torch
+
+    def loss(data, logprobs_list):
+        total, kl, tokens = 0.0, 0.0, 0
+        for probs, lp in zip(soft_labels, logprobs_list, strict=True):
+            p = torch.from_numpy(probs)
+            total = total - (p * lp).sum()
+            entropy = -(p * torch.log(p.clamp_min(1e-30))).sum()
+            kl += float(-entropy - (p * lp.detach()).sum())
+            tokens += int((p.sum(1) > 0).sum())
+        return total, {"kl_topk": kl / max(tokens, 1)}
+    return loss
 
 
 def run(config: Config, service_client: tinker.ServiceClient | None = None, on_step=None) -> Summary:
@@ -125,10 +198,15 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
             row = {"kl_teacher": kl, "sample_tokens": batch.sample_tokens, "samples": batch.samples, "lr": lr,
                    "example": batch.example}
             if batch.data:
-                fb = tc.forward_backward(batch.data, "importance_sampling")
+                if config.loss == "topk":
+                    fb = tc.forward_backward_custom(batch.data, soft_label_loss(batch.soft_labels))
+                else:
+                    fb = tc.forward_backward(batch.data, "importance_sampling")
                 optim = tc.optim_step(common.adam(lr))
-                row.update(loss=fb.result().metrics["loss:sum"],
-                           train_tokens=sum(d.model_input.length for d in batch.data))
+                metrics = fb.result().metrics
+                row.update(loss=metrics["loss:sum"], train_tokens=sum(d.model_input.length for d in batch.data))
+                if "kl_topk" in metrics:
+                    row["kl_topk"] = metrics["kl_topk"]
                 optim.result()
             history.append(kl)
             log.log(step, **row)
@@ -164,9 +242,12 @@ def planned_tokens(config: Config, assume: estimates.Assumed) -> estimates.Tally
             student_prompt = len(common.user_prompt(tokenizer, prompt))
             tally.sample_request(student_prompt, config.samples_per_prompt, answer)  # the student's answers
             teacher_prompt = len(teacher_prompt_of(tokenizer, prompt, config))  # the teacher scores each answer
-            tally.compute_logprobs(teacher_prompt + answer, times=config.samples_per_prompt)
+            tally.compute_logprobs(teacher_prompt + answer, times=config.samples_per_prompt)  # or its top-k: the same
             data += [estimates.datum_input(student_prompt, answer)] * config.samples_per_prompt
-        tally.forward_backward(data)  # one importance_sampling step on every answer
+        if config.loss == "topk":
+            tally.forward_backward_custom(data)  # a forward, then the backward of the soft-label loss
+        else:
+            tally.forward_backward(data)  # one importance_sampling step on every answer
     return tally
 
 
