@@ -269,6 +269,23 @@ def test_openai_endpoint_retries_and_other_tenants_as_with_the_builtin_sampler(t
     assert chat.status_code == 404
 
 
+def test_the_sampling_penalties_and_logit_bias_reach_vllm_and_mean_what_they_mean_here(vllm_server,
+                                                                                        real_model_server):
+    """Greedy with a repetition, frequency and presence penalty and a logit_bias (issue 43), through the OpenAI
+    route: vLLM gives the built-in sampler's tokens (the same order of adjustments, the same penalties' scopes),
+    and not the tokens it gives without them."""
+    messages = [{"role": "user", "content": "Write the word 'banana' twenty times, separated by spaces."}]
+    adjust = {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.5, "logit_bias": {"28": -100}}
+
+    def reply(server, **extra):
+        oai = openai.OpenAI(base_url=server.base_url + "/v1", api_key=server.api_key)
+        return oai.chat.completions.create(model=BASE, messages=messages, temperature=0, max_tokens=24,
+                                           extra_body=extra).choices[0].message.content
+    adjusted = reply(vllm_server, **adjust)
+    assert adjusted == reply(real_model_server, **adjust)
+    assert adjusted != reply(vllm_server)
+
+
 def test_rl_recipe_runs_on_vllm_and_logs_the_sampler_trainer_gap(vllm_server, tmp_path):
     config = rl.Config(base_url=vllm_server.base_url, api_key=vllm_server.api_key, progress=False, steps=3,
                        groups_per_batch=2, group_size=4, max_tokens=8, eval_prompts=0,
