@@ -228,7 +228,9 @@ def test_a_plain_sdk_scripts_session_is_named_after_it_and_ends_when_it_exits(sh
 
     try:
         session_id = process.stdout.readline().strip()
-        assert (row(session_id)["display_name"], row(session_id)["status"]) == ("my_training_script.py", "active")
+        listed = row(session_id)
+        assert (listed["display_name"], listed["status"], listed["kernel_pid"]) == ("my_training_script.py", "active",
+                                                                                    process.pid)
     finally:
         process.communicate(timeout=60)  # stdin closes: the script ends
     deadline = time.monotonic() + 20
