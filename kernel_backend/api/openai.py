@@ -33,6 +33,7 @@ from pydantic import BaseModel, Field
 from kernel_backend import tool_calls
 from kernel_backend.service.admission import SEED_RANGE
 from kernel_backend.api.auth import tenant_of
+from kernel_backend.api.wire import token_id
 from kernel_backend.api.tinker import service
 from kernel_backend.service import Service, sampling
 from kernel_backend.errors import NotFound, UserError, redact_paths
@@ -156,17 +157,6 @@ def build_router(prefix: str) -> APIRouter:
     return router
 
 
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI's logit_bias keys are token ids written as strings."""
-    if not bias:
-        return None
-    try:
-        return {int(token): value for token, value in bias.items()}
-    except ValueError:
-        bad = next(token for token in bias if not token.lstrip("-").isdigit())
-        raise OpenAIError(400, f"logit_bias key {bad!r} is not a token id", param="logit_bias") from None
-
-
 def _as_openai(e: Exception) -> OpenAIError:
     if isinstance(e, OpenAIError):
         return e
@@ -229,7 +219,7 @@ async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, 
     params = SamplingParams(max_tokens=max_tokens or 1, temperature=body.temperature, top_p=body.top_p,
                             seed=body.seed, stop=stop or None, top_k=body.top_k or -1, min_p=body.min_p,
                             repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
-                            presence_penalty=body.presence_penalty, logit_bias=_logit_bias(body.logit_bias))
+                            presence_penalty=body.presence_penalty, logit_bias={token_id(t, "logit_bias"): bias for t, bias in (body.logit_bias or {}).items()} or None)
     options = SampleOptions(topk_sample_logprobs=top_logprobs, prompt_logprobs=echo and wants_logprobs,
                             topk_prompt_logprobs=top_logprobs if echo and wants_logprobs else 0)
     request_type = "ChatCompletion" if chat else "Completion"

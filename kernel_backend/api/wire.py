@@ -382,7 +382,7 @@ def sampling_params_from_json(obj: Any) -> SamplingParams:
     if bias is not None:
         if not isinstance(bias, dict):
             raise UserError("sampling_params.logit_bias must be an object {token id: bias}")
-        bias = {_token_id(key, "sampling_params.logit_bias"): value for key, value in bias.items()}
+        bias = {token_id(key, "sampling_params.logit_bias"): value for key, value in bias.items()}
     return SamplingParams(
         max_tokens=number("max_tokens", None, int),
         temperature=number("temperature", 1.0, float),
@@ -399,8 +399,8 @@ def sampling_params_from_json(obj: Any) -> SamplingParams:
     )
 
 
-def _token_id(key: Any, where: str) -> int:
-    """A token id given as a JSON object's key ("42") or a number."""
+def token_id(key: Any, where: str) -> int:
+    """A token id given as a JSON object's key ("42") or a number (logit_bias, here and on the OpenAI routes)."""
     try:
         if isinstance(key, bool):
             raise ValueError

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from kernel_backend.errors import UserError
+from kernel_backend.types import MAX_TOPK_LOGPROBS
 
 # A loss takes (logprobs, inputs, config) and returns (summed loss, extra metrics).
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], dict[str, float]], tuple[torch.Tensor, dict[str, float]]]
@@ -255,14 +256,13 @@ def optional_inputs(loss_fn: str) -> dict[str, float]:
 # (loss_fn_outputs "topk_token_ids" and "topk_logprobs", N x k): what a soft-label or top-k distillation loss
 # needs (issue 43). Ours, beyond Tinker's keys; docs/tinker-surface.md. k is bounded as the sampler's top-k is.
 TOPK_KEY = "topk_logprobs"
-MAX_TOPK = 20
 
 
 def topk_of(config: dict | None) -> int:
-    """The k a loss_fn_config asks for (0: none); a UserError for anything but an integer in [0, MAX_TOPK]."""
+    """The k a loss_fn_config asks for (0: none); a UserError for anything but an integer in [0, MAX_TOPK_LOGPROBS]."""
     k = (config or {}).get(TOPK_KEY, 0)
-    if isinstance(k, bool) or not isinstance(k, numbers.Real) or k != int(k) or not 0 <= k <= MAX_TOPK:
-        raise UserError(f"loss_fn_config[{TOPK_KEY!r}] must be an integer from 0 to {MAX_TOPK}, got {k!r}")
+    if isinstance(k, bool) or not isinstance(k, numbers.Real) or k != int(k) or not 0 <= k <= MAX_TOPK_LOGPROBS:
+        raise UserError(f"loss_fn_config[{TOPK_KEY!r}] must be an integer from 0 to {MAX_TOPK_LOGPROBS}, got {k!r}")
     return int(k)
 
 

@@ -68,6 +68,13 @@ class SessionRow(Base):
     client_pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
     client_name: Mapped[str | None] = mapped_column(String(256), nullable=True)
 
+    @property
+    def local_pid(self) -> int | None:
+        """The process on this machine that opened it: found by its socket, or the pid workbench.connect() put in
+        its metadata (None for a remote client). The session ends with it (Service.reap)."""
+        pid = str(self.client_pid or (self.user_metadata or {}).get("local_pid", ""))
+        return int(pid) if pid.isdigit() else None
+
 
 class ModelRow(Base):
     """A training run: one LoRA adapter (+ optimizer) over a base model."""

@@ -182,7 +182,6 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
                  "cost": run_cost.get(r.id, 0.0),  # its own training work (its rollouts are in the run scope of usage)
                  "budget": budget("run", r.id),
                  "user_metadata": {k: str(v) for k, v in (r.user_metadata or {}).items()}} for r in mine]
-        pid = str(session.client_pid or (session.user_metadata or {}).get("local_pid", ""))
         rows.append({
             "session_id": session.id,
             "status": session.status,
@@ -190,7 +189,7 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
             # The process that opened it, on this machine (workbench.connect() sets it; a plain SDK client's is found
             # by its socket): the JupyterLab server extension finds the notebook a kernel runs now from it, after a
             # rename too, so a notebook that uses the SDK alone is listed under its notebook as well.
-            "kernel_pid": int(pid) if pid.isdigit() else None,
+            "kernel_pid": session.local_pid,
             "created_at": iso(session.created_at),
             "age_s": round((moment - utc(session.created_at)).total_seconds(), 1),
             "base_model": first.base_model if first else None,

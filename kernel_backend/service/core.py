@@ -211,8 +211,7 @@ class Service:
         # plain SDK script's is found by its socket) ends with that process: a shut-down kernel's or a finished
         # script's session is over, not idle.
         for session in self.store.list(SessionRow, SessionRow.status == "active"):
-            pid = str(session.client_pid or (session.user_metadata or {}).get("local_pid", ""))
-            if pid.isdigit() and not runtime.pid_alive(int(pid)):
+            if session.local_pid is not None and not runtime.pid_alive(session.local_pid):
                 self.end_session(session.id, "finished")
         for checkpoint in self.store.list(CheckpointRow, CheckpointRow.expires_at.is_not(None), CheckpointRow.expires_at < now()):
             self.store.delete_checkpoint(checkpoint)
