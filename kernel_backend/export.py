@@ -2,7 +2,8 @@
 
 The merged model is a plain Hugging Face folder (config, tokenizer, safetensors) that
 `transformers.AutoModelForCausalLM.from_pretrained` loads with no Stepwise or PEFT installed:
-each targeted weight becomes W + (alpha / rank) * B @ A.
+each targeted weight becomes W + (alpha / rank) * B @ A. A full fine-tuning run's checkpoint is such a
+folder already (engine/full_weights.py): exported either way, it is copied without its optimizer state.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from kernel_backend.engine import base_models, lora
+from kernel_backend.engine import base_models, full_weights, lora
+from kernel_backend.engine.step_history import OPTIMIZER_FILES
 from kernel_backend.config import Settings
+from kernel_backend.persistence import crypto
 from kernel_backend.persistence.checkpoint_storage import CheckpointStorage
 from kernel_backend.persistence.database import Store, parse_tinker_path
 from kernel_backend.errors import UserError
@@ -30,8 +33,8 @@ def checkpoint_location(store: Store, path: str) -> str:
             raise UserError(f"no checkpoint at {path}")
         return row.directory
     folder = Path(path)
-    if not (folder / "adapter_model.safetensors").exists():
-        raise UserError(f"{folder} is not a checkpoint folder (no adapter_model.safetensors)")
+    if not (folder / "adapter_model.safetensors").exists() and not full_weights.is_checkpoint(folder):
+        raise UserError(f"{folder} is not a checkpoint folder (no adapter_model.safetensors or model.safetensors)")
     return str(folder)
 
 
@@ -43,6 +46,11 @@ def export_checkpoint(store: Store, settings: Settings, path: str, to: str | Pat
 
 def _export(source: Path, settings: Settings, target: Path, merged: bool) -> Path:
     target.mkdir(parents=True, exist_ok=True)
+    if full_weights.is_checkpoint(source):
+        for item in source.iterdir():
+            if item.is_file() and item.name not in (*OPTIMIZER_FILES, crypto.MANIFEST):
+                shutil.copy2(item, target / item.name)
+        return target
     if not merged:
         for name in ADAPTER_FILES:
             shutil.copy2(source / name, target / name)

@@ -1,12 +1,12 @@
 """A crash the training loop does not notice: `kill -9` of a real `serve`, restarted on the same home and port.
 
-Through the official SDK: a seeded LoRA run trains 8 steps (forward_backward + optim_step) and then scores a
-fixed batch. Once on a server left alone, once on a server killed three times: between two steps (before
+Through the official SDK: a seeded LoRA run and a full fine-tuning run (rank 0: every weight its own) train 8
+steps side by side (forward_backward + optim_step) and then score a fixed batch. Once on a server left alone, once on a server killed three times: between two steps (before
 its first snapshot: the run is made again from its creation), while a long forward_backward runs, and just
 after an optim_step was accepted (both after the snapshot at step 4: the snapshot plus the journal since).
 Each time the server comes back in the background while the loop goes on: the SDK's own retries carry
 it across the restart, the requests in flight at the kill are answered by the rebuilt run, and the final
-logprobs are bit for bit those of the run left alone (service/recovery.py). The optim_step in flight at a
+logprobs are bit for bit those of the runs left alone (service/recovery.py). The optim_step in flight at a
 kill is applied exactly once: any other count would change the weights.
 
 On the tiny random stand-in for the default model (tests/tiny_model.py), in every server and in the embedded
@@ -42,24 +42,31 @@ def batch(tokenizer, rows: int, repeat: int = 1):
 
 
 def train(server, crash=lambda step, phase, futures: None):
-    """The loop; `crash(step, phase, futures)` is called after each request is accepted. Returns the logprobs of
-    a fixed batch after STEPS steps, and the run's id."""
+    """The loop; `crash(step, phase, futures)` is called after each of the LoRA run's requests is accepted (the
+    full run's just before). Returns the logprobs of a fixed batch after STEPS steps under each run (LoRA's
+    first), and the LoRA run's id."""
     import tinker
     from tinker import types
 
     service = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
     client = service.create_lora_training_client(base_model=BASE, rank=4, seed=11).result()
+    full = service.create_lora_training_client(base_model=BASE, rank=0, seed=12).result()
     tokenizer = client.get_tokenizer()
     data, long = batch(tokenizer, 4), batch(tokenizer, 8, repeat=12)
     for step in range(1, STEPS + 1):
+        full_fb = full.forward_backward(data, "cross_entropy")
         fb = client.forward_backward(long if step == 6 else data, "cross_entropy")
         crash(step, "forward_backward", fb)
+        full_optim = full.optim_step(types.AdamParams(learning_rate=1e-4))
         optim = client.optim_step(types.AdamParams(learning_rate=1e-3))
         crash(step, "optim_step", optim)
-        fb.result(), optim.result()
+        fb.result(), optim.result(), full_fb.result(), full_optim.result()
         crash(step, "done", None)
-    out = client.forward(batch(tokenizer, 2), "cross_entropy").result()
-    return [np.asarray(o["logprobs"].data) for o in out.loss_fn_outputs], client.model_id
+    logprobs = []
+    for run in (client, full):
+        out = run.forward(batch(tokenizer, 2), "cross_entropy").result()
+        logprobs += [np.asarray(o["logprobs"].data) for o in out.loss_fn_outputs]
+    return logprobs, client.model_id
 
 
 @pytest.fixture
@@ -83,7 +90,6 @@ def test_a_killed_backend_comes_back_and_the_run_ends_bit_identical(fresh_home, 
     crashes = {(3, "done"), (6, "forward_backward"), (7, "optim_step")}
 
     def crash(step, phase, future):
-        nonlocal server
         if (step, phase) not in crashes:
             return
         if restarts:
@@ -111,7 +117,7 @@ def test_a_killed_backend_comes_back_and_the_run_ends_bit_identical(fresh_home, 
         assert len(optims) == STEPS and sorted(r["step"] for r in optims) == list(range(1, STEPS + 1)), optims
         assert sum(r["request_type"] == "ForwardBackward" for r in rows) == STEPS
         log = server.log_path.read_text()
-        assert log.count("rebuilt 1 training runs") == 3, log[-3000:]
+        assert log.count("rebuilt 2 training runs") == 3, log[-3000:]
     finally:
         for thread in restarts:
             thread.join()

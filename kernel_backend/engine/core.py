@@ -1,4 +1,5 @@
-"""The compute owner: one frozen base model on one device, many LoRA adapters over it.
+"""The compute owner: one frozen base model on one device, many LoRA adapters over it (and full fine-tuning
+runs, each with its own copy of the weights: engine/full_weights.py).
 
 Every training and sampling primitive is a method here: forward, forward_backward (gradients
 accumulate until optim_step), optim_step (AdamW or Dimuon per adapter, engine/optimizers.py), sample, compute_logprobs,
@@ -24,9 +25,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from kernel_backend.engine import (adapter_cache, base_models, families, lora, losses, matmul, optimizers, packed_forward,
-                                   prefix_tree, sampler)
-from kernel_backend.engine.step_history import StepHistory, write_state
+from kernel_backend.engine import (adapter_cache, base_models, families, full_weights, lora, losses, matmul, optimizers,
+                                   packed_forward, prefix_tree, sampler)
+from kernel_backend.engine.step_history import StepHistory, write_state, write_weights
 from kernel_backend.config import Settings
 from kernel_backend.types import (
     AdamParams,
@@ -62,7 +63,7 @@ class Pass:
 class _Slot:
     """An adapter and, when it trains, its optimizer (AdamW or Dimuon: engine/optimizers.py)."""
 
-    adapter: lora.Adapter
+    adapter: lora.Adapter | full_weights.FullWeights
     optimizer: torch.optim.Optimizer | None = None
     steps: int = 0  # optim_steps applied
 
@@ -136,11 +137,13 @@ class Engine:
 
     def create_adapter(self, adapter_id: str, config: LoraConfig | None = None, optimizer: str = "adamw",
                        owner: str = "") -> None:
-        """A new training run's adapter and optimizer; `owner` (a tenant) is whose share of the cache it uses."""
+        """A new training run's adapter and optimizer; `owner` (a tenant) is whose share of the cache it uses.
+        Rank 0 is full fine-tuning: the run trains its own copy of every weight (engine/full_weights.py)."""
         if adapter_id in self.adapters:
             raise UserError(f"adapter {adapter_id!r} already exists")
-        optimizers.check_kind(optimizer)
-        adapter = lora.new_adapter(self.model, config or LoraConfig())
+        config = config or LoraConfig()
+        optimizers.check_kind(optimizer, full=config.rank == 0)
+        adapter = full_weights.new(self.model, config) if config.rank == 0 else lora.new_adapter(self.model, config)
         slot = _Slot(adapter, optimizers.create(optimizer, adapter.parameters(), adapter.config.rank))
         self.adapters.add(adapter_id, slot, owner)
         self.history.record(adapter_id, slot.adapter, slot.optimizer, 0)
@@ -222,7 +225,9 @@ class Engine:
         tops_of: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in live}
         metrics_of: dict[int, list[tuple[dict[str, float], int]]] = {i: [] for i in live}
         computed_of = {i: 0 for i in live}  # tokens the model ran for the pass, each shared prefix once
-        pending = [r for r in rows if results[r.pass_index] is None]
+        # Rows on the base model's weights first, then each full run's (a forward pass runs on one set of weights).
+        pending = sorted((r for r in rows if results[r.pass_index] is None),
+                         key=lambda r: lora.weights_key(routed[r.pass_index]) != 0)
         for batch in self._micro_batches(pending, [routed[r.pass_index] for r in pending]):
             active = [r for r in batch if results[r.pass_index] is None]
             if not active:
@@ -352,14 +357,16 @@ class Engine:
     def _micro_batches(self, rows: list[_Row], adapters: list[lora.Adapter]) -> list[list[_Row]]:
         """Group rows so that each micro-batch stays within micro_batch_tokens: the tokens the model runs, where
         rows of one adapter that share a prefix share its tokens (engine/prefix_tree.py, _tree_key), or, padded through
-        transformers (not sampler.Decoder.supports), its rows x their longest."""
+        transformers (not sampler.Decoder.supports), its rows x their longest. A full run's rows are micro-batches of
+        their own (lora.weights_key)."""
         packed = sampler.Decoder.supports(self.model)
         batches, current, tree = [], [], prefix_tree.Tree()
         for n, (row, adapter) in enumerate(zip(rows, adapters)):
             key = self._tree_key(adapter, n)
             cost = (tree.cost_with(key, row.tokens) if packed
                     else (len(current) + 1) * max([len(row.tokens), *(len(r.tokens) for r in current)]))
-            if current and cost > self.settings.micro_batch_tokens:
+            other_weights = current and lora.weights_key(adapter) != lora.weights_key(adapters[n - 1])
+            if current and (cost > self.settings.micro_batch_tokens or other_weights):
                 batches.append(current)
                 current, tree = [], prefix_tree.Tree()
             current.append(row)
@@ -591,7 +598,7 @@ class Engine:
             state = optimizers.state_tensors(slot.optimizer, slot.adapter.named_parameters())
             kind = optimizers.kind_of(slot.optimizer)
         with _atomic_dir(directory) as tmp:
-            write_state(tmp, slot.adapter, state, kind, slot.steps, self.base.name)
+            write_state(tmp, slot.adapter, state, kind, slot.steps, self.base)
 
     def kept_steps(self, adapter_id: str) -> list[int]:
         """The steps whose state this engine can still write (save_step): the kept ones and the current one."""
@@ -610,9 +617,9 @@ class Engine:
                             f"{self.kept_steps(adapter_id)} (older ones only where a snapshot was written)")
         with _atomic_dir(directory) as tmp:
             if with_optimizer:
-                write_state(tmp, state.adapter, state.optimizer_state, state.optimizer_kind, step, self.base.name)
+                write_state(tmp, state.adapter, state.optimizer_state, state.optimizer_kind, step, self.base)
             else:
-                lora.save_peft(state.adapter, tmp, self.base.name)
+                write_weights(tmp, state.adapter, self.base)
 
     def load_state(self, adapter_id: str, directory: Path, with_optimizer: bool = True,
                    optimizer: str | None = None, owner: str = "") -> None:
@@ -622,10 +629,7 @@ class Engine:
         given, must name the same one); weights alone get a fresh `optimizer` (default AdamW).
         """
         directory = Path(directory)
-        if not (directory / "adapter_model.safetensors").exists():
-            raise UserError(f"no saved weights at {directory}")
-        meta_file = directory / "stepwise_state.json"
-        meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+        meta = _state_facts(directory)
         restore = with_optimizer and (directory / "optimizer.safetensors").exists()
         saved_kind = meta.get("optimizer", "adamw")  # checkpoints from before Dimuon hold AdamW state
         if restore and optimizer is not None and optimizer != saved_kind:
@@ -634,8 +638,8 @@ class Engine:
                 "optimizer; load the weights alone (create_training_client_from_state) to switch optimizers"
             )
         kind = saved_kind if restore else (optimizer or "adamw")
-        optimizers.check_kind(kind)
-        adapter = lora.load_peft(self.model, directory, trainable=True)
+        adapter = self._load_weights(directory, meta, trainable=True)
+        optimizers.check_kind(kind, full=adapter.full)
         opt = optimizers.create(kind, adapter.parameters(), adapter.config.rank)
         steps = 0
         if restore:
@@ -648,16 +652,25 @@ class Engine:
         self.history.record(adapter_id, adapter, opt, steps)
 
     def save_weights_for_sampler(self, adapter_id: str, directory: Path) -> None:
-        """The adapter's weights alone, in PEFT format (what vLLM and peft load)."""
+        """The adapter's weights alone, in PEFT format (what vLLM and peft load); a full run's as a model folder."""
         slot = self._slot(adapter_id)
         with _atomic_dir(directory) as tmp:
-            lora.save_peft(slot.adapter, tmp, self.base.name)
+            write_weights(tmp, slot.adapter, self.base)
 
     def load_sampler(self, sampler_id: str, directory: Path, owner: str = "") -> None:
         """A frozen adapter for sampling, from save_weights_for_sampler or save_state output. The cache may
         drop it when it needs room: the caller loads it again from the same files (ops.sample_request)."""
-        self.adapters.add(sampler_id, _Slot(lora.load_peft(self.model, Path(directory), trainable=False)), owner,
-                          reloadable=True)
+        adapter = self._load_weights(Path(directory), _state_facts(Path(directory)), trainable=False)
+        self.adapters.add(sampler_id, _Slot(adapter), owner, reloadable=True)
+
+    def _load_weights(self, directory: Path, meta: dict, trainable: bool):
+        """A checkpoint's weights: a full run's (a model folder, engine/full_weights.py) or a LoRA adapter (PEFT)."""
+        if full_weights.is_checkpoint(directory):
+            config = LoraConfig(**meta["lora"]) if "lora" in meta else LoraConfig(rank=0)
+            return full_weights.load(self.model, directory, config, trainable)
+        if not (directory / "adapter_model.safetensors").exists():
+            raise UserError(f"no saved weights at {directory}")
+        return lora.load_peft(self.model, directory, trainable)
 
     def snapshot_sampler(self, adapter_id: str, sampler_id: str, owner: str = "") -> None:
         """A frozen in-memory copy of an adapter's current weights, for sampling while it trains."""
@@ -683,6 +696,12 @@ class Engine:
 
 
 # ---- helpers ---------------------------------------------------------------------------------
+
+
+def _state_facts(directory: Path) -> dict:
+    """save_state's stepwise_state.json (steps, the LoRA config, the optimizer), {} for weights alone."""
+    meta_file = directory / "stepwise_state.json"
+    return json.loads(meta_file.read_text()) if meta_file.exists() else {}
 
 
 class _Snapshot:

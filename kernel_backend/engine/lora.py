@@ -70,8 +70,10 @@ class MultiLoraLinear(nn.Module):
         x2d = x.reshape(-1, x.shape[-1])
         tokens, (out_features, in_features) = x2d.shape[0], self.base.weight.shape
         # A decode step's products are small: on one thread they skip OpenMP's wake-up (engine/small_products.py).
+        # A full run's weights, swapped in (engine/full_weights.py), train: their product must give them gradients.
+        product = F.linear if self.base.weight.requires_grad else self.product
         with small_products.small(tokens * in_features * out_features):
-            out = self.product(x2d, self.base.weight, self.base.bias)
+            out = product(x2d, self.base.weight, self.base.bias)
         groups = [(adapter, rows) for adapter, rows in self.routing.groups if self.name in adapter.weights]
         if not groups:
             return out.view(*x.shape[:-1], out.shape[-1])
@@ -167,6 +169,8 @@ class _AddDeltas(torch.autograd.Function):
 class Adapter:
     """One LoRA adapter: A (rank x in) and B (out x rank) per targeted module, PEFT's layout."""
 
+    full = False  # a full fine-tuning run's weights (engine/full_weights.py) are True
+
     def __init__(self, config: LoraConfig, weights: dict[str, tuple[nn.Parameter, nn.Parameter]]) -> None:
         self.config = config
         self.weights = weights
@@ -185,13 +189,17 @@ class Adapter:
         """A view on the same tensors that autograd does not track (no copy): for forward-only rows."""
         return Adapter(self.config, {n: (a.detach(), b.detach()) for n, (a, b) in self.weights.items()})
 
-    def copy(self, trainable: bool = False) -> Adapter:
-        """A detached copy (a sampler snapshot): later training of self does not touch it."""
-        weights = {
-            n: (nn.Parameter(a.detach().clone(), trainable), nn.Parameter(b.detach().clone(), trainable))
-            for n, (a, b) in self.weights.items()
-        }
+    def copy(self, trainable: bool = False, device: str | torch.device | None = None) -> Adapter:
+        """A detached copy (a sampler snapshot, a kept step): later training of self does not touch it."""
+        weights = {n: tuple(nn.Parameter(t.detach().to(device or t.device, copy=True), trainable) for t in pair)
+                   for n, pair in self.weights.items()}
         return Adapter(self.config, weights)
+
+
+def weights_key(adapter) -> int:
+    """Which weights a row runs on: 0 for the base model's (with or without a LoRA adapter, which rows of one
+    pass may mix), the run's own id for a full run's. Rows of different keys never share a forward pass."""
+    return id(adapter) if adapter is not None and adapter.full else 0
 
 
 def attach(model: nn.Module, product=F.linear) -> Routing:
@@ -236,10 +244,21 @@ def new_adapter(model: nn.Module, config: LoraConfig) -> Adapter:
 
 
 @contextlib.contextmanager
-def route(model: nn.Module, adapters: list[Adapter | None]):
-    """Run the model with row i of the batch under adapters[i] (None: base model only)."""
+def route(model: nn.Module, adapters: list):
+    """Run the model with row i of the batch under adapters[i] (None: base model only). A full fine-tuning run's
+    weights (engine/full_weights.py) replace the model's own for the pass, so its rows must be the whole batch."""
     routing: Routing = model._stepwise_routing
     distinct = list({id(a): a for a in adapters if a is not None}.values())
+    if any(a.full for a in distinct):
+        if len(distinct) != 1 or any(a is None for a in adapters):
+            raise ValueError("a full run's rows run in a forward pass of their own (split batches by weights_key)")
+        previous, routing.groups = routing.groups, []
+        try:
+            with distinct[0].swapped(model):
+                yield
+        finally:
+            routing.groups = previous
+        return
     if len(distinct) == 1 and all(a is distinct[0] for a in adapters):
         groups = [(distinct[0], None)]  # the common case: the whole batch is one adapter
     else:

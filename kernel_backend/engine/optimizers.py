@@ -63,9 +63,15 @@ def create(kind: str, parameters: list[torch.nn.Parameter], rank: int) -> torch.
     return torch.optim.AdamW(parameters, foreach=True)
 
 
-def check_kind(kind: str) -> None:
+def check_kind(kind: str, full: bool = False) -> None:
+    """UserError unless `kind` is an optimizer a run can have (`full`: a full fine-tuning run, rank 0)."""
     if kind not in KINDS:
         raise UserError(f"optimizer {kind!r} is not supported; choose one of: {', '.join(KINDS)}")
+    if full and kind == "dimuon":
+        # Its rule is for LoRA's matrices (one side the rank, a rank correction); a full run also has vectors
+        # (norms) and an embedding, which Muon-style optimizers leave to AdamW.
+        raise UserError("Dimuon is an optimizer for LoRA's low-rank matrices; a full fine-tuning run (rank=0) "
+                        "trains with AdamW: leave optimizer unset")
 
 
 def kind_of(optimizer: torch.optim.Optimizer) -> str:

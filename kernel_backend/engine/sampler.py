@@ -6,6 +6,9 @@ A `Decoder` holds the requests of every session, adapter and prompt at once. Eac
    split over several steps), all of them packed into one forward pass;
 3. runs one decode step: one forward over the newest token of every live row, each row routed to
    its own adapter by `lora.route`, as training rows are.
+Rows of a full fine-tuning run (engine/full_weights.py) run on weights of their own, so each step's
+prefill and decode run one forward pass per set of weights present (`lora.weights_key`): the base
+model's (with every LoRA adapter) and each full run's. They share the one KV cache and its budget.
 A prompt that starts like a recent one on the same weights prefills only what follows the shared
 prefix, whose keys and values come from the prefix cache (engine/prefix_cache.py).
 Rows join when their prompt's prefill is done and leave when they stop, so a new request starts
@@ -467,6 +470,14 @@ class Decoder:
         self.prefixes.reused_tokens += start
 
     def _prefill(self, segments: list[tuple[_Active, int, int]], finished: list[SampleRequest]) -> None:
+        """The prompt chunks, one forward pass per set of weights (segments come sorted by _adapter_key)."""
+        groups: dict[int, list] = {}
+        for segment in segments:
+            groups.setdefault(lora.weights_key(segment[0].request.adapter), []).append(segment)
+        for group in groups.values():
+            self._prefill_packed(group, finished)
+
+    def _prefill_packed(self, segments: list[tuple[_Active, int, int]], finished: list[SampleRequest]) -> None:
         """One forward pass over the prompt chunks, packed; requests whose prompt is complete start their rows."""
         start_time = time.perf_counter()
         device = self.model.device
@@ -548,7 +559,7 @@ class Decoder:
     # ---- decode ---------------------------------------------------------------------------
 
     def _decode(self, finished: list[SampleRequest]) -> None:
-        """One token for every live row, in one forward pass."""
+        """One token for every live row: one forward pass (one per set of weights, when full runs are sampled)."""
         start_time = time.perf_counter()
         rows, device = self.rows, self.model.device
         n = len(rows)
@@ -556,39 +567,27 @@ class Decoder:
         # contiguous run of rows); the cache keeps its own order, so attention puts its small
         # per-token inputs into cache order and its output back.
         order = sorted(range(n), key=lambda i: _adapter_key(rows[i].active))
-        permuted = order != list(range(n))
-        forward_order = torch.tensor(order, device=device)
-        cache_order = torch.argsort(forward_order)
         lengths = torch.tensor([r.length for r in rows], device=device)  # in cache order
         longest = int(lengths.max()) + 1
         self.cache.ensure(n, longest, self._reserved(self._actives())[1])
-        index = torch.arange(n, device=device)
         slots = torch.arange(longest, device=device)
         # Each row's query sits at its length: what it sees of the cache, (rows, length), per distinct window.
         visible = {window: families.window_mask(lengths, slots, window) for window in set(self.windows)}
-
-        attention_work = 2 * n * self.heads * self.head_dim * longest  # multiply-adds of a layer's attention
-
-        def attend(layer: int, q, k, v):
-            with small_products.small(attention_work):  # a few rows' attention: tiny ops (engine/small_products.py)
-                if permuted:
-                    q, k, v = q[cache_order], k[cache_order], v[cache_order]
-                keys, values = self.cache.keys[layer], self.cache.values[layer]
-                keys[index, :, lengths] = k
-                values[index, :, lengths] = v
-                out = families.attention(
-                    q[:, :, None], keys[:n, :, :longest], values[:n, :, :longest],
-                    mask=visible[self.windows[layer]][:, None, None, :], scale=self.scaling, softcap=self.softcap,
-                )[:, :, 0]
-                return out[forward_order] if permuted else out
-
-        ordered = [rows[i] for i in order]
-        adapters = [r.active.request.adapter for r in ordered]
-        ids = torch.tensor([r.next_token for r in ordered], device=device)
-        with lora.route(self.model, adapters):
-            hidden = flat_forward(self.model, ids, lengths[forward_order] if permuted else lengths, attend)
-        logits = self._logits(hidden, adapters)
-        chosen = _choose_for([r.active for r in ordered], [r.index for r in ordered], logits)
+        groups: dict[int, list[int]] = {}  # weights -> their rows, in forward order (`order` sorts by weights first)
+        for i in order:
+            groups.setdefault(lora.weights_key(rows[i].active.request.adapter), []).append(i)
+        chosen = ([], [], [])
+        for members in groups.values():
+            group_rows = [rows[i] for i in members]
+            adapters = [r.active.request.adapter for r in group_rows]
+            attend = self._decode_attention(members, lengths, longest, visible)
+            ids = torch.tensor([r.next_token for r in group_rows], device=device)
+            with lora.route(self.model, adapters):
+                hidden = flat_forward(self.model, ids, lengths[members], attend)
+            logits = self._logits(hidden, adapters)
+            for total, part in zip(chosen, _choose_for([r.active for r in group_rows], [r.index for r in group_rows],
+                                                       logits)):
+                total.extend(part)
         tokens, logprobs, tops = ([None] * n for _ in range(3))
         for j, i in enumerate(order):  # back to cache order
             tokens[i], logprobs[i], tops[i] = chosen[0][j], chosen[1][j], chosen[2][j]
@@ -615,6 +614,45 @@ class Decoder:
                     active.finish()
                     finished.append(active.request)
         self._remove([i for i, r in enumerate(rows) if i in leaving or id(r.active) in failed])
+
+    def _decode_attention(self, members: list[int], lengths: torch.Tensor, longest: int, visible: dict):
+        """The `attend` of a decode step's forward pass over the cache rows `members`, in forward order: all of
+        them (a permutation of 0..n-1: the cache is read as views, the small per-token inputs put into cache
+        order and the output back), or some (a full run's rows: its keys and values gathered)."""
+        device, n = self.model.device, len(self.rows)
+        attention_work = 2 * len(members) * self.heads * self.head_dim * longest  # multiply-adds of a layer's attention
+        if len(members) == n:
+            permuted = members != list(range(n))
+            forward_order = torch.tensor(members, device=device)
+            cache_order = torch.argsort(forward_order)
+            index = torch.arange(n, device=device)
+
+            def attend(layer: int, q, k, v):
+                with small_products.small(attention_work):  # a few rows' attention: tiny ops (engine/small_products.py)
+                    if permuted:
+                        q, k, v = q[cache_order], k[cache_order], v[cache_order]
+                    keys, values = self.cache.keys[layer], self.cache.values[layer]
+                    keys[index, :, lengths] = k
+                    values[index, :, lengths] = v
+                    out = families.attention(
+                        q[:, :, None], keys[:n, :, :longest], values[:n, :, :longest],
+                        mask=visible[self.windows[layer]][:, None, None, :], scale=self.scaling, softcap=self.softcap,
+                    )[:, :, 0]
+                    return out[forward_order] if permuted else out
+            return attend
+        index = torch.tensor(members, device=device)
+        at = lengths[index]
+
+        def attend_some(layer: int, q, k, v):
+            with small_products.small(attention_work):
+                keys, values = self.cache.keys[layer], self.cache.values[layer]
+                keys[index, :, at] = k
+                values[index, :, at] = v
+                return families.attention(
+                    q[:, :, None], keys[index, :, :longest], values[index, :, :longest],
+                    mask=visible[self.windows[layer]][index][:, None, None, :], scale=self.scaling, softcap=self.softcap,
+                )[:, :, 0]
+        return attend_some
 
     def _remove(self, indices: list[int]) -> None:
         """Take rows out of the batch: the last live row moves into each hole."""
@@ -645,8 +683,12 @@ class Decoder:
             return families.final_logits(self.model.config, self.model.lm_head(hidden).float())
 
 
-def _adapter_key(active: _Active) -> int:
-    return id(active.request.adapter) if active.request.adapter is not None else 0
+def _adapter_key(active: _Active) -> tuple[bool, int, int]:
+    """The order rows and prompt chunks go through a step in: the base model's weights first, then each full run's
+    (lora.weights_key), and by adapter within them."""
+    adapter = active.request.adapter
+    weights = lora.weights_key(adapter)
+    return weights != 0, weights, id(adapter) if adapter is not None else 0
 
 
 # ---- one request at a time (other architectures; the benchmarks' baseline) ---------------------

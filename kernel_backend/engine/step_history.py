@@ -14,7 +14,9 @@ steps, the newest STEPWISE_SNAPSHOTS_KEPT of them: service/recovery.py). `write`
 a checkpoint folder in save_state's format (or the adapter alone, for a sampler), which is how a fork
 (create_training_client_from_state_with_optimizer) or a sampler of that step gets it: see
 service/past_steps.py. The copies live in host memory whatever the device, so they take nothing from the
-adapter cache's device budget.
+adapter cache's device budget. A full fine-tuning run's state (engine/full_weights.py: the whole model and
+two moments, 1.6 GB for SmolLM2-135M) is kept only when it fits the budget on its own; otherwise its past
+steps are its recovery snapshots alone.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from kernel_backend.engine import lora, optimizers
 
 @dataclass
 class StepState:
-    adapter: lora.Adapter  # a detached copy on the CPU
+    adapter: lora.Adapter  # a detached copy on the CPU (or full_weights.FullWeights: a full run's)
     optimizer_state: dict[str, torch.Tensor]  # optimizers.state_tensors(): flat, float32, CPU
     optimizer_kind: str
     step: int
@@ -45,13 +47,27 @@ class StepState:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def write_state(directory: Path, adapter: lora.Adapter, optimizer_state: dict[str, torch.Tensor], optimizer_kind: str,
-                steps: int, base_model_name: str) -> None:
-    """save_state's folder: the adapter in PEFT format, the optimizer's tensors, and the facts to restore them."""
-    lora.save_peft(adapter, directory, base_model_name)
-    save_file(optimizer_state, directory / "optimizer.safetensors")
+# What save_state's folder holds besides the weights (a sampler's copy of a state leaves them out).
+OPTIMIZER_FILES = ("optimizer.safetensors", "stepwise_state.json")
+
+
+def write_weights(directory: Path, adapter, base) -> None:
+    """A run's weights alone (what a sampler loads): a LoRA adapter in PEFT's format, a full run's weights as a
+    Hugging Face model folder (engine/full_weights.py). `base`: the engine's base_models.BaseModel."""
+    if adapter.full:
+        adapter.save(directory, base.path)
+    else:
+        lora.save_peft(adapter, directory, base.name)
+
+
+def write_state(directory: Path, adapter, optimizer_state: dict[str, torch.Tensor], optimizer_kind: str,
+                steps: int, base) -> None:
+    """save_state's folder: the weights (write_weights), the optimizer's tensors, and the facts to restore them."""
+    write_weights(directory, adapter, base)
+    optimizer_file, facts_file = OPTIMIZER_FILES
+    save_file(optimizer_state, directory / optimizer_file)
     meta = {"steps": steps, "lora": asdict(adapter.config), "optimizer": optimizer_kind}
-    (directory / "stepwise_state.json").write_text(json.dumps(meta))
+    (directory / facts_file).write_text(json.dumps(meta))
 
 
 class StepHistory:
@@ -70,6 +86,9 @@ class StepHistory:
         """Keep the run's state as it is now, after `steps` optim steps (0: just created or loaded)."""
         if self.per_run <= 0:
             return
+        moments = 2 if optimizer is not None else 0  # AdamW's two per parameter (Dimuon keeps one)
+        if _nbytes(adapter) * (1 + moments) > self.budget_bytes:
+            return  # a full run's state outgrows the whole budget: its steps are kept on disk only (snapshots)
         kept = self.runs.setdefault(run_id, collections.OrderedDict())
         kept[steps] = StepState(
             adapter=_cpu_copy(adapter),
@@ -110,7 +129,9 @@ class StepHistory:
         self.runs.pop(run_id, None)
 
 
-def _cpu_copy(adapter: lora.Adapter) -> lora.Adapter:
-    return lora.Adapter(adapter.config, {name: (torch.nn.Parameter(a.detach().cpu().clone(), False),
-                                                torch.nn.Parameter(b.detach().cpu().clone(), False))
-                                         for name, (a, b) in adapter.weights.items()})
+def _cpu_copy(adapter):
+    return adapter.copy(device="cpu")
+
+
+def _nbytes(adapter) -> int:
+    return sum(p.numel() * p.element_size() for p in adapter.parameters())

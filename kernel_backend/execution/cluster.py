@@ -52,7 +52,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from kernel_backend.engine import lora
+from kernel_backend.execution import engine_work
 from kernel_backend.engine.adapter_cache import TRAINING_COPIES
 from kernel_backend.execution.cluster_worker import GROUP_TIMEOUT_S, EngineWorker, Outcome, WorkerLost
 from kernel_backend.config import Settings
@@ -339,8 +339,7 @@ class Cluster:
         config = origin.args.get("config")
         if facts is None or config is None:
             return UNKNOWN_ADAPTER_BYTES
-        per_rank = facts["lora_bytes_per_rank"]
-        return sum(per_rank.get(kind, 0) for kind in lora.targets_of(config)) * config.rank * TRAINING_COPIES
+        return engine_work.adapter_bytes(facts, config) * TRAINING_COPIES
 
     def _place(self, base_model: str, count: int, estimate: int, keep: list[str] = ()) -> list[str]:
         """`keep` plus the live workers with the most free memory, up to `count`, preferring those holding the model."""

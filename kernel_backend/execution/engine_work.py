@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from kernel_backend.persistence import crypto
 from kernel_backend.engine import lora
+from kernel_backend.engine.step_history import OPTIMIZER_FILES
 from kernel_backend.config import Settings
 from kernel_backend.persistence.checkpoint_storage import CheckpointStorage, folder_size
 from kernel_backend.types import AdamParams, DimuonParams, LoraConfig, SampleOptions, SamplingParams
@@ -144,12 +145,12 @@ def save(engine, ctx: Context, model_id: str, kind: str, key: str, path: str, ov
 
 
 def _copy_snapshot(ctx: Context, location: str, staging, with_optimizer: bool) -> None:
-    """A recovery snapshot's files (save_state's format) into a checkpoint being written; the adapter alone
+    """A recovery snapshot's files (save_state's format) into a checkpoint being written; the weights alone
     for a sampler."""
     staging.mkdir(parents=True)
     with ctx.storage.open(location, ctx.settings.encryption_key, "a snapshot") as plain:
         for item in plain.iterdir():
-            if item.name != crypto.MANIFEST and (with_optimizer or item.name.startswith("adapter_")):
+            if item.name != crypto.MANIFEST and (with_optimizer or item.name not in OPTIMIZER_FILES):
                 shutil.copy2(item, staging / item.name)
 
 
@@ -190,13 +191,25 @@ def sample_request(engine, ctx: Context, op: SampleOp, on_token=None, cancel=Non
 
 def model_facts(engine) -> dict:
     """A loaded base model's facts the gateway bounds requests with, wherever the engine runs: its context
-    length, its vocabulary's size, and the bytes one rank of LoRA takes on each target module kind (admission's adapter measure)."""
+    length, its vocabulary's size, and admission's adapter measure: the bytes one rank of LoRA takes on each target
+    module kind, and the bytes of the model's weights (a full fine-tuning run's copy, engine/full_weights.py)."""
     per_rank: dict[str, int] = {}
     for name, module in lora.lora_layers(engine.model).items():
         kind = name.rsplit(".", 1)[-1]
         weight = module.base.weight
         per_rank[kind] = per_rank.get(kind, 0) + (weight.shape[0] + weight.shape[1]) * weight.element_size()
-    return {"max_context": engine.max_context, "vocab_size": engine.vocab_size, "lora_bytes_per_rank": per_rank}
+    full = sum(p.numel() * p.element_size() for p in engine.model.parameters())  # each tied weight once
+    return {"max_context": engine.max_context, "vocab_size": engine.vocab_size, "lora_bytes_per_rank": per_rank,
+            "full_bytes": full}
+
+
+def adapter_bytes(facts: dict, config: LoraConfig) -> int:
+    """One copy of a run's weights on the model of `facts` (model_facts): its LoRA matrices, or with rank 0 the
+    whole model's weights."""
+    if config.rank == 0:
+        return facts["full_bytes"]
+    per_rank = facts["lora_bytes_per_rank"]
+    return sum(per_rank.get(kind, 0) for kind in lora.targets_of(config)) * config.rank
 
 
 def noop(engine, ctx: Context) -> dict:

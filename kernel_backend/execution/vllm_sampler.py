@@ -242,6 +242,9 @@ class VllmSampler:
         A snapshot's version stays until remove_adapter; a checkpoint's is unloaded when it is the least
         recently used of more than STEPWISE_VLLM_MAX_ADAPTERS (a later sample loads it again)."""
         folder = Path(folder)
+        if not (folder / "adapter_config.json").exists():  # a full fine-tuning run's weights: a model of its own
+            raise UserError("the vLLM sampler serves LoRA adapters over its base model, not a full fine-tuning run's "
+                            "own weights (rank=0); sample this run on a server with STEPWISE_SAMPLER=batched")
         rank = json.loads((folder / "adapter_config.json").read_text())["r"]
         if rank > self.settings.vllm_max_lora_rank:
             raise UserError(f"this adapter has LoRA rank {rank}, above the vLLM sampler's limit of "
@@ -521,9 +524,7 @@ class _EngineView:
         prompt = engine_module._check_tokens(prompt, self._engine.vocab_size, "prompt")
         stop_ids, stop_strings = self._engine._check_sampling(prompt, num_samples, params, options)
         VllmSampling.check_options(options)
-        check = None
-        if self._sampling.settings.vllm_check_logprobs:
-            def check(result: SampleResult, folder: Path | None) -> None:
-                self.metrics = self._sampling.logprob_gap(self._base_model, adapter_id, folder, prompt, result)
+        def check(result: SampleResult, folder: Path | None) -> None:
+            self.metrics = self._sampling.logprob_gap(self._base_model, adapter_id, folder, prompt, result)
         return self._vllm.sample(adapter_id, prompt, num_samples, params, stop_ids, stop_strings, options, on_token,
-                                 then=check)
+                                 then=check if self._sampling.settings.vllm_check_logprobs else None)

@@ -125,12 +125,17 @@ class Admission:
         new = self.adapter_bytes(base_model, lora_config) * (TRAINING_COPIES if training else 1)
         share = self.settings.max_adapter_mb_per_tenant << 20
         cache = adapter_cache.budget_bytes(self.settings.adapter_cache_mb, self.settings.device)
+        full = lora_config["rank"] == 0
+        what = ("a full fine-tuning run (rank 0: its own copy of every weight, with gradients and AdamW's two moments)"
+                if full and training else "a full fine-tuning checkpoint's weights" if full else "this adapter")
+        smaller = "train a LoRA adapter instead (rank 1 or more)" if full else "use a smaller LoRA rank"
         if share and new > share:
-            raise UserError(f"this adapter needs about {new >> 20} MB, more than the {share >> 20} MB of adapter memory "
-                            f"this server gives tenant {tenant!r} (STEPWISE_MAX_ADAPTER_MB_PER_TENANT); use a smaller LoRA rank")
+            raise UserError(f"{what} needs about {new >> 20} MB, more than the {share >> 20} MB of adapter memory this "
+                            f"server gives tenant {tenant!r}: raise STEPWISE_MAX_ADAPTER_MB_PER_TENANT to at least "
+                            f"{(new >> 20) + 1}, or {smaller}")
         if new > cache:
-            raise UserError(f"this adapter needs about {new >> 20} MB, more than the engine's whole adapter cache of "
-                            f"{cache >> 20} MB; use a smaller LoRA rank (or raise STEPWISE_ADAPTER_CACHE_MB)")
+            raise UserError(f"{what} needs about {new >> 20} MB, more than the engine's whole adapter cache of "
+                            f"{cache >> 20} MB: raise STEPWISE_ADAPTER_CACHE_MB to at least {(new >> 20) + 1}, or {smaller}")
 
     # ---- checkpoint storage -------------------------------------------------------------------
 

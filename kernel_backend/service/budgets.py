@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 from sqlalchemy import func, or_, select
 
-from kernel_backend.metering import Usage
 from kernel_backend.persistence.database import BudgetRow, SamplerRow, Store, UsageRow, now
 from kernel_backend.errors import OverBudget, UserError
 

@@ -248,7 +248,7 @@ def weights_info(svc: Service, tenant: str, path: str) -> dict:
     return {
         "base_model": run.base_model,
         "optimizer_config": {"type": optimizer, **({"version": 1} if optimizer == "dimuon" else {})},  # the SDK's
-        "is_lora": True,
+        "is_lora": lora["rank"] > 0,  # rank 0: full fine-tuning
         "lora_rank": lora["rank"],
         "train_unembed": lora["train_unembed"],
         "train_mlp": lora["train_mlp"],

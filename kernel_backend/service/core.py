@@ -29,7 +29,7 @@ import uuid
 
 from kernel_backend.service import budgets, recovery, stability
 from kernel_backend.persistence import api_keys, signing
-from kernel_backend.engine import base_models, lora
+from kernel_backend.engine import base_models
 from kernel_backend.execution import engine_work
 from kernel_backend import runtime
 from kernel_backend.service.admission import Admission
@@ -400,9 +400,5 @@ class Service:
 
     def adapter_bytes(self, base_model: str, lora_config: dict) -> int:
         """One copy of an adapter's weights on `base_model` (0 while that model is not loaded); admission's measure."""
-        config = LoraConfig(**lora_config)
         facts = self.executor.facts().get(base_model)
-        if facts is None:
-            return 0
-        per_rank = facts["lora_bytes_per_rank"]
-        return sum(per_rank.get(kind, 0) for kind in lora.targets_of(config)) * config.rank
+        return 0 if facts is None else engine_work.adapter_bytes(facts, LoraConfig(**lora_config))

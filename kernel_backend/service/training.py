@@ -1,6 +1,7 @@
 """Training runs: create_model, get_info, forward_backward, optim_step, and the runs' REST listings.
 
-A training run is one LoRA adapter (+ its optimizer) over a base model, a lane of the scheduler:
+A training run is one LoRA adapter (+ its optimizer) over a base model, or with rank 0 a full fine-tuning run
+of its own copy of the model's weights (engine/full_weights.py); either is a lane of the scheduler:
 its requests run in the client's seq_id order. Saving and loading its weights is in checkpoints.py.
 """
 
@@ -27,10 +28,10 @@ from kernel_backend.errors import UserError
 def create_model(svc: Service, tenant: str, session_id: str, model_seq_id: int, base_model: str, lora: dict | None,
                  optimizer_type: str, user_metadata: dict | None) -> FutureRow:
     svc.session(tenant, session_id)
-    optimizers.check_kind(optimizer_type)
     config = LoraConfig(**{"rank": 32, **{k: v for k, v in (lora or {}).items() if v is not None}})
-    if not 1 <= config.rank <= 512:
-        raise UserError(f"lora rank must be from 1 to 512, got {config.rank}")
+    if not 0 <= config.rank <= 512:
+        raise UserError(f"lora rank must be from 1 to 512, or 0 for full fine-tuning, got {config.rank}")
+    optimizers.check_kind(optimizer_type, full=config.rank == 0)
     admission.check_seed(config.seed, "lora_config.seed")
     base = svc.model_name(base_model)
     model_id = f"{session_id}:train:{model_seq_id}"
@@ -82,7 +83,7 @@ def get_info(svc: Service, tenant: str, model_id: str) -> dict:
         "type": "get_info",
         "model_id": model_id,
         "model_data": {"arch": base_models.architecture(folder), "model_name": run.base_model, "tokenizer_id": tokenizer_id},
-        "is_lora": True,
+        "is_lora": run.lora_config["rank"] > 0,  # rank 0: full fine-tuning
         "lora_rank": run.lora_config["rank"],
         "model_name": run.base_model,
     }
@@ -141,7 +142,7 @@ def training_run_json(svc: Service, run: ModelRow) -> dict:
         "training_run_id": run.id,
         "base_model": run.base_model,
         "model_owner": run.tenant,
-        "is_lora": True,
+        "is_lora": run.lora_config["rank"] > 0,  # rank 0: full fine-tuning
         "lora_rank": run.lora_config["rank"],
         "last_request_time": iso(run.last_request_time),
         "last_checkpoint": checkpoint_json(last["training"]) if last["training"] else None,
