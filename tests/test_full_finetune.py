@@ -173,6 +173,22 @@ def test_admission_refuses_a_full_run_the_adapter_cache_could_never_hold(engine)
     Admission(Settings(adapter_cache_mb=needed + 1), None, measure).adapter("t", "base", {"rank": 0}, training=True)
 
 
+def test_a_recipe_trains_a_full_run_when_its_config_says_rank_0(tinker_server):
+    """workbench.recipes.sft with rank=0 on the tiny stand-in: a full run, trained, saved, billed."""
+    import tinker
+    from workbench.recipes import sft
+
+    summary = sft.run(sft.Config(base_url=tinker_server.base_url, api_key=tinker_server.api_key, rank=0,
+                                 learning_rate=1e-4, steps=2, batch_size=2, eval_every=1, save_every=2,
+                                 sample_questions=1, progress=False, verbose=False))
+    rest = tinker.RestClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
+    run = rest.get_training_run(summary.training_run_id).result()
+    assert (run.is_lora, run.lora_rank, summary.steps) == (False, 0, 2)
+    assert summary.final < summary.initial and summary.cost > 0
+    saved = rest.list_checkpoints(summary.training_run_id).result().checkpoints
+    assert any(c.checkpoint_id.endswith("sft-2") and c.checkpoint_type == "training" for c in saved), saved
+
+
 # ---- through the official SDK, on the real model ------------------------------------------------------------
 
 
@@ -227,5 +243,10 @@ def test_full_finetuning_through_the_sdk_learns_faster_than_rank_8_and_loads_in_
                                  "messages": [{"role": "user", "content": FACTS[1][0]}]}, timeout=120)
         assert reply.status_code == 200, reply.text
         assert "Marrowgate" in reply.json()["choices"][0]["message"]["content"]
+        reply = httpx.post(f"{server.base_url}/v1/messages", headers={"x-api-key": server.api_key},
+                           json={"model": path, "max_tokens": 12, "temperature": 0,
+                                 "messages": [{"role": "user", "content": FACTS[1][0]}]}, timeout=120)
+        assert reply.status_code == 200, reply.text
+        assert "Marrowgate" in reply.json()["content"][0]["text"]
     finally:
         server.stop()

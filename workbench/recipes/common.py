@@ -44,7 +44,7 @@ class BaseConfig:
     base_url: str | None = None
     api_key: str | None = None
     base_model: str = DEFAULT_MODEL
-    rank: int = 8
+    rank: int = 8                    # 0: full fine-tuning, every weight (give it a learning rate ~10x lower)
     seed: int = 0
     learning_rate: float = 1e-3
     metrics_path: str | None = None  # JSONL, one line per step; None: $STEPWISE_HOME/runs/<recipe>-<time>.jsonl
@@ -55,7 +55,7 @@ class BaseConfig:
 
 
 def training_client(service_client: tinker.ServiceClient, config: BaseConfig):
-    """The recipe's LoRA training run on config's base model, rank and seed, named `config.run_name` if set;
+    """The recipe's training run (LoRA; rank 0: full fine-tuning) on config's base model, rank and seed, named `config.run_name` if set;
     from `config.load_checkpoint_path`'s weights if set (its rank, a fresh optimizer)."""
     metadata = {"name": config.run_name} if config.run_name else None
     if config.load_checkpoint_path:
