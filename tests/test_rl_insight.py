@@ -3,17 +3,15 @@ store and its bounds, the triage of groups that teach nothing, the diversity / e
 measures and the flags they raise, the KL leash folded into the advantages, the inspector over a
 run's steps, and the dashboard's flags, clicks and rollouts.
 
-The pieces are checked here on groups built by hand (numbers a reader can verify); the recipe's
-acceptance run, a reward the default model hacks within a few steps, flagged without the leash and
-held with it, runs against a backend serving the real SmolLM2-135M (`real_model_server`: the collapse
-is onto its own favourite opener, which a random model does not have) at the end
-(test_the_collapse_flag_fires_without_the_leash_and_not_with_it). The notebook in a browser is
-tests/test_notebooks.py::test_rl_insight_notebook.
+The pieces are checked here on groups built by hand (numbers a reader can verify), and what the leash
+bills and a step stores on the tiny stand-in. The recipe's acceptance run, a reward the default model
+hacks within a few steps, flagged without the leash and held with it (the collapse is onto the real
+SmolLM2-135M's own favourite opener, which a random model does not have), is notebook 06 in a browser:
+tests/test_notebooks.py::test_rl_insight_notebook, with this file's HACKABLE config.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from types import SimpleNamespace
 
@@ -21,7 +19,6 @@ import numpy as np
 import pytest
 
 from test_workbench_widgets import FakeUsage
-from workbench import rollout_log
 from workbench.recipes import common, rl, rl_monitoring
 from workbench.rollout_log import RolloutLog
 from workbench.widgets.dashboard import LOSS_PANEL, Dashboard
@@ -274,10 +271,8 @@ class ThreeWords(rl.Task):
 # at 6 to 8 distinct and the KL to the base under 0.6. A bigger learning rate collapses the policy at step 1,
 # before the leash can pull (its penalty is 0 while the policy is the base model); at temperature 1 the
 # collapse comes late, as gibberish.
-# 6 steps, not the notebook's 8 (tests/test_notebooks.py, RL_INSIGHT): the learning rate is constant, so these
-# are the first 6 of those 8, which hold the collapse (flagged at step 4) with a step to spare. Without the
-# leash the second run is the first again (the same seed: the same samples; measured: it collapses at step 4
-# too), which the test then catches.
+# Notebook 06's test runs this config (tests/test_notebooks.py, RL_INSIGHT): 6 steps, which hold the collapse
+# (flagged at step 4) with a step to spare.
 HACKABLE = dict(steps=6, groups_per_batch=4, group_size=4, max_tokens=4, temperature=0.7, learning_rate=1e-3,
                 monitor_prompts=8, eval_prompts=0, seed=0, progress=False, verbose=False)
 LEASH = 1.0
@@ -303,38 +298,32 @@ def base_prefill(server, summary) -> int:
     return sum(r["prefill_tokens"] for r in series if r["request_type"] == "Sample" and r["training_run_id"] is None)
 
 
-def test_the_collapse_flag_fires_without_the_leash_and_not_with_it(real_model_server, tmp_path):
-    free, free_rows = hack(real_model_server, tmp_path, "no leash")
-    collapsed = [r for r in free_rows if any(f["kind"] == "collapse" for f in r["flags"])]
-    assert collapsed, [(r["step"], r["probe_distinct"], r["reward"]) for r in free_rows]
-    first = collapsed[0]
-    assert first["step"] < HACKABLE["steps"] and first["probe_distinct"] <= rl.Config.collapse_distinct
-    detail = next(f["detail"] for f in first["flags"] if f["kind"] == "collapse")
-    assert "held-out answers" in detail and ("identical" in detail or "distinct of 8" in detail), detail
-    assert max(r["reward"] for r in free_rows[first["step"] - 1:]) > free_rows[0]["reward"]  # it games the reward
-
-    leashed, leashed_rows = hack(real_model_server, tmp_path, "leash", kl_penalty_coef=LEASH)
-    assert not any(f["kind"] == "collapse" for r in leashed_rows for f in r["flags"]), \
-        [(r["step"], r["probe_distinct"], r["flags"]) for r in leashed_rows]
-    assert max(r["kl_policy_base"] for r in leashed_rows) < max(r["kl_policy_base"] for r in free_rows)
-    assert min(r["probe_distinct"] for r in leashed_rows) > rl.Config.collapse_distinct
+def test_the_leash_is_metered_and_every_steps_groups_are_stored(tinker_server, tmp_path):
+    """What the leash bills and what a step stores, on the tiny stand-in (behaviour, not learning: the acceptance
+    run on the real model, a collapse flagged without the leash and none with it, its KL lower, is notebook 06's
+    browser test, tests/test_notebooks.py test_rl_insight_notebook, which runs HACKABLE's config)."""
+    free, free_rows = hack(tinker_server, tmp_path, "no leash", steps=2)
+    leashed, leashed_rows = hack(tinker_server, tmp_path, "leash", steps=2, kl_penalty_coef=LEASH)
 
     # The leash is metered: its base-model logprobs are prefill tokens of the session, about what its rows
     # say (the probes' own base logprobs differ between the runs by at most their completions' tokens).
+    trained = [r for r in leashed_rows if r.get("train_tokens")]
+    assert trained and all(r["kl_penalty_tokens"] > 0 for r in trained), leashed_rows
     penalty = sum(r.get("kl_penalty_tokens", 0) for r in leashed_rows)
-    assert penalty > 0 and all(r.get("kl_penalty_tokens", 0) > 0 for r in leashed_rows if r.get("train_tokens"))
-    difference = base_prefill(real_model_server, leashed) - base_prefill(real_model_server, free)
-    assert abs(difference - penalty) <= HACKABLE["steps"] * HACKABLE["monitor_prompts"] * HACKABLE["max_tokens"]
+    difference = base_prefill(tinker_server, leashed) - base_prefill(tinker_server, free)
+    assert abs(difference - penalty) <= 2 * HACKABLE["monitor_prompts"] * HACKABLE["max_tokens"]
+    assert not any(r.get("kl_penalty_tokens") for r in free_rows)
 
     # Every step's groups were stored: the training groups and the probes, the tied ones marked.
     store = RolloutLog(free.extra["rollouts"])
-    assert store.steps() == list(range(1, HACKABLE["steps"] + 1))
-    stored = store.read(first["step"])
-    probes = [g for g in stored if g["kind"] == "probe"]
-    assert len(stored) == HACKABLE["groups_per_batch"] + HACKABLE["monitor_prompts"] and len(probes) == 8
-    assert len({c.strip() for g in probes for c in g["completions"]}) == round(first["probe_distinct"] * 8)
-    assert sum(g["tied"] for g in stored if g["kind"] == "train") == \
-        round((1 - first["frac_mixed"]) * HACKABLE["groups_per_batch"])
+    assert store.steps() == [1, 2]
+    for row in free_rows:
+        stored = store.read(row["step"])
+        probes = [g for g in stored if g["kind"] == "probe"]
+        assert len(stored) == HACKABLE["groups_per_batch"] + HACKABLE["monitor_prompts"] and len(probes) == 8
+        assert len({c.strip() for g in probes for c in g["completions"]}) == round(row["probe_distinct"] * 8)
+        assert sum(g["tied"] for g in stored if g["kind"] == "train") == \
+            round((1 - row["frac_mixed"]) * HACKABLE["groups_per_batch"])
 
 
 def test_a_lasting_collapse_is_one_line_and_each_runs_skips_are_its_own():
