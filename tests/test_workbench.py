@@ -631,3 +631,43 @@ def test_in_a_notebook_kernel_results_render_as_html_and_widgets_display(service
     for widget_outputs in (outputs[3], outputs[4]):
         assert "application/vnd.jupyter.widget-view+json" in widget_outputs[0]["data"]
     assert outputs[5][0]["data"]["text/plain"] == repr(conn.api_key)  # the kernel announced its backend
+
+
+def test_in_thread_keeps_the_kernel_answering_and_stops_on_interrupt():
+    """workbench.in_thread in a real ipykernel: while a cell awaits work on a worker thread, the kernel answers a
+    widget's request (ipywidgets' control comm, what a reopened page sends) at once, and Kernel > Interrupt
+    (SIGINT) stops the work within a step: the cell fails with Interrupted and the next cell runs."""
+    import queue
+
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        kc.execute("import ipywidgets, time, workbench\nslider = ipywidgets.IntSlider(7)", reply=True, timeout=60)
+        busy = kc.execute("def work():\n    for i in range(600):\n        time.sleep(0.05)\n    return 'done'\n"
+                          "await workbench.in_thread(work)")
+        time.sleep(1)
+        # What JupyterLab's widget manager sends on (re)opening a notebook: open the control comm, ask its states.
+        kc.session.send(kc.shell_channel.socket, "comm_open", {"comm_id": "control-1", "target_name":
+                        "jupyter.widget.control", "data": {}}, metadata={"version": "1.0.0"})
+        kc.session.send(kc.shell_channel.socket, "comm_msg", {"comm_id": "control-1", "data": {"method": "request_states"}})
+        asked, states, error = time.monotonic(), None, None
+        while time.monotonic() - asked < 20 and (states is None or error is None):
+            try:
+                msg = kc.get_iopub_msg(timeout=1)
+            except queue.Empty:
+                continue
+            if msg["msg_type"] == "comm_msg" and msg["content"]["data"].get("method") == "update_states":
+                states = time.monotonic() - asked
+                km.interrupt_kernel()  # then Kernel > Interrupt
+                interrupted = time.monotonic()
+            if msg["msg_type"] == "error" and msg["parent_header"].get("msg_id") == busy:
+                error = (msg["content"]["ename"], time.monotonic() - interrupted)
+        assert states is not None and states < 5, "the kernel did not answer the widget's request while the cell ran"
+        assert error is not None and error[0] == "Interrupted" and error[1] < 5, error
+        while kc.get_iopub_msg(timeout=10)["content"].get("execution_state") != "idle":
+            pass  # the interrupted cell's end; then the next cell runs as usual
+        assert kc.execute("slider.value", reply=True, timeout=30)["content"]["status"] == "ok"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)

@@ -5,6 +5,7 @@
     tc = service.create_lora_training_client(base_model=..., rank=8).result()
     workbench.Dashboard(training_run_id=tc.model_id)
     workbench.set_budget(usd=0.50)             # the backend refuses (HTTP 402) what would pass it
+    summary = await workbench.in_thread(rl.run, config)  # long work; the notebook's widgets stay live
 
 The widgets and DPO helpers load lazily (PEP 562), so `stepwise serve`, which imports
 workbench.cli, does not pull in plotly, pandas and torch. connect() and the step functions (fork,
@@ -19,6 +20,7 @@ import importlib
 
 from workbench.connect import budgets, connect, current, disconnect, remove_budget, set_budget
 from workbench.connection import BackendError, Connection
+from workbench.in_thread import Interrupted, in_thread
 from workbench.past_steps import fork, kept_steps, lineage, sampler_at, undo
 
 _EXPORTS = {
@@ -35,8 +37,8 @@ _EXPORTS = {
     "add_reference_logprobs": "workbench.dpo",
 }
 
-__all__ = sorted([*_EXPORTS, "BackendError", "Connection", "budgets", "connect", "current", "disconnect", "fork",
-                  "kept_steps", "lineage", "remove_budget", "sampler_at", "set_budget", "undo"])
+__all__ = sorted([*_EXPORTS, "BackendError", "Connection", "Interrupted", "budgets", "connect", "current", "disconnect",
+                  "fork", "in_thread", "kept_steps", "lineage", "remove_budget", "sampler_at", "set_budget", "undo"])
 
 
 def __getattr__(name: str):
