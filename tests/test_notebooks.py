@@ -714,11 +714,8 @@ RL_INSIGHT = {"steps": 6, "learning_rate": 1e-3, "kl_penalty_coef": 1.0, "groups
               "max_tokens": 4, "temperature": 0.7, "monitor_prompts": 8}
 
 
-def click_point(page, title: str, trace: str) -> int:
-    """Click, with the mouse, a point of `trace` in the plot titled `title`: the one farthest from every
-    other trace's point (a run's line or a flag's mark) at its step, so the click cannot land on another
-    (plotly's own axes say where each is drawn). Returns the step clicked."""
-    where = page.evaluate("""([title, trace]) => {
+# Where click_point clicks: a point of a trace (see click_point), in page pixels, and its step.
+POINT_JS = """([title, trace]) => {
         const gd = [...document.querySelectorAll('.jp-Notebook .js-plotly-plot')]
             .find(el => ((el.layout.title || {}).text ?? el.layout.title) === title);
         gd.scrollIntoView({block: 'center'});
@@ -743,7 +740,19 @@ def click_point(page, title: str, trace: str) -> int:
             if (!best || gap > best.gap) best = {...p, step, gap};
         });
         return best;
-    }""", [title, trace])
+    }"""
+
+
+def click_point(page, title: str, trace: str) -> int:
+    """Click, with the mouse, a point of `trace` in the plot titled `title`: the one farthest from every
+    other trace's point (a run's line or a flag's mark) at its step, so the click cannot land on another
+    (plotly's own axes say where each is drawn). Returns the step clicked."""
+    where = None
+    for _ in range(20):  # until the plot stays put: JupyterLab lays out the cells around it as they scroll into view
+        before, where = where, page.evaluate(POINT_JS, [title, trace])
+        if where["gap"] < 0 or before is not None and abs(before["x"] - where["x"]) < 1 and abs(before["y"] - where["y"]) < 1:
+            break
+        page.wait_for_timeout(300)
     assert where["gap"] >= 0, where
     if where["gap"] > 12:
         page.mouse.move(where["x"], where["y"])
