@@ -66,6 +66,17 @@ export function shortModel(model: string | null): string {
   return model.split('/').pop() || model;
 }
 
+/** "LoRA r8", or for rank 0 "full fine-tuning" (every weight trained); short: "r8" / "full". Empty with no rank. */
+export function rankLabel(rank: number | null, short = false): string {
+  if (rank === null) {
+    return '';
+  }
+  if (rank === 0) {
+    return short ? 'full' : 'full fine-tuning';
+  }
+  return short ? `r${rank}` : `LoRA r${rank}`;
+}
+
 /** The notebook's name now (after a rename too), else the name given at connect(), else the id. */
 export function sessionTitle(session: ISession): string {
   return (session.notebook ? baseName(session.notebook) : null) || session.display_name || session.session_id;

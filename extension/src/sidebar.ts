@@ -22,6 +22,7 @@ import {
   formatTokens,
   isActive,
   plural,
+  rankLabel,
   runLabel,
   runName,
   runTree,
@@ -166,7 +167,7 @@ class SessionRow {
     setText(this._status, session.status);
     this._status.className = `jp-StepwiseSession-status jp-mod-${session.status}`;
 
-    const rank = session.lora_rank === null ? '' : `LoRA r${session.lora_rank}`;
+    const rank = rankLabel(session.lora_rank);
     setFacts(this._facts, [
       ['model', shortModel(session.base_model)],
       ['rank', rank],
@@ -239,7 +240,7 @@ function runItem(run: IRun, depth: number, session: ISession, symbol: string): H
   const parentRun = session.runs.find(r => r.training_run_id === parent);
   const other =
     run.base_model !== session.base_model || run.lora_rank !== session.lora_rank
-      ? `${shortModel(run.base_model)} r${run.lora_rank}`
+      ? `${shortModel(run.base_model)} ${rankLabel(run.lora_rank, true)}`
       : '';
   item.append(el('span', 'jp-StepwiseRun-name', runName(run, session.session_id)));
   if (parent) {

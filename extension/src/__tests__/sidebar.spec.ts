@@ -82,6 +82,12 @@ describe('SessionsSidebar', () => {
     model.dispose();
   });
 
+  it('names a full fine-tuning run (rank 0) as such, not as LoRA', async () => {
+    const { node, model } = await drawn([report([session('a', { lora_rank: 0 })])]);
+    expect(text(rows(node)[0], 'rank')).toBe('full fine-tuning');
+    model.dispose();
+  });
+
   it('updates rows in place and keeps the sorted order', async () => {
     const [run] = session('a').runs;
     const { node, model } = await drawn([
