@@ -7,7 +7,7 @@ requests on that thread: a page reloaded (or a notebook reopened) while it train
 and then "Error displaying widget: model not found" until the cell ends, minutes later. Awaited instead, the
 work runs on a worker thread and the cell waits on the kernel's event loop, where ipykernel (7.4 and later)
 serves widget (comm) messages while a cell awaits: the widgets come back within seconds (tests/test_notebooks.py
-reloads notebook 02 mid-run). Output, progress bars and plots still go to the cell (the worker runs in the
+reopens notebook 02 in a second tab mid-run; tests/test_workbench.py asks a kernel for its widgets mid-cell). Output, progress bars and plots still go to the cell (the worker runs in the
 cell's context), and other cells still wait their turn.
 
 Kernel > Interrupt stops the work too: while the cell awaits, SIGINT raises KeyboardInterrupt in the worker (at
@@ -33,18 +33,21 @@ class Interrupted(Exception):
 async def in_thread(fn, /, *args, **kwargs):
     """fn(*args, **kwargs) on a worker thread, awaited (see the module docstring): its result, or its exception."""
     loop = asyncio.get_running_loop()
-    worker: list[int] = []
+    running: dict[str, int] = {}  # "thread": the worker's id while fn runs (a pool thread: never interrupt it after)
 
     def call():
-        worker.append(threading.get_ident())
+        running["thread"] = threading.get_ident()
         try:
             return fn(*args, **kwargs)
         except KeyboardInterrupt:
             raise Interrupted(f"{getattr(fn, '__qualname__', fn)} was stopped by Kernel > Interrupt") from None
+        finally:
+            running.pop("thread", None)
 
     def interrupt(*_):  # SIGINT (Kernel > Interrupt), on the main thread: stop the worker, not the event loop
-        if worker:
-            _raise_in(worker[0], KeyboardInterrupt)
+        thread = running.get("thread")
+        if thread is not None:
+            _raise_in(thread, KeyboardInterrupt)
 
     context = contextvars.copy_context()  # the cell's output goes where the cell's does
     future = loop.run_in_executor(None, functools.partial(context.run, call))
