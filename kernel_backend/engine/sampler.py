@@ -471,10 +471,7 @@ class Decoder:
 
     def _prefill(self, segments: list[tuple[_Active, int, int]], finished: list[SampleRequest]) -> None:
         """The prompt chunks, one forward pass per set of weights (segments come sorted by _adapter_key)."""
-        groups: dict[int, list] = {}
-        for segment in segments:
-            groups.setdefault(lora.weights_key(segment[0].request.adapter), []).append(segment)
-        for group in groups.values():
+        for group in _by_weights(segments, lambda segment: segment[0]):
             self._prefill_packed(group, finished)
 
     def _prefill_packed(self, segments: list[tuple[_Active, int, int]], finished: list[SampleRequest]) -> None:
@@ -573,11 +570,8 @@ class Decoder:
         slots = torch.arange(longest, device=device)
         # Each row's query sits at its length: what it sees of the cache, (rows, length), per distinct window.
         visible = {window: families.window_mask(lengths, slots, window) for window in set(self.windows)}
-        groups: dict[int, list[int]] = {}  # weights -> their rows, in forward order (`order` sorts by weights first)
-        for i in order:
-            groups.setdefault(lora.weights_key(rows[i].active.request.adapter), []).append(i)
         chosen = ([], [], [])
-        for members in groups.values():
+        for members in _by_weights(order, lambda i: rows[i].active):  # cache rows, in forward order
             group_rows = [rows[i] for i in members]
             adapters = [r.active.request.adapter for r in group_rows]
             attend = self._decode_attention(members, lengths, longest, visible)
@@ -681,6 +675,15 @@ class Decoder:
     def _logits(self, hidden: torch.Tensor, adapters: list) -> torch.Tensor:
         with lora.route(self.model, adapters):
             return families.final_logits(self.model.config, self.model.lm_head(hidden).float())
+
+
+def _by_weights(items: list, active_of) -> list[list]:
+    """`items` (sorted by _adapter_key of their `active_of(item)`) split into runs on one set of weights each
+    (lora.weights_key): one forward pass each."""
+    groups: dict[int, list] = {}
+    for item in items:
+        groups.setdefault(lora.weights_key(active_of(item).request.adapter), []).append(item)
+    return list(groups.values())
 
 
 def _adapter_key(active: _Active) -> tuple[bool, int, int]:
