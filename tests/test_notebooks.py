@@ -963,7 +963,7 @@ def test_budget_notebook(lab, browser):
     page.screenshot(path=str(ARTIFACTS / "notebook-07_budget.png"))
 
 
-AGENT = {"sft_steps": 3, "steps": 4, "groups_per_batch": 4, "group_size": 4, "eval_prompts": 8, "max_turns": 2}
+AGENT = {"sft_steps": 3, "steps": 4, "groups_per_batch": 4, "group_size": 4, "eval_prompts": 8, "eval_samples": 4, "max_turns": 2}
 
 
 def test_agent_tools_notebook(lab, browser):
@@ -982,9 +982,11 @@ def test_agent_tools_notebook(lab, browser):
     losses = [float(x) for x in re.findall(r"step \d: loss per call token (\S+)", text)]
     assert len(losses) == AGENT["sft_steps"] and losses[-1] < losses[0] / 2, losses
     before, after = map(float, re.search(r"held-out reward: (\S+) -> (\S+)", text).groups())
-    assert after >= before + 0.25, (before, after)  # by hand: 0.22 -> 0.97 (6 steps of 4x8), 0.25 -> 0.94 (4 of 4x4); 3 steps of 4x4 gave 0.38 -> 0.62 once: too close
+    # By script at these sizes, 5 seeds of the RL run and the warm-up: 0.19 -> 0.75, 0.25 -> 0.94, 0.50 -> 0.81,
+    # 0.00 -> 0.81, 0.19 -> 0.69. At the learning rate of 1e-3 it had before, 2 of 7 fell short (CI: 0.25 -> 0.00).
+    assert after >= before + 0.25, (before, after)
     per_episode = re.search(r"(\d+) episodes, \$(\S+): \$(\S+) per episode", text)
-    played = AGENT["steps"] * AGENT["groups_per_batch"] * AGENT["group_size"] + 2 * AGENT["eval_prompts"] * 2
+    played = AGENT["steps"] * AGENT["groups_per_batch"] * AGENT["group_size"] + 2 * AGENT["eval_prompts"] * AGENT["eval_samples"]
     assert per_episode and int(per_episode[1]) == played, text[-2000:]
     assert float(per_episode[3]) == pytest.approx(float(per_episode[2]) / played, rel=1e-2)
 
