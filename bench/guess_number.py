@@ -16,6 +16,7 @@ tokens computed) and the ratio before / after.
 
     .venv/bin/python bench/guess_number.py                # both, ~15 min on 2 cores (before ~10 of them)
     .venv/bin/python bench/guess_number.py --only after   # this checkout's backend alone
+    .venv/bin/python bench/guess_number.py --only after --dtype bfloat16   # ... with a bf16 base model (mixed precision)
 
 Needs the cookbook's venv (python tests/client_venvs.py build tinker-cookbook) and git.
 """
@@ -48,13 +49,14 @@ def worktree(commit: str) -> Path:
     return path
 
 
-def run_side(name: str, repo: Path, cookbook_python: Path, steps: int, timeout_s: int) -> dict:
+def run_side(name: str, repo: Path, cookbook_python: Path, steps: int, timeout_s: int, dtype: str = "float32") -> dict:
     from client_venvs import client_env
     from servers import start_server
 
     home = Path(tempfile.mkdtemp(prefix=f"stepwise-bench-guess-{name}-"))
     (home / "models").symlink_to(Path.home() / ".cache" / "stepwise" / "models", target_is_directory=True)
-    server = start_server(home, env={"STEPWISE_EMBEDDED": "0", "STEPWISE_LOOPBACK_KEY": "tml-local"}, timeout=600,
+    server = start_server(home, env={"STEPWISE_EMBEDDED": "0", "STEPWISE_LOOPBACK_KEY": "tml-local", "STEPWISE_DTYPE": dtype},
+                          timeout=600,
                           repo=repo)
     try:
         since = datetime.datetime.now(datetime.timezone.utc).isoformat()
@@ -76,6 +78,7 @@ def run_side(name: str, repo: Path, cookbook_python: Path, steps: int, timeout_s
         stats = httpx.get(f"{server.base_url}/api/v1/admin/stats", headers={"X-API-Key": "tml-local"}).json()
         (decoder,) = stats["sampling"]["in-process"].values()
         return {"wall_s": wall, "step_s": summary["seconds"], "reward": summary["reward"], "passes": passes,
+                "kl_sample_train": summary["kl_sample_train_v1"],
                 "sample_requests": len(samples), "prompt_tokens": sum(r.get("prefill_tokens", 0) for r in samples),
                 "sampled_tokens": sum(r.get("sample_tokens", 0) for r in samples),
                 "reused_tokens": decoder["prefix_cache"]["reused_tokens"]}
@@ -88,6 +91,8 @@ def main() -> None:
     parser.add_argument("--only", choices=SIDES, help="run one side")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=3600, help="seconds for each side's recipe run")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the after side's STEPWISE_DTYPE (bfloat16: mixed precision, faster where the CPU has AMX)")
     args = parser.parse_args()
 
     import client_venvs
@@ -100,11 +105,13 @@ def main() -> None:
         print(f"{name}: guess_number, batch 4 x group 4, 16-token guesses, {args.steps} steps ...", flush=True)
         repo = REPO if name == "after" else worktree(BEFORE)
         try:
-            results[name] = r = run_side(name, repo, cookbook_python, args.steps, args.timeout)
+            dtype = args.dtype if name == "after" else "float32"
+            results[name] = r = run_side(name, repo, cookbook_python, args.steps, args.timeout, dtype)
         finally:
             if repo != REPO:
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(repo)], capture_output=True)
-        print(f"  {r['wall_s']:.0f} s wall; steps' time/total {[round(s) for s in r['step_s']]} s; reward {r['reward']}")
+        print(f"  {r['wall_s']:.0f} s wall; steps' time/total {[round(s) for s in r['step_s']]} s; reward {r['reward']}; "
+              f"kl_sample_train_v1 {r['kl_sample_train']}")
         print(f"  {r['sample_requests']} sample requests: {r['prompt_tokens']} prompt tokens billed, "
               f"{r['sampled_tokens']} sampled; {r['reused_tokens']} prompt tokens from the prefix cache")
         for billed, computed in r["passes"]:

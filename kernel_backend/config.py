@@ -73,7 +73,7 @@ class Settings:
     base_models: list[str] = env("BASE_MODELS", [], "the base models this backend loads, by name or local HF "
                                  "directory (comma separated; NAME=DIR serves DIR under NAME); empty: the default model")
     device: str = env("DEVICE", "cpu", "the engine's torch device (cpu, cuda, cuda:1, ...)")
-    dtype: str = env("DTYPE", "float32", "the base model's dtype (float32, bfloat16)")
+    dtype: str = env("DTYPE", "float32", "the base model's dtype (float32, bfloat16); LoRA weights stay float32")
     database_url: str = env("DATABASE_URL", "", "SQLAlchemy URL (PostgreSQL works); empty: SQLite under the home")
     max_batch_tokens: int = env("MAX_BATCH_TOKENS", 65536, "the most tokens one forward_backward request may carry "
                                 "(bad input beyond it)")

@@ -197,3 +197,40 @@ def test_lora_layer_without_gradients_computes_the_same_outputs():
                 plain = model.q_proj(x)
         assert tracked.grad_fn is not None and plain.grad_fn is None
         torch.testing.assert_close(plain, tracked.detach(), rtol=0, atol=0)
+
+
+def test_a_bf16_base_trains_float32_adapters(tiny_model, tokenizer, tmp_path):
+    """Mixed precision (STEPWISE_DTYPE=bfloat16): the frozen base model in bf16, each adapter's A and B (and so
+    AdamW's moments) in float32. A step bf16 weights could not hold still moves them; checkpoints keep them
+    exactly; the bf16 sampler's logprobs agree with the bf16 training pass to bf16's tolerance."""
+    import dataclasses
+
+    from kernel_backend.engine.core import Engine
+    from kernel_backend.types import LoraConfig, SamplingParams
+    from tiny_model import stand_in_settings
+
+    engine = Engine(settings=dataclasses.replace(stand_in_settings(tiny_model), dtype="bfloat16"))
+    engine.create_adapter("mixed", LoraConfig(rank=4, seed=1))
+    adapter = engine.slots["mixed"].adapter
+    assert engine.model.dtype == torch.bfloat16 and all(p.dtype == torch.float32 for p in adapter.parameters())
+
+    data = [sft_datum("What is the capital of Veldoria?", "The capital of Veldoria is Marrowgate.", tokenizer)]
+    train(engine, "mixed", data, steps=1, learning_rate=1e-2)  # B leaves zero, so A gets gradients
+    a_before = adapter.parameters()[0].detach().clone()
+    train(engine, "mixed", data, steps=1, learning_rate=1e-5)  # Adam's step: ~1e-5 per entry, under half a bf16 ulp
+    a_after = adapter.parameters()[0].detach()
+    assert float((a_after != a_before).float().mean()) > 0.9
+    assert float((a_after.bfloat16() != a_before.bfloat16()).float().mean()) < 0.2  # what bf16 weights would keep
+    losses = train(engine, "mixed", data, steps=4, learning_rate=1e-2)
+    assert losses[-1] < losses[0], losses
+
+    engine.save_state("mixed", tmp_path / "state")
+    engine.load_state("copy", tmp_path / "state")
+    assert all(p.dtype == torch.float32 and torch.equal(p, q)
+               for p, q in zip(engine.slots["copy"].adapter.parameters(), adapter.parameters()))
+
+    prompt = list(data[0].tokens[:12])
+    sampled = engine.sample("mixed", prompt, 1, SamplingParams(max_tokens=8, temperature=1.0, seed=3))
+    tokens = sampled.sequences[0].tokens
+    scored = engine.compute_logprobs("mixed", prompt + tokens)[len(prompt):]
+    np.testing.assert_allclose(sampled.sequences[0].logprobs, scored, atol=0.1)  # bf16's rounding; float32 holds 1e-4

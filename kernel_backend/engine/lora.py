@@ -81,7 +81,8 @@ class MultiLoraLinear(nn.Module):
         # Rows index dim 0 of x, whatever its shape: turn each group's rows into rows of x2d.
         per_row = tokens // x.shape[0] if x.dim() > 1 else 1
         spans = [_token_rows(rows, per_row, tokens) for _, rows in groups]
-        weights = [w for adapter, _ in groups for w in adapter.weights[self.name]]
+        # Adapters keep float32 weights over a bf16 base (mixed precision); their products run in the input's dtype.
+        weights = [w.to(x2d.dtype) for adapter, _ in groups for w in adapter.weights[self.name]]
         scales = [adapter.scale for adapter, _ in groups]
         with small_products.small(tokens * rank * (in_features + out_features)):
             if torch.is_grad_enabled() and (x2d.requires_grad or any(w.requires_grad for w in weights)):
@@ -236,10 +237,9 @@ def new_adapter(model: nn.Module, config: LoraConfig) -> Adapter:
         bound = 1 / math.sqrt(base.shape[1])  # what kaiming_uniform_(a=sqrt(5)) gives
         a.uniform_(-bound, bound, generator=generator)
         b = torch.zeros(base.shape[0], config.rank, dtype=torch.float32)
-        weights[name] = (
-            nn.Parameter(a.to(base.device, base.dtype)),
-            nn.Parameter(b.to(base.device, base.dtype)),
-        )
+        # float32 whatever the base's dtype: bf16 would round away AdamW's small updates (a master copy, as in
+        # mixed-precision training); the layer casts them to the activations' dtype for its products.
+        weights[name] = (nn.Parameter(a.to(base.device)), nn.Parameter(b.to(base.device)))
     return Adapter(config, weights)
 
 
@@ -347,9 +347,9 @@ def load_peft(model: nn.Module, directory: Path, trainable: bool = True) -> Adap
         key = f"{PEFT_PREFIX}{name}.lora_A.weight"
         if key not in tensors:
             continue
-        dtype, device = layer.base.weight.dtype, layer.base.weight.device
-        a = tensors[key].to(device, dtype)
-        b = tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"].to(device, dtype)
+        device = layer.base.weight.device  # float32 over any base (new_adapter says why)
+        a = tensors[key].to(device, torch.float32)
+        b = tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"].to(device, torch.float32)
         expected_a = (config.rank, layer.base.weight.shape[1])
         expected_b = (layer.base.weight.shape[0], config.rank)
         if tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:

@@ -197,7 +197,7 @@ def model_facts(engine) -> dict:
     for name, module in lora.lora_layers(engine.model).items():
         kind = name.rsplit(".", 1)[-1]
         weight = module.base.weight
-        per_rank[kind] = per_rank.get(kind, 0) + (weight.shape[0] + weight.shape[1]) * weight.element_size()
+        per_rank[kind] = per_rank.get(kind, 0) + (weight.shape[0] + weight.shape[1]) * 4  # float32 over any base
     full = sum(p.numel() * p.element_size() for p in engine.model.parameters())  # each tied weight once
     return {"max_context": engine.max_context, "vocab_size": engine.vocab_size, "lora_bytes_per_rank": per_rank,
             "full_bytes": full}
