@@ -55,9 +55,8 @@ def run_side(name: str, repo: Path, cookbook_python: Path, steps: int, timeout_s
 
     home = Path(tempfile.mkdtemp(prefix=f"stepwise-bench-guess-{name}-"))
     (home / "models").symlink_to(Path.home() / ".cache" / "stepwise" / "models", target_is_directory=True)
-    server = start_server(home, env={"STEPWISE_EMBEDDED": "0", "STEPWISE_LOOPBACK_KEY": "tml-local", "STEPWISE_DTYPE": dtype},
-                          timeout=600,
-                          repo=repo)
+    env = {"STEPWISE_EMBEDDED": "0", "STEPWISE_LOOPBACK_KEY": "tml-local", "STEPWISE_DTYPE": dtype}
+    server = start_server(home, env=env, timeout=600, repo=repo)
     try:
         since = datetime.datetime.now(datetime.timezone.utc).isoformat()
         start = time.perf_counter()
