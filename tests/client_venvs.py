@@ -6,7 +6,12 @@ each other's), built once per machine into the cache folder by kernel_backend/ve
     anthropic    the official anthropic SDK
     tinker-cookbook   tinker-cookbook 0.5.8's trainers (tests/test_cookbook.py)
 
-Their pinned requirements are tests/clients/<name>.txt. `make test` starts the builds in the
+Their pinned requirements are tests/clients/<name>.txt.
+
+Released tinker SDKs that frameworks pin (TINKER_SDKS, tests/test_sdk_versions.py) need no venv each: every one of
+them, 0.6.3 through 0.38.0, resolves today to the same httpx, pydantic, numpy, protobuf and transformers as our
+own venv, so each is only the `tinker` package, installed --no-deps into a folder of its own
+(<cache>/tinker-sdk-<version>) and put first on PYTHONPATH in front of our interpreter (seconds, built on first use). `make test` starts the builds in the
 background before the tests run (a few minutes cold, all four; instant once built); a test that
 needs one waits for it (conftest.wait_for_venv).
 
@@ -15,7 +20,10 @@ needs one waits for it (conftest.wait_for_venv).
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -48,6 +56,24 @@ def client_env(**extra: str) -> dict[str, str]:
 def client(name: str) -> Venv:
     return Venv(name, REQUIREMENTS / f"{name}.txt", CHECKS[name], Settings().cache_dir,
                 first=[TORCH] if name in NEEDS_TORCH else [], build_command=BUILD_COMMAND.format(name=name))
+
+
+TINKER_SDKS = ("0.6.3", "0.12.0", "0.16.1", "0.18.2", "0.24.1", "0.30.4", "0.38.0")
+
+
+def tinker_sdk(version: str) -> Path:
+    """The folder holding tinker `version` alone (for PYTHONPATH), installed on first use; one builder at a time."""
+    folder = Settings().cache_dir / f"tinker-sdk-{version}"
+    stamp = folder / ".stepwise-built"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not stamp.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # an install that was interrupted
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
+                            "--target", str(folder), f"tinker=={version}"], check=True, capture_output=True)
+            stamp.touch()
+    return folder
 
 
 def main(argv: list[str]) -> int:

@@ -38,7 +38,10 @@ class Api:
     def wait(self, request_id: str) -> httpx.Response:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            r = self.http.post("/retrieve_future", json={"request_id": request_id, "allow_metadata_only": True})
+            # Accept as the 0.38 SDK sends it for every poll whose result may be protobuf (tests/test_sdk_versions.py
+            # has the older SDKs' JSON).
+            r = self.http.post("/retrieve_future", json={"request_id": request_id, "allow_metadata_only": True},
+                               headers={"Accept": "application/x-protobuf"})
             r.raise_for_status()
             if r.headers["content-type"].startswith("application/json") and r.json().get("type") == "try_again":
                 continue

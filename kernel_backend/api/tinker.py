@@ -17,6 +17,7 @@ from kernel_backend import runtime
 from kernel_backend.api import wire
 from kernel_backend.api.auth import Caller, caller_of, operator_of, tenant_of
 from kernel_backend.service import Service, accounts, checkpoints, sampling, sessions, training
+from kernel_backend.service.core import PROTO_TYPE
 from kernel_backend.persistence.database import FutureRow
 from kernel_backend.errors import UserError
 
@@ -73,6 +74,13 @@ def client_config(tenant: str = Depends(tenant_of)):
     # A 402 here is a budget that refuses more work (kernel_backend/service/budgets.py), not a lapsed payment that
     # may come back: the SDK should not pause and resend for up to an hour, but stop (after one resend).
     return {"pjwt_auth_enabled": True, "proto_compress_fwdbwd": False, "billing_exception_max_pause_duration_sec": 0}
+
+
+@router.post("/client/dynamic_config")
+def client_dynamic_config(tenant: str = Depends(tenant_of)):
+    # The flags tinker >= 0.30 re-reads every refresh_interval_sec (a 404 also means its defaults, but reads as an
+    # error in a server's log). There is no /cancel_future route here, so the SDK is told not to send any.
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
 
 
 @router.post("/auth/token")
@@ -156,8 +164,9 @@ def create_model(body: T.CreateModelRequest, tenant: str = Depends(tenant_of), s
 
 
 @router.post("/get_info")
-def get_info(body: T.GetInfoRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    return training.get_info(svc, tenant, body.model_id)
+def get_info(body: T.GetInfoRequest, request: Request, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    local = request.client is not None and runtime.is_loopback(request.client.host)
+    return training.get_info(svc, tenant, body.model_id, client_is_local=local)
 
 
 @router.post("/forward_backward", openapi_extra=PROTOBUF_BODY)
@@ -244,10 +253,15 @@ def asample(body: T.SampleRequest, tenant: str = Depends(tenant_of), svc: Servic
 
 
 @router.post("/retrieve_future")
-async def retrieve_future(body: T.FutureRetrieveRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+async def retrieve_future(body: T.FutureRetrieveRequest, request: Request, tenant: str = Depends(tenant_of),
+                          svc: Service = Depends(service)):
     row = await svc.retrieve(tenant, body.request_id)
     if row is None:
         return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
     if row.status == "interrupted":  # 410: the SDK submits the request again
         return Response(content=row.result, media_type=row.content_type, status_code=410)
+    # Content negotiation: a reply stored as protobuf goes as JSON to a client that did not ask for protobuf
+    # (tinker before 0.24 for ForwardBackwardOutput, before 0.18 for SampleResponse).
+    if row.content_type == PROTO_TYPE and not wire.accepts_protobuf(request.headers.get("accept")):
+        return wire.proto_reply_as_json(row.result, row.request_type)
     return Response(content=row.result, media_type=row.content_type)

@@ -570,3 +570,53 @@ def _topk_matrix(rows: list[list[tuple[int, float]] | None]) -> pb.TopkLogprobs:
         for j, (token, lp) in enumerate(row or ()):
             ids[i, j], lps[i, j] = token, lp
     return pb.TopkLogprobs(length=n, k=k, token_ids=ids.tobytes(), logprobs=lps.tobytes())
+
+
+# ---- results: JSON, for clients that do not accept protobuf -----------------------------------------
+# A finished Sample, Forward or ForwardBackward future is stored as the protobuf reply tinker >= 0.24 asks
+# for. Older SDKs (0.18 reads protobuf for SampleResponse only, 0.16 and before for nothing) send
+# `Accept: application/json` and validate the reply with pydantic: these give them the same result in the
+# JSON shapes those SDKs' types declare, decoded with the SDK's own reader so nothing is lost on the way.
+
+PROTO_REPLY_TYPES = {"Sample": "SampleResponse", "Forward": "ForwardBackwardOutput",
+                     "ForwardBackward": "ForwardBackwardOutput"}
+
+
+def accepts_protobuf(accept: str | None) -> bool:
+    """Whether an Accept header lists application/x-protobuf with a quality above 0. A header that is
+    silent (absent, `*/*`) gets JSON, which every SDK version and every HTTP tool reads."""
+    for item in (accept or "").split(","):
+        media, *params = [part.strip() for part in item.split(";")]
+        if media.lower() == "application/x-protobuf":
+            quality = next((p.split("=", 1)[1] for p in params if p.replace(" ", "").startswith("q=")), "1")
+            try:
+                return float(quality) > 0
+            except ValueError:
+                return True
+    return False
+
+
+def proto_reply_as_json(body: bytes, request_type: str) -> dict:
+    """A stored protobuf reply (SampleResponse or ForwardBackwardOutput, by the future's request type) as the
+    JSON object tinker SDKs before protobuf replies validate."""
+    from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
+
+    if PROTO_REPLY_TYPES.get(request_type) == "SampleResponse":
+        reply = deserialize_sample_response(body)
+        return {
+            "type": "sample",
+            "sequences": [{"stop_reason": seq.stop_reason, "tokens": list(seq.tokens), "logprobs": list(seq.logprobs)}
+                          for seq in reply.sequences],
+            "prompt_logprobs": reply.prompt_logprobs,
+            "topk_prompt_logprobs": reply.topk_prompt_logprobs,
+        }
+    if PROTO_REPLY_TYPES.get(request_type) == "ForwardBackwardOutput":
+        reply = deserialize_forward_backward_output(body)
+        return {
+            "loss_fn_output_type": reply.loss_fn_output_type,
+            "loss_fn_outputs": [{name: {"data": np.asarray(t.to_numpy()).ravel().tolist(), "dtype": t.dtype,
+                                        "shape": list(t.shape) if t.shape is not None else None}
+                                 for name, t in out.items()} for out in reply.loss_fn_outputs],
+            "metrics": dict(reply.metrics),
+        }
+    raise ValueError(f"a {request_type} future has no protobuf reply")

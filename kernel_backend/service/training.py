@@ -73,12 +73,13 @@ def replicas_asked(user_metadata: dict | None) -> int | None:
     return replicas
 
 
-def get_info(svc: Service, tenant: str, model_id: str) -> dict:
+def get_info(svc: Service, tenant: str, model_id: str, client_is_local: bool = False) -> dict:
     run = svc.run(tenant, model_id)
-    # The SDK's get_tokenizer() loads tokenizer_id on the client. The embedded backend's client is on
-    # this machine, so the local folder works offline; a shared server names the model, never a path.
+    # The SDK's get_tokenizer() loads tokenizer_id on the client. A client on this machine (the embedded
+    # backend's, or a plain script talking to `serve` over loopback) gets the local folder, which loads with no
+    # network wait (a hub id costs ~50 s of retries offline); a remote client gets the model's name, never a path.
     folder = base_models.resolve(run.base_model, svc.settings.models_dir, svc.settings.base_models)[1]
-    tokenizer_id = str(folder) if svc.settings.embedded else run.base_model
+    tokenizer_id = str(folder) if svc.settings.embedded or client_is_local else run.base_model
     return {
         "type": "get_info",
         "model_id": model_id,
