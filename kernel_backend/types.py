@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kernel_backend import grammars
 from kernel_backend.errors import UserError
 
 
@@ -153,9 +154,15 @@ class SampleOptions:
     target_prompt_logprobs: TargetIds | None = None
     prompt_alt_tokens_k: int = 0  # draws at every prompt position after the first
     prompt_logprobs_last_n: int | None = None
+    # Not Tinker's: a grammar the generated text must match (kernel_backend/grammars.py; enforced by the built-in
+    # sampler, engine/constraints.py). What the OpenAI and Anthropic routes' response_format and forced or strict
+    # tool calls become.
+    grammar: str | None = None
 
     def check(self, prompt_tokens: int) -> None:
         """Bound the options for a prompt of this many tokens (token ids are the engine's to check)."""
+        if self.grammar is not None:
+            grammars.check(self.grammar)
         for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
             k = getattr(self, name)
             if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOPK_LOGPROBS:

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 # The layers, lowest first: a module may import its own layer and those below it. The shared modules are at
 # the bottom; the process (the command line, the supervisor, export) at the top, free to import anything.
 LAYERS = {"shared": 0, "engine": 1, "persistence": 1, "vllm": 1, "execution": 2, "service": 3, "api": 4, "process": 5}
-SHARED = {"config", "errors", "types", "metering", "runtime", "tool_calls", "venvs"}
+SHARED = {"config", "errors", "grammars", "types", "metering", "runtime", "tool_calls", "venvs"}
 PACKAGES = {"engine", "persistence", "vllm", "execution", "service", "api"}
 
 

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from kernel_backend.engine import (adapter_cache, base_models, families, full_weights, lora, losses, matmul, optimizers,
-                                   packed_forward, prefix_tree, sampler)
+from kernel_backend.engine import (adapter_cache, base_models, constraints, families, full_weights, lora, losses, matmul,
+                                   optimizers, packed_forward, prefix_tree, sampler)
 from kernel_backend.engine.step_history import StepHistory, write_state, write_weights
 from kernel_backend.config import Settings
 from kernel_backend.types import (
@@ -90,6 +90,7 @@ class Engine:
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 2048))
         lora.attach(self.model, matmul.choose(self.settings.matmul, self.settings.device, dtype))
         self.decoder = self._make_decoder()
+        self._grammars: constraints.Compiler | None = None  # made on the first constrained request (~0.3 s)
         # Every adapter this engine serves; what stays on the device is bounded in bytes (engine/adapter_cache.py).
         self.adapters = adapter_cache.AdapterCache(
             adapter_cache.budget_bytes(self.settings.adapter_cache_mb, self.settings.device),
@@ -517,6 +518,8 @@ class Engine:
         prompt = _check_tokens(prompt, self.vocab_size, "prompt")
         stop_ids, stop_strings = self._check_sampling(prompt, num_samples, params, options)
         request = sampler.SampleRequest(adapter, prompt, num_samples, params, stop_ids, stop_strings, options, on_token)
+        if options.grammar is not None:
+            request.constraint = self.grammars().compile(options.grammar)
         if cancel is not None:
             request.cancel = cancel
         if request.kv_tokens > self.decoder.budget_tokens:
@@ -526,6 +529,12 @@ class Engine:
                 "lower num_samples or max_tokens, or raise STEPWISE_SAMPLE_CACHE_MB"
             )
         return request
+
+    def grammars(self) -> constraints.Compiler:
+        """The compiled grammars of constrained sampling, for this engine's tokenizer (engine/constraints.py)."""
+        if self._grammars is None:
+            self._grammars = constraints.Compiler(self.tokenizer, self.vocab_size, self._eos_ids())
+        return self._grammars
 
     def run_requests(self, requests: list[sampler.SampleRequest]) -> list[SampleResult | Exception]:
         """Decode requests together until every one is done (tests and benchmarks; the service's

@@ -24,7 +24,10 @@ What every path keeps, exactly:
 - each row draws from its own random stream, seeded from (request seed, row), so a seeded
   request samples the same tokens whatever else shares the batch;
 - Tinker's stop rules: end-of-sequence by default, strings or token ids, `[]` never stops; the
-  stop token is kept in the returned tokens.
+  stop token is kept in the returned tokens;
+- a row of a request with a grammar (SampleOptions.grammar) draws only tokens its grammar allows, its
+  logits masked before the draw (engine/constraints.py), stops only where the grammar accepts and stops
+  when it is complete; its logprobs are still the model's own, unmasked.
 
 The forward pass is the packed one (engine/packed_forward.py: Llama's layer and the families that vary it,
 calling the model's own modules). Tokens travel as one flat (tokens, hidden) batch, so rows of different
@@ -45,7 +48,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kernel_backend.engine import families, lora, prefix_cache, small_products
+from kernel_backend.engine import constraints, families, lora, prefix_cache, small_products
 from kernel_backend.engine.packed_forward import flat_forward
 from kernel_backend.types import SampledSequence, SampleOptions, SampleResult, SamplingParams
 from kernel_backend.errors import Cancelled
@@ -74,6 +77,8 @@ class SampleRequest:
     result: SampleResult | None = None
     error: Exception | None = None
     compute_s: float = 0.0
+    # options.grammar compiled (engine/constraints.py): each row decodes with a copy of it.
+    constraint: constraints.Compiled | None = None
 
     @property
     def kv_tokens(self) -> int:
@@ -197,6 +202,7 @@ class _Active:
         self.logits_from = min(self.logprobs_from, 0 if k else scored,
                                targets.first_row if targets is not None else scored)
         self.generators = [row_generator(request.params.seed, i) for i in range(n)]
+        self.matchers = [request.constraint.matcher.deep_copy() for _ in range(n)] if request.constraint else None
         self.sequences = [SampledSequence([], [], "length", [] if options.topk_sample_logprobs else None) for _ in range(n)]
         self.rows_left = n
 
@@ -243,7 +249,10 @@ class _Active:
         if request.on_token is not None:
             request.on_token(row, token, logprob)
         stop_strings = request.stop_strings
-        if token in request.stop_token_ids or (stop_strings and any(s in self.decode_text(seq.tokens) for s in stop_strings)):
+        stopped = token in request.stop_token_ids
+        if self.matchers is not None and not stopped:
+            stopped = constraints.advance(self.matchers[row], token)  # the grammar is complete
+        if stopped or (stop_strings and any(s in self.decode_text(seq.tokens) for s in stop_strings)):
             seq.stop_reason = "stop"
         elif len(seq.tokens) < request.params.max_tokens:
             return True
@@ -285,6 +294,14 @@ def _choose_for(actives: list[_Active], rows: list[int], logits: torch.Tensor):
         if params.adjusts_logits:
             sampled_from = logits.clone() if sampled_from is logits else sampled_from
             sampled_from[i] = adjust_logits(logits[i], params, active.request.prompt, active.sequences[rows[i]].tokens)
+    constrained = [i for i, active in enumerate(actives) if active.matchers is not None]
+    if constrained:  # each grammar's allowed tokens, after the row's own adjustments and before its filters
+        sampled_from = logits.clone() if sampled_from is logits else sampled_from
+        index = torch.tensor(constrained, device=logits.device)
+        compiler = actives[constrained[0]].request.constraint.compiler
+        allowed = compiler.allowed([actives[i].matchers[rows[i]] for i in constrained],
+                                   [actives[i].request.stop_token_ids for i in constrained])
+        sampled_from[index] = sampled_from[index].masked_fill(~allowed.to(logits.device), float("-inf"))
     for members in by_filter.values():
         index = torch.tensor(members, device=logits.device)
         generators = [actives[i].generators[rows[i]] for i in members]
@@ -296,6 +313,8 @@ def _choose_for(actives: list[_Active], rows: list[int], logits: torch.Tensor):
         values = best.values - log_total[index]
         for i, ids, lps in zip(members, best.indices.tolist(), values.tolist()):
             tops[i] = list(zip(ids, lps))
+    # From the model's own logits, unmasked and unadjusted: the logprob reported is the model's, whatever a
+    # grammar, a penalty or a filter did to the draw.
     chosen = logits.gather(-1, tokens[:, None]) - log_total
     return tokens.tolist(), chosen.squeeze(-1).tolist(), tops
 

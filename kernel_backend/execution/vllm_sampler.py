@@ -20,6 +20,8 @@ Of the sampling options, vLLM serves prompt logprobs and top-k logprobs (prompt 
 prompt_logprobs_last_n (its prompt logprobs, with the entries before the last n dropped here).
 target_prompt_logprobs and prompt_alt_tokens_k have no vLLM counterpart (vLLM's prompt logprobs name
 the top k ids, not given ones, and it draws no tokens at prompt positions): they are refused with a 400.
+So, for now, is a grammar (SampleOptions.grammar: response_format, forced and strict tool calls), which the
+built-in sampler enforces (engine/constraints.py) and vLLM's structured outputs are not yet given.
 
 CPU and GPU are one code path: `engine_args` is the only place they differ.
 """
@@ -424,6 +426,10 @@ class VllmSampling:
                 raise UserError(f"{name} is not supported by this server's sampler (vLLM, STEPWISE_SAMPLER=vllm); "
                                 "use a server with the built-in sampler (STEPWISE_SAMPLER=batched, the default), "
                                 "or leave it out")
+        if options.grammar is not None:  # vLLM's structured outputs are not wired in yet: refused, never ignored
+            raise UserError("constrained decoding (response_format, a forced or required tool call, strict tools) is "
+                            "not supported by this server's sampler (vLLM, STEPWISE_SAMPLER=vllm) yet; use a server "
+                            "with the built-in sampler (STEPWISE_SAMPLER=batched, the default), or leave it out")
 
     # ---- adapters, from the service's jobs on the scheduler thread ----------------------------------
 
