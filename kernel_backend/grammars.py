@@ -27,7 +27,10 @@ def json_rule(schema, what: str) -> str:
         raise UserError(f"{what} must be a JSON schema object, got {type(schema).__name__}")
     # JSON as json.dumps writes it (", " and ": ", no other whitespace): a model may not pad a reply with
     # whitespace until max_tokens, the known failure of flexible-whitespace JSON grammars.
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_LAYOUT}, ensure_ascii=False)
+    try:
+        return "%json " + json.dumps({**schema, "x-guidance": JSON_LAYOUT}, ensure_ascii=False)
+    except RecursionError:
+        raise UserError(f"{what} is nested too deeply to enforce; flatten it (use $defs and $ref)") from None
 
 
 def json_grammar(schema, what: str) -> str:
@@ -49,7 +52,13 @@ def check(grammar: str, what: str = "the grammar") -> str:
                         "compiles; send a smaller schema")
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
-        # llguidance's first line says what is wrong, after where in our grammar text (no use to the sender).
-        reason = re.sub(r"^at \d+\(\d+\): ", "", error.strip().splitlines()[0])
+        # llguidance says what is wrong after where in our grammar text, and ends with a listing of that text: the
+        # sender wrote neither.
+        lines = []
+        for line in error.strip().splitlines():
+            if re.match(r"\s*\d+ \|", line):
+                break
+            lines.append(line.strip())
+        reason = re.sub(r"^at \d+\(\d+\): ", "", " ".join(filter(None, lines)))[:500]
         raise UserError(f"{what} cannot be enforced: {reason}")
     return grammar

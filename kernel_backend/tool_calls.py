@@ -24,12 +24,14 @@ Replies are parsed for <tool_call> blocks; a block that is not JSON with a "name
 call the model garbled is seen, never dropped. A template that writes calls in another format
 (Llama 3.1's bare JSON, Mistral's [TOOL_CALLS]) is refused with a 400 that says so.
 
-`strict` (OpenAI's promise that a call's arguments match the schema) is taken but not enforced: a
-call is parsed from what the model wrote, and one that is not valid JSON comes back as text.
-
 tool_choice: "auto" offers the tools and parses the reply; "none" offers them (as vLLM does) but
 parses nothing; "required" and a named function start the reply with the call's opening (`<tool_call>`,
-and the name) as a prefill the model continues: that forces a call to begin, not its JSON to be valid.
+and the name) as a prefill the model continues under a grammar (`grammar`, enforced while decoding:
+engine/constraints.py): its arguments are JSON that validates against the tool's parameters, every time,
+and the call closes. Under "auto", when a tool is declared `strict` (OpenAI's promise that a call's
+arguments match the schema) or response_format asks for JSON, the reply is under a grammar too: a call the
+model chooses to make is held to its tool's schema the same way. Otherwise calls are parsed from what the model
+wrote, and one that is not valid JSON comes back as text. A constrained reply holds one call.
 """
 
 from __future__ import annotations
@@ -39,10 +41,12 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from kernel_backend import grammars
 from kernel_backend.errors import UserError
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CALL_CLOSE) + r"|$)", re.DOTALL)
+_CALL_END = re.compile(r"\s*(?:" + re.escape(CALL_CLOSE) + r"|$)")  # after a call's JSON: its close, or the end
+_JSON = json.JSONDecoder()
 
 FALLBACK_INSTRUCTIONS = (
     "You may call one or more functions to assist with the user query. The functions you can call are "
@@ -59,6 +63,7 @@ class Choice:
     parse: bool = False
     prefill: str = ""  # the reply's forced opening, continued by the model
     only_first: bool = False  # parallel calls off: the first call is kept
+    forced: str | None = None  # "required", or the name of the function the reply must call
 
 
 @dataclass
@@ -101,7 +106,7 @@ def choice(tool_choice, tools: list[dict], parallel: bool = True) -> Choice:
     if tool_choice == "none":
         return Choice()
     if tool_choice == "required":
-        return Choice(parse=True, prefill=CALL_OPEN + "\n", only_first=not parallel)
+        return Choice(parse=True, prefill=CALL_OPEN + "\n", only_first=not parallel, forced="required")
     name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
     if name is None:
         raise UserError(f"tool_choice {tool_choice!r} is not one of 'auto', 'none', 'required' or "
@@ -109,7 +114,55 @@ def choice(tool_choice, tools: list[dict], parallel: bool = True) -> Choice:
     if name not in {t["function"]["name"] for t in tools}:
         raise UserError(f"tool_choice names {name!r}, which is not among the tools sent")
     return Choice(parse=True, prefill=CALL_OPEN + '\n{"name": ' + json.dumps(name) + ', "arguments": ',
-                  only_first=True)
+                  only_first=True, forced=name)
+
+
+# Free text without a call's opening, and free text up to one (lazy: it ends at the first `<tool_call>`).
+_TEXT_OR_CALL = ("start: TEXT | before call {close}\n"
+                 "TEXT: /(?s:.*)/ & ~/(?s:.*" + re.escape(CALL_OPEN) + ".*)/\n"
+                 "before[lazy]: /(?s:.*)" + re.escape(CALL_OPEN) + "\\n/\n")
+
+
+def grammar(choice: Choice, tools: list[dict], content: dict | None = None) -> str | None:
+    """The grammar the reply (after choice.prefill) must match, or None when it is free: a forced call's arguments
+    validate against its tool's parameters; under "auto", when a tool is strict or `content` (a JSON schema:
+    response_format's) asks for JSON, a call's arguments validate against its tool's, and a reply that is not a call
+    is `content`'s JSON (or free text). A UserError names a schema that cannot be enforced."""
+    close = grammars.literal("\n" + CALL_CLOSE)
+    if choice.forced is not None and choice.forced != "required":
+        (i, tool), = [(i, t) for i, t in enumerate(tools) if t["function"]["name"] == choice.forced]
+        return grammars.check(f'start: args "}}" {close}\nargs: {_arguments(tool, i)}\n', f"tools[{i}]")
+    if choice.forced == "required":
+        return grammars.check(f"start: call {close}\n" + _call_rules(tools), "tools")
+    strict = choice.parse and any(t["function"].get("strict") for t in tools)
+    if content is None and not strict:
+        return None
+    value = grammars.json_rule(content, "response_format's schema") if content is not None else None
+    if not choice.parse:
+        return grammars.check(f"start: value\nvalue: {value}\n", "response_format's schema")
+    calls = _call_rules(tools)
+    if value is not None:
+        opening = grammars.literal(CALL_OPEN + "\n")
+        return grammars.check(f"start: value | {opening} call {close}\nvalue: {value}\n" + calls,
+                              "response_format's schema with the tools")
+    return grammars.check(_TEXT_OR_CALL.format(close=close) + calls, "the strict tools")
+
+
+def _call_rules(tools: list[dict]) -> str:
+    """Lark rules of `call`: one call's JSON, `{"name": ..., "arguments": {...}}`, of any of the tools, its arguments
+    held to the tool's parameters (strict or not: a reply under a grammar gets no call that could fail)."""
+    rules, names = [], []
+    for i, tool in enumerate(tools):
+        start = grammars.literal('{"name": ' + json.dumps(tool["function"]["name"]) + ', "arguments": ')
+        rules.append(f'call_{i}: {start} args_{i} "}}"\nargs_{i}: {_arguments(tool, i)}\n')
+        names.append(f"call_{i}")
+    return "call: " + " | ".join(names) + "\n" + "".join(rules)
+
+
+def _arguments(tool: dict, index: int) -> str:
+    """The rule body of a call's arguments: a JSON object valid against the tool's parameters."""
+    return grammars.json_rule(tool["function"].get("parameters") or {"type": "object"},
+                              f"tools[{index}].function.parameters")
 
 
 def knows_tools(tokenizer) -> bool:
@@ -197,25 +250,35 @@ def _arguments_as_objects(messages: list[dict]) -> list[dict]:
 
 def parse(text: str, only_first: bool = False) -> Reply:
     """A reply's text and its tool calls (<tool_call> blocks that are JSON with a name; an unclosed last
-    block counts, as a reply cut at a stop token ends one)."""
+    block counts, as a reply cut at a stop token ends one). A block's JSON is read whole, so a `</tool_call>`
+    inside one of its strings does not cut it short."""
     calls, kept = [], []
-    at = 0
-    for match in _CALL.finditer(text):
-        call = _parsed_call(match.group(1))
-        if call is None or (only_first and calls):
+    at = search = 0
+    while (start := text.find(CALL_OPEN, search)) >= 0:
+        search = start + len(CALL_OPEN)
+        found = _call_at(text, search)
+        if found is None or (only_first and calls):
             continue
-        kept.append(text[at:match.start()])
-        at = match.end()
+        call, search = found
+        kept.append(text[at:start])
+        at = search
         calls.append(call)
     kept.append(text[at:])
     return Reply(content="".join(kept).strip() if calls else text, calls=calls)
 
 
-def _parsed_call(body: str) -> dict | None:
+def _call_at(text: str, at: int) -> tuple[dict, int] | None:
+    """The call whose JSON starts at `at` (after whitespace), and where its block ends; None if it is not one."""
     try:
-        value = json.loads(body)
+        value, end = _JSON.raw_decode(text, re.compile(r"\s*").match(text, at).end())
     except json.JSONDecodeError:
         return None
+    close = _CALL_END.match(text, end)
+    call = _parsed_call(value) if close is not None else None
+    return (call, close.end()) if call is not None else None
+
+
+def _parsed_call(value) -> dict | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))

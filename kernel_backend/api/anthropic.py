@@ -9,7 +9,9 @@ ledger (request type "Message"); its errors are the app's handlers' (app.py), in
 shape on this path. Content is text, tool_use and tool_result blocks; images, documents and
 Anthropic's server tools answer a 400 that says so. Tools and tool_choice (auto, any, tool, none)
 go through kernel_backend/tool_calls.py, as the OpenAI route's do; a reply's calls come back as
-tool_use blocks with stop_reason "tool_use". Errors come in Anthropic's shape,
+tool_use blocks with stop_reason "tool_use". tool_choice any and tool (and a tool's `strict`) are enforced while
+decoding, by a grammar (engine/constraints.py): the tool_use block's input validates against the tool's
+input_schema every time it finishes within max_tokens. Errors come in Anthropic's shape,
 {"type": "error", "error": {"type", "message"}}. Streaming sends Anthropic's server-sent events:
 message_start, ping, content_block_start, content_block_delta (text_delta, or input_json_delta for
 a tool_use block) ..., content_block_stop per block, message_delta (stop reason, output tokens),
@@ -33,7 +35,7 @@ from kernel_backend.api.auth import tenant_of
 from kernel_backend.api.openai import cut_at_stop, start_streaming, text_deltas, visible_tokens
 from kernel_backend.api.tinker import service
 from kernel_backend.service import Service, sampling
-from kernel_backend.types import SamplingParams
+from kernel_backend.types import SampleOptions, SamplingParams
 from kernel_backend.errors import UserError, redact_paths
 
 PATH = "/v1/messages"
@@ -105,7 +107,7 @@ router = APIRouter()
 def count_tokens(body: MessagesInput, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
     """The prompt's length in tokens, tools included; free, as Anthropic's is (it runs no model)."""
     base, _ = sampling.openai_model(svc, tenant, body.model)
-    prompt, _ = _prompt(body, sampling.tokenizer(svc, base))
+    prompt, _, _ = _prompt(body, sampling.tokenizer(svc, base))
     return {"input_tokens": len(prompt)}
 
 
@@ -113,16 +115,17 @@ def count_tokens(body: MessagesInput, tenant: str = Depends(tenant_of), svc: Ser
 async def messages(body: MessagesRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
     base, path = sampling.openai_model(svc, tenant, body.model)
     tokenizer = sampling.tokenizer(svc, base)
-    prompt, choice = _prompt(body, tokenizer)
+    prompt, choice, grammar = _prompt(body, tokenizer)
+    options = SampleOptions(grammar=grammar)
     stop = [s for s in body.stop_sequences or [] if s]
     params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
                             top_k=body.top_k or -1, seed=body.seed, stop=stop or None)
     message_id = "msg_" + uuid.uuid4().hex
     if body.stream:
-        task, queue = start_streaming(svc, tenant, REQUEST_TYPE, base, path, prompt, 1, params)
+        task, queue = start_streaming(svc, tenant, REQUEST_TYPE, base, path, prompt, 1, params, options)
         return StreamingResponse(_events(task, queue, tokenizer, message_id, body.model, len(prompt), stop, choice),
                                  media_type="text/event-stream")
-    (result,) = await sampling.generate(svc, tenant, REQUEST_TYPE, base, path, [prompt], 1, params)
+    (result,) = await sampling.generate(svc, tenant, REQUEST_TYPE, base, path, [prompt], 1, params, options)
     (seq,) = result.sequences
     visible, _ = visible_tokens(seq, tokenizer, stop, sampling.eos_ids(svc, base))
     text = tokenizer.decode(visible)
@@ -135,8 +138,9 @@ async def messages(body: MessagesRequest, tenant: str = Depends(tenant_of), svc:
             "usage": {"input_tokens": len(prompt), "output_tokens": len(seq.tokens)}}
 
 
-def _prompt(body: MessagesInput, tokenizer) -> tuple[list[int], tool_calls.Choice]:
-    """The request's prompt tokens (tools offered, the reply's opening forced by tool_choice) and its Choice."""
+def _prompt(body: MessagesInput, tokenizer) -> tuple[list[int], tool_calls.Choice, str | None]:
+    """The request's prompt tokens (tools offered, the reply's opening forced by tool_choice), its Choice and the
+    grammar the reply must match (tool_calls.grammar: a forced call's, strict tools'; None for free text)."""
     tools = tool_calls.check_tools([_as_function(i, tool) for i, tool in enumerate(body.tools or [])])
     pick = body.tool_choice or ToolChoice(type="auto")
     openai_choice = {"auto": "auto", "any": "required", "none": "none",
@@ -146,7 +150,7 @@ def _prompt(body: MessagesInput, tokenizer) -> tuple[list[int], tool_calls.Choic
     chat = [{"role": "system", "content": _text(body.system)}] if body.system else []
     for message in body.messages:
         chat += _chat_messages(message)
-    return tool_calls.render(tokenizer, chat, tools, choice.prefill), choice
+    return tool_calls.render(tokenizer, chat, tools, choice.prefill), choice, tool_calls.grammar(choice, tools)
 
 
 def _as_function(index: int, tool: dict) -> dict:
@@ -155,7 +159,8 @@ def _as_function(index: int, tool: dict) -> dict:
         raise UserError(f"tools[{index}] is Anthropic's server tool {tool.get('type')!r}, which this server does not "
                         "run; declare your own tool with name, description and input_schema and run it yourself")
     return {"type": "function", "function": {"name": tool.get("name"), "description": tool.get("description", ""),
-                                             "parameters": tool.get("input_schema", {"type": "object"})}}
+                                             "parameters": tool.get("input_schema", {"type": "object"}),
+                                             "strict": bool(tool.get("strict"))}}
 
 
 def _chat_messages(message: Message) -> list[dict]:

@@ -14,6 +14,10 @@ the prompt and generates nothing.
 Chat completions take tools: `tools`, `tool_choice`, `parallel_tool_calls`, assistant `tool_calls` and
 `role: "tool"` messages; a reply's calls come back as `tool_calls` (finish_reason "tool_calls"), streamed as
 tool_calls deltas once the reply is complete (kernel_backend/tool_calls.py renders and parses them).
+`response_format` (json_object, json_schema; on completions too), a forced or required tool call and strict tools
+are enforced while decoding, by a grammar that masks each token's choices (engine/constraints.py): the reply
+validates every time it finishes within max_tokens (finish_reason "length" otherwise); logprobs stay the model's
+own. A schema that cannot be enforced is a 400 naming what is wrong.
 Errors use OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 """
 
@@ -97,6 +101,8 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}: enforced
+    response_format: dict | None = None
 
 
 class ChatRequest(SamplingFields):
@@ -138,9 +144,11 @@ def build_router(prefix: str) -> APIRouter:
                                        "tool_choice", param="functions")
             tools = tool_calls.check_tools(body.tools or [])
             choice = tool_calls.choice(body.tool_choice, tools, body.parallel_tool_calls)
+            grammar = tool_calls.grammar(choice, tools, _response_schema(body.response_format))
             prompt = tool_calls.render(tokenizer, [_message(m) for m in body.messages], tools, choice.prefill)
             top = (body.top_logprobs or 0) if body.logprobs else 0
-            return await _complete(svc, tenant, body, base, path, [prompt], top, chat=True, choice=choice)
+            return await _complete(svc, tenant, body, base, path, [prompt], top, chat=True, choice=choice,
+                                   grammar=grammar)
         except (OpenAIError, UserError, NotFound) as e:
             return _as_openai(e).response()
 
@@ -149,8 +157,9 @@ def build_router(prefix: str) -> APIRouter:
         try:
             base, path = sampling.openai_model(svc, tenant, body.model)
             tokenizer = sampling.tokenizer(svc, base)
+            grammar = tool_calls.grammar(tool_calls.Choice(), [], _response_schema(body.response_format))
             return await _complete(svc, tenant, body, base, path, _prompts(body.prompt, tokenizer), body.logprobs or 0,
-                                   chat=False)
+                                   chat=False, grammar=grammar)
         except (OpenAIError, UserError, NotFound) as e:
             return _as_openai(e).response()
 
@@ -164,6 +173,24 @@ def _as_openai(e: Exception) -> OpenAIError:
         return OpenAIError(404, str(e), param="model", code="model_not_found")
     named = re.match(r"\w+", str(e))  # the engine's checks start with the field they refuse ("min_p must be ...")
     return OpenAIError(400, str(e), param=named[0] if named and named[0] in ChatRequest.model_fields else None)
+
+
+def _response_schema(response_format: dict | None) -> dict | None:
+    """The JSON schema response_format asks the reply to match; None for free text."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise OpenAIError(400, "response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": "
+                                   "{a JSON schema object}, \"strict\": true}}", param="response_format")
+        # strict or not, the schema is enforced: what OpenAI promises only under strict holds either way.
+        return spec["schema"]
+    raise OpenAIError(400, f"response_format type {kind!r} is not supported: send 'text', 'json_object' or "
+                           "'json_schema'", param="response_format")
 
 
 def _message(message: ChatMessage) -> dict:
@@ -205,7 +232,8 @@ def _max_tokens(body: SamplingFields, chat: bool) -> int:
 
 
 async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, path: str | None,
-                    prompts: list[list[int]], top_logprobs: int, chat: bool, choice: tool_calls.Choice | None = None):
+                    prompts: list[list[int]], top_logprobs: int, chat: bool, choice: tool_calls.Choice | None = None,
+                    grammar: str | None = None):
     tokenizer = sampling.tokenizer(svc, base)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     echo, max_tokens = getattr(body, "echo", False), _max_tokens(body, chat)
@@ -221,7 +249,7 @@ async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, 
                             repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
                             presence_penalty=body.presence_penalty, logit_bias={token_id(t, "logit_bias"): bias for t, bias in (body.logit_bias or {}).items()} or None)
     options = SampleOptions(topk_sample_logprobs=top_logprobs, prompt_logprobs=echo and wants_logprobs,
-                            topk_prompt_logprobs=top_logprobs if echo and wants_logprobs else 0)
+                            topk_prompt_logprobs=top_logprobs if echo and wants_logprobs else 0, grammar=grammar)
     request_type = "ChatCompletion" if chat else "Completion"
     completion_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
