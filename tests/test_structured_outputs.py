@@ -81,6 +81,18 @@ def test_greedy_is_masked_too_and_a_grammar_compiles_once(engine, tokenizer):
     assert engine.grammars().compiles == before + 1
 
 
+def test_compiled_grammars_are_a_bounded_cache(engine):
+    compiler = engine.grammars()
+    many = [f'start: "item {i}"\n' for i in range(constraints.CACHE_SIZE + 1)]
+    for grammar in many:
+        compiler.compile(grammar)
+    before = compiler.compiles
+    compiler.compile(many[-1])  # recent: cached
+    assert compiler.compiles == before
+    compiler.compile(many[0])  # the least recently used was dropped when the last came in: compiled again
+    assert compiler.compiles == before + 1
+
+
 def test_end_of_sequence_only_where_the_grammar_accepts(engine, tokenizer):
     """A grammar that may go on after it accepts: the row stops at its end-of-sequence token, never before."""
     prompt = tokenizer("Digits:", add_special_tokens=False)["input_ids"]
