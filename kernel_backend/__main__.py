@@ -106,6 +106,12 @@ def serve_forever(settings, host: str, port: int, log_level: str, exit_when_unus
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from kernel_backend.errors import HomeInUse
 
+    # A server only this machine can reach is one user's: unless a tenant share is set, the tenant has the whole
+    # adapter cache (a full fine-tuning run then needs STEPWISE_ADAPTER_CACHE_MB alone). Set in the environment too,
+    # for the Ray workers this process starts.
+    if runtime.is_loopback(host) and "STEPWISE_MAX_ADAPTER_MB_PER_TENANT" not in os.environ:
+        os.environ["STEPWISE_MAX_ADAPTER_MB_PER_TENANT"] = "0"
+        settings.max_adapter_mb_per_tenant = 0
     try:
         app = create_app(settings)  # takes the home's lock: a second backend of this home stops here
     except HomeInUse as error:

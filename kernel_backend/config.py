@@ -100,7 +100,8 @@ class Settings:
     max_stored_mb_per_tenant: int = env("MAX_STORED_MB_PER_TENANT", 0, "checkpoint storage a tenant may keep (MB)",
                                         shared_default=51200)
     max_adapter_mb_per_tenant: int = env("MAX_ADAPTER_MB_PER_TENANT", 0, "a tenant's share of each engine's adapter "
-                                         "cache (MB), enforced by evicting its own least recently used adapters",
+                                         "cache (MB), enforced by evicting its own least recently used adapters; "
+                                         "none on a `serve` that listens on loopback only, unless set",
                                          shared_default=2048)
     max_body_bytes: int = env("MAX_BODY_BYTES", 64 << 20, "the largest request body the server reads (413 beyond it; "
                               "a zstd body may not expand past it either)")

@@ -175,8 +175,9 @@ def loopback_server(tmp_path_factory, stepwise_home, tiny_model):
     """A backend as a user runs `stepwise serve` on their own machine, in its own home, on the tiny stand-in.
 
     Unlike `tinker_server` (started like the embedded backend, STEPWISE_EMBEDDED=1: no per-tenant
-    caps at all) it runs with the per-tenant defaults of a server several people share, and none of
-    the `shared_server`'s small limits (its 300 tokens a minute would throttle any real run).
+    caps at all) it runs with the per-tenant defaults of a server several people share (but, on loopback only,
+    no tenant share of the adapter cache), and none of the `shared_server`'s small limits (its 300 tokens a
+    minute would throttle any real run).
     Checkpoints (about 8 MB a step here) are deleted afterwards.
     """
     from servers import start_server
@@ -257,3 +258,17 @@ def test_cookbook_multi_turn_recipe_guess_number_runs_to_the_end(cookbook_python
         assert 0 < row["metrics"]["computed_tokens"] < row["train_tokens"] / 2, row
     print(f"cookbook guess_number: {summary}; ledger: " + ", ".join(
         f"{r['train_tokens']} tokens billed, {r['metrics']['computed_tokens']} computed" for r in passes), file=sys.stderr)
+
+
+def test_a_loopback_serve_gives_its_one_user_the_whole_adapter_cache(loopback_server, shared_server):
+    """`stepwise serve` on loopback is one user's: no tenant share of the adapter cache unless one is set (issue
+    56: a full fine-tuning run then needs STEPWISE_ADAPTER_CACHE_MB alone). The shared_server, on loopback too,
+    keeps the share it sets."""
+    from conftest import SHARED_LIMITS
+
+    def owner_budgets(server, key):
+        stats = httpx.get(f"{server.base_url}/api/v1/admin/stats", headers={"X-API-Key": key}, timeout=30).json()
+        return {engine["owner_budget_bytes"] for worker in stats["adapter_cache"].values() for engine in worker.values()}
+
+    assert owner_budgets(loopback_server, LOOPBACK_KEY) == {0}
+    assert owner_budgets(shared_server, shared_server.api_key) == {int(SHARED_LIMITS["STEPWISE_MAX_ADAPTER_MB_PER_TENANT"]) << 20}

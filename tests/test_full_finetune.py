@@ -171,6 +171,11 @@ def test_admission_refuses_a_full_run_the_adapter_cache_could_never_hold(engine)
         small.adapter("t", "base", {"rank": 0}, training=True)
     small.adapter("t", "base", {"rank": 8, "train_attn": True, "train_mlp": True, "train_unembed": True}, training=True)
     Admission(Settings(adapter_cache_mb=needed + 1), None, measure).adapter("t", "base", {"rank": 0}, training=True)
+    # Both the cache and the tenant's share too small: one message names both settings (issue 56).
+    both = Admission(Settings(adapter_cache_mb=needed // 2, max_adapter_mb_per_tenant=needed // 2), None, measure)
+    with pytest.raises(UserError, match="raise STEPWISE_ADAPTER_CACHE_MB and STEPWISE_MAX_ADAPTER_MB_PER_TENANT to at "
+                                        f"least {needed + 1}"):
+        both.adapter("t", "base", {"rank": 0}, training=True)
 
 
 def test_a_recipe_trains_a_full_run_when_its_config_says_rank_0(tinker_server):

@@ -129,13 +129,15 @@ class Admission:
         what = ("a full fine-tuning run (rank 0: its own copy of every weight, with gradients and AdamW's two moments)"
                 if full and training else "a full fine-tuning checkpoint's weights" if full else "this adapter")
         smaller = "train a LoRA adapter instead (rank 1 or more)" if full else "use a smaller LoRA rank"
+        # Every setting that is too small is named at once: a user who raises one should not meet the next.
+        short = [(f"the engine's whole adapter cache of {cache >> 20} MB", "STEPWISE_ADAPTER_CACHE_MB")] if new > cache else []
         if share and new > share:
-            raise UserError(f"{what} needs about {new >> 20} MB, more than the {share >> 20} MB of adapter memory this "
-                            f"server gives tenant {tenant!r}: raise STEPWISE_MAX_ADAPTER_MB_PER_TENANT to at least "
-                            f"{(new >> 20) + 1}, or {smaller}")
-        if new > cache:
-            raise UserError(f"{what} needs about {new >> 20} MB, more than the engine's whole adapter cache of "
-                            f"{cache >> 20} MB: raise STEPWISE_ADAPTER_CACHE_MB to at least {(new >> 20) + 1}, or {smaller}")
+            short.append((f"the {share >> 20} MB of adapter memory this server gives tenant {tenant!r}",
+                          "STEPWISE_MAX_ADAPTER_MB_PER_TENANT"))
+        if short:
+            raise UserError(f"{what} needs about {new >> 20} MB, more than {' and '.join(limit for limit, _ in short)}: "
+                            f"raise {' and '.join(name for _, name in short)} to at least {(new >> 20) + 1} (and "
+                            f"restart the server), or {smaller}")
 
     # ---- checkpoint storage -------------------------------------------------------------------
 
