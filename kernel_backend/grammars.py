@@ -1,6 +1,7 @@
 """What a decoding constraint is: a grammar, in llguidance's Lark dialect, that a sample's generated text must
 match (a JSON schema is written into one as `%json {...}`). This module writes the grammars the endpoints need
-(response_format's JSON, a tool call's arguments) and bounds and checks a grammar before any work starts: a
+(response_format's JSON, a tool call's arguments, the tinker wire's `constraint`: a schema, a regex or a grammar)
+and bounds and checks a grammar before any work starts: a
 grammar too large, or one that does not compile (a schema feature llguidance does not implement, a bad $ref),
 is a UserError naming what is wrong. It is plain text here; the engine compiles it for its tokenizer and
 applies it while decoding (kernel_backend/engine/constraints.py).
@@ -36,6 +37,26 @@ def json_rule(schema, what: str) -> str:
 def json_grammar(schema, what: str) -> str:
     """The grammar of one JSON value matching `schema`, checked."""
     return check(f"start: value\nvalue: {json_rule(schema, what)}\n", what)
+
+
+def constraint(obj, what: str = "constraint") -> str:
+    """The grammar of asample's `constraint` (ours, beyond Tinker: docs/tinker-surface.md): exactly one of
+    {"json_schema": {...}} (one JSON value valid against it), {"regex": "..."} (the whole output matches it; \\d
+    and \\w are ASCII, as in JSON schema) or {"lark": "..."} (llguidance's Lark, `start` the whole output),
+    checked."""
+    kinds = ("json_schema", "regex", "lark")
+    if not isinstance(obj, dict) or len(obj) != 1 or next(iter(obj)) not in kinds:
+        got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        raise UserError(f'{what} must be one of {{"json_schema": {{...}}}}, {{"regex": "..."}} or {{"lark": "..."}}; '
+                        f"got {got}")
+    (kind, value), = obj.items()
+    if kind == "json_schema":
+        return json_grammar(value, f"{what}.json_schema")
+    if not isinstance(value, str):
+        raise UserError(f"{what}.{kind} must be a string, got {type(value).__name__}")
+    if kind == "regex":
+        return check(f"start: /{llguidance.regex_to_lark(value, 'dw')}/\n", f"{what}.regex")
+    return check(value, f"{what}.lark")
 
 
 def literal(text: str) -> str:

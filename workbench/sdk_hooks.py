@@ -18,6 +18,11 @@ The SDK's results carry numbers, not what produced them, and a custom loss never
    done) the wrapper calls `callback(client, future)` on the caller's thread, so whatever the
    listener submits lands in the run's request order right after that step. A listener that raises
    is reported as a warning; the loop goes on.
+4. A sampling constraint (ours, beyond Tinker: docs/tinker-surface.md) has no place in the SDK's
+   SampleRequest, which refuses unknown fields. `sampling_client.sample(..., constraint={"json_schema": {...}})`
+   (or {"regex": ...}, {"lark": ...}) sends it as asample's `constraint` field: the wrapper holds it in a
+   context variable that the SDK's own asample request (on the SDK's event loop, in a task that inherits the
+   caller's context) reads and adds to its body. Retries carry it too; other calls never see it.
 
 Each wrapper calls the SDK's own method and changes nothing it returns. `install()` is idempotent.
 `sdk_method(cls, name)` is the SDK's own method under a wrapper, for calls a widget makes that should
@@ -27,6 +32,7 @@ not be remembered as the user's (a probe's forward must not be taken for the loo
 from __future__ import annotations
 
 import collections
+import contextvars
 import functools
 import math
 import threading
@@ -43,6 +49,7 @@ _custom_losses: dict[str, list[tuple[float, float]]] = {}  # run id -> [(surroga
 # TrainingClient -> its optim_step listeners. Weak on the client, so a client that is gone leaves no entry;
 # a listener holding its client (Probes does) keeps it until removed (Probes.close()).
 _optim_listeners: "weakref.WeakKeyDictionary[object, list[Callable]]" = weakref.WeakKeyDictionary()
+_constraint: contextvars.ContextVar = contextvars.ContextVar("stepwise_sample_constraint", default=None)
 
 
 @dataclass
@@ -109,6 +116,7 @@ def install(connection_of=None) -> None:
     hears of custom losses through it)."""
     global _connection_of
     from tinker import SamplingClient, TrainingClient
+    from tinker.resources.sampling import AsyncSamplingResource
 
     if connection_of is not None:
         _connection_of = connection_of
@@ -117,7 +125,8 @@ def install(connection_of=None) -> None:
                                (TrainingClient, "forward_backward", _wrap_forward),
                                (TrainingClient, "forward_backward_custom", _wrap_custom),
                                (TrainingClient, "optim_step", _wrap_optim_step),
-                               (SamplingClient, "sample", _wrap_sample)):
+                               (SamplingClient, "sample", _wrap_sample),
+                               (AsyncSamplingResource, "asample", _wrap_asample)):
         method = getattr(cls, name)
         if not getattr(method, "_stepwise_wrapped", False):
             wrapped = functools.wraps(method)(wrapper(method))
@@ -134,11 +143,43 @@ def _wrap_forward(method):
 
 
 def _wrap_sample(method):
-    def sample(self, prompt, num_samples, *args, **kwargs):
+    def sample(self, prompt, num_samples, *args, constraint: dict | None = None, **kwargs):
         _remember(Call("sample", self, num_samples=int(num_samples)))
-        return method(self, prompt, num_samples, *args, **kwargs)
+        if constraint is None:
+            return method(self, prompt, num_samples, *args, **kwargs)
+        token = _constraint.set(constraint)  # the SDK's task copies this context when sample() schedules it
+        try:
+            return method(self, prompt, num_samples, *args, **kwargs)
+        finally:
+            _constraint.reset(token)
 
     return sample
+
+
+def _wrap_asample(method):
+    async def asample(self, *, request, **kwargs):
+        constraint = _constraint.get()
+        if constraint is not None:
+            request = _constrained_request(request, constraint)
+        return await method(self, request=request, **kwargs)
+
+    return asample
+
+
+@functools.cache
+def _constrained_request_type():
+    from tinker import types
+
+    class ConstrainedSampleRequest(types.SampleRequest):
+        """The SDK's SampleRequest with our `constraint` (dumped with it: the body is the request's own dump)."""
+
+        constraint: dict
+
+    return ConstrainedSampleRequest
+
+
+def _constrained_request(request, constraint: dict):
+    return _constrained_request_type()(**dict(request), constraint=constraint)
 
 
 def _wrap_optim_step(method):

@@ -9,6 +9,7 @@ client polls with /retrieve_future. The RestClient's and AdminClient's calls are
 from __future__ import annotations
 
 import json
+import typing
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from tinker import types as T
@@ -238,8 +239,23 @@ def get_sampler(sampler_id: str, tenant: str = Depends(tenant_of), svc: Service 
     return sampling.get_sampler(svc, tenant, sampler_id)
 
 
+class SamplingParamsBody(T.SamplingParams):
+    """asample's sampling_params: the SDK's, and the extras we take beyond them (min_p, repetition_penalty, ...:
+    wire.sampling_params_from_json reads and checks them), which the SDK's type would drop unread."""
+
+    model_config = {**T.SamplingParams.model_config, "extra": "allow"}
+
+
+class SampleBody(T.SampleRequest):
+    """asample's body: the SDK's SampleRequest (unknown fields still refused), plus `constraint`, ours
+    (grammars.constraint: a JSON schema, a regex or a Lark grammar the samples must match)."""
+
+    sampling_params: SamplingParamsBody
+    constraint: typing.Any = None
+
+
 @router.post("/asample")
-def asample(body: T.SampleRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+def asample(body: SampleBody, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
     if body.sampling_session_id is None or body.seq_id is None:
         raise UserError("asample needs sampling_session_id and seq_id; create a sampling client first")
     prompt = wire.model_input_tokens(body.prompt.model_dump(mode="json"))

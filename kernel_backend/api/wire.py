@@ -28,6 +28,7 @@ import zstandard
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
+from kernel_backend import grammars
 from kernel_backend.types import (
     AdamParams,
     Datum,
@@ -410,9 +411,10 @@ def token_id(key: Any, where: str) -> int:
 
 
 def sample_options(body: Any) -> SampleOptions:
-    """What an asample body (the SDK's SampleRequest) asks for besides its samples. Bounded against
-    the prompt by SampleOptions.check, at admission."""
+    """What an asample body (the SDK's SampleRequest, and our `constraint`: grammars.constraint) asks for besides
+    its samples. Bounded against the prompt by SampleOptions.check, at admission."""
     target = body.target_prompt_logprobs
+    constraint = getattr(body, "constraint", None)
     return SampleOptions(
         prompt_logprobs=bool(body.prompt_logprobs),
         topk_prompt_logprobs=body.topk_prompt_logprobs,
@@ -420,6 +422,7 @@ def sample_options(body: Any) -> SampleOptions:
         target_prompt_logprobs=target_ids_from_json(target.model_dump(mode="json")) if target is not None else None,
         prompt_alt_tokens_k=body.prompt_alt_tokens_k,
         prompt_logprobs_last_n=body.prompt_logprobs_last_n,
+        grammar=grammars.constraint(constraint) if constraint is not None else None,
     )
 
 
