@@ -158,6 +158,9 @@ class Settings:
     step_history_mb: int = env("STEP_HISTORY_MB", 512, "...within this many MB for all runs of an engine together")
     heartbeat_s: float = env("HEARTBEAT_S", 1.0, "workers answer a heartbeat this often; one that misses several in a "
                              "row is taken for dead")
+    worker_wait_s: float = env("WORKER_WAIT_S", 600.0, "a training run whose worker was lost waits this long (s) for a "
+                               "live worker to be restored on (one Ray restarts rejoins); past it, its requests fail "
+                               "saying so")
     ray_num_cpus: int = env("RAY_NUM_CPUS", 0, "CPUs the Ray head this backend starts offers; 0: the machine's")
     ray_object_store_mb: int = env("RAY_OBJECT_STORE_MB", 256, "that head's object store (MB)")
     # Machine-wide caches that outlive a STEPWISE_HOME, such as the vLLM venv: $XDG_CACHE_HOME/stepwise.

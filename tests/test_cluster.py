@@ -4,8 +4,9 @@ One backend for the module, one Ray head on loopback inside it (num_cpus=2, no d
 object store), three engine workers on this CPU: worker-0 and worker-1 load the default model
 (one torch thread each); worker-2 is given device cuda:7, which this machine does not have, so it
 really cannot load its model. The in-process engine of this test process (the `engine` fixture) is
-the reference every cluster result is compared with. The test that kills a worker runs last: the
-cluster it leaves behind has a worker that Ray restarted.
+the reference every cluster result is compared with. The tests that kill workers run last, each waiting for
+the workers the one before killed to rejoin; the very last starts a one-worker backend of its own and stops
+that worker for good.
 
 The backend serves the tiny random stand-in for the default model (tests/tiny_model.py), as the `engine`
 fixture is: placement, data parallelism and recovery are about behaviour, not what a model learns.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -229,8 +231,8 @@ def test_a_killed_worker_s_run_comes_back_bit_identical_and_trained(client, clus
     assert cluster_report(cluster)["runs"][fresh.model_id]["workers"] == [home]
 
 
-def kill_worker(server: Server, name: str) -> None:
-    """ray.kill the worker's actor, from a second Ray driver on the backend's cluster; Ray restarts it."""
+def kill_worker(server: Server, name: str, restart: bool = True) -> None:
+    """ray.kill the worker's actor, from a second Ray driver on the backend's cluster; Ray restarts it if `restart`."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # the head is on loopback (kernel_backend/execution/cluster.py)
     os.environ["RAY_AUTH_MODE"] = "token"  # a local head asks for the token Ray keeps in ~/.ray/auth_token
     import ray
@@ -239,6 +241,83 @@ def kill_worker(server: Server, name: str) -> None:
     actor_name = next(w["actor"] for w in report["workers"] if w["name"] == name)
     ray.init(address=report["ray_address"], namespace=report["namespace"], log_to_driver=False)
     try:
-        ray.kill(ray.get_actor(actor_name), no_restart=False)
+        ray.kill(ray.get_actor(actor_name), no_restart=not restart)
     finally:
         ray.shutdown()
+
+
+LIVE = ["worker-0", "worker-1"]  # the workers that load the model (worker-2 cannot: see the module's docstring)
+
+
+def wait_live(server: Server, names: list[str], restarts: dict[str, int] | None = None) -> dict[str, dict]:
+    """Wait (up to 300 s: a restarted worker loads its model again, on a loaded machine) until every named worker
+    is live, and has been restarted more than `restarts` says if given; their reports."""
+    deadline = time.monotonic() + 300
+    while True:
+        workers = {w["name"]: w for w in cluster_report(server)["workers"]}
+        if all(workers[n]["state"] == "live" and workers[n]["restarts"] > (restarts or {}).get(n, -1) for n in names):
+            return workers
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.5)
+
+
+def sigkill_workers(server: Server, names: list[str]) -> None:
+    """kill -9 the workers' processes, as the kernel's or Ray's OOM killer does: Ray restarts them."""
+    workers = {w["name"]: w for w in cluster_report(server)["workers"]}
+    for name in names:
+        os.kill(workers[name]["pid"], signal.SIGKILL)
+
+
+def train_killing(client, cluster, engine, tokenizer, seed: int, kill) -> None:
+    """A 10-step SDK loop whose workers `kill(home)` names are kill -9'd while step 5's forward_backward is out:
+    no call fails, and the final logprobs are the in-process engine's for the same seed and data (1e-5)."""
+    before = wait_live(cluster, LIVE)  # the previous test's killed worker is back
+    datums = [sft_datum(*QUESTIONS[seed % len(QUESTIONS)], tokenizer)] * 2
+    data = [sdk_datum(d) for d in datums]
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=seed).result()
+    home = cluster_report(cluster)["runs"][tc.model_id]["workers"][0]
+    killed = kill(home)
+    for step in range(10):
+        fb = tc.forward_backward(data, "cross_entropy")
+        if step == 4:
+            sigkill_workers(cluster, killed)
+        optim = tc.optim_step(types.AdamParams(learning_rate=LR))
+        fb.result()
+        optim.result()
+    got = tc.forward(data, "cross_entropy").result().loss_fn_outputs
+    expected = in_process_logprobs(engine, seed, 4, datums, steps=10)
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a["logprobs"].to_numpy(), b, rtol=0, atol=1e-5)
+    # The killed processes were restarted by Ray and rejoin.
+    wait_live(cluster, killed, restarts={name: before[name]["restarts"] for name in killed})
+
+
+def test_a_worker_process_killed_mid_loop_costs_the_loop_nothing(client, cluster, engine, tokenizer):
+    train_killing(client, cluster, engine, tokenizer, seed=21, kill=lambda home: [home])
+
+
+def test_every_worker_process_killed_mid_loop_costs_the_loop_nothing(client, cluster, engine, tokenizer):
+    train_killing(client, cluster, engine, tokenizer, seed=22, kill=lambda home: LIVE)
+
+
+def test_a_run_whose_worker_never_comes_back_fails_saying_why(tmp_path, stepwise_home, tiny_model, tokenizer):
+    """A backend of its own with one worker, stopped for good (ray.kill without a restart): its run waits
+    STEPWISE_WORKER_WAIT_S (2 s here) for a live worker, then its requests fail with a message that says why,
+    instead of answering try_again for ever."""
+    (tmp_path / "models").symlink_to(stepwise_home / "models")
+    server = start_server(tmp_path, timeout=600, env={
+        "STEPWISE_WORKERS": "1", "STEPWISE_WORKER_THREADS": "1", "STEPWISE_RAY_NUM_CPUS": "1",
+        "STEPWISE_RAY_OBJECT_STORE_MB": "128", "STEPWISE_HEARTBEAT_S": "0.5", "STEPWISE_WORKER_WAIT_S": "2",
+        **stand_in_env(tiny_model)})
+    try:
+        client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
+        tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=31).result()
+        data = [sdk_datum(sft_datum(*QUESTIONS[0], tokenizer))]
+        train_steps(tc, data, steps=1)
+        kill_worker(server, "worker-0", restart=False)
+        with pytest.raises(Exception) as failed:
+            tc.forward_backward(data, "cross_entropy").result()
+        assert "no engine worker was live to take it within 2 s (STEPWISE_WORKER_WAIT_S" in str(failed.value), failed.value
+        assert cluster_report(server)["runs"][tc.model_id]["state"] == "gone"
+    finally:
+        server.stop()

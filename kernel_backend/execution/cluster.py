@@ -33,13 +33,16 @@ gloo reduces in the background, and the worker runs other runs' jobs meanwhile.
 
 Recovery. Each run's state (weights + optimizer) is written to the checkpoint store every
 STEPWISE_SNAPSHOT_EVERY optim steps, by its worker, as part of the step. A worker that dies
-(RayActorError, a restarted actor, or MISSED_HEARTBEATS missed heartbeats) takes nothing else down:
-each of its runs is reloaded on a live worker from its newest snapshot (or made again as it was
+(RayActorError, a new process of Ray's that answers or refuses a call, or MISSED_HEARTBEATS missed heartbeats) takes
+nothing else down: each of its runs is reloaded on a live worker from its newest snapshot (or made again as it was
 created, with the same seed, before its first snapshot), then the gateway's journal of its requests since
 runs again there (service/recovery.py): those that had been answered silently, those in flight at the loss
 as themselves, and the run is the one that was lost, bit for bit. Requests that come meanwhile wait. The
 ledger holds each completed request once. (Without a journal, a Cluster made with no `replay`, the
-requests in flight fail with an error that names the step the run resumes from.) A worker that Ray restarts (max_restarts) loads its models again and takes new runs.
+requests in flight fail with an error that names the step the run resumes from.) A worker that Ray restarts
+(max_restarts) loads its models again and rejoins: it takes new runs, and the runs lost when every worker died
+(they wait for it). A run that no worker can take within STEPWISE_WORKER_WAIT_S is gone: its requests, waiting or
+lost in flight, fail saying so; none is left pending.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from dataclasses import dataclass, field
 
 from kernel_backend.execution import engine_work
 from kernel_backend.engine.adapter_cache import TRAINING_COPIES
-from kernel_backend.execution.cluster_worker import GROUP_TIMEOUT_S, EngineWorker, Outcome, WorkerLost
+from kernel_backend.execution.cluster_worker import GROUP_TIMEOUT_S, EngineWorker, Outcome, WorkerLost, WorkerRestarted
 from kernel_backend.config import Settings
 from kernel_backend.engine.losses import merge_metrics
 from kernel_backend.errors import UserError
@@ -118,6 +121,9 @@ class Run:
     held: list | None = None
     held_by: str | None = None
     epoch: int = 0  # its process group's generation
+    # Its requests in flight when its worker was lost (request id -> job), for the journal's replay to answer: those
+    # the replay does not send again, or all of them if the run cannot be restored, fail (none is left pending).
+    replayed: dict[str, Job] = field(default_factory=dict)
 
 
 @dataclass
@@ -158,6 +164,7 @@ class Cluster:
         self.lost_lanes: dict[str, str] = {}  # sampler lanes whose worker died -> its name
         self.models: list[str] = []
         self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)  # notified at each worker's report: a restore waits on it
         self._stopping = threading.Event()
         self._started_ray = False
         self._heartbeats = threading.Thread(target=self._beat_forever, name="stepwise-heartbeats", daemon=True)
@@ -301,6 +308,7 @@ class Cluster:
             with self._lock:
                 run = self._run_of(job)
                 if run is not None and run.held is not None:  # a data-parallel backward pass is out, or a restore
+                    run.replayed.pop(job.request_id, None)  # (the replay sending a lost request again)
                     run.held.append((job, ordered))
                     return
                 parts = self._parts(job, run)
@@ -569,6 +577,7 @@ class Cluster:
                 worker.state, worker.error = report["state"], report["error"]
             held = {adapter for ids in report.get("adapters", {}).values() for adapter in ids}
             worker.placed = {run: b for run, b in worker.placed.items() if run not in held}
+            self._changed.notify_all()  # a run waiting for a live worker may have one now
 
     def _lost(self, worker: Worker, reason: str) -> None:
         """A worker stopped: its runs are restored elsewhere, its samplers move, its unanswered parts fail."""
@@ -577,7 +586,8 @@ class Cluster:
                 return
             log.warning("worker %s lost: %s", worker.name, reason)
             worker.state, worker.error = "dead", reason
-            runs = [r for r in self.runs.values() if worker.name in r.workers]
+            # (A run being restored already, here or elsewhere, is its restore's: it picks its workers anew.)
+            runs = [r for r in self.runs.values() if worker.name in r.workers and r.held_by != RESTORING]
             for run in runs:  # their next calls wait for the restore (those in flight fail: they were lost)
                 run.held, run.held_by = run.held or [], RESTORING
             for lane in [lane for lane, name in self.lanes.items() if name == worker.name]:
@@ -587,6 +597,7 @@ class Cluster:
             for part in unanswered:
                 if self._replay is not None and part.dispatch.run in runs and part.dispatch.job.request_type:
                     part.dispatch.abandoned = True
+                    part.dispatch.run.replayed[part.dispatch.job.request_id] = part.dispatch.job
         for run in runs:
             threading.Thread(target=self._restore, args=(run, worker.name), daemon=True).start()
         for part in unanswered:  # a hung worker never answers them (a dead one's errors come too: ignored)
@@ -605,39 +616,38 @@ class Cluster:
                 "optim steps, STEPWISE_SNAPSHOT_EVERY)")
 
     def _restore(self, run: Run, dead: str) -> None:
-        """Reload a run whose worker died: its snapshot (or its origin) on live workers, then let its requests in."""
-        import ray
-
-        for _ in range(3):
-            with self._lock:
-                survivors = [name for name in run.workers if name != dead and self.workers[name].state == "live"]
+        """Reload a run whose worker died: its snapshot (or its origin) on live workers, then its journal since; its
+        requests wait meanwhile. With no live worker (all were lost) it waits for one, such as a worker Ray restarts
+        once it has rejoined, up to STEPWISE_WORKER_WAIT_S; past that, or when the restore itself fails three times,
+        the run is gone, and every request of it that waits fails saying why."""
+        deadline = time.monotonic() + self.settings.worker_wait_s
+        lost, failures, gone = {dead}, 0, None
+        while True:
+            with self._lock:  # (a rejoined worker lost the run's state: it is a new place, not a survivor)
+                survivors = [name for name in run.workers if name not in lost and self.workers[name].state == "live"]
                 workers = self._place(run.base_model, len(run.workers), run.estimate, keep=survivors)
                 if not workers:
-                    run.gone = (f"training run {run.id} was lost with engine worker {dead} and no live worker can take "
-                                "it; create a new run from a checkpoint: create_training_client_from_state_with_optimizer")
-                    break
+                    if time.monotonic() >= deadline:
+                        gone = (f"training run {run.id} was lost with engine worker {dead}, and no engine worker was "
+                                f"live to take it within {self.settings.worker_wait_s:g} s (STEPWISE_WORKER_WAIT_S; GET "
+                                "/api/v1/cluster shows the workers); create a new run from a checkpoint: "
+                                "create_training_client_from_state_with_optimizer")
+                        break
+                    self._changed.wait(deadline - time.monotonic())
+                    continue
             try:
-                for name in survivors:  # their queued requests and adapter were the old state's
-                    ray.get(self.workers[name].actor.reset_run.remote(run.id, run.base_model))
-                if len(workers) > 1:
-                    run.workers = workers
-                    self._form_group(run)
-                op = run.origin if run.snapshot is None else Op("load_state", {
-                    "model_id": run.id, "location": run.snapshot["location"], "with_optimizer": True,
-                    "path": f"the automatic snapshot of {run.id} at step {run.snapshot['step']}"})
-                restore = [Job(uuid.uuid4().hex, run.id, run.base_model, seq=None, op=op) for _ in workers]
-                answers = ray.get([self.workers[name].actor.run.remote(job, True) for name, job in zip(workers, restore)])
-                errors = [a.result for a in answers if isinstance(a.result, Exception)]
-                if errors:
-                    raise errors[0]
+                self._load_run(run, survivors, workers)
             except Exception as e:
                 log.warning("restoring run %s on %s failed (%s); trying again", run.id, workers, e)
-                dead = next((name for name in workers if self.workers[name].state != "live"), dead)
+                fallen = {name for name in workers if self.workers[name].state != "live"}
+                lost |= fallen
+                failures += not fallen  # a worker lost meanwhile is no failure of the restore: try elsewhere
+                if failures == 3:
+                    gone = (f"training run {run.id} was lost with engine worker {dead} and could not be restored "
+                            f"({type(e).__name__}: {e}); create a new run from a checkpoint: "
+                            "create_training_client_from_state_with_optimizer")
+                    break
                 continue
-            with self._lock:
-                run.workers = workers
-                for name in workers:
-                    self.workers[name].placed[run.id] = run.estimate
             log.info("run %s restored on %s at step %s", run.id, workers, run.snapshot["step"] if run.snapshot else 0)
             if self._replay is not None:  # then the requests since, which wait in run.held behind the restore
                 try:
@@ -646,10 +656,47 @@ class Cluster:
                 except Exception:
                     log.exception("replaying the journal of run %s failed", run.id)
             break
-        else:
-            run.gone = (f"training run {run.id} was lost with engine worker {dead} and could not be restored; "
-                        "create a new run from a checkpoint: create_training_client_from_state_with_optimizer")
+        with self._lock:
+            run.gone = gone
+            unanswered, run.replayed = list(run.replayed.values()), {}
+        if gone:
+            log.warning("%s", gone)
         self._release(run)
+        for job in unanswered:  # lost in flight and not sent again by the replay (or no replay came)
+            self._on_done(job, WorkerLost(gone or self._lost_message(run, dead)))
+
+    def _load_run(self, run: Run, survivors: list[str], workers: list[str]) -> None:
+        """A restore's work: the survivors' stale state dropped, the run loaded on `workers` (survivors first)."""
+        for name in survivors:  # their queued requests and adapter were the old state's
+            self._ask(name, self.workers[name].actor.reset_run.remote(run.id, run.base_model))
+        if len(workers) > 1:
+            run.workers = workers
+            self._form_group(run)
+        op = run.origin if run.snapshot is None else Op("load_state", {
+            "model_id": run.id, "location": run.snapshot["location"], "with_optimizer": True,
+            "path": f"the automatic snapshot of {run.id} at step {run.snapshot['step']}"})
+        refs = {name: self.workers[name].actor.run.remote(Job(uuid.uuid4().hex, run.id, run.base_model, seq=None, op=op),
+                                                          True) for name in workers}
+        for name, ref in refs.items():
+            answer = self._ask(name, ref)
+            if isinstance(answer.result, Exception):
+                raise answer.result
+        with self._lock:
+            run.workers = workers
+            for name in workers:
+                self.workers[name].placed[run.id] = run.estimate
+
+    def _ask(self, name: str, ref):
+        """A worker's answer to the gateway's own call; a worker that died meanwhile is lost there and then, so
+        that nothing is placed on it until it has rejoined."""
+        import ray
+
+        try:
+            return ray.get(ref)
+        except Exception as e:
+            if _is_actor_error(e):
+                self._lost(self.workers[name], f"{type(e).__name__}: {e}")
+            raise
 
 
 # ---- helpers --------------------------------------------------------------------------------------------
@@ -715,7 +762,10 @@ def _result_of(future):
 
 
 def _is_actor_error(outcome) -> bool:
-    """Ray's errors for a worker that died or restarted (not an error of the request)."""
+    """Ray's errors for a worker that died or restarted, and a restarted worker's refusal (not an error of the
+    request)."""
+    if isinstance(outcome, WorkerRestarted) or isinstance(getattr(outcome, "cause", None), WorkerRestarted):
+        return True
     try:
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
     except ImportError:

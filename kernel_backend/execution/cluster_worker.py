@@ -1,7 +1,8 @@
 """The engine worker of a Ray cluster (execution/cluster.py): a Ray actor per device, an Engine per base model and the same
 Scheduler as in-process, answering each job's Outcome to the gateway.
 
-Also what both sides of the cluster share: a worker's answer (`Outcome`) and the error of a lost worker (`WorkerLost`).
+Also what both sides of the cluster share: a worker's answer (`Outcome`), the error of a lost worker (`WorkerLost`) and
+that of a process Ray restarted, which the gateway has not started again (`WorkerRestarted`).
 This module imports without Ray: `Cluster` makes EngineWorker an actor (ray.remote(EngineWorker)).
 """
 
@@ -32,6 +33,11 @@ GROUP_TIMEOUT_S = 120
 
 class WorkerLost(RuntimeError):
     """A request's worker stopped before it answered; the message says what became of its run."""
+
+
+class WorkerRestarted(RuntimeError):
+    """A call reached a worker process that Ray restarted before the gateway noticed (it has not started it again):
+    the state the call was meant for died with the old process, so the gateway takes the worker for lost."""
 
 
 @dataclass
@@ -107,6 +113,9 @@ class EngineWorker:
 
     async def run(self, job: Job, ordered: bool) -> Outcome:
         """Queue a job on this worker's scheduler and answer its outcome when it is done."""
+        if self.state != "live":  # only a process Ray restarted is called before it started (or while it starts)
+            raise WorkerRestarted(f"engine worker {self.name} is a new process ({self.state}): its runs went with "
+                                  "the old one")
         future = self._loop.create_future()
         self._waiting[job.request_id] = future
         job.arrived = time.monotonic()  # the gateway's clock is not this machine's
