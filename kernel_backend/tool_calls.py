@@ -117,10 +117,11 @@ def choice(tool_choice, tools: list[dict], parallel: bool = True) -> Choice:
                   only_first=True, forced=name)
 
 
-# Free text without a call's opening, and free text up to one (lazy: it ends at the first `<tool_call>`).
-_TEXT_OR_CALL = ("start: TEXT | before call {close}\n"
+# Free text without a call's opening, and free text up to one (lazy: it ends at the first `<tool_call>`, so what
+# follows the first opening is the call, never more free text).
+_TEXT_OR_CALL = ("start: TEXT | before \"\\n\" call {close}\n"
                  "TEXT: /(?s:.*)/ & ~/(?s:.*" + re.escape(CALL_OPEN) + ".*)/\n"
-                 "before[lazy]: /(?s:.*)" + re.escape(CALL_OPEN) + "\\n/\n")
+                 "before[lazy]: /(?s:.*)" + re.escape(CALL_OPEN) + "/\n")
 
 
 def grammar(choice: Choice, tools: list[dict], content: dict | None = None) -> str | None:
@@ -145,7 +146,16 @@ def grammar(choice: Choice, tools: list[dict], content: dict | None = None) -> s
         opening = grammars.literal(CALL_OPEN + "\n")
         return grammars.check(f"start: value | {opening} call {close}\nvalue: {value}\n" + calls,
                               "response_format's schema with the tools")
-    return grammars.check(_TEXT_OR_CALL.format(close=close) + calls, "the strict tools")
+    return text_or_call(tools, "the strict tools")
+
+
+def text_or_call(tools: list[dict], what: str = "tools") -> str:
+    """The grammar of a reply that is plain text, or text and then one call (Hermes' block) whose arguments
+    validate against its tool's parameters: once the reply opens `<tool_call>`, the call is valid and closes.
+    What a strict tool promises under "auto", and what the rl recipe's `constrain_tool_calls` holds each
+    policy turn to (workbench/episodes.py)."""
+    close = grammars.literal("\n" + CALL_CLOSE)
+    return grammars.check(_TEXT_OR_CALL.format(close=close) + _call_rules(tools), what)
 
 
 def _call_rules(tools: list[dict]) -> str:

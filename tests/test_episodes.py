@@ -12,6 +12,7 @@ import json
 import time
 
 import httpx
+import jsonschema
 import numpy as np
 import pytest
 import tinker
@@ -268,3 +269,68 @@ def test_a_multi_turn_runs_estimate_bounds_every_turn_of_every_episode(stepwise_
     assert usage.prefill_tokens == episodes_played * 3 * 512
     assert usage.sample_tokens == episodes_played * 3 * 8
     assert usage.train_tokens == 2 * 2 * 4 * 512  # a datum of at most max_episode_tokens
+
+
+def lookup(symbol: str) -> str:
+    """A stock's last price."""
+    return {"ACME": "12.5", "INITECH": "7"}[symbol]
+
+
+LOOKUP = Tool.of(lookup, parameters={"type": "object", "properties": {"symbol": {"enum": ["ACME", "INITECH"]}},
+                                     "required": ["symbol"], "additionalProperties": False})
+
+
+def test_constrained_episodes_make_only_valid_calls(tinker_server, tokenizer, tmp_path):
+    """episodes.run_episodes(constrain_calls=True), rl.Config(constrain_tool_calls=True): the tiny stand-in, taught
+    to open a call and end its turn there, makes calls that parse and validate against the tool's schema every time
+    with the option on; without it, the calls it opens are empty (so the option, not the model, made them valid)."""
+    from workbench.recipes import common
+
+    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
+    tc = client.create_lora_training_client(base_model=BASE, rank=0, seed=0).result()
+    asked = [{"role": "user", "content": "What does ACME cost?"}]
+    demo = common.chat_datum(tokenizer, asked + [{"role": "assistant", "content": "<tool_call>\n"}],
+                             train_on="last_assistant", tools=[LOOKUP.schema])
+    for _ in range(50):  # a full fine-tune: the tiny model learns the opening's five tokens in about 40 steps
+        tc.forward_backward([demo], "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+    sampler = tc.save_weights_and_get_sampling_client("opens-calls")
+
+    def play(constrain: bool) -> list[Episode]:
+        envs = [ToolEnv("What does ACME cost?", check=lambda text: float("12.5" in text), tools=[LOOKUP])
+                for _ in range(6)]
+        return episodes.run_episodes(sampler, tokenizer, envs, tools=[LOOKUP], max_turns=2, max_tokens=32, seed=3,
+                                     constrain_calls=constrain)
+
+    def opened(played: list[Episode]) -> list[str]:  # the policy turns that open a call
+        return [s.text for e in played for s in e.segments if s.role == "policy" and tool_calls.CALL_OPEN in s.text]
+
+    free = opened(play(False))
+    assert len(free) >= 3 and not any(tool_calls.parse(text).calls for text in free), free
+    held = play(True)
+    assert len(opened(held)) >= 3
+    for text in opened(held):
+        (call,) = tool_calls.parse(text).calls
+        jsonschema.validate(json.loads(call["function"]["arguments"]), LOOKUP.schema["function"]["parameters"])
+    assert sum(e.tool_calls for e in held) == len(opened(held)) and not any(e.tool_errors for e in held)
+    with pytest.raises(ValueError, match="give the tools"):
+        episodes.run_episodes(sampler, tokenizer, [Scripted(1)], constrain_calls=True)
+
+    # The rl recipe's option: the same, from the taught weights, logged per step (tool calls made, none failed).
+    class LookupTask(rl.Task):
+        tools = [LOOKUP]
+
+        def problems(self, n, rng):
+            return [rl.Problem("What does ACME cost?", "12.5") for _ in range(n)]
+
+        def env(self, problem):
+            return ToolEnv(problem.question, check=lambda text: float(problem.answer in text), tools=self.tools)
+
+    rows = []
+    state = tc.save_state("opens-calls").result().path
+    rl.run(rl.Config(task=LookupTask(), load_checkpoint_path=state, constrain_tool_calls=True, steps=1,
+                     groups_per_batch=1, group_size=4, max_tokens=32, max_turns=2, eval_prompts=0, monitor_prompts=0,
+                     progress=False, verbose=False, metrics_path=str(tmp_path / "rl.jsonl")),
+           service_client=client, on_step=rows.append)
+    (step,) = [r for r in rows if "tool_calls" in r]
+    assert step["tool_calls"] > 0 and step["tool_errors"] == 0.0, step

@@ -16,6 +16,12 @@ format for a template without tools (kernel_backend/tool_calls.py, the same code
 and Anthropic routes use). A tool's exception or timeout becomes the observation ("Error: ..."), never
 a crash: a policy that calls a tool badly learns from the error.
 
+With `constrain_calls`, each policy turn is sampled under a grammar (tool_calls.text_or_call, sent as the
+sampler's `constraint` through workbench/sdk_hooks.py): plain text, or text and one call whose arguments validate
+against its tool's schema. Once the model opens `<tool_call>` it writes a valid call, every time; what it writes
+is still its choice, and its logprobs are its own (docs/tinker-surface.md, "Constrained sampling", says what that
+means for RL).
+
 Tokens, not text, carry an episode from turn to turn: the next turn's prompt is this turn's prompt, the
 tokens the policy sampled, and the observation's tokens (the template's text after the policy's turn,
 tokenized alone). So every turn re-sends a prompt whose start the server has just seen (its prefix
@@ -36,6 +42,7 @@ import numpy as np
 from tinker import types
 
 from kernel_backend import tool_calls
+from workbench import sdk_hooks
 
 PLACEHOLDER = "\x00policy-reply\x00"  # stands for the policy's turn when the template's glue around it is measured
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
@@ -186,14 +193,28 @@ def observation_tokens(tokenizer, history: list[dict], reply_text: str, messages
     return tokenizer(text, add_special_tokens=False)["input_ids"], text
 
 
+def reply_message(tokenizer, tokens: list[int]) -> dict:
+    """A sampled turn as the chat message the environment sees: {"role": "assistant", "content", "tool_calls"?},
+    its calls parsed from its text (a garbled call stays text: tool_calls.parse)."""
+    parsed = tool_calls.parse(tokenizer.decode(tokens, skip_special_tokens=True))
+    return {"role": "assistant", "content": parsed.content, **({"tool_calls": parsed.calls} if parsed.calls else {})}
+
+
 def run_episodes(sampler, tokenizer, envs: list, tools: list[Tool] | None = None, max_turns: int = 4,
                  max_tokens: int = 64, max_episode_tokens: int = 1024, temperature: float = 1.0,
-                 seed: int = 0) -> list[Episode]:
+                 seed: int = 0, constrain_calls: bool = False) -> list[Episode]:
     """Play each environment to its end, all of them in lockstep: each turn samples every unfinished
     episode at once (the server batches them), then steps the environments. An episode ends when its
     environment says done, after `max_turns` policy turns, or when its tokens pass `max_episode_tokens`
-    (reward 0 unless done)."""
+    (reward 0 unless done). `constrain_calls`: each turn is plain text or one valid call (the module's
+    docstring)."""
     schemas = [t.schema for t in tools] if tools else None
+    extra = {}
+    if constrain_calls:
+        if not schemas:
+            raise ValueError("constrain_calls holds tool calls to their tools' schemas: give the tools")
+        sdk_hooks.install()  # the SDK's sample() takes constraint= (idempotent; connect() has done it already)
+        extra = {"constraint": {"lark": tool_calls.text_or_call(schemas)}}
     episodes = []
     for env in envs:
         messages = env.reset()
@@ -205,20 +226,20 @@ def run_episodes(sampler, tokenizer, envs: list, tools: list[Tool] | None = None
     live = list(range(len(envs)))
     for turn in range(max_turns):
         futures = [(i, sampler.sample(types.ModelInput.from_ints(episodes[i].tokens), 1, types.SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, seed=seed * 1000 + i * 64 + turn))) for i in live]
+            max_tokens=max_tokens, temperature=temperature, seed=seed * 1000 + i * 64 + turn), **extra)) for i in live]
         still = []
         for i, future in futures:
             episode, env = episodes[i], envs[i]
             (seq,) = future.result().sequences
             text = tokenizer.decode(seq.tokens)  # with the end token: the template's closing is measured from it
-            visible = tokenizer.decode(seq.tokens, skip_special_tokens=True)
-            parsed = tool_calls.parse(visible)
-            reply = {"role": "assistant", "content": parsed.content, **({"tool_calls": parsed.calls} if parsed.calls else {})}
+            reply = reply_message(tokenizer, seq.tokens)
+            calls = reply.get("tool_calls", [])
             history = list(episode.messages)
-            episode.segments.append(Segment("policy", list(seq.tokens), list(seq.logprobs), visible))
+            episode.segments.append(Segment("policy", list(seq.tokens), list(seq.logprobs),
+                                            tokenizer.decode(seq.tokens, skip_special_tokens=True)))
             episode.messages.append(reply)
             outcome = env.step(history, reply)
-            episode.tool_calls += len(parsed.calls)
+            episode.tool_calls += len(calls)
             episode.tool_errors += sum(m.get("role") == "tool" and str(m.get("content", "")).startswith("Error:")
                                        for m in outcome.messages)
             if outcome.done:

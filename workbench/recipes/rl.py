@@ -136,6 +136,9 @@ class Config(BaseConfig):
     eval_samples: int = 4            # samples per held-out prompt
     max_turns: int = 4               # multi-turn tasks (Task.env): policy turns per episode at most
     max_episode_tokens: int = 1024   # ... and tokens per episode, prompt, tool results and replies together
+    # ... and each policy turn is plain text or one call valid against its tool's schema, enforced while sampling
+    # (episodes.run_episodes' constrain_calls). Off: calls are parsed from what the model wrote.
+    constrain_tool_calls: bool = False
     save_every: int = 0              # save_state every N steps (0: never)
     checkpoint_prefix: str = "rl"
 
@@ -234,7 +237,7 @@ def play(sampler, tokenizer, task, problems: list[Problem], n: int, config: "Con
     played = episodes.run_episodes(sampler, tokenizer, envs, tools=getattr(task, "tools", None),
                                    max_turns=config.max_turns, max_tokens=config.max_tokens,
                                    max_episode_tokens=config.max_episode_tokens, temperature=config.temperature,
-                                   seed=seed)
+                                   seed=seed, constrain_calls=config.constrain_tool_calls)
     groups = []
     for i, problem in enumerate(problems):
         mine = played[i * n:(i + 1) * n]
