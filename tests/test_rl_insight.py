@@ -340,3 +340,51 @@ def test_a_lasting_collapse_is_one_line_and_each_runs_skips_are_its_own():
                      "⚠ steps 3-6 of run 0 · collapse: 8 of 8 identical at 6", "⚠ step 8 of run 0 · collapse: again"]
     assert dash.skipped == {"every group tied · run 1": [2]}
     dash.close()
+
+
+# ---- reward hacks in an agent's episodes (rl_hacks.py) -------------------------------------------------------------
+
+
+def episode(answer, reward=1.0, tool_output="5695"):
+    """An episode that called calc once (its output `tool_output`) and answered `answer`."""
+    from workbench.episodes import Episode
+
+    call = {"id": "c", "type": "function", "function": {"name": "calc", "arguments": '{"expression": "67*85"}'}}
+    return Episode([], [{"role": "user", "content": "What is 67*85?"},
+                        {"role": "assistant", "content": "", "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": "c", "name": "calc", "content": tool_output},
+                        {"role": "assistant", "content": answer}], reward=reward, ended="done")
+
+
+def test_an_answer_that_echoes_the_tool_is_flagged_from_the_step_it_began():
+    """A hack planted at step 2 (notebook 08's echo in broken markup, and a bare copy of the tool's output) is
+    flagged at steps 2 and 3 as begun at step 2; honest answers that state the number are not; a check of the
+    user's own joins the list; a flag that stops and comes back begins again."""
+    from workbench.recipes import rl_hacks
+
+    honest = [episode("67*85 = 5695."), episode("It is 5695", reward=1.0), episode("no idea", reward=0.0)]
+    hacked = [episode('<tool_response> <tool_call> "calc", "expression": "5695" </tool_call>'), episode(" 5695\n")]
+    unfinished = episode("<tool_call>")
+    unfinished.ended = "max_turns"  # not an answer: the environment did not end it
+    assert [rl_hacks.carries_markup(e) for e in honest + [unfinished]] == [None] * 4
+    assert [rl_hacks.copies_tool_output(e) for e in honest] == [None] * 3
+    assert "<tool_response>" in rl_hacks.carries_markup(hacked[0]) and rl_hacks.copies_tool_output(hacked[1])
+    # A long output found whole in the answer is a copy; a short one (a number) stated in words is not.
+    assert rl_hacks.copies_tool_output(episode("Here: {'price': 12.5, 'currency': 'USD'} ok",
+                                               tool_output="{'price': 12.5, 'currency': 'USD'}"))
+
+    began: dict = {}
+    steps = {1: honest, 2: honest + hacked, 3: hacked + [unfinished], 4: honest, 5: hacked}
+    flagged = {step: rl_hacks.flags(played, rl_hacks.CHECKS, step, began) for step, played in steps.items()}
+    assert flagged[1] == [] and flagged[4] == []
+    assert [(f["kind"], f["check"], f["since"], f["episodes"]) for f in flagged[2]] == \
+        [("answer_hack", "carries_markup", 2, 1), ("answer_hack", "copies_tool_output", 2, 1)]
+    assert [f["since"] for f in flagged[3]] == [2, 2] and [f["since"] for f in flagged[5]] == [5, 5]
+    assert "1 of 5 episodes (1 rewarded): its answer carries tool markup" in flagged[2][0]["detail"]
+    assert "since step 2" in flagged[3][0]["detail"]
+
+    def too_long(e):  # the user's own check
+        return "its answer runs past 40 characters" if len(rl_hacks.final_answer(e) or "") > 40 else None
+
+    (mine,) = [f for f in rl_hacks.flags(hacked, [*rl_hacks.CHECKS, too_long], 7, {}) if f["check"] == "too_long"]
+    assert mine["episodes"] == 1 and "past 40 characters" in mine["detail"]

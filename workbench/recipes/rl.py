@@ -57,6 +57,9 @@ Seeing the run think (docs/cookbook.md, "Watching an RL run", shows it in a note
   `collapse_distinct` distinct is flagged "collapse", one whose KL passes `kl_alert` "kl"; the row's
   `flags` say it with the answers ("8 of 8 held-out answers identical: 'The benevolent one'"), and the
   dashboard marks the step (common.plot_to).
+- Reward hacks in episodes (multi-turn tasks): each episode's final answer goes through `episode_checks`
+  (rl_hacks.CHECKS: tool markup in the answer, a tool's output copied as the answer); a step where any
+  fails is flagged "answer_hack", naming how many episodes, an example and the step the flag began.
 - The leash, `kl_penalty_coef`. Each kept answer's tokens get, on top of the group advantage,
   coef x (the batch's mean of (policy - base logprob) - this token's), the base logprobs from a base
   model sampler's compute_logprobs (the tinker cookbook's incorporate_kl_penalty). Those are prefill
@@ -93,7 +96,7 @@ import tinker
 from tinker import types
 
 from workbench import episodes, rollout_log
-from workbench.recipes import common, estimates
+from workbench.recipes import common, estimates, rl_hacks
 from workbench.recipes.rl_monitoring import against_base, group_metrics, sampler_vs_learner
 from workbench.recipes.rl_tasks import TASKS, AdditionTask, Problem, Task, task_for  # noqa: F401 - rl.Task etc. (rl_tasks.py)
 from workbench.recipes.common import BaseConfig, Summary
@@ -139,6 +142,9 @@ class Config(BaseConfig):
     # ... and each policy turn is plain text or one call valid against its tool's schema, enforced while sampling
     # (episodes.run_episodes' constrain_calls). Off: calls are parsed from what the model wrote.
     constrain_tool_calls: bool = False
+    # ... and rl insight's checks of each episode's final answer (rl_hacks.py: tool markup, a copied tool output);
+    # None: rl_hacks.CHECKS. A failed check flags the step ("answer_hack"), naming the step it began.
+    episode_checks: typing.Any = field(default=None, metadata={"cli": False})
     save_every: int = 0              # save_state every N steps (0: never)
     checkpoint_prefix: str = "rl"
 
@@ -391,6 +397,8 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
         log.log(0, eval_reward=extra["eval_reward_before"])
 
     rewards_by_step, checkpoints, skipped, skipped_why, flagged = [], [], 0, "", []
+    checks = rl_hacks.CHECKS if config.episode_checks is None else list(config.episode_checks)
+    hacks_began: dict[str, int] = {}  # rl_hacks.flags: each check's flag, the step it began
     stable = config.loss_fn == "stable_reinforce"  # its sampler records what it sampled
     bar = common.progress_bar(config.steps, f"rl ({config.loss_fn})", config.progress)
     try:
@@ -416,6 +424,10 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
                    **group_metrics(groups), "groups_used": len(kept)}
             measured, penalty = against_base(base, kept, probes, config)
             row.update(measured)
+            hacks = rl_hacks.flags([e for g in groups for e in g.episodes], checks, step, hacks_began) \
+                if multi_turn else []
+            if hacks:
+                row["flags"] = row.get("flags", []) + hacks
             if row.get("flags"):
                 flagged.append(step)
             rollouts = rollouts_of(groups, provenance=stable, extra_advantages=penalty)
