@@ -23,7 +23,7 @@ from kernel_backend import tool_calls
 from kernel_backend.engine.losses import compute_loss
 from test_service import BASE
 from workbench import episodes
-from workbench.recipes import estimates, rl
+from workbench.recipes import estimates, rl, rl_hacks
 from workbench.episodes import Episode, Segment, Step, Tool, ToolEnv
 
 
@@ -222,12 +222,20 @@ def test_the_rl_recipe_trains_on_episodes(tinker_server, tokenizer, browser, tmp
     did (kl_sampler ~0: the observation's tokens, placeholder logprobs, are not counted)."""
     client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
     rows = []
+    def planted(episode):  # an rl insight check of the user's: it fails every two-turn episode, from step 1
+        return "a planted hack" if episode.turns == 2 else None
+
     config = rl.Config(task=TwoTurnTask(), steps=2, groups_per_batch=2, group_size=4, max_tokens=8, max_turns=3,
                        eval_prompts=1, eval_samples=2, monitor_prompts=0, progress=False, verbose=False,
-                       metrics_path=str(tmp_path / "rl.jsonl"), run_name="episodes")
+                       metrics_path=str(tmp_path / "rl.jsonl"), run_name="episodes",
+                       episode_checks=[*rl_hacks.CHECKS, planted])
     summary = rl.run(config, service_client=client, on_step=rows.append)
     steps = [r for r in rows if "turns" in r]
     assert summary.steps == 2 and len(steps) == 2
+    # The user's check flags both steps, as begun at step 1 (the stand-in's noise trips neither built-in check).
+    assert [[(f["kind"], f["check"], f["since"]) for f in r["flags"]] for r in steps] == \
+        [[("answer_hack", "planted", 1)]] * 2 and summary.extra["flagged_steps"] == [1, 2]
+    assert "8 of 8 episodes" in steps[1]["flags"][0]["detail"] and "since step 1" in steps[1]["flags"][0]["detail"]
     for row in steps:
         assert row["turns"] == 2.0 and row["tool_calls"] == 0.0 and row["episode_tokens"] > 0
     trained = [r for r in steps if "kl_sampler" in r]
