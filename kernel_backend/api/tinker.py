@@ -19,6 +19,7 @@ from kernel_backend.api import wire
 from kernel_backend.api.auth import Caller, caller_of, operator_of, tenant_of
 from kernel_backend.service import Service, accounts, checkpoints, sampling, sessions, training
 from kernel_backend.service.core import PROTO_TYPE
+from kernel_backend.persistence.api_keys import LOCAL_TENANT
 from kernel_backend.persistence.database import FutureRow
 from kernel_backend.errors import UserError
 
@@ -166,7 +167,9 @@ def create_model(body: T.CreateModelRequest, tenant: str = Depends(tenant_of), s
 
 @router.post("/get_info")
 def get_info(body: T.GetInfoRequest, request: Request, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
-    local = request.client is not None and runtime.is_loopback(request.client.host)
+    # The server's own user on this machine (its local or loopback key, over loopback): another tenant of a shared
+    # server never sees a server path, whatever address it comes from.
+    local = tenant == LOCAL_TENANT and request.client is not None and runtime.is_loopback(request.client.host)
     return training.get_info(svc, tenant, body.model_id, client_is_local=local)
 
 

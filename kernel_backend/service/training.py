@@ -75,9 +75,10 @@ def replicas_asked(user_metadata: dict | None) -> int | None:
 
 def get_info(svc: Service, tenant: str, model_id: str, client_is_local: bool = False) -> dict:
     run = svc.run(tenant, model_id)
-    # The SDK's get_tokenizer() loads tokenizer_id on the client. A client on this machine (the embedded
-    # backend's, or a plain script talking to `serve` over loopback) gets the local folder, which loads with no
-    # network wait (a hub id costs ~50 s of retries offline); a remote client gets the model's name, never a path.
+    # The SDK's get_tokenizer() loads tokenizer_id on the client. The server's own user on this machine (the
+    # embedded backend's client, or a plain script using `serve`'s local key over loopback) gets the local folder,
+    # which loads with no network wait (a hub id costs ~50 s of retries offline); anyone else gets the model's
+    # name, never a path.
     folder = base_models.resolve(run.base_model, svc.settings.models_dir, svc.settings.base_models)[1]
     tokenizer_id = str(folder) if svc.settings.embedded or client_is_local else run.base_model
     return {
