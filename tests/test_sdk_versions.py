@@ -17,16 +17,16 @@ import functools
 import json
 import subprocess
 import sys
-import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 from tinker import types
 from tinker.proto import response_conv
 
 from client_venvs import TINKER_SDKS, client_env, tinker_sdk
+from test_service_http import Api
 from kernel_backend.api import wire
 
 SCRIPT = Path(__file__).with_name("sdk_core_loop.py")
@@ -55,43 +55,31 @@ def test_the_core_loop_runs_with_every_released_sdk(version, tinker_server):
     assert run["sampled"] == reference["sampled"]
 
 
-class Poller:
-    """A raw client that submits a forward and a sample, then polls their futures with a chosen Accept header."""
+@dataclass
+class Finished:
+    """A forward and a sample of the tinker_server, finished, and the raw client that polls their futures."""
 
-    def __init__(self, server) -> None:
-        self.http = httpx.Client(base_url=server.base_url + "/api/v1", timeout=60, headers={"X-API-Key": server.api_key})
-        session = self.post("create_session", {"tags": [], "user_metadata": {}, "sdk_version": "0.18.2"})["session_id"]
-        created = self.post("create_model", {"session_id": session, "model_seq_id": 0, "base_model": BASE,
-                                             "lora_config": {"rank": 4, "seed": 0}})
-        self.model_id = self.result(created["request_id"]).json()["model_id"]
-        datum = {"model_input": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3, 4]}]},
-                 "loss_fn_inputs": {"target_tokens": {"data": [2, 3, 4, 5], "dtype": "int64", "shape": [4]}}}
-        self.forward = self.post("forward", {"model_id": self.model_id, "seq_id": 1, "forward_input": {
-            "data": [datum], "loss_fn": "cross_entropy"}})["request_id"]
-        sampler = self.post("create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
-                                                         "base_model": BASE})["sampling_session_id"]
-        self.sample = self.post("asample", {"sampling_session_id": sampler, "seq_id": 0, "num_samples": 2,
-                                            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
-                                            "sampling_params": {"max_tokens": 3, "seed": 1},
-                                            "prompt_logprobs": True, "topk_prompt_logprobs": 2})["request_id"]
-
-    def post(self, path: str, body: dict) -> dict:
-        reply = self.http.post(path, json=body, headers={"X-Idempotency-Key": str(uuid.uuid4())})
-        assert reply.status_code == 200, reply.text
-        return reply.json()
-
-    def result(self, request_id: str, accept: str | None = "application/json") -> httpx.Response:
-        headers = {} if accept is None else {"Accept": accept}
-        while True:
-            reply = self.http.post("retrieve_future", json={"request_id": request_id}, headers=headers)
-            assert reply.status_code == 200, reply.text
-            if "json" not in reply.headers["content-type"] or reply.json().get("type") != "try_again":
-                return reply
+    api: Api
+    forward: str
+    sample: str
 
 
 @pytest.fixture(scope="module")
-def poller(tinker_server) -> Poller:
-    return Poller(tinker_server)
+def finished(tinker_server) -> Finished:
+    api = Api(tinker_server)
+    session = api.session()
+    model_id = api.model(session, 0, seed=0)
+    datum = {"model_input": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3, 4]}]},
+             "loss_fn_inputs": {"target_tokens": {"data": [2, 3, 4, 5], "dtype": "int64", "shape": [4]}}}
+    forward = api.post("/forward", {"model_id": model_id, "seq_id": 1, "forward_input": {
+        "data": [datum], "loss_fn": "cross_entropy"}}).json()["request_id"]
+    sampler = api.post("/create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
+                                                    "base_model": BASE}).json()["sampling_session_id"]
+    sample = api.post("/asample", {"sampling_session_id": sampler, "seq_id": 0, "num_samples": 2,
+                                   "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+                                   "sampling_params": {"max_tokens": 3, "seed": 1},
+                                   "prompt_logprobs": True, "topk_prompt_logprobs": 2}).json()["request_id"]
+    return Finished(api, forward, sample)
 
 
 @pytest.mark.parametrize("accept, protobuf", [
@@ -101,14 +89,14 @@ def poller(tinker_server) -> Poller:
     (None, False),  # silent: httpx's */*
     ("application/x-protobuf;q=0, application/json", False),
 ])
-def test_a_finished_future_answers_in_the_encoding_its_poll_accepts(poller, accept, protobuf):
-    for request_id, kind in ((poller.forward, "ForwardBackwardOutput"), (poller.sample, "SampleResponse")):
-        reply = poller.result(request_id, accept)
+def test_a_finished_future_answers_in_the_encoding_its_poll_accepts(finished, accept, protobuf):
+    for request_id, kind in ((finished.forward, "ForwardBackwardOutput"), (finished.sample, "SampleResponse")):
+        reply = finished.api.wait(request_id, accept)
         assert reply.headers["content-type"].startswith("application/x-protobuf" if protobuf else "application/json")
         if protobuf:
             continue
         # The JSON reply holds what the protobuf one does, in the shape the older SDKs' pydantic types declare.
-        proto = poller.result(request_id, "application/x-protobuf").content
+        proto = finished.api.wait(request_id).content
         body = reply.json()
         if kind == "ForwardBackwardOutput":
             decoded = response_conv.deserialize_forward_backward_output(proto)

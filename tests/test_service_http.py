@@ -35,13 +35,15 @@ class Api:
         headers = {"X-Idempotency-Key": f"stainless-python-retry-{uuid.uuid4()}"}
         return self.http.post(path, json=body, headers=headers, **kw)
 
-    def wait(self, request_id: str) -> httpx.Response:
+    def wait(self, request_id: str, accept: str | None = "application/x-protobuf") -> httpx.Response:
+        """The finished result, polled with `accept` as the Accept header (None: httpx's */*). The default is what
+        the 0.38 SDK sends for every poll whose result may be protobuf; tests/test_sdk_versions.py polls as the
+        older SDKs do."""
+        headers = {} if accept is None else {"Accept": accept}
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            # Accept as the 0.38 SDK sends it for every poll whose result may be protobuf (tests/test_sdk_versions.py
-            # has the older SDKs' JSON).
             r = self.http.post("/retrieve_future", json={"request_id": request_id, "allow_metadata_only": True},
-                               headers={"Accept": "application/x-protobuf"})
+                               headers=headers)
             r.raise_for_status()
             if r.headers["content-type"].startswith("application/json") and r.json().get("type") == "try_again":
                 continue

@@ -3,8 +3,9 @@
 This module owns every byte-level detail of the protocol's data: the protobuf
 `ForwardBackwardRequest` body (optionally zstd-compressed), the JSON forms of Datum,
 TensorData, ModelInput and SamplingParams, and the protobuf `ForwardBackwardOutput`
-and `SampleResponse` results. The schema is the SDK's own (`tinker.proto.tinker_public_pb2`);
-nothing here is copied from it. Bad input raises `UserError` with a message that says
+and `SampleResponse` results (and their JSON forms, for SDKs before 0.24 that do not
+accept protobuf). The schema is the SDK's own (`tinker.proto.tinker_public_pb2`); nothing
+here is copied from it. Bad input raises `UserError` with a message that says
 what to send instead; a bad engine result (a bug on our side) raises `ValueError`.
 
 Encodings (all little-endian): token ids in chunks are int32; dense tensors are raw bytes
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 import zstandard
 from google.protobuf.message import DecodeError
+from tinker.proto import response_conv
 from tinker.proto import tinker_public_pb2 as pb
 
 from kernel_backend import grammars
@@ -581,10 +583,6 @@ def _topk_matrix(rows: list[list[tuple[int, float]] | None]) -> pb.TopkLogprobs:
 # `Accept: application/json` and validate the reply with pydantic: these give them the same result in the
 # JSON shapes those SDKs' types declare, decoded with the SDK's own reader so nothing is lost on the way.
 
-PROTO_REPLY_TYPES = {"Sample": "SampleResponse", "Forward": "ForwardBackwardOutput",
-                     "ForwardBackward": "ForwardBackwardOutput"}
-
-
 def accepts_protobuf(accept: str | None) -> bool:
     """Whether an Accept header lists application/x-protobuf with a quality above 0. A header that is
     silent (absent, `*/*`) gets JSON, which every SDK version and every HTTP tool reads."""
@@ -600,12 +598,10 @@ def accepts_protobuf(accept: str | None) -> bool:
 
 
 def proto_reply_as_json(body: bytes, request_type: str) -> dict:
-    """A stored protobuf reply (SampleResponse or ForwardBackwardOutput, by the future's request type) as the
-    JSON object tinker SDKs before protobuf replies validate."""
-    from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
-
-    if PROTO_REPLY_TYPES.get(request_type) == "SampleResponse":
-        reply = deserialize_sample_response(body)
+    """A stored protobuf reply (a Sample future's SampleResponse, a Forward or ForwardBackward future's
+    ForwardBackwardOutput) as the JSON object tinker SDKs before protobuf replies validate."""
+    if request_type == "Sample":
+        reply = response_conv.deserialize_sample_response(body)
         return {
             "type": "sample",
             "sequences": [{"stop_reason": seq.stop_reason, "tokens": list(seq.tokens), "logprobs": list(seq.logprobs)}
@@ -613,8 +609,8 @@ def proto_reply_as_json(body: bytes, request_type: str) -> dict:
             "prompt_logprobs": reply.prompt_logprobs,
             "topk_prompt_logprobs": reply.topk_prompt_logprobs,
         }
-    if PROTO_REPLY_TYPES.get(request_type) == "ForwardBackwardOutput":
-        reply = deserialize_forward_backward_output(body)
+    if request_type in ("Forward", "ForwardBackward"):
+        reply = response_conv.deserialize_forward_backward_output(body)
         return {
             "loss_fn_output_type": reply.loss_fn_output_type,
             "loss_fn_outputs": [{name: {"data": np.asarray(t.to_numpy()).ravel().tolist(), "dtype": t.dtype,
