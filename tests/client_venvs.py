@@ -6,14 +6,14 @@ each other's), built once per machine into the cache folder by kernel_backend/ve
     anthropic    the official anthropic SDK
     tinker-cookbook   tinker-cookbook 0.5.8's trainers (tests/test_cookbook.py)
 
-Their pinned requirements are tests/clients/<name>.txt.
+Their pinned requirements are tests/clients/<name>.txt. `make test` starts the builds in the
+background before the tests run (a few minutes cold, all four; instant once built); a test that
+needs one waits for it (conftest.wait_for_venv).
 
 Released tinker SDKs that frameworks pin (TINKER_SDKS, tests/test_sdk_versions.py) need no venv each: every one of
 them, 0.6.3 through 0.38.0, resolves today to the same httpx, pydantic, numpy, protobuf and transformers as our
 own venv, so each is only the `tinker` package, installed --no-deps into a folder of its own
-(<cache>/tinker-sdk-<version>) and put first on PYTHONPATH in front of our interpreter (seconds, built on first use). `make test` starts the builds in the
-background before the tests run (a few minutes cold, all four; instant once built); a test that
-needs one waits for it (conftest.wait_for_venv).
+(<cache>/tinker-sdk-<version>) and put first on PYTHONPATH in front of our interpreter (seconds, built on first use).
 
     python tests/client_venvs.py build [--background] [NAME ...]    # all of them when no NAME
 """
