@@ -8,7 +8,7 @@ grammar: end-of-sequence only where the grammar accepts, and the row stops once 
 The logprobs returned stay the model's own: the mask changes which token is drawn, not the distribution the
 drawn token's logprob is read from (so importance ratios against compute_logprobs compare like with like).
 
-The engine is llguidance (bench/grammar_engines.py measured it against xgrammar: both compile a JSON schema in
+The engine is llguidance (bench/constrained_decoding.py measured it against xgrammar: both compile a JSON schema in
 a few ms and mask in well under a decode step; llguidance needs no other package and names the schema features
 it does not implement). Compiling is per distinct grammar, once: the compiled matchers of the most recently used
 CACHE_SIZE grammars are kept, and each row starts from a copy (about a microsecond).
