@@ -6,6 +6,7 @@ Everything here uses the real default model's tokenizer; nothing is faked.
 from __future__ import annotations
 
 import functools
+import time
 import uuid
 
 import numpy as np
@@ -113,3 +114,14 @@ def one_lora_layer(in_features: int, out_features: int):
     model.device = torch.device("cpu")
     lora.attach(model)
     return model
+
+
+def wait_until(condition, timeout: float = 30.0, what: str = "") -> None:
+    """Watch `condition()` until it is true; an AssertionError naming `what` once `timeout` seconds pass.
+
+    For a test waiting on another thread or process: it goes on as soon as the condition holds, never after a
+    guessed sleep, and the timeout only bounds a failure (issue 57)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout:g} s for {what or 'the condition'}"
+        time.sleep(0.01)

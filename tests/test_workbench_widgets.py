@@ -14,7 +14,6 @@ import math
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,6 +23,7 @@ import pytest
 import torch
 from tinker import types
 
+from helpers import wait_until
 from workbench.dpo import completion_datum, dpo_loss, make_dpo_loss
 import workbench.widgets.labeler as labeler_module
 from workbench.widgets.labeler import Labeler, read_labels
@@ -596,24 +596,56 @@ def test_html_reprs_for_sdk_results_and_their_registration(monkeypatch):
         assert enable_reprs() is False  # outside IPython there is nothing to register with
 
 
-def wait_for_calls(calls: list, n: int, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while len(calls) < n and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return len(calls) == n
+class FakeTimer:
+    """threading.Timer's interface, fired by the test: what a throttle does then does not depend on when a real
+    timer's thread gets the CPU."""
+
+    def __init__(self, wait: float, fn, args=()):
+        self.wait, self.fn, self.args = wait, fn, args
+        self.started = self.cancelled = False
+
+    def start(self):
+        self.started = True
+
+    def cancel(self):
+        self.cancelled = True
+
+    def fire(self):  # fires even if cancelled: a real timer can fire just as cancel() comes too late
+        self.fn(*self.args)
 
 
 def test_throttle_coalesces_bursts_and_keeps_the_last_call():
-    calls = []
-    throttle = Throttle(lambda: calls.append(time.monotonic()), interval=0.2)
+    now, timers, calls = [100.0], [], []
+
+    def timer(wait, fn, args=()):
+        timers.append(FakeTimer(wait, fn, args))
+        return timers[-1]
+
+    throttle = Throttle(lambda: calls.append(now[0]), interval=0.2, clock=lambda: now[0], timer=timer)
     for _ in range(50):
         throttle()
-    assert len(calls) == 1  # the first runs at once, the rest wait for one trailing call
-    assert wait_for_calls(calls, 2)  # the trailing call, about 0.2 s later
-    time.sleep(0.5)
+        now[0] += 0.001
+    assert calls == [100.0]  # the first runs at once, the rest wait for one trailing call
+    assert len(timers) == 1 and timers[0].started
+    assert timers[0].wait == pytest.approx(100.2 - 100.001)  # from the second call to the window's end
+    now[0] = 100.2
+    timers[0].fire()  # the trailing call, when the window ends
+    assert calls == [100.0, 100.2]
+    now[0] = 100.7
     throttle()  # the window has passed: runs at once
     throttle()  # this one waits...
+    assert len(calls) == 3 and len(timers) == 2 and timers[1].wait == pytest.approx(0.2)
     throttle.flush()  # ...unless flushed
-    assert len(calls) == 4
-    time.sleep(0.5)
+    assert len(calls) == 4 and timers[1].cancelled
+    timers[1].fire()  # a timer that fired as flush() cancelled it
     assert len(calls) == 4  # the flushed trailing call does not run again
+
+
+def test_throttle_runs_the_trailing_call_on_its_own_timer():
+    calls = []
+    throttle = Throttle(lambda: calls.append(1), interval=0.05)  # a real clock and threading.Timer
+    throttle()
+    assert len(calls) == 1  # the first runs at once
+    throttle()  # within the window (or, on a stalled machine, after it: then at once)
+    wait_until(lambda: len(calls) == 2, what="the trailing call")
+    assert throttle._timer is None  # and nothing else is pending
