@@ -2,27 +2,42 @@
 
 The engine here is a stand-in that records which passes ran together, and its decoder a stand-in
 whose requests each need a given number of steps: these tests are about who runs when, not about
-what the model computes. The same scheduling with the real model and decoder is in
+what the model computes. Time is a fake clock the scheduler reads (its `clock` seam): the stand-in
+work moves it by how long it "takes", and a test moves it past a wait, so what is checked does not
+depend on how fast the machine or its other processes are. The same scheduling with the real model and decoder is in
 tests/test_engine.py (test_a_training_job_finishes_while_a_long_sample_decodes).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 
+from helpers import wait_until
 from kernel_backend.engine.core import Pass
 from kernel_backend.execution.engine_work import SampleOp
 from kernel_backend.engine.sampler import SampleRequest
-from kernel_backend.execution.scheduler import Job, Scheduler
+from kernel_backend.execution.scheduler import GAP_WAIT_S, Job, Scheduler
 from kernel_backend.types import ForwardResult, SampleResult, SamplingParams
 
 
-class CountingDecoder:
-    """Each request is done after `params.max_tokens` steps of `step_s` seconds; steps are logged."""
+class Clock:
+    """The scheduler's clock: it moves only when the stand-in work or the test moves it."""
 
-    def __init__(self, log: list[str], step_s: float) -> None:
-        self.log, self.step_s = log, step_s
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class CountingDecoder:
+    """Each request is done after `params.max_tokens` steps of `step_s` seconds (on the clock); steps are logged."""
+
+    def __init__(self, log: list[str], step_s: float, clock: Clock) -> None:
+        self.log, self.step_s, self.clock = log, step_s, clock
         self.live: list[list] = []  # [request, steps left]
         self.steps = 0
 
@@ -37,7 +52,7 @@ class CountingDecoder:
         return 1000
 
     def step(self) -> list[SampleRequest]:
-        time.sleep(self.step_s)
+        self.clock.advance(self.step_s)
         self.steps += 1
         self.log.append(f"step:{len(self.live)}")
         for entry in self.live:
@@ -53,7 +68,8 @@ class RecordingEngine:
     def __init__(self, step_s: float = 0.0) -> None:
         self.batches: list[list[str]] = []
         self.log: list[str] = []
-        self.decoder = CountingDecoder(self.log, step_s)
+        self.clock = Clock()
+        self.decoder = CountingDecoder(self.log, step_s, self.clock)
 
     def steps(self, adapter_id):  # the scheduler puts a run's step count into its ledger row
         return None
@@ -77,7 +93,8 @@ def make_scheduler(step_s: float = 0.0):
         engine.log.append(f"done:{job.request_id}")
         done.set()
 
-    scheduler = Scheduler(load_engine=lambda name: engine, on_done=on_done, max_batch_tokens=10_000)
+    scheduler = Scheduler(load_engine=lambda name: engine, on_done=on_done, max_batch_tokens=10_000,
+                          clock=engine.clock)
     scheduler.engine("m")  # loaded before start, as the service does
     return scheduler, engine, order, finished
 
@@ -87,20 +104,28 @@ def sample_job(request_id: str, lane: str, steps: int) -> Job:
     return Job(request_id, lane, "m", seq=None, sample=SampleOp(None, [1], 1, SamplingParams(max_tokens=steps)))
 
 
-def recording_job(order, request_id, lane, seq, delay=0.0):
+def recording_job(order, request_id, lane, seq, delay=0.0, arrived=None):
+    """A job that takes `delay` seconds on the clock; `arrived`: when on the clock (a missing seq_id's wait)."""
     def run(engine):
-        time.sleep(delay)
+        engine.clock.advance(delay)
         order.append(request_id)
         return {}
 
-    return Job(request_id, lane, "m", seq=seq, call=run)
+    job = Job(request_id, lane, "m", seq=seq, call=run)
+    if arrived is not None:
+        job.arrived = arrived
+    return job
 
 
-def wait_for(finished, n, timeout=10):
-    deadline = time.monotonic() + timeout
-    while len(finished) < n:
-        assert time.monotonic() < deadline, f"only {len(finished)} of {n} jobs finished"
-        time.sleep(0.01)
+def wait_for(finished, n, timeout=30):
+    wait_until(lambda: len(finished) >= n, timeout, f"{n} jobs to finish (finished: {finished})")
+
+
+def looked_at(scheduler, act) -> None:
+    """Do `act()` (a submit, a wake) and wait until the scheduler has since looked at its lanes and gone idle."""
+    act()
+    seen = scheduler.idle_passes  # a pass counted after this read began after act() (both hold the lock)
+    wait_until(lambda: scheduler.idle_passes > seen, 30, "the scheduler to look at its lanes")
 
 
 def test_a_busy_session_does_not_starve_another():
@@ -128,18 +153,26 @@ def test_each_run_executes_in_seq_id_order_whatever_the_arrival_order():
 
 
 def test_a_missing_seq_id_is_waited_for_then_skipped():
-    scheduler, _, order, finished = make_scheduler()
+    scheduler, engine, order, finished = make_scheduler()
+    clock = engine.clock
     scheduler.start()
-    scheduler.submit(recording_job(order, "s1", "run", seq=1), ordered=True)
+    scheduler.submit(recording_job(order, "s1", "run", seq=1, arrived=clock()), ordered=True)
     wait_for(finished, 1)
-    scheduler.submit(recording_job(order, "s3", "run", seq=3), ordered=True)  # seq 2 never comes
-    time.sleep(0.5)
-    assert order == ["s1"]  # still waiting for 2
-    scheduler.submit(recording_job(order, "s2", "run", seq=2), ordered=True)
+    s3 = recording_job(order, "s3", "run", seq=3, arrived=clock())  # seq 2 not yet
+    looked_at(scheduler, lambda: scheduler.submit(s3, ordered=True))
+    assert order == ["s1"]  # waiting for 2...
+    clock.advance(GAP_WAIT_S / 2)
+    looked_at(scheduler, scheduler.wake)
+    assert order == ["s1"]  # ...still, halfway through the wait
+    scheduler.submit(recording_job(order, "s2", "run", seq=2, arrived=clock()), ordered=True)
     wait_for(finished, 3)
     assert order == ["s1", "s2", "s3"]
-    scheduler.submit(recording_job(order, "s5", "run", seq=5), ordered=True)  # 4 is lost for good
-    wait_for(finished, 4, timeout=10)
+    s5 = recording_job(order, "s5", "run", seq=5, arrived=clock())  # 4 is lost for good
+    looked_at(scheduler, lambda: scheduler.submit(s5, ordered=True))
+    assert len(finished) == 3  # waited for, at first...
+    clock.advance(GAP_WAIT_S + 0.001)
+    scheduler.wake()
+    wait_for(finished, 4)  # ...then skipped
     scheduler.stop()
     assert order[-1] == "s5"
 

@@ -113,9 +113,12 @@ class _Lane:
 
 class Scheduler:
     def __init__(self, load_engine: Callable[[str], Engine], on_done, max_batch_tokens: int,
-                 ctx: engine_work.Context | None = None) -> None:
+                 ctx: engine_work.Context | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         """`on_done(job, outcome)`: the op's result, or the exception it raised. `ctx`: what ops reach besides
-        the engine (the settings and the checkpoint store)."""
+        the engine (the settings and the checkpoint store). `clock`: what a lane's wait for a missing seq_id
+        (against `Job.arrived`) and the decode/jobs time share are measured on; a seam for tests
+        (tests/test_scheduler.py), which move a fake clock rather than sleep and hope the thread kept up."""
+        self._clock = clock
         self._load_engine = load_engine
         self._on_done = on_done
         self._max_batch_tokens = max_batch_tokens
@@ -131,6 +134,9 @@ class Scheduler:
         self._decoding: dict[int, tuple[Job, SampleRequest]] = {}
         # Seconds spent decoding and running other jobs while both had work (the time share).
         self._decode_s = self._jobs_s = 0.0
+        # Times the thread looked at the lanes, found nothing it may run and went to wait (lock held). A test that
+        # submits a job and reads this after waits for it to grow: proof the thread saw the job and held it back.
+        self.idle_passes = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -209,12 +215,13 @@ class Scheduler:
                         if time.monotonic() - idle_since >= RETURN_MEMORY_AFTER_IDLE_S:
                             return_freed_memory()
                             worked = False
+                    self.idle_passes += 1
                     self._cv.wait(timeout=0.5)
                 worked, idle_since = True, None
                 decode_turn = decoding and (not job_lanes or self._decode_s / self._decoding_lanes(samples)
                                             <= self._jobs_s / job_lanes)
                 picked = [] if decode_turn else self._pick()
-            start = time.perf_counter()
+            start = self._clock()
             try:
                 for job in samples:
                     self._admit(job)
@@ -227,9 +234,9 @@ class Scheduler:
             # Only time spent while both sides had work counts toward the share; an idle side starts afresh.
             if decoding and job_lanes:
                 if decode_turn:
-                    self._decode_s += time.perf_counter() - start
+                    self._decode_s += self._clock() - start
                 else:
-                    self._jobs_s += time.perf_counter() - start
+                    self._jobs_s += self._clock() - start
             else:
                 self._decode_s = self._jobs_s = 0.0
 
@@ -238,7 +245,7 @@ class Scheduler:
 
     def _ready_job_lanes(self) -> int:
         """Lanes whose head is a job (not a sample request) that may run now. Lock held."""
-        now = time.monotonic()
+        now = self._clock()
         return sum(1 for lane in self._lanes.values() if (job := lane.head(now)) is not None and job.sample is None)
 
     def _take_samples(self) -> list[Job]:
@@ -266,7 +273,7 @@ class Scheduler:
 
     def _pick(self) -> list[Job]:
         """Take the next job (or batch of passes) round-robin, sample requests aside. Lock held."""
-        now = time.monotonic()
+        now = self._clock()
         for _ in range(len(self._turns)):
             lane_id = self._turns[0]
             self._turns.rotate(-1)
