@@ -106,7 +106,7 @@ def test_an_episode_datum_trains_only_the_policys_tokens():
 
 class Scripted:
     """An environment that answers every reply with a tool result, and ends after `turns` of them, rewarding
-    the last reply with `reward(text)`."""
+    the last reply with `reward(text)`, which it also logs as the grade "graded"."""
 
     def __init__(self, turns: int, reward=lambda text: 1.0) -> None:
         self.turns, self.reward = turns, reward
@@ -116,7 +116,8 @@ class Scripted:
 
     def step(self, history: list[dict], reply: dict) -> Step:
         done = sum(m["role"] == "assistant" for m in history) + 1 >= self.turns
-        return Step(done=True, reward=self.reward(reply["content"])) if done else \
+        reward = self.reward(reply["content"])
+        return Step(done=True, reward=reward, parts={"graded": reward}) if done else \
             Step([{"role": "tool", "tool_call_id": "c", "content": f"result {len(history)}"}])
 
 
@@ -203,6 +204,37 @@ def test_group_advantages_and_a_tool_env():
     assert episodes.group_advantages(played).tolist() == [0.5, -0.5, -0.5, 0.5]
 
 
+def test_a_strict_tool_env_rewards_only_a_plain_answer_after_a_call_that_ran():
+    """strict=True: the reward is the product of three grades, each logged: the answer's check, a call that ran
+    before it, and an answer in plain words. Every hack notebook 08's first reward paid for earns 0."""
+    env = ToolEnv("What is 17*5+3?", check=lambda text: float("88" in text), tools=[Tool.of(calc)], strict=True)
+    asked = env.reset()
+
+    def answered(text: str, expression: str | None = "17*5+3") -> Step:
+        history = list(asked)
+        if expression is not None:
+            calls = tool_calls.parse(f'<tool_call>{{"name": "calc", "arguments": {{"expression": "{expression}"}}}}</tool_call>').calls
+            reply = {"role": "assistant", "content": "", "tool_calls": calls}
+            history += [reply, *env.step(history, reply).messages]
+        return env.step(history, {"role": "assistant", "content": text})
+
+    good = answered("17*5+3 is 88.")
+    assert good.done and good.reward == 1.0 and good.parts == {"answer": 1.0, "tool_use": 1.0, "format": 1.0}
+    graded = {text: (step.reward, step.parts) for text, step in [
+        ("88", answered("88")),                                              # the tool's reply, copied back
+        ("<tool_response>88</tool_response>", answered("<tool_response>88</tool_response>")),  # markup echoed
+        ("no call", answered("It is 88.", expression=None)),                 # right, but never asked the tool
+        ("errored", answered("It is 88.", expression="17*5+")),              # the only call failed
+        ("wrong", answered("It is 87."))]}
+    assert graded == {
+        "88": (0.0, {"answer": 1.0, "tool_use": 1.0, "format": 0.0}),
+        "<tool_response>88</tool_response>": (0.0, {"answer": 1.0, "tool_use": 1.0, "format": 0.0}),
+        "no call": (0.0, {"answer": 1.0, "tool_use": 0.0, "format": 1.0}),
+        "errored": (0.0, {"answer": 1.0, "tool_use": 0.0, "format": 1.0}),
+        "wrong": (0.0, {"answer": 0.0, "tool_use": 1.0, "format": 1.0})}
+    assert ToolEnv("q", check=lambda text: 1.0, tools=[]).step([], {"content": "88"}).parts == {}  # not strict: no grades
+
+
 class TwoTurnTask(rl.Task):
     """A multi-turn task for the rl recipe: every episode takes two turns (a tool result between them); the
     reward, the parity of the last reply's length, differs within a group, so the groups train."""
@@ -238,6 +270,7 @@ def test_the_rl_recipe_trains_on_episodes(tinker_server, tokenizer, browser, tmp
     assert "8 of 8 episodes" in steps[1]["flags"][0]["detail"] and "since step 1" in steps[1]["flags"][0]["detail"]
     for row in steps:
         assert row["turns"] == 2.0 and row["tool_calls"] == 0.0 and row["episode_tokens"] > 0
+        assert row["graded"] == row["reward"]  # the environment's grade (Step.parts), logged per step
     trained = [r for r in steps if "kl_sampler" in r]
     assert trained and all(abs(r["kl_sampler"]) < 1e-2 and r["train_tokens"] > 0 for r in trained), trained
     from workbench.rollout_log import RolloutLog
@@ -250,7 +283,8 @@ def test_the_rl_recipe_trains_on_episodes(tinker_server, tokenizer, browser, tmp
     from workbench.widgets.rollouts import RolloutInspector
 
     inspector = RolloutInspector.from_log(summary.extra["rollouts"], tokenizer=tokenizer, step=1)
-    assert {"turns", "tool_calls", "tool_errors", "episode_tokens"} <= set(inspector.columns)
+    assert {"graded", "turns", "tool_calls", "tool_errors", "episode_tokens"} <= set(inspector.columns)
+    assert (inspector.df["graded"] == inspector.df["reward"]).all()  # each episode's grade, a column of its own
     inspector.select(0)
     page = browser.new_page()
     page.set_content(f"<html><body style='width:900px'>{inspector.tokens_html}</body></html>")

@@ -382,3 +382,46 @@ def test_an_optim_step_with_nothing_to_train_on_advances_the_step_and_changes_no
     tc.forward_backward([datum], "cross_entropy").result()  # and the next real step still trains
     tc.optim_step(common.adam(1e-2)).result()
     assert not np.array_equal(logprobs(), after)
+
+
+class HalfTied(rl.Task):
+    """Half the problems tie whatever the model says (reward 1 for every answer); the others reward the parity
+    of the answer's length, so their groups are (almost always) mixed."""
+
+    def problems(self, n, rng):
+        return [rl.Problem(f"What is {a}+{a}?", "tie" if a % 2 else "mixed") for a in rng.integers(1, 9, size=n)]
+
+    def reward(self, text, problem):
+        return 1.0 if problem.answer == "tie" else float(len(text) % 2)
+
+
+def test_dynamic_sampling_draws_new_problems_for_dropped_groups_within_its_bound(tinker_server, tmp_path):
+    """resample_dropped (DAPO's dynamic sampling): tied groups are dropped and fresh problems sampled in their
+    place, up to the rounds the user sets, so a step trains on groups_per_batch groups where it would have had
+    fewer. Every group sampled is stored; the estimate's bound counts every round in full."""
+    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
+
+    def run(rounds: int) -> tuple[list[dict], rl.Summary]:
+        rows = []
+        config = rl.Config(task=HalfTied(), steps=3, groups_per_batch=4, group_size=4, max_tokens=6, eval_prompts=0,
+                           monitor_prompts=0, progress=False, verbose=False, resample_dropped=rounds, seed=3,
+                           metrics_path=str(tmp_path / f"rl-{rounds}.jsonl"), run_name=f"dynamic-{rounds}")
+        summary = rl.run(config, service_client=client, on_step=rows.append)
+        return [r for r in rows if "groups_used" in r], summary
+
+    plain, _ = run(0)
+    dynamic, summary = run(8)
+    assert any(r["groups_used"] < 4 for r in plain) and all("resampled" not in r for r in plain), plain
+    # With up to 8 more rounds, every step fills its batch (a round redraws 1 to 4 groups, half of which tie).
+    assert all(r["groups_used"] == 4 for r in dynamic), dynamic
+    assert sum(r["resampled"] for r in dynamic) > 0 and all(r["dropped_tied"] == r["resampled"] for r in dynamic), dynamic
+    from workbench.rollout_log import RolloutLog
+
+    stored = RolloutLog(summary.extra["rollouts"])
+    assert [len(stored.read(r["step"])) for r in dynamic] == [4 + r["resampled"] for r in dynamic]
+    assert all(r["samples"] == 4 * (4 + r["resampled"]) for r in dynamic)
+    bound = rl.estimate(rl.Config(task=HalfTied(), steps=3, groups_per_batch=4, group_size=4, max_tokens=6,
+                                  eval_prompts=0, monitor_prompts=0, resample_dropped=8, seed=3))
+    assert sum(r["sample_tokens"] for r in dynamic) <= bound.upper.sample_tokens  # every round counted in full
+    with pytest.raises(ValueError, match="resample_dropped"):
+        rl.run(rl.Config(task=HalfTied(), resample_dropped=-1), service_client=client)

@@ -8,7 +8,11 @@ An environment is any object with two methods (the researcher's code, run here, 
                                                    (tool results, a user's answer) and/or done, reward
 
 `reply` is the policy's turn as a chat message, its tool calls parsed ({"role": "assistant", "content",
-"tool_calls"}). ToolEnv is the common case: a question, tools, and a check of the final answer.
+"tool_calls"}). ToolEnv is the common case: a question, tools, and a check of the final answer. A Step may
+carry `parts`, the reward's grades by name (0..1 each), which the rl recipe logs per step and the inspector
+shows per episode. ToolEnv's `strict=True` grades three: the answer's check ("answer"), a call that ran before
+it ("tool_use") and an answer in plain words ("format": no tool markup, not a tool's output copied back), the
+reward their product: a policy cannot earn it by echoing the tool (the hack notebook 08's first reward taught).
 
 Tools are plain Python functions with a JSON schema (`Tool.of(fn)` reads one from the signature and the
 docstring). They are offered and called in the model's chat-template format, or in Hermes' <tool_call>
@@ -44,6 +48,8 @@ from tinker import types
 from kernel_backend import tool_calls
 from workbench import sdk_hooks
 
+TOOL_MARKUP = (tool_calls.CALL_OPEN, tool_calls.CALL_CLOSE, "<tool_response>", "</tool_response>")
+LONG_OUTPUT = 20  # characters: a tool output this long, found whole in an answer, was copied (copied_output)
 PLACEHOLDER = "\x00policy-reply\x00"  # stands for the policy's turn when the template's glue around it is measured
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 
@@ -82,6 +88,7 @@ class Step:
     messages: list[dict] = field(default_factory=list)
     done: bool = False
     reward: float = 0.0
+    parts: dict[str, float] = field(default_factory=dict)  # the reward's grades by name, logged (module doc)
 
 
 def call_tools(tools: list[Tool], calls: list[dict], timeout_s: float = 5.0) -> list[dict]:
@@ -108,13 +115,36 @@ def call_tools(tools: list[Tool], calls: list[dict], timeout_s: float = 5.0) -> 
     return out
 
 
+def answer_markup(answer: str) -> list[str]:
+    """The tool-call markup an answer carries (an answer is plain words; markup in it is an echo or a broken call)."""
+    return [m for m in TOOL_MARKUP if m in answer]
+
+
+def copied_output(answer: str, messages: list[dict]) -> str | None:
+    """The tool output the answer copies: the answer is that output and nothing more, or holds a long one whole
+    (a short output, a number, may rightly appear inside an answer in words)."""
+    for message in messages:
+        output = str(message.get("content") or "").strip() if message.get("role") == "tool" else ""
+        if output and (answer.strip() == output or (len(output) >= LONG_OUTPUT and output in answer)):
+            return output
+    return None
+
+
+def called_tool(messages: list[dict]) -> bool:
+    """Whether the conversation's last tool turn ran without an error: the answer follows a well-formed call."""
+    results = [m for m in messages if m.get("role") == "tool"]
+    return bool(results) and not str(results[-1].get("content", "")).startswith("Error:")
+
+
 class ToolEnv:
     """A question answered with tools: each reply that calls tools gets their results; the first that
-    does not is the answer, rewarded by `check(answer_text) -> float`."""
+    does not is the answer, rewarded by `check(answer_text) -> float`. With `strict`, the reward is
+    check's grade ("answer") times "tool_use" and "format" (the module's docstring), all three logged."""
 
     def __init__(self, question: str, check: Callable[[str], float], tools: list[Tool], system: str | None = None,
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = 5.0, strict: bool = False) -> None:
         self.question, self.check, self.tools, self.system, self.timeout_s = question, check, tools, system, timeout_s
+        self.strict = strict
 
     def reset(self) -> list[dict]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + \
@@ -123,7 +153,12 @@ class ToolEnv:
     def step(self, history: list[dict], reply: dict) -> Step:
         if reply.get("tool_calls"):
             return Step(call_tools(self.tools, reply["tool_calls"], self.timeout_s))
-        return Step(done=True, reward=float(self.check(reply.get("content") or "")))
+        answer = reply.get("content") or ""
+        if not self.strict:
+            return Step(done=True, reward=float(self.check(answer)))
+        parts = {"answer": float(self.check(answer)), "tool_use": float(called_tool(history)),
+                 "format": float(not answer_markup(answer) and copied_output(answer, history) is None)}
+        return Step(done=True, reward=float(np.prod(list(parts.values()))), parts=parts)
 
 
 @dataclass
@@ -145,6 +180,7 @@ class Episode:
     ended: str = ""  # "done", "max_turns", "max_tokens"
     tool_calls: int = 0
     tool_errors: int = 0
+    parts: dict[str, float] = field(default_factory=dict)  # the environment's grades of the answer (Step.parts)
 
     @property
     def tokens(self) -> list[int]:
@@ -243,7 +279,7 @@ def run_episodes(sampler, tokenizer, envs: list, tools: list[Tool] | None = None
             episode.tool_errors += sum(m.get("role") == "tool" and str(m.get("content", "")).startswith("Error:")
                                        for m in outcome.messages)
             if outcome.done:
-                episode.reward, episode.ended = outcome.reward, "done"
+                episode.reward, episode.parts, episode.ended = outcome.reward, dict(outcome.parts), "done"
                 continue
             if turn == max_turns - 1:
                 episode.ended = "max_turns"

@@ -49,6 +49,11 @@ Seeing the run think (docs/cookbook.md, "Watching an RL run", shows it in a note
   `dropped_tied` (`drop_constant_groups`, the cookbook's remove_constant_reward_groups; by default
   tied groups are dropped unless there is a leash, under which they still carry the penalty's
   gradient) and `dropped_filtered` (`group_filter(group)` returned False).
+- Dynamic sampling (DAPO's), `resample_dropped`: when groups are dropped (tied or filtered), fresh problems
+  are drawn and sampled in their place, up to `resample_dropped` more rounds a step, until the step has
+  `groups_per_batch` groups to train on. Every group sampled is logged and stored (the step's `reward` is
+  the mean over all of them); `resampled` counts the extra groups. The estimate's bound counts every round
+  in full. A step that still keeps nothing is skipped, as above.
 - Collapse and reward hacking. Per step: `distinct_in_group` and `distinct_in_batch` (the share of
   distinct answers), `completion_tokens` (mean length), `entropy` (the mean -logprob of the sampled
   tokens), and on `monitor_prompts` fixed held-out problems, answered once each with the same seeds
@@ -126,6 +131,8 @@ class Config(BaseConfig):
     # Leave tied groups out of forward_backward (cookbook: remove_constant_reward_groups). None: unless
     # kl_penalty_coef is set, since with the leash a tied group still carries the penalty's gradient.
     drop_constant_groups: bool | None = None
+    # Dynamic sampling: draw fresh problems for dropped groups, up to this many more rounds a step (0: off).
+    resample_dropped: int = 0
     group_filter: typing.Any = field(default=None, metadata={"cli": False})  # keep a group only if group_filter(group)
     # The leash: advantages += kl_penalty_coef x (mean - this token's (policy - base) logprob), per completion token.
     kl_penalty_coef: float = 0.0
@@ -253,10 +260,18 @@ def play(sampler, tokenizer, task, problems: list[Problem], n: int, config: "Con
                              for turns in policy],
                             [tokenizer.decode(e.tokens[len(e.segments[0].tokens):], skip_special_tokens=True) for e in mine],
                             np.array([e.reward for e in mine], dtype=float),
-                            {"turns": [float(e.turns) for e in mine], "tool_calls": [float(e.tool_calls) for e in mine],
+                            {**episode_grades(mine),
+                             "turns": [float(e.turns) for e in mine], "tool_calls": [float(e.tool_calls) for e in mine],
                              "tool_errors": [float(e.tool_errors) for e in mine],
                              "episode_tokens": [float(len(e.tokens)) for e in mine]}, kind, episodes=mine))
     return groups
+
+
+def episode_grades(played: list) -> dict[str, list[float]]:
+    """The environments' grades of each episode's answer (episodes.Step.parts), by name; an episode that ended
+    without an answer (max_turns, max_tokens) gets 0 on each."""
+    names = dict.fromkeys(name for e in played for name in e.parts)
+    return {name: [float(e.parts.get(name, 0.0)) for e in played] for name in names}
 
 
 def submit(sampler, tokenizer, task, problems: list[Problem], n: int, max_tokens: int, temperature: float,
@@ -334,6 +349,15 @@ def sample_groups(sampler, tokenizer, task, problems: list[Problem], group_size:
     return rollouts_of(groups, provenance)
 
 
+def sample_problems(sampler, tokenizer, task, problems: list[Problem], config: Config, seed: int,
+                    multi_turn: bool) -> list[Group]:
+    """A group of config.group_size answers to each problem: episodes for a multi-turn task, else samples."""
+    if multi_turn:
+        return play(sampler, tokenizer, task, problems, config.group_size, config, seed)
+    return collect(submit(sampler, tokenizer, task, problems, config.group_size, config.max_tokens,
+                          config.temperature, seed), tokenizer, task)
+
+
 def evaluate(sampler, tokenizer, task, problems: list[Problem], samples: int, max_tokens: int,
              temperature: float, seed: int, progress: bool = False, desc: str = "held-out eval",
              config: Config | None = None) -> float:
@@ -365,9 +389,11 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
     if config.loss_fn not in LOSSES:
         raise ValueError(f"loss_fn must be one of {', '.join(LOSSES)}, not {config.loss_fn!r}")
     loss_fn_config = json.loads(config.loss_fn_config) if isinstance(config.loss_fn_config, str) else config.loss_fn_config
-    if config.kl_penalty_coef < 0 or config.monitor_prompts < 0 or not 0 <= config.collapse_distinct <= 1:
-        raise ValueError(f"kl_penalty_coef ({config.kl_penalty_coef}) and monitor_prompts ({config.monitor_prompts}) "
-                         f"must be >= 0, collapse_distinct ({config.collapse_distinct}) a share from 0 to 1")
+    if min(config.kl_penalty_coef, config.monitor_prompts, config.resample_dropped) < 0 or \
+            not 0 <= config.collapse_distinct <= 1:
+        raise ValueError(f"kl_penalty_coef ({config.kl_penalty_coef}), monitor_prompts ({config.monitor_prompts}) and "
+                         f"resample_dropped ({config.resample_dropped}) must be >= 0, collapse_distinct "
+                         f"({config.collapse_distinct}) a share from 0 to 1")
     task = task_for(config)
     multi_turn = hasattr(task, "env")
     if multi_turn and (config.kl_penalty_coef or config.monitor_prompts or config.loss_fn == "stable_reinforce"):
@@ -377,6 +403,7 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
     service_client = common.service_client_for(config, service_client)
     start = common.session_usage(config, service_client)
     rng = np.random.default_rng(config.seed)
+    redraw_rng = np.random.default_rng(config.seed + 30_000)  # dynamic sampling's problems: the others stay the run's
     eval_problems = task.problems(config.eval_prompts, np.random.default_rng(config.seed + 10_000))
     probe_problems = task.problems(config.monitor_prompts, np.random.default_rng(config.seed + 20_000))
     tc = common.training_client(service_client, config)
@@ -418,10 +445,20 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
                 groups = collect(pending, tokenizer, task)
                 probes = collect(probing, tokenizer, task, kind="probe")
             triage(groups, drop_tied, config.group_filter)
+            resampled = 0
+            for round_ in range(1, config.resample_dropped + 1):  # dynamic sampling (module doc)
+                missing = config.groups_per_batch - sum(not g.dropped for g in groups)
+                if missing <= 0:
+                    break
+                more = sample_problems(sampler, tokenizer, task, task.problems(missing, redraw_rng), config,
+                                       seed + round_ * 1_000_000, multi_turn)
+                triage(more, drop_tied, config.group_filter)
+                groups, resampled = groups + more, resampled + len(more)
             kept = [g for g in groups if not g.dropped]
             row = {"reward": float(np.mean([r for g in groups for r in g.rewards])),
                    **{name: float(np.mean(values)) for name, values in _parts_of(groups).items()},
-                   **group_metrics(groups), "groups_used": len(kept)}
+                   **group_metrics(groups), "groups_used": len(kept),
+                   **({"resampled": resampled} if config.resample_dropped else {})}
             measured, penalty = against_base(base, kept, probes, config)
             row.update(measured)
             hacks = rl_hacks.flags([e for g in groups for e in g.episodes], checks, step, hacks_began) \
@@ -508,7 +545,7 @@ def planned_tokens(config: Config, assume: estimates.Assumed) -> estimates.Tally
     tokenizer = common.local_tokenizer(config.base_model)
     answer = assume.answer(config.max_tokens)
     kept = assume.kept if drops_tied_groups(config) or config.group_filter is not None else 1.0
-    rng = np.random.default_rng(config.seed)
+    rng, redraw_rng = np.random.default_rng(config.seed), np.random.default_rng(config.seed + 30_000)
     eval_prompts = [len(render(task, tokenizer, p))
                     for p in task.problems(config.eval_prompts, np.random.default_rng(config.seed + 10_000))]
     probe_prompts = [len(render(task, tokenizer, p))
@@ -522,6 +559,9 @@ def planned_tokens(config: Config, assume: estimates.Assumed) -> estimates.Tally
         prompts = [len(render(task, tokenizer, p)) for p in task.problems(config.groups_per_batch, rng)]
         for prompt in prompts:  # a group of answers to each prompt
             tally.sample_request(prompt, config.group_size, answer)
+        for _ in range(config.resample_dropped):  # dynamic sampling's rounds (redrawn() groups each)
+            for problem in task.problems(redrawn(config, kept), redraw_rng):
+                tally.sample_request(len(render(task, tokenizer, problem)), config.group_size, answer)
         for prompt in probe_prompts:  # one answer to each held-out probe
             tally.sample_request(prompt, 1, answer)
         # against_base: the base model's logprobs of the kept answers (on a leash) and of the probes' answers
@@ -549,11 +589,19 @@ def planned_episodes(config: Config, tally: estimates.Tally, answer: float, eval
 
     episodes_of(eval_prompts * config.eval_samples)
     for _ in range(config.steps):
-        episodes_of(config.groups_per_batch * config.group_size)
+        episodes_of((config.groups_per_batch + config.resample_dropped * redrawn(config, kept)) * config.group_size)
         tally.forward_backward(kept * estimates.datum_input(longest, 1)
                                for _ in range(config.groups_per_batch * config.group_size))
     episodes_of(eval_prompts * config.eval_samples)
     return tally
+
+
+def redrawn(config: Config, kept: float) -> int:
+    """The groups a round of dynamic sampling is counted at: every group of the batch for the bound (kept 1.0:
+    no measured share; every group may tie, every round), else the share a previous run dropped."""
+    if not (drops_tied_groups(config) or config.group_filter is not None):
+        return 0  # nothing is dropped, so nothing is redrawn
+    return config.groups_per_batch if kept >= 1.0 else int(np.ceil(config.groups_per_batch * (1.0 - kept)))
 
 
 def kept_share(rows: list[dict]) -> float | None:

@@ -15,10 +15,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kernel_backend.tool_calls import CALL_CLOSE, CALL_OPEN
-
-MARKUP = (CALL_OPEN, CALL_CLOSE, "<tool_response>", "</tool_response>")
-LONG_OUTPUT = 20  # a tool output at least this long, found whole in the answer, is a copy (a short one, a number, is not)
+from workbench import episodes as episodes_lib
 
 
 def final_answer(episode) -> str | None:
@@ -29,21 +26,15 @@ def final_answer(episode) -> str | None:
 
 
 def carries_markup(episode) -> str | None:
-    answer = final_answer(episode)
-    found = [m for m in MARKUP if answer is not None and m in answer]
+    found = episodes_lib.answer_markup(final_answer(episode) or "")
     return f"its answer carries tool markup ({', '.join(found)})" if found else None
 
 
 def copies_tool_output(episode) -> str | None:
     """The answer is a tool's output and nothing more, or holds a long output whole."""
     answer = final_answer(episode)
-    if answer is None:
-        return None
-    for message in episode.messages:
-        output = str(message.get("content") or "").strip() if message.get("role") == "tool" else ""
-        if output and (answer.strip() == output or (len(output) >= LONG_OUTPUT and output in answer)):
-            return f"its answer copies a tool's output ({output[:40]!r})"
-    return None
+    output = None if answer is None else episodes_lib.copied_output(answer, episode.messages)
+    return None if output is None else f"its answer copies a tool's output ({output[:40]!r})"
 
 
 CHECKS: list[Callable] = [carries_markup, copies_tool_output]

@@ -43,7 +43,9 @@ class Task:
     grade: a fresh environment per answer (workbench/episodes.py: `reset()`, `step(history, reply)`),
     and `tools`, the episodes.Tool list offered in every episode. Each answer is then an episode of up to
     `max_turns` policy turns, rewarded by its environment, trained as one datum in which only the
-    policy's tokens carry the advantage; its turns, tool calls and tool errors are logged as reward parts.
+    policy's tokens carry the advantage; its turns, tool calls and tool errors are logged as reward parts,
+    and so are the grades its environment gives the answer (episodes.Step.parts: `ToolEnv(strict=True)`'s
+    answer, tool_use and format), which the dashboard can plot and the inspector shows per episode.
     """
 
     eval_metric = "reward"
