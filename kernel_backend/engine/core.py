@@ -89,6 +89,8 @@ class Engine:
         self.vocab_size = self.base.vocab_size
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 2048))
         lora.attach(self.model, matmul.choose(self.settings.matmul, self.settings.device, dtype))
+        # The sampler's bf16 copy of the base weights, if asked (STEPWISE_SAMPLE_DTYPE; ~270 MB on the default model).
+        lora.sample_weights(self.model, self.settings.sample_dtype)
         self.decoder = self._make_decoder()
         self._grammars: constraints.Compiler | None = None  # made on the first constrained request (~0.3 s)
         # Every adapter this engine serves; what stays on the device is bounded in bytes (engine/adapter_cache.py).
@@ -108,11 +110,13 @@ class Engine:
         """The bytes this engine holds, by what holds them (GET /api/v1/cluster, bench/memory.py): the base
         model; resident adapters as the adapter cache counts them (a run's weights, gradients and optimizer
         state); the copies of recent steps (engine/step_history.py); the decoding rows' KV cache and the prefix
-        cache of finished prompts (engine/sampler.py, engine/prefix_cache.py)."""
+        cache of finished prompts (engine/sampler.py, engine/prefix_cache.py); the sampler's copy of the base weights
+        in another dtype (STEPWISE_SAMPLE_DTYPE=bfloat16, engine/lora.py; none in float32)."""
         kv = getattr(self.decoder, "cache", None)
         prefixes = getattr(self.decoder, "prefixes", None)
         return {
             "base_model_bytes": sum(t.nbytes for t in [*self.model.parameters(), *self.model.buffers()]),
+            "sampler_weights_bytes": lora.sample_weights_bytes(self.model),
             "adapter_bytes": self.adapters.stats()["resident_bytes"],
             "step_history_bytes": self.history.nbytes(),
             "sampler_kv_bytes": kv.keys.nbytes + kv.values.nbytes if kv is not None else 0,

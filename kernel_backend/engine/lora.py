@@ -8,6 +8,10 @@ each layer adds `scale * B(A x)` to the rows of each adapter (a grouped LoRA mat
 matmul pair per adapter present), with its own backward in training (`_AddDeltas`). Rows whose
 adapter is None see the base model alone.
 
+For sampling, each base layer may also hold a copy of its frozen weight in another dtype (bfloat16:
+STEPWISE_SAMPLE_DTYPE, `sample_weights`): inside `sampling(model)` (the sampler's forward passes) the
+base products run on that copy, activations and the LoRA deltas staying float32; training never sees it.
+
 Adapters save to and load from PEFT's format (`adapter_config.json` and
 `adapter_model.safetensors`), so `peft.PeftModel.from_pretrained` reads what we write.
 """
@@ -50,6 +54,7 @@ class Routing:
 
     def __init__(self) -> None:
         self.groups: list[tuple[Adapter, slice | torch.Tensor | None]] = []
+        self.sampling = False  # inside the sampler's passes (`sampling`): base products may use the sampling copies
 
 
 class MultiLoraLinear(nn.Module):
@@ -61,19 +66,30 @@ class MultiLoraLinear(nn.Module):
         self.name = name  # full module name, the key into each adapter's weights
         self.routing = routing
         self.product = product  # F.linear or matmul.onednn_linear: the frozen weight's product
+        # The sampler's copy of the frozen weight and bias in another dtype (`sample_weights`), and the weight it
+        # copies: a full run's weights swapped in (engine/full_weights.py) are not it, and run as they are.
+        self.sample_source: torch.Tensor | None = None
+        self.sample_weight = self.sample_bias = None
 
     @property
     def weight(self) -> torch.Tensor:  # generation utilities look at lm_head.weight
         return self.base.weight
 
+    def base_product(self, x2d: torch.Tensor) -> torch.Tensor:
+        """The frozen layer's output for (tokens, in_features), in x2d's dtype."""
+        if self.routing.sampling and self.sample_source is self.base.weight:
+            # The sampler's copy: bf16 x bf16 products (native on CPUs with AVX-512 bf16 / AMX), output cast back.
+            return F.linear(x2d.to(self.sample_weight.dtype), self.sample_weight, self.sample_bias).to(x2d.dtype)
+        # A full run's weights, swapped in (engine/full_weights.py), train: their product must give them gradients.
+        product = F.linear if self.base.weight.requires_grad else self.product
+        return product(x2d, self.base.weight, self.base.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
         tokens, (out_features, in_features) = x2d.shape[0], self.base.weight.shape
         # A decode step's products are small: on one thread they skip OpenMP's wake-up (engine/small_products.py).
-        # A full run's weights, swapped in (engine/full_weights.py), train: their product must give them gradients.
-        product = F.linear if self.base.weight.requires_grad else self.product
         with small_products.small(tokens * in_features * out_features):
-            out = product(x2d, self.base.weight, self.base.bias)
+            out = self.base_product(x2d)
         groups = [(adapter, rows) for adapter, rows in self.routing.groups if self.name in adapter.weights]
         if not groups:
             return out.view(*x.shape[:-1], out.shape[-1])
@@ -218,6 +234,45 @@ def attach(model: nn.Module, product=F.linear) -> Routing:
 
 def lora_layers(model: nn.Module) -> dict[str, MultiLoraLinear]:
     return {m.name: m for m in model.modules() if isinstance(m, MultiLoraLinear)}
+
+
+SAMPLE_DTYPES = ("float32", "bfloat16")
+
+
+def sample_weights(model: nn.Module, setting: str) -> int:
+    """Give every base layer of `model` the sampler's copy of its frozen weight in `setting`'s dtype
+    (STEPWISE_SAMPLE_DTYPE), or none where that is the weight's own dtype (float32: the sampler runs on the
+    trainer's weights, bit for bit). Returns the copies' bytes (what Engine.memory counts). Set once, when the
+    engine starts: a decoder's prefix cache keeps what it computed before a change (Engine.reset_decoder drops it)."""
+    if setting not in SAMPLE_DTYPES:
+        raise ValueError(f"STEPWISE_SAMPLE_DTYPE must be one of {', '.join(SAMPLE_DTYPES)}, not {setting!r}")
+    dtype = getattr(torch, setting)
+    for layer in lora_layers(model).values():
+        weight, bias = layer.base.weight, layer.base.bias
+        if weight.dtype == dtype:
+            layer.sample_source, layer.sample_weight, layer.sample_bias = None, None, None
+            continue
+        layer.sample_source = weight
+        layer.sample_weight = weight.detach().to(dtype).contiguous()
+        layer.sample_bias = bias.detach().to(dtype) if bias is not None else None
+    return sample_weights_bytes(model)
+
+
+def sample_weights_bytes(model: nn.Module) -> int:
+    """The bytes of the sampler's weight copies (an lm_head tied to the embedding has a copy of its own)."""
+    return sum(t.nbytes for layer in lora_layers(model).values()
+               for t in (layer.sample_weight, layer.sample_bias) if t is not None)
+
+
+@contextlib.contextmanager
+def sampling(model: nn.Module):
+    """The sampler's forward passes: base products run on the layers' sampling copies where they have one."""
+    routing: Routing = model._stepwise_routing
+    previous, routing.sampling = routing.sampling, True
+    try:
+        yield
+    finally:
+        routing.sampling = previous
 
 
 def new_adapter(model: nn.Module, config: LoraConfig) -> Adapter:

@@ -33,6 +33,9 @@ The forward pass is the packed one (engine/packed_forward.py: Llama's layer and 
 calling the model's own modules). Tokens travel as one flat (tokens, hidden) batch, so rows of different
 lengths need no padding: attention is the only step that knows which tokens belong together, and here it
 reads each row's cache up to its own length.
+Every forward pass here runs under `lora.sampling`: with STEPWISE_SAMPLE_DTYPE=bfloat16 the base products use
+the layers' bf16 copies (engine/lora.py), so sampled and `compute_logprobs` logprobs are the bf16 model's; with
+float32 (the default) there are no copies and everything above is the trainer's computation, bit for bit.
 Other architectures decode one request at a time with transformers' own forward (`SerialDecoder`,
 also the baseline the benchmarks compare against: it is the loop every request went through before).
 """
@@ -424,10 +427,11 @@ class Decoder:
         finished: list[SampleRequest] = []
         self._drop(lambda a: a.request.cancel.is_set(), Cancelled("the request was cancelled"), finished)
         segments = self._plan_prefill()
-        if segments:
-            self._prefill(segments, finished)
-        if self.rows:
-            self._decode(finished)
+        with lora.sampling(self.model):
+            if segments:
+                self._prefill(segments, finished)
+            if self.rows:
+                self._decode(finished)
         if not self.rows:
             self.cache.clear()
         return finished
@@ -760,7 +764,7 @@ class SerialDecoder:
     def _generate(self, active: _Active) -> None:
         request, model = active.request, self.model
         n = request.num_samples
-        with lora.route(model, [request.adapter] * n):
+        with lora.route(model, [request.adapter] * n), lora.sampling(model):
             # Logits of the last positions only, from the first the request's prompt options need.
             out = model(torch.tensor([request.prompt], device=model.device), use_cache=True,
                         logits_to_keep=len(request.prompt) - active.logits_from)
