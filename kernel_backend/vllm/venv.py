@@ -27,7 +27,9 @@ from kernel_backend.venvs import Venv
 REQUIREMENTS = Path(__file__).with_name("requirements")
 # How to build the same command line for the user in every message.
 BUILD_COMMAND = "make vllm-venv (or: python -m kernel_backend.vllm.venv build)"
-CHECK = "import vllm.v1.engine.async_llm, vllm.lora.request, transformers"
+# What the worker imports, and what vLLM imports to validate a request with a grammar (requirements/cpu.txt).
+CHECK = ("import vllm.v1.engine.async_llm, vllm.lora.request, transformers, "
+         "vllm.v1.structured_output.backend_lm_format_enforcer, vllm.v1.structured_output.backend_guidance")
 
 
 def flavor(settings: Settings) -> str:
