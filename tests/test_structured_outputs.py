@@ -121,11 +121,15 @@ def test_grammar_size_is_bounded_before_any_work(engine, tokenizer):
         engine.sample_request(None, [1, 2, 3], 1, SamplingParams(max_tokens=4), SampleOptions(grammar="x" * 70000))
 
 
-def test_the_vllm_sampler_refuses_a_grammar_rather_than_ignore_it():
+def test_the_vllm_sampler_refuses_a_grammar_it_cannot_end_rather_than_ignore_it():
     from kernel_backend.execution.vllm_sampler import VllmSampling  # the vLLM sampler's module, not vLLM
 
-    with pytest.raises(UserError, match="constrained decoding .* not supported by this server's sampler"):
-        VllmSampling.check_options(SampleOptions(grammar='start: "a"\n'))
+    # vLLM's structured outputs take a grammar (tests/test_vllm.py), but end it with end-of-sequence, which stop=[]
+    # does not stop at.
+    options = SampleOptions(grammar='start: "a"\n')
+    VllmSampling.check_options(options, SamplingParams(max_tokens=4))
+    with pytest.raises(UserError, match=r"stop=\[\] is not supported by this server's sampler \(vLLM"):
+        VllmSampling.check_options(options, SamplingParams(max_tokens=4, stop=[]))
 
 
 # ---- through the real clients -------------------------------------------------------------------------------

@@ -13,11 +13,14 @@ Marked `vllm`: they run last, and skip, saying how to build it, where the vLLM v
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import time
 
 import httpx
+import jsonschema
 import numpy as np
 import openai
 import pytest
@@ -28,7 +31,10 @@ from servers import Server, start_server
 from tiny_model import tiny_model_folder
 from test_recipes import check_summary
 from test_service import BASE, chat_datum, prompt_of, train_steps
+from test_eval_clients import ledger_cursor, ledger_rows
 from test_service_http import Api
+from test_structured_outputs import ASK, CALC, FORECAST, PERSON, ROOM, _arguments_valid
+from workbench import sdk_hooks
 from workbench.recipes import rl
 
 pytestmark = pytest.mark.vllm
@@ -295,3 +301,44 @@ def test_rl_recipe_runs_on_vllm_and_logs_the_sampler_trainer_gap(vllm_server, tm
     trained = [r for r in rows if r.get("train_tokens")]
     assert trained and all(0 <= r["logprob_gap_mean"] <= r["logprob_gap_max"] < GAP for r in trained), trained
     assert all(abs(r["kl_sampler"]) < GAP for r in trained)
+
+
+def test_constraints_reach_vllm_structured_outputs_and_hold_every_time(vllm_server, tokenizer):
+    """response_format and a forced tool call through the openai client, and the tinker wire's `constraint` through
+    the SDK, at temperature 1 with the base model: every sample validates, vLLM enforcing our grammars (its guidance
+    backend). The logprobs are the model's own, as on the built-in sampler, not the masked distribution's."""
+    before = ledger_cursor(vllm_server)
+    oai = openai.OpenAI(base_url=vllm_server.base_url + "/v1", api_key=vllm_server.api_key)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    reply = oai.chat.completions.create(model=BASE, messages=ASK, n=8, temperature=1.0, max_tokens=ROOM,
+                                        response_format=fmt)
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    forced = oai.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "What is 17*5+3?"}],
+                                         tools=[CALC, FORECAST], n=4, temperature=1.0, max_tokens=ROOM,
+                                         tool_choice={"type": "function", "function": {"name": "calc"}})
+    for choice in forced.choices:
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        assert choice.message.tool_calls[0].function.name == "calc"
+        _arguments_valid(choice.message.tool_calls[0], [CALC])
+
+    sdk_hooks.install()
+    sampler = tinker.ServiceClient(base_url=vllm_server.base_url, api_key=vllm_server.api_key
+                                   ).create_sampling_client(base_model=BASE).result()
+    prompt = types.ModelInput.from_ints(prompt_of(tokenizer, "Is the sky blue? Answer yes or no, and a number."))
+    params = types.SamplingParams(max_tokens=16, temperature=1.0, seed=3)
+    result = sampler.sample(prompt, 4, params, constraint={"regex": r"(yes|no), [0-9]{1,3}"}).result()
+    for seq in result.sequences:
+        assert seq.stop_reason == "stop" and seq.tokens[-1] == tokenizer.eos_token_id  # vLLM ends it so
+        assert re.fullmatch(r"(yes|no), [0-9]{1,3}", tokenizer.decode(seq.tokens[:-1])), tokenizer.decode(seq.tokens)
+    # The model's own logprobs (the masked distribution's would be higher: the model would rather write "Yes"), as
+    # compute_logprobs gives them and STEPWISE_VLLM_CHECK_LOGPROBS finds them, for every request above.
+    tokens = prompt.to_ints() + result.sequences[0].tokens
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+    assert np.allclose(scored[prompt.length:], result.sequences[0].logprobs, atol=GAP)
+    rows = [r for r in ledger_rows(vllm_server, before) if r["request_type"] in ("Sample", "ChatCompletion")]
+    assert len(rows) >= 3 and all(0 <= r["metrics"]["sampler_logprob_gap:max"] < GAP for r in rows), rows
+    # stop=[] never ends at end-of-sequence, which is how vLLM ends a constrained sample: refused, naming it.
+    with pytest.raises(Exception, match=r"stop=\[\] is not supported by this server's sampler \(vLLM"):
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, stop=[]), constraint={"regex": "[0-9]"}).result()

@@ -20,8 +20,22 @@ Of the sampling options, vLLM serves prompt logprobs and top-k logprobs (prompt 
 prompt_logprobs_last_n (its prompt logprobs, with the entries before the last n dropped here).
 target_prompt_logprobs and prompt_alt_tokens_k have no vLLM counterpart (vLLM's prompt logprobs name
 the top k ids, not given ones, and it draws no tokens at prompt positions): they are refused with a 400.
-So, for now, is a grammar (SampleOptions.grammar: response_format, forced and strict tool calls), which the
-built-in sampler enforces (engine/constraints.py) and vLLM's structured outputs are not yet given.
+
+A grammar (SampleOptions.grammar: response_format, forced, required and strict tool calls, the tinker wire's
+`constraint`) goes to vLLM's structured outputs as it is: the worker runs vLLM with its `guidance` backend,
+which is llguidance, the engine the built-in sampler uses (engine/constraints.py), so the same Lark text
+(grammars.py: `%json` schemas, regexes, tool-call grammars) means the same thing. vLLM masks a constrained row's
+logits before its draw, as the built-in sampler does, and the logprobs returned are the model's own, unmasked,
+as there (vLLM alone would give the masked distribution's: the worker keeps the logits from before the mask for
+them, worker.keep_model_logprobs_under_grammars; a vLLM where it cannot is refused a grammar with a 400).
+Where it differs:
+- the end: once the grammar is complete vLLM allows only end-of-sequence, so the row ends with that token (kept,
+  as a stop token is); the built-in sampler stops the row at the grammar's last token. The text is the same.
+- stopping: where the grammar accepts, vLLM allows its end-of-sequence token only, not the request's other stop
+  token ids (the built-in sampler allows all of them there). A request whose stop set has no end-of-sequence
+  (stop=[]) cannot end a constrained row the way it asks (the built-in sampler stops it when the grammar is
+  complete, vLLM would draw end-of-sequence and go on): it is refused with a 400 naming that.
+A grammar vLLM's llguidance (the vLLM venv's version) refuses is a 400 with its message.
 
 CPU and GPU are one code path: `engine_args` is the only place they differ.
 """
@@ -67,6 +81,9 @@ def engine_args(settings: Settings, model_dir: Path, max_context: int) -> dict:
         enable_lora=True, max_lora_rank=settings.vllm_max_lora_rank, max_loras=4, max_cpu_loras=8,
         # The sampled token's logprob from the raw logits, before temperature, top-k and top-p: Tinker's meaning.
         logprobs_mode="raw_logprobs", max_logprobs=20,
+        # Our grammars are llguidance's Lark (grammars.py): the guidance backend reads them as the built-in sampler
+        # does, where "auto" would hand a grammar to xgrammar, which reads GBNF.
+        structured_outputs_config={"backend": "guidance"},
     )
     if vllm_venv.flavor(settings) == "cpu":
         args.update(enforce_eager=True)  # no graph capture or compilation on CPU (minutes on 2 cores)
@@ -89,6 +106,7 @@ class WorkerProcess:
         self._lock = threading.Lock()
         self._next_id = 0
         self._ready = concurrent.futures.Future()
+        self.ready: dict = {}  # its ready message, once started
 
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -106,7 +124,8 @@ class WorkerProcess:
             )
         threading.Thread(target=self._read, name="stepwise-vllm-reader", daemon=True).start()
         try:
-            return self._ready.result(timeout=timeout_s)
+            self.ready = self._ready.result(timeout=timeout_s)
+            return self.ready
         except concurrent.futures.TimeoutError:
             self.stop()
             raise WorkerError(f"the vLLM worker did not start within {timeout_s:.0f} s; its log: {self.log_path}") from None
@@ -322,6 +341,13 @@ class VllmSampler:
         `then(result, folder)`, if given, runs while the adapter version is still held: its files (`folder`, None
         for the base model) stay until it returns, even if newer versions unloaded this one meanwhile."""
         options = options or SampleOptions()
+        if options.grammar is not None and not self.worker.ready.get("model_logprobs_under_grammars"):
+            # The worker could not keep the model's own logprobs under a grammar (a vLLM other than the one it knows):
+            # refused rather than answered with logprobs of another meaning.
+            raise UserError(f"constrained decoding is not supported by this server's sampler (vLLM "
+                            f"{self.worker.ready.get('vllm')}, STEPWISE_SAMPLER=vllm): its logprobs would be the "
+                            "masked distribution's, not the model's; use a server with the built-in sampler "
+                            "(STEPWISE_SAMPLER=batched, the default), or leave the constraint out")
         version = None
         if adapter_id is not None:
             with self._lock:
@@ -340,7 +366,7 @@ class VllmSampler:
                 logit_bias=params.logit_bias, stop_token_ids=sorted(stop_token_ids),
                 stop_strings=list(stop_strings), prompt_logprobs=options.prompt_logprobs,
                 topk_prompt_logprobs=options.topk_prompt_logprobs, topk_sample_logprobs=options.topk_sample_logprobs,
-                stream=on_token is not None,
+                grammar=options.grammar, stream=on_token is not None,
             ).result()
             result = self._result(reply, prompt, options)
             if then is not None:
@@ -419,17 +445,20 @@ class VllmSampling:
                 for name, s in self.samplers.items()}
 
     @staticmethod
-    def check_options(options: SampleOptions) -> None:
-        """Refuse, before anything is queued, the sampling options vLLM cannot serve (module docstring)."""
+    def check_options(options: SampleOptions, params: SamplingParams | None = None) -> None:
+        """Refuse, before anything is queued, the sampling options vLLM cannot serve (module docstring). With
+        `params` (the sample job's own check, _EngineView), also a grammar with stop=[]: a 400 when the job runs."""
         for name in ("target_prompt_logprobs", "prompt_alt_tokens_k"):
             if getattr(options, name):
                 raise UserError(f"{name} is not supported by this server's sampler (vLLM, STEPWISE_SAMPLER=vllm); "
                                 "use a server with the built-in sampler (STEPWISE_SAMPLER=batched, the default), "
                                 "or leave it out")
-        if options.grammar is not None:  # vLLM's structured outputs are not wired in yet: refused, never ignored
-            raise UserError("constrained decoding (response_format, a forced or required tool call, strict tools) is "
-                            "not supported by this server's sampler (vLLM, STEPWISE_SAMPLER=vllm) yet; use a server "
-                            "with the built-in sampler (STEPWISE_SAMPLER=batched, the default), or leave it out")
+        # stop=[] is the one stop set without end-of-sequence (Engine._check_sampling), which vLLM's grammar ends on.
+        if options.grammar is not None and params is not None and params.stop == []:
+            raise UserError("a constraint (grammar) with stop=[] is not supported by this server's sampler (vLLM, "
+                            "STEPWISE_SAMPLER=vllm): vLLM ends a constrained sample with end-of-sequence, which "
+                            "stop=[] does not stop at; leave stop out or name stop strings or tokens, or use a server "
+                            "with the built-in sampler (STEPWISE_SAMPLER=batched, the default)")
 
     # ---- adapters, from the service's jobs on the scheduler thread ----------------------------------
 
@@ -529,7 +558,7 @@ class _EngineView:
         # Engine.sample's own checks (they read the engine's fixed facts only: vocabulary, context, eos).
         prompt = engine_module._check_tokens(prompt, self._engine.vocab_size, "prompt")
         stop_ids, stop_strings = self._engine._check_sampling(prompt, num_samples, params, options)
-        VllmSampling.check_options(options)
+        VllmSampling.check_options(options, params)
         def check(result: SampleResult, folder: Path | None) -> None:
             self.metrics = self._sampling.logprob_gap(self._base_model, adapter_id, folder, prompt, result)
         return self._vllm.sample(adapter_id, prompt, num_samples, params, stop_ids, stop_strings, options, on_token,

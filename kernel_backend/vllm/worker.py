@@ -18,7 +18,11 @@ arrives. vLLM's own log goes to stderr (the backend sends it to a file). Closing
 The meaning of a sample request is Tinker's, already resolved by the backend: `stop_token_ids` is the
 exact set of tokens that end a sequence (end-of-sequence included or not), `stop_strings` the strings;
 the stop token is kept in the returned tokens. Each token's logprob is the model's own, before
-temperature, top-k and top-p (logprobs_mode="raw_logprobs", which the backend sets).
+temperature, top-k and top-p (logprobs_mode="raw_logprobs", which the backend sets). `grammar`, when set, is
+llguidance's Lark text the sample must match, given to vLLM's structured outputs as a grammar: the backend starts
+the engine with the guidance backend, which reads it as llguidance does. A constrained row's logprobs are the
+model's own too (keep_model_logprobs_under_grammars); the ready message's "model_logprobs_under_grammars" says
+whether this vLLM let the worker make them so.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import traceback
 def sampling_params(request: dict):
     """A vLLM SamplingParams for one request (see the module docstring for the meaning of its fields)."""
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     want_prompt = request["prompt_logprobs"] or request["topk_prompt_logprobs"] > 0
     return SamplingParams(
@@ -60,7 +64,40 @@ def sampling_params(request: dict):
         logprobs=request["topk_sample_logprobs"],  # 0: the sampled token's own logprob only
         prompt_logprobs=request["topk_prompt_logprobs"] if want_prompt else None,
         output_kind=RequestOutputKind.DELTA,
+        structured_outputs=StructuredOutputsParams(grammar=request["grammar"]) if request.get("grammar") else None,
     )
+
+
+def keep_model_logprobs_under_grammars() -> bool:
+    """Make vLLM's "raw" logprobs the model's own for constrained rows too; False if this vLLM lacks what it patches.
+
+    vLLM masks a constrained row's logits (apply_grammar_bitmask, in the model runner) before its sampler reads the
+    raw logprobs from them, so they would be the masked distribution's, renormalised over the allowed tokens. The
+    built-in sampler returns the model's own, which the trainer's compute_logprobs also gives (importance ratios
+    compare like with like). So the logits are kept as they were before the mask, and the sampler's log-softmax
+    for the logprobs reads that copy; the draw still sees the masked logits. Runs in every process vLLM spawns
+    (they import this file again), which is where the model runner is."""
+    try:
+        from vllm.v1.sample.sampler import Sampler
+        from vllm.v1.worker import gpu_model_runner  # the CPU runner inherits its sample_tokens
+        mask, log_softmax = gpu_model_runner.apply_grammar_bitmask, Sampler.compute_logprobs
+    except (ImportError, AttributeError):
+        return False
+    kept: list = []  # [(masked logits, their copy before the mask)]: this step's, at most one
+
+    def apply_grammar_bitmask(scheduler_output, grammar_output, input_batch, logits):
+        kept[:] = [(logits, logits.clone())]
+        mask(scheduler_output, grammar_output, input_batch, logits)
+
+    def compute_logprobs(logits):
+        # Only for the very tensor just masked (the sampler gets it next): prompt logprobs and later steps are others.
+        if kept and kept[0][0] is logits:
+            logits = kept.pop()[1]
+        return log_softmax(logits)
+
+    gpu_model_runner.apply_grammar_bitmask = apply_grammar_bitmask
+    Sampler.compute_logprobs = staticmethod(compute_logprobs)
+    return True
 
 
 def _vllm_n(request: dict) -> int:
@@ -122,9 +159,14 @@ class Worker:
 
     async def start(self) -> None:
         from vllm import AsyncEngineArgs
+        from vllm.config import StructuredOutputsConfig
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+        args = dict(self.engine_args)
+        # JSON carries it as a dict; AsyncEngineArgs takes some configs as dicts (compilation_config), not this one.
+        if isinstance(args.get("structured_outputs_config"), dict):
+            args["structured_outputs_config"] = StructuredOutputsConfig(**args["structured_outputs_config"])
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
     def send(self, message: dict) -> None:
         self.out.write((json.dumps(message) + "\n").encode())
@@ -239,7 +281,8 @@ async def serve(engine_args: dict, protocol_fd: int) -> None:
     await worker.start()
     from vllm import __version__
 
-    worker.send({"ready": True, "startup_s": round(time.monotonic() - start, 1), "vllm": __version__})
+    worker.send({"ready": True, "startup_s": round(time.monotonic() - start, 1), "vllm": __version__,
+                 "model_logprobs_under_grammars": MODEL_LOGPROBS_UNDER_GRAMMARS})
     reader = asyncio.StreamReader(limit=64 << 20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     tasks = set()
@@ -258,6 +301,9 @@ def main() -> None:
     os.dup2(2, 1)
     asyncio.run(serve(json.loads(sys.argv[1]), protocol_fd))
 
+
+# Here, not in main(): vLLM's engine and model-runner processes import this file again (not as __main__).
+MODEL_LOGPROBS_UNDER_GRAMMARS = keep_model_logprobs_under_grammars()
 
 if __name__ == "__main__":  # vLLM spawns its engine process, which imports this file again
     main()
