@@ -116,12 +116,13 @@ def one_lora_layer(in_features: int, out_features: int):
     return model
 
 
-def wait_until(condition, timeout: float = 30.0, what: str = "") -> None:
-    """Watch `condition()` until it is true; an AssertionError naming `what` once `timeout` seconds pass.
+def wait_until(condition, timeout: float = 30.0, what: str = "", every: float = 0.01) -> None:
+    """Watch `condition()` (every `every` seconds) until it is true; an AssertionError naming `what` once `timeout`
+    seconds pass.
 
     For a test waiting on another thread or process: it goes on as soon as the condition holds, never after a
     guessed sleep, and the timeout only bounds a failure (issue 57)."""
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, f"waited {timeout:g} s for {what or 'the condition'}"
-        time.sleep(0.01)
+        time.sleep(every)

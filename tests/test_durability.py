@@ -14,7 +14,7 @@ import os
 import sqlite3
 import subprocess
 import sys
-import time
+import threading
 
 import numpy as np
 import pytest
@@ -22,6 +22,7 @@ import tinker
 import torch
 from tinker import types
 
+from helpers import wait_until
 from servers import REPO, start_server
 from test_service_http import DATA, Api
 
@@ -62,10 +63,7 @@ def test_kill_9_mid_training_and_restart(home):
     big = [types.Datum(model_input=types.ModelInput.from_ints(list(range(5, 1500))),
                        loss_fn_inputs={"target_tokens": np.arange(6, 1501)})] * 4
     pending = [tc.forward_backward(big, "cross_entropy") for _ in range(3)]
-    deadline = time.monotonic() + 60
-    while len(taken()) < before + 3:
-        assert time.monotonic() < deadline, "the server never took the work"
-        time.sleep(0.05)
+    wait_until(lambda: len(taken()) >= before + 3, 60, "the server to take the work", every=0.05)
     server.stop(kill=True)
     assert server.process.returncode == -9
     del pending
@@ -99,18 +97,33 @@ def test_silent_sessions_expire_and_free_their_adapters(home):
     server = start_server(home, env={"STEPWISE_SESSION_TIMEOUT_S": "2", "STEPWISE_REAP_INTERVAL_S": "0.5"})
     try:
         api = Api(server)
-        session = api.session()  # raw HTTP: nobody sends heartbeats for it
-        model_id = api.model(session, 0, seed=0)
-        assert sum(api.http.get("/admin/stats").json()["adapters"].values()) >= 1
-        deadline = time.monotonic() + 30
-        while api.http.get(f"/sessions/{session}").json()["status"] != "expired":  # reading does not heartbeat
-            assert time.monotonic() < deadline, "the session never expired"
-            time.sleep(0.5)
+        session = api.session()  # raw HTTP: no SDK sends heartbeats for it
+        # Heart-beat it until its adapter exists, as a client would: on a busy machine creating the model can take
+        # longer than the 2 s timeout, and the session must not expire before the test has seen the adapter.
+        beats, stop = [], threading.Event()
+
+        def beat():
+            heartbeats = Api(server)
+            while not stop.wait(0.2):
+                beats.append(heartbeats.post("/session_heartbeat", {"session_id": session}).status_code)
+            heartbeats.http.close()
+
+        beating = threading.Thread(target=beat, daemon=True)
+        beating.start()
+        try:
+            model_id = api.model(session, 0, seed=0)
+            assert sum(api.http.get("/admin/stats").json()["adapters"].values()) >= 1
+        finally:
+            stop.set()
+            beating.join()
+        assert set(beats) <= {200}  # alive all along; from here on nobody heart-beats it
+        # Reading the session does not heartbeat it: polling leaves it to expire.
+        wait_until(lambda: api.http.get(f"/sessions/{session}").json()["status"] == "expired", 30,
+                   "the session to expire", every=0.5)
         assert api.post("/session_heartbeat", {"session_id": session}).status_code == 410
-        deadline = time.monotonic() + 30  # the freeing job runs on the scheduler thread: watch for it
-        while sum(api.http.get("/admin/stats").json()["adapters"].values()) != 0:
-            assert time.monotonic() < deadline, "the expired session's adapters were never freed"
-            time.sleep(0.1)
+        # The freeing job runs on the scheduler thread: watch for it.
+        wait_until(lambda: sum(api.http.get("/admin/stats").json()["adapters"].values()) == 0, 30,
+                   "the expired session's adapters to be freed", every=0.1)
         r = api.post("/optim_step", {"model_id": model_id, "seq_id": 1, "adam_params": {}})
         assert r.status_code == 410 and "checkpoint" in r.json()["detail"]
     finally:
@@ -198,10 +211,8 @@ def test_a_finished_session_frees_its_adapters_and_the_service_goes_on(home):
         session = api.session()
         api.model(session, 0, seed=0)
         assert api.post(f"/sessions/{session}/finish", {"reason": {"type": "success"}}).status_code == 200
-        deadline = time.monotonic() + 30
-        while sum(api.http.get("/admin/stats").json()["adapters"].values()) != 0:
-            assert time.monotonic() < deadline, "the finished session's adapter was never freed"
-            time.sleep(0.2)
+        wait_until(lambda: sum(api.http.get("/admin/stats").json()["adapters"].values()) == 0, 30,
+                   "the finished session's adapter to be freed", every=0.2)
         # The scheduler is still serving other sessions.
         other = api.session()
         model_id = api.model(other, 0, seed=0)
