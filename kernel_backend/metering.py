@@ -17,9 +17,14 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 DEFAULT_PRICES = Path(__file__).with_name("prices.toml")
 KINDS = ("prefill", "sample", "train")
 COMPUTED = "computed_tokens"  # a forward(_backward)'s ledger metric: the tokens the model ran
+# A forward(_backward)'s ledger metric: what its loss counts over (see loss_tokens), so a summary can show the
+# loss per token as a notebook prints it (loss:sum / weights), not only the sum.
+LOSS_TOKENS = "loss_tokens"
 
 
 @dataclass
@@ -32,6 +37,23 @@ class Usage:
         return (
             self.prefill_tokens * price["prefill"] + self.sample_tokens * price["sample"] + self.train_tokens * price["train"]
         ) / 1e6
+
+
+def loss_tokens(data, loss_fn: str) -> float:
+    """The tokens a forward(_backward)'s loss counts over, from its datums (kernel_backend.types.Datum): for
+    cross_entropy the sum of their "weights" (1 a token where a datum has none), for the other losses the
+    positions whose "advantages" are not zero (an RL datum's policy tokens: a prompt's and a tool's carry none).
+    loss:sum / loss_tokens is the loss per token the notebooks print (workbench.recipes.common.weighted_nll)."""
+    total = 0.0
+    for datum in data:
+        inputs = datum.loss_fn_inputs
+        if loss_fn == "cross_entropy":
+            weights = inputs.get("weights")
+            total += len(datum.tokens) if weights is None else float(np.asarray(weights, dtype=np.float64).sum())
+        elif "advantages" in inputs:
+            advantages = np.asarray(inputs["advantages"])
+            total += float(np.count_nonzero(advantages.reshape(len(advantages), -1).any(axis=1)))
+    return total
 
 
 class Prices:

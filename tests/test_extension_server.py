@@ -289,3 +289,59 @@ def test_each_run_carries_the_lineage_the_sidebar_draws_its_tree_from(fetch, hom
     assert (runs[fork.model_id]["parent_run_id"], runs[fork.model_id]["fork_step"]) == (trained_session["run"], 2)
     assert runs[trained_session["run"]]["parent_run_id"] is None
     assert runs[trained_session["run"]]["cost"] > 0 and runs[fork.model_id]["cost"] == 0.0
+
+
+def test_loss_tokens_counts_what_each_loss_sums_over():
+    from kernel_backend.metering import loss_tokens
+    from kernel_backend.types import Datum
+
+    sft = Datum(tokens=[1, 2, 3, 4], loss_fn_inputs={"weights": np.array([0, 0, 1, 1], np.float32)})
+    plain = Datum(tokens=[1, 2, 3], loss_fn_inputs={})
+    rl = Datum(tokens=[1, 2, 3, 4, 5], loss_fn_inputs={"advantages": np.array([0, 0, 0.5, -0.5, 0.5], np.float32)})
+    assert loss_tokens([sft, plain], "cross_entropy") == 2 + 3  # weights, else one a token
+    assert loss_tokens([rl], "importance_sampling") == 3  # the tokens with an advantage (the prompt's have none)
+    assert loss_tokens([plain], "ppo") == 0
+
+
+def test_runs_say_their_loss_per_token_its_step_and_the_steps_skipped(fetch, home, tinker_server):
+    """Issue 56: the sidebar shows a run's loss per token as the notebooks print it (loss:sum over the loss's
+    weights; a step's passes added up), the step it belongs to, and optimizer steps with no forward_backward (an
+    RL step whose groups all tied) as skipped, never the step before's loss as the last step's. A session named
+    by connect(name=...) carries the name in its user_metadata."""
+    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key,
+                                  display_name="warehouse-agent", user_metadata={"name": "warehouse-agent"})
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+    tokens = list(range(300, 332))
+    weights = np.zeros(31, np.float32)
+    weights[10:] = 1.0  # the prompt's 10 tokens count for nothing
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": np.array(tokens[1:]), "weights": weights})
+    adam = types.AdamParams(learning_rate=1e-3)
+    tc.forward_backward([datum], "cross_entropy").result()
+    tc.optim_step(adam).result()
+    # step 2: two passes (gradient accumulation), one step
+    sums = [tc.forward_backward([datum] * n, "cross_entropy").result().metrics["loss:sum"] for n in (1, 2)]
+    tc.optim_step(adam).result()
+    tc.optim_step(adam).result()  # step 3: nothing to train on
+
+    # An RL run: its loss per token is over the tokens that carry an advantage.
+    rl = client.create_lora_training_client(base_model=BASE, rank=4, seed=4).result()
+    advantages = np.zeros(31, np.float32)
+    advantages[20:] = 0.5
+    rl_datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                           loss_fn_inputs={"target_tokens": np.array(tokens[1:]), "logprobs": np.full(31, -2.0, np.float32),
+                                           "advantages": advantages})
+    rl_loss = rl.forward_backward([rl_datum], "importance_sampling").result().metrics["loss:sum"]
+    rl.optim_step(adam).result()
+
+    announce(home, tinker_server.base_url, tinker_server.api_key)
+    (session,) = [s for s in get_report(fetch)["sessions"] if tc.model_id in s["training_run_ids"]]
+    assert session["user_metadata"]["name"] == "warehouse-agent" and session["display_name"] == "warehouse-agent"
+    runs = {r["training_run_id"]: r for r in session["runs"]}
+    sft = runs[tc.model_id]
+    assert (sft["steps"], sft["skipped_steps"], sft["loss_step"]) == (3, 1, 2)
+    assert sft["loss_per_token"] == pytest.approx(sum(sums) / (3 * 21), rel=1e-5)
+    assert sft["last_loss"] == pytest.approx(sums[-1])  # the newest pass's sum, as before
+    other = runs[rl.model_id]
+    assert (other["steps"], other["skipped_steps"], other["loss_step"]) == (1, 0, 1)
+    assert other["loss_per_token"] == pytest.approx(rl_loss / 11, rel=1e-5)

@@ -22,6 +22,7 @@ import math
 
 from sqlalchemy import func, select
 
+from kernel_backend.metering import LOSS_TOKENS
 from kernel_backend.service import budgets, sessions
 from kernel_backend.persistence import api_keys, signing
 from kernel_backend.service.checkpoints import SNAPSHOTS_PER_RUN, checkpoint_json, lineage
@@ -148,10 +149,20 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
         steps = dict(s.execute(select(UsageRow.model_id, func.count()).where(
             UsageRow.model_id.in_(run_ids), UsageRow.request_type == "OptimStep").group_by(UsageRow.model_id)).all())
         last_fb = {}  # run -> metrics of its newest forward_backward
+        last_loss = {}  # run -> its newest step's loss: its step, and per token where every pass of it counted its tokens
         newest = (select(UsageRow.model_id, func.max(UsageRow.id)).where(
             UsageRow.model_id.in_(run_ids), UsageRow.request_type == "ForwardBackward").group_by(UsageRow.model_id))
         for run_id, row_id in s.execute(newest).all():
-            last_fb[run_id] = (s.get(UsageRow, row_id).metrics or {})
+            row = s.get(UsageRow, row_id)
+            last_fb[run_id] = (row.metrics or {})
+            last_loss[run_id] = _step_loss(s, row)
+        # Optimizer steps with no forward_backward before them (an RL step whose groups all tied): a forward_backward's
+        # ledger step is the optimizer steps taken before it, so step k trained on something if one has step k - 1.
+        skipped = {}
+        for run_id, taken in steps.items():
+            trained = s.scalar(select(func.count(func.distinct(UsageRow.step))).where(
+                UsageRow.model_id == run_id, UsageRow.request_type == "ForwardBackward", UsageRow.step < taken))
+            skipped[run_id] = max(0, int(taken) - int(trained or 0))
         checkpoints = list(s.scalars(select(CheckpointRow).where(
             CheckpointRow.model_id.in_(run_ids)).order_by(CheckpointRow.created_at.desc())))
         snapshots = list(s.scalars(select(SamplerRow).where(  # made in their run's session (indexed)
@@ -179,6 +190,8 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
         # Its user_metadata carries its name; a fork's lineage is in fields of its own (checkpoints.lineage).
         runs = [{"training_run_id": r.id, "base_model": r.base_model, "lora_rank": r.lora_config["rank"],
                  **lineage(r), "steps": int(steps.get(r.id, 0)), "last_loss": last_fb.get(r.id, {}).get("loss:sum"),
+                 **last_loss.get(r.id, {"loss_step": None, "loss_per_token": None}),
+                 "skipped_steps": skipped.get(r.id, 0),
                  "cost": run_cost.get(r.id, 0.0),  # its own training work (its rollouts are in the run scope of usage)
                  "budget": budget("run", r.id),
                  "user_metadata": {k: str(v) for k, v in (r.user_metadata or {}).items()}} for r in mine]
@@ -186,6 +199,9 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
             "session_id": session.id,
             "status": session.status,
             "display_name": session.display_name or session.client_name,  # a plain SDK script: its file's name
+            # The user's own: workbench.connect(name=...) puts the name it was given there ({"name": ...}), which the
+            # sidebar shows rather than the notebook's file name.
+            "user_metadata": {k: str(v) for k, v in (session.user_metadata or {}).items()},
             # The process that opened it, on this machine (workbench.connect() sets it; a plain SDK client's is found
             # by its socket): the JupyterLab server extension finds the notebook a kernel runs now from it, after a
             # rename too, so a notebook that uses the SDK alone is listed under its notebook as well.
@@ -213,6 +229,26 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
                 [r for r in snapshots if session_of_run[r.source_model_id] == session.id]),
         })
     return {"sessions": rows, "running": running, "currency": "USD", "budget": budget("tenant", tenant)}
+
+
+def _step_loss(s, newest: UsageRow) -> dict:
+    """The loss of a run's newest forward_backward's step (`newest`: that row): the step it counts for (the
+    optimizer steps before it, plus one, as the Dashboard numbers steps) and the loss per token of the step's
+    passes since the optimizer step before it (gradient accumulation: their loss:sum over their loss_tokens,
+    metering.LOSS_TOKENS). None per token where a pass did not count its tokens (a ledger row from before) or
+    ran a custom loss (forward_backward_custom: the loss is the user's function's, over tokens it does not say)."""
+    if newest.step is None:
+        return {"loss_step": None, "loss_per_token": None}
+    since = s.scalar(select(func.max(UsageRow.id)).where(
+        UsageRow.model_id == newest.model_id, UsageRow.request_type == "OptimStep", UsageRow.id < newest.id)) or 0
+    passes = [r.metrics or {} for r in s.scalars(select(UsageRow).where(
+        UsageRow.model_id == newest.model_id, UsageRow.request_type == "ForwardBackward", UsageRow.id > since,
+        UsageRow.step == newest.step))]
+    per_token = None
+    if all("loss:sum" in m and LOSS_TOKENS in m and "surrogate_loss:sum" not in m for m in passes):
+        tokens = sum(m[LOSS_TOKENS] for m in passes)
+        per_token = sum(m["loss:sum"] for m in passes) / tokens if tokens > 0 else None
+    return {"loss_step": newest.step + 1, "loss_per_token": per_token}
 
 
 def _kept_snapshots(samplers: list[SamplerRow]) -> list[dict]:

@@ -14,7 +14,7 @@ from sqlalchemy import select
 from kernel_backend.service import admission, budgets, recovery, sessions, stability
 from kernel_backend.engine import base_models, optimizers
 from kernel_backend.engine.core import Pass
-from kernel_backend.metering import Usage
+from kernel_backend.metering import LOSS_TOKENS, Usage, loss_tokens
 from kernel_backend.execution.engine_work import Op
 from kernel_backend.service.checkpoints import checkpoint_json
 from kernel_backend.service.core import PROTO_TYPE, Service, audit, iso, json_result, new_id, train_key
@@ -104,8 +104,14 @@ def forward_backward(svc: Service, tenant: str, model_id: str, seq_id: int | Non
     _touch(svc, model_id)
     tokens = sum(len(d.tokens) for d in data)
     fb = Pass(model_id, data, loss_fn, loss_fn_config, forward_only)
-    job = Job(new_id(), model_id, run.base_model, seq=seq_id, fb_pass=fb,
-              encode=lambda result: (encode(result), PROTO_TYPE), tokens=tokens)
+    counted = loss_tokens(data, loss_fn)
+
+    def reply(result):
+        # The ledger row keeps what the loss counts over beside its loss:sum (the sidebar's loss per token).
+        job.metrics = {**(job.metrics or {}), LOSS_TOKENS: counted}
+        return encode(result), PROTO_TYPE
+
+    job = Job(new_id(), model_id, run.base_model, seq=seq_id, fb_pass=fb, encode=reply, tokens=tokens)
     kind = "Forward" if forward_only else "ForwardBackward"
     bound = Usage(prefill_tokens=tokens) if forward_only else Usage(train_tokens=tokens)  # exact: what it will bill
     return svc.submit(tenant, kind, train_key(model_id, seq_id), job, ordered=True, session_id=run.session_id,
