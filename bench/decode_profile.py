@@ -1,16 +1,20 @@
-"""Where a decode step's time goes, and how far it is from the machine's floor (issue 54's first item).
+"""Where a decode step's time goes, and how far it is from the machine's floor (issue 54's first item), in
+float32 and with the sampler's bfloat16 weights (STEPWISE_SAMPLE_DTYPE, engine/lora.py), and the sampler/trainer
+logprob gap that costs.
 
-Two parts, in one run:
+Three parts, in one run:
 
 - profile: the built-in sampler's own code path (engine.run_requests -> Decoder.step -> Decoder._decode, in
            this process, the real default model SmolLM2-135M-Instruct in float32), decode steps of exactly 1,
            16 and 32 live rows (1 request x 1 sample; 4 x 4; 8 x 4; temperature 1, a seed each), once with
            a LoRA adapter (rank 8, every target: the RL recipe's default, workbench/recipes/common.py) and
-           once on the base model alone. Each part of a step is timed by wrapping the functions the step
+           once on the base model alone; all of it once per sampling dtype (--sample-dtypes: float32 first, the
+           baseline, then bfloat16 on the same engine, its copies made in between). Each part of a step is timed by wrapping the functions the step
            calls (no product code changes; the wrappers go around module attributes, only while a
            decode step runs, prefill not counted), as exclusive time (a part's own time, its timed
            children's taken out):
-             base products  each MultiLoraLinear's frozen product (its `product`), by layer kind
+             base products  each MultiLoraLinear's frozen product (its `base_product`; in bf16 the input's and
+                            output's casts included), by layer kind
                             (q/k/v/o, gate/up/down, lm_head)
              linear Python  MultiLoraLinear.forward less its products: small_products.small's
                             thread switch, the routing lookup, reshapes
@@ -28,9 +32,23 @@ Two parts, in one run:
            linear shapes at 16 and 32 rows (as the engine runs them: small products on one thread), and of
            q/k/v and gate/up concatenated into one weight each (a fused product, not the engine's today);
            from them the fp32 compute bound of decoded tokens/s (the 1024-row lm_head rate over 2 x params
-           FLOPs a token), against which the measured tokens/s at 32 rows is printed as a ratio.
+           FLOPs a token), against which the measured tokens/s at 32 rows of each dtype is printed as a ratio,
+           and bf16's step time against float32's (the same run).
+- pairs:   the step time of each sampling dtype against float32's where the machine is shared and its load drifts:
+           the bf16 copies made, decode steps alternate between them and the float32 weights (lora.sampling
+           switched off for every other step; the same rows, the same cache), so each bf16 step has a float32
+           step beside it under the same load. Medians of each and of the adjacent pairs' ratios, at 1, 16 and
+           32 rows, LoRA r8 and base; the 32 rows' tokens/s against the fp32 bound when floor runs too.
+- gap:     what bf16 sampling costs in agreement with the trainer, on RL-like samples: 8 chat prompts x 4
+           samples, temperature 1, up to 64 tokens, from the base model and from a rank-8 adapter whose B is
+           random (so its deltas count), sampled in each dtype. For every sampled token: the sampler's logprob
+           against the trainer's (Engine.forward, float32): mean and max |difference|, and the mean of
+           (sampler - trainer), the k1 estimate of KL(sampler || trainer) that RL recipes log as
+           kl_sample_train; and the exact KL(sampler || trainer) over the whole vocabulary at each sampled
+           position (the model run on the samples with and without the sampling copies).
 
-    .venv/bin/python bench/decode_profile.py [--parts profile,floor] [--tokens 40] [--rounds 2]
+    .venv/bin/python bench/decode_profile.py [--parts profile,floor,pairs,gap] [--sample-dtypes float32,bfloat16]
+                                             [--tokens 40] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -97,9 +115,10 @@ def instrument(engine, timers: Timers):
         undo.append(lambda: setattr(owner, name, original))
 
     patch(lora.MultiLoraLinear, "forward", "linear layers' Python")  # their products are timed children
-    for name, layer in lora.lora_layers(engine.model).items():  # each frozen product (the instance's own attribute)
+    for name, layer in lora.lora_layers(engine.model).items():  # each frozen product (an attribute of the instance)
         kind = next(k for k in KINDS if name.endswith(k))
-        patch(layer, "product", "base " + kind)
+        layer.base_product = timers.wrap(layer.base_product, "base " + kind)
+        undo.append(lambda layer=layer: layer.__dict__.pop("base_product"))  # the class's method again
     patch(lora, "add_deltas", "LoRA products")
     patch(families, "norm", "norms")
     patch(families, "rotate", "rotary")
@@ -155,45 +174,52 @@ def workload(engine, adapter, rows: int, tokens: int, seed: int):
             for i, p in enumerate(prompts)]
 
 
-def profile(engine, tokens: int, rounds: int) -> dict:
-    """{(side, rows): (plain step ms, timed step ms, {part: ms})}, medians over the steps of exactly `rows` live rows."""
+def profile(engine, tokens: int, rounds: int, dtypes: list[str]) -> dict:
+    """{dtype: {(side, rows): (plain step ms, timed step ms, {part: ms})}}, medians over the steps of exactly `rows`
+    live rows. The dtypes take turns within each round (on a shared machine the load drifts: alternating keeps
+    their ratio fair)."""
     from kernel_backend.types import LoraConfig
 
     engine.create_adapter("profile", LoraConfig(rank=8, seed=0))
     timers = Timers()
-    results = {}
+    results = {dtype: {} for dtype in dtypes}
     for side, adapter in (("LoRA r8", "profile"), ("base", None)):
         for rows in WORKLOADS:
-            plain, timed, parts = [], [], collections.defaultdict(list)
+            runs = {dtype: ([], [], collections.defaultdict(list)) for dtype in dtypes}  # plain, timed, parts
             for r in range(rounds):
-                for use in (False, True):  # alternate: plain steps, then timed steps
-                    records, undo_steps = step_recorder(timers if use else None)
-                    undo = instrument(engine, timers) if use else (lambda: None)
-                    try:
-                        engine.run_requests(workload(engine, adapter, rows, tokens, seed=100 * r))
-                    finally:
-                        undo()
-                        undo_steps()
-                    full = [rec for rec in records if rec[0] == rows][1:]  # the first step warms up
-                    for _, wall, seconds in full:
-                        (timed if use else plain).append(wall)
-                        if use:
-                            for part in set(seconds) | set(parts):
-                                parts[part].append(seconds.get(part, 0.0))
-                            parts["overhead (wall - parts)"].append(wall - sum(seconds.values()))
-            ms = {p: 1e3 * statistics.median(v) for p, v in parts.items()}
-            results[side, rows] = (1e3 * statistics.median(plain), 1e3 * statistics.median(timed), ms, len(plain), len(timed))
-            print(f"  {side:<8} {rows:>2} rows: step {results[side, rows][0]:.1f} ms plain ({len(plain)} steps), "
-                  f"{results[side, rows][1]:.1f} ms timed ({len(timed)} steps)", flush=True)
+                for dtype in dtypes:
+                    use_sample_dtype(engine, dtype, quiet=True)
+                    plain, timed, parts = runs[dtype]
+                    for use in (False, True):  # alternate: plain steps, then timed steps
+                        records, undo_steps = step_recorder(timers if use else None)
+                        undo = instrument(engine, timers) if use else (lambda: None)
+                        try:
+                            engine.run_requests(workload(engine, adapter, rows, tokens, seed=100 * r))
+                        finally:
+                            undo()
+                            undo_steps()
+                        full = [rec for rec in records if rec[0] == rows][1:]  # the first step warms up
+                        for _, wall, seconds in full:
+                            (timed if use else plain).append(wall)
+                            if use:
+                                for part in set(seconds) | set(parts):
+                                    parts[part].append(seconds.get(part, 0.0))
+                                parts["overhead (wall - parts)"].append(wall - sum(seconds.values()))
+            for dtype, (plain, timed, parts) in runs.items():
+                ms = {p: 1e3 * statistics.median(v) for p, v in parts.items()}
+                result = (1e3 * statistics.median(plain), 1e3 * statistics.median(timed), ms, len(plain), len(timed))
+                results[dtype][side, rows] = result
+                print(f"  {dtype:<8} {side:<8} {rows:>2} rows: step {result[0]:.1f} ms plain ({len(plain)} steps), "
+                      f"{result[1]:.1f} ms timed ({len(timed)} steps)", flush=True)
     engine.delete_adapter("profile") if hasattr(engine, "delete_adapter") else None
     return results
 
 
-def print_profile(results: dict) -> None:
+def print_profile(results: dict, dtype: str) -> None:
     order = [*(f"base {k}" for k in KINDS), "LoRA products", "attention", "norms", "rotary", "elementwise",
              "sampling: logsumexp, gather", "sampling: draw", "linear layers' Python", "overhead (wall - parts)"]
     for side in ("LoRA r8", "base"):
-        print(f"\n[profile] {side}: ms per decode step (median) and share of the timed step")
+        print(f"\n[profile] {side}, sampling weights {dtype}: ms per decode step (median) and share of the timed step")
         print(f"  {'part':<30}" + "".join(f"{str(rows) + ' rows':>18}" for rows in WORKLOADS))
         for part in order:
             cells = []
@@ -304,13 +330,115 @@ def floor(engine) -> float:
     return bound
 
 
+# ---- the sampling dtype, and the gap it opens to the trainer ---------------------------------------------------
+
+
+def use_sample_dtype(engine, dtype: str, quiet: bool = False) -> None:
+    """The engine's sampler on `dtype` weights from now on (what STEPWISE_SAMPLE_DTYPE sets at start-up); a fresh
+    decoder, so that no prefix cached in the other dtype is reused."""
+    from kernel_backend.engine import lora
+
+    copies = lora.sample_weights(engine.model, dtype)
+    engine.reset_decoder()
+    if not quiet:
+        print(f"\n==== sampling weights: {dtype} (copies: {copies / 1e6:.0f} MB; Engine.memory's sampler_weights_bytes "
+              f"{engine.memory()['sampler_weights_bytes'] / 1e6:.0f} MB)", flush=True)
+
+
+def pairs(engine, dtype: str, tokens: int, rounds: int) -> dict:
+    """{(side, rows): (float32 step ms, `dtype` step ms, median of the pairs' float32/dtype ratios, pairs)}, decode
+    steps alternating between the sampling copies and the float32 weights (see the docstring)."""
+    from kernel_backend.engine import lora, sampler
+    from kernel_backend.types import LoraConfig
+
+    use_sample_dtype(engine, dtype, quiet=True)
+    engine.create_adapter("pairs", LoraConfig(rank=8, seed=0))
+    routing = engine.model._stepwise_routing
+    original = sampler.Decoder._decode
+    results = {}
+    print(f"\n[pairs] decode steps alternating float32 / {dtype} weights (medians; ratio: float32 step / {dtype} step, "
+          "the median over adjacent pairs)")
+    for side, adapter in (("LoRA r8", "pairs"), ("base", None)):
+        for rows in WORKLOADS:
+            steps = []  # (rows, copies on, seconds)
+
+            def decode(self, finished):
+                on = len(steps) % 2 == 1
+                routing.sampling = on  # Decoder.step turned it on; off: the float32 weights
+                start = time.perf_counter()
+                try:
+                    return original(self, finished)
+                finally:
+                    steps.append((len(self.rows), on, time.perf_counter() - start))
+            sampler.Decoder._decode = decode
+            try:
+                for r in range(rounds):
+                    engine.run_requests(workload(engine, adapter, rows, tokens, seed=100 * r))
+            finally:
+                sampler.Decoder._decode = original
+            full = [(on, t) for n, on, t in steps[2:] if n == rows]  # the first pair warms up
+            ratios = [a[1] / b[1] for a, b in zip(full, full[1:]) if not a[0] and b[0]]
+            fp32 = 1e3 * statistics.median(t for on, t in full if not on)
+            low = 1e3 * statistics.median(t for on, t in full if on)
+            results[side, rows] = (fp32, low, statistics.median(ratios), len(ratios))
+            print(f"  {side:<8} {rows:>2} rows: float32 {fp32:6.1f} ms, {dtype} {low:6.1f} ms, ratio "
+                  f"{results[side, rows][2]:.2f} ({len(ratios)} pairs); tokens/s {rows / fp32 * 1e3:.1f} -> "
+                  f"{rows / low * 1e3:.1f}", flush=True)
+    engine.delete_adapter("pairs")
+    use_sample_dtype(engine, "float32", quiet=True)
+    return results
+
+
+def gap(engine, dtypes: list[str], tokens: int = 64) -> None:
+    """The sampler's logprobs against the trainer's on RL-like samples, per sampling dtype (see the docstring)."""
+    from kernel_backend.engine import lora
+    from kernel_backend.types import Datum, LoraConfig, SamplingParams
+
+    engine.create_adapter("gap-fresh", LoraConfig(rank=8, seed=1))  # B = 0: an RL run's first step
+    engine.create_adapter("gap-trained", LoraConfig(rank=8, seed=2))
+    generator = torch.Generator().manual_seed(0)
+    for _, b in engine._slot("gap-trained").adapter.weights.values():
+        b.data.normal_(0.0, 0.002, generator=generator)  # deltas the size of a few hundred RL steps' (a guess)
+    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
+               for q in QUESTIONS]
+    print(f"\n[gap] sampler vs trainer (Engine.forward, float32), {len(prompts)} prompts x 4 samples, temperature 1, "
+          f"max {tokens} tokens")
+    for dtype in dtypes:
+        use_sample_dtype(engine, dtype)
+        for adapter_id in ("gap-fresh", "gap-trained"):
+            adapter = engine._slot(adapter_id).adapter
+            requests = [engine.sample_request(adapter_id, p, 4, SamplingParams(max_tokens=tokens, temperature=1.0, seed=7 + i))
+                        for i, p in enumerate(prompts)]
+            diffs, kls = [], []
+            for prompt, result in zip(prompts, engine.run_requests(requests)):
+                for seq in result.sequences:
+                    full = prompt + seq.tokens
+                    trainer = engine.forward(adapter_id, [Datum(full[:-1], {"target_tokens": np.array(full[1:])})])
+                    trained = trainer.loss_fn_outputs[0]["logprobs"][len(prompt) - 1:]
+                    diffs.append(np.asarray(seq.logprobs, dtype=np.float64) - trained)
+                    # The whole distribution at each sampled position: the model with and without the sampling copies.
+                    ids = torch.tensor([full[:-1]])
+                    with torch.inference_mode(), lora.route(engine.model, [adapter]):
+                        train = engine.model(ids).logits[0, len(prompt) - 1:].float().log_softmax(-1)
+                        with lora.sampling(engine.model):
+                            sample = engine.model(ids).logits[0, len(prompt) - 1:].float().log_softmax(-1)
+                    kls.append((sample.exp() * (sample - train)).sum(-1).clamp_min(0).numpy())
+            d, kl = np.concatenate(diffs), np.concatenate(kls)
+            print(f"  {dtype:<8} {adapter_id:<11} {len(d)} tokens: |sampler - trainer| mean {np.abs(d).mean():.2e} max "
+                  f"{np.abs(d).max():.2e}; mean(sampler - trainer) (kl_sample_train's k1) {d.mean():+.2e}; exact "
+                  f"KL(sampler || trainer) mean {kl.mean():.2e} a token, max {kl.max():.2e}", flush=True)
+    engine.delete_adapter("gap-fresh")
+    engine.delete_adapter("gap-trained")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="profile,floor")
+    parser.add_argument("--parts", default="profile,pairs,floor,gap")
+    parser.add_argument("--sample-dtypes", default="float32,bfloat16", help="float32 first: the baseline")
     parser.add_argument("--tokens", type=int, default=40, help="max_tokens a sample")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    parts = args.parts.split(",")
+    parts, dtypes = args.parts.split(","), args.sample_dtypes.split(",")
 
     from kernel_backend.engine.core import Engine
 
@@ -318,15 +446,30 @@ def main() -> None:
     engine = Engine(BASE)
     assert next(engine.model.parameters()).dtype == torch.float32, "float32 expected"
     assert type(engine.decoder).__name__ == "Decoder", engine.decoder
-    results = profile(engine, args.tokens, args.rounds) if "profile" in parts else None
-    if results:
-        print_profile(results)
+    results = {}
+    if "profile" in parts:
+        results = profile(engine, args.tokens, args.rounds, dtypes)
+        for dtype in dtypes:
+            print_profile(results[dtype], dtype)
+    paired = pairs(engine, dtypes[-1], args.tokens, 2 * args.rounds) if "pairs" in parts else None
     bound = floor(engine) if "floor" in parts else None
-    if results and bound:
+    if paired and bound:
         for side in ("LoRA r8", "base"):
-            rate = 32 / results[side, 32][0] * 1e3
-            print(f"  32 rows, {side}: {rate:.1f} decoded tokens/s (decode steps, no wrappers) = "
-                  f"{rate / bound:.2f} of the fp32 bound ({bound:.0f})")
+            fp32, low, ratio, _ = paired[side, 32]
+            print(f"  [pairs] 32 rows, {side}: float32 {32 / fp32 * 1e3:.1f} tok/s = {32 / fp32 * 1e3 / bound:.2f} of the "
+                  f"fp32 bound ({bound:.0f}); {dtypes[-1]} {32 / low * 1e3:.1f} tok/s = {32 / low * 1e3 / bound:.2f}")
+    if results:
+        first = dtypes[0]
+        print(f"\n[summary] decode steps, no wrappers, medians; each dtype's step time against {first}'s (same run)")
+        for dtype in dtypes:
+            for side in ("LoRA r8", "base"):
+                cells = [f"{rows} rows {results[dtype][side, rows][0]:6.1f} ms "
+                         f"({results[first][side, rows][0] / results[dtype][side, rows][0]:.2f}x)" for rows in WORKLOADS]
+                rate = 32 / results[dtype][side, 32][0] * 1e3
+                ratio = f" = {rate / bound:.2f} of the fp32 bound ({bound:.0f})" if bound else ""
+                print(f"  {dtype:<8} {side:<8} " + ", ".join(cells) + f"; 32 rows {rate:.1f} tok/s{ratio}")
+    if "gap" in parts:
+        gap(engine, dtypes)
     print(load_line())
 
 
