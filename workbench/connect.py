@@ -99,6 +99,8 @@ def connect(base_url: str | None = None, api_key: str | None = None, *, name: st
         if not conn.clients:
             conn.session_metadata = {"local_pid": str(os.getpid())} if conn.local else {}  # ended when we are gone
             conn.session_metadata.update(budget)
+            if name:  # the name given, not the notebook's: the sidebar shows it (display_name holds either)
+                conn.session_metadata["name"] = name
             conn.clients.append(tinker.ServiceClient(base_url=conn.base_url, api_key=conn.api_key,
                                                      display_name=name or default_name(),
                                                      user_metadata=conn.session_metadata))
