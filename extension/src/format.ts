@@ -77,9 +77,17 @@ export function rankLabel(rank: number | null, short = false): string {
   return short ? `r${rank}` : `LoRA r${rank}`;
 }
 
-/** The notebook's name now (after a rename too), else the name given at connect(), else the id. */
+/**
+ * What a session is called: the name given to workbench.connect(name=...) (its user_metadata "name"), else
+ * the notebook's name now (after a rename too), else the name it was given when it connected, else the id.
+ */
 export function sessionTitle(session: ISession): string {
-  return (session.notebook ? baseName(session.notebook) : null) || session.display_name || session.session_id;
+  return (
+    session.user_metadata?.name ||
+    (session.notebook ? baseName(session.notebook) : null) ||
+    session.display_name ||
+    session.session_id
+  );
 }
 
 /** "train:0" from "<session id>:train:0": a run's id within its session's row. */
@@ -115,6 +123,100 @@ export function runTree(runs: IRun[]): { run: IRun; depth: number }[] {
     visit(root, 0);
   }
   return ordered;
+}
+
+/** "6 steps", or "6 steps (1 skipped)" when some optimizer steps had no forward_backward before them. */
+export function stepsText(run: IRun): string {
+  const skipped = run.skipped_steps ?? 0;
+  return plural(run.steps, 'step') + (skipped > 0 ? ` (${skipped} skipped)` : '');
+}
+
+/**
+ * A run's last loss, saying what it is: "loss/token 0.0470" (the step's loss:sum over the tokens its loss
+ * counts, as the notebooks print it), else "summed loss 25.79" (a custom loss, or a backend that does not
+ * count the tokens); "at step 5" when that is not the run's last step (the steps after it were skipped, or
+ * the next step's forward_backward came in before its optim_step). "no loss yet" before any.
+ */
+export function lossText(run: IRun): string {
+  const perToken = run.loss_per_token;
+  const step = run.loss_step;
+  const at = step !== null && step !== undefined && step !== run.steps ? ` at step ${step}` : '';
+  if (perToken !== null && perToken !== undefined && Number.isFinite(perToken)) {
+    return `loss/token ${formatLoss(perToken)}${at}`;
+  }
+  if (run.last_loss !== null && run.last_loss !== undefined && Number.isFinite(run.last_loss)) {
+    return `summed loss ${formatLoss(run.last_loss)}${at}`;
+  }
+  return 'no loss yet';
+}
+
+/** The loss's tooltip: both numbers and what they are. */
+export function lossTooltip(run: IRun): string {
+  const lines: string[] = [];
+  if (run.loss_per_token !== null && run.loss_per_token !== undefined) {
+    lines.push(
+      `loss per token ${run.loss_per_token}: the step's loss:sum over the tokens its loss counts ` +
+        '(the weights of cross_entropy; the tokens with an advantage of an RL loss)'
+    );
+  }
+  if (run.last_loss !== null && run.last_loss !== undefined) {
+    lines.push(`loss:sum ${run.last_loss}: the last forward_backward's loss, summed over its tokens`);
+  }
+  const skipped = run.skipped_steps ?? 0;
+  if (skipped > 0) {
+    lines.push(
+      `${plural(skipped, 'step')} skipped: an optim_step with no forward_backward before it ` +
+        '(an RL step whose groups all tied), so no loss'
+    );
+  }
+  return lines.join('\n');
+}
+
+/** "23:40 UTC" from an ISO time (the lab's start); empty without one. */
+export function utcTime(iso: string): string {
+  return /T\d\d:\d\d/.test(iso) ? `${iso.slice(11, 16)} UTC` : '';
+}
+
+/** One of the sidebar header's totals: what it covers, its amount (none for the count) and its tooltip. */
+export interface IHeaderPart {
+  name: string;
+  label: string;
+  amount: string;
+  tooltip: string;
+}
+
+/**
+ * The sidebar header's totals, each saying what it covers: the sessions listed and how many run, what the
+ * running sessions have spent (ended ones not), and what every session created in this lab spent, ended
+ * ones included (the lab's total never falls).
+ */
+export function headerParts(listed: number, running: ITotals, lab: ILab, symbol = '$'): IHeaderPart[] {
+  const since = utcTime(lab.since);
+  const when = lab.since ? lab.since.replace('T', ' ').slice(0, 16) + ' UTC' : 'the Jupyter server started';
+  return [
+    {
+      name: 'count',
+      label: `${plural(listed, 'session')} · ${running.sessions} running`,
+      amount: '',
+      tooltip: 'Sessions listed: those of every running backend, and those this lab remembers after they ended'
+    },
+    {
+      name: 'running',
+      label: 'running sessions',
+      amount: formatCost(running.cost, symbol),
+      tooltip:
+        `What the ${plural(running.sessions, 'running session')} spent so far (ended sessions not counted): ` +
+        `${formatTokens(totalTokens(running))} tokens`
+    },
+    {
+      name: 'lab',
+      label: `lab${since ? ` since ${since}` : ' total'}`,
+      amount: formatCost(lab.cost, symbol),
+      tooltip:
+        `What every session created since ${when} spent, ended ones included: ` +
+        `${plural(lab.sessions, 'session')}, ${formatTokens(totalTokens(lab))} tokens`
+    }
+  ];
 }
 
 /** Whether a session is still running (the others are drawn greyed, in their own group). */

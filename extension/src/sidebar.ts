@@ -18,19 +18,23 @@ import {
   budgetText,
   formatAge,
   formatCost,
-  formatLoss,
   formatTokens,
+  headerParts,
+  IHeaderPart,
   isActive,
+  lossText,
+  lossTooltip,
   plural,
   rankLabel,
   runLabel,
   runName,
   runTree,
   sessionTitle,
-  shortModel
+  shortModel,
+  stepsText
 } from './format';
 import { stepwiseIcon } from './icon';
-import { SessionsModel } from './model';
+import { emptyLab, SessionsModel } from './model';
 import { IBudget, ICheckpoint, IReport, IRun, ISession, ISnapshot } from './types';
 
 export const SIDEBAR_ID = 'stepwise-sessions';
@@ -68,10 +72,14 @@ export class SessionsSidebar extends Widget {
     const report = model.report;
     const sessions = model.sessions;
     const running = model.running;
-    this._summary.textContent = report
-      ? `${plural(sessions.length, 'session')} · ${running.sessions} running · ${formatCost(running.cost, this._symbol)}` +
-        ` · lab ${formatCost(report.lab?.cost ?? 0, this._symbol)}`
-      : 'Loading…';
+    if (report) {
+      const parts = headerParts(sessions.length, running, report.lab ?? emptyLab(), this._symbol);
+      drawHeader(this._summary, parts);
+      this._summary.dataset.runningCost = String(running.cost);
+      this._summary.dataset.labCost = String(report.lab?.cost ?? 0);
+    } else {
+      this._summary.textContent = 'Loading…';
+    }
 
     const message = model.error ?? report?.message ?? emptyMessage(report);
     this._message.textContent = message ?? '';
@@ -214,7 +222,9 @@ class SessionRow {
 /** The header's tooltip: the session's id and backend, the name it started under, why it is greyed. */
 function headerTooltip(session: ISession, title: string): string {
   const lines = [`${session.session_id} on ${session.backend}`];
-  if (session.display_name && session.display_name !== title) {
+  if (session.user_metadata?.name) {
+    lines.push(`named by workbench.connect(name=...)${session.notebook ? `; its notebook is ${session.notebook}` : ''}`);
+  } else if (session.display_name && session.display_name !== title) {
     lines.push(`started as ${session.display_name}; its notebook is now ${session.notebook}`);
   }
   if (session.status === 'ended') {
@@ -226,7 +236,7 @@ function headerTooltip(session: ISession, title: string): string {
 }
 
 /**
- * One run: "train:0 · 12 steps · loss 3.21", with its model and rank when they differ from the session's.
+ * One run: "train:0 · 12 steps · loss/token 0.0470" (or "6 steps (1 skipped) · loss/token 0.0470 at step 5"), with its model and rank when they differ from the session's.
  * A fork (workbench.fork) is indented under the run it branched from: "lr 3e-3 · from train:0 @ step 3 · ...".
  */
 function runItem(run: IRun, depth: number, session: ISession, symbol: string): HTMLElement {
@@ -248,10 +258,10 @@ function runItem(run: IRun, depth: number, session: ISession, symbol: string): H
     item.dataset.parent = parent;
     item.append(el('span', 'jp-StepwiseRun-fork', `from ${from} @ step ${run.fork_step ?? '?'}`));
   }
-  item.append(
-    el('span', 'jp-StepwiseRun-steps', plural(run.steps, 'step')),
-    el('span', 'jp-StepwiseRun-loss', `loss ${formatLoss(run.last_loss)}`)
-  );
+  const loss = el('span', 'jp-StepwiseRun-loss', lossText(run));
+  loss.title = lossTooltip(run);
+  item.dataset.skipped = String(run.skipped_steps ?? 0);
+  item.append(el('span', 'jp-StepwiseRun-steps', stepsText(run)), loss);
   if (other) {
     item.append(el('span', 'jp-StepwiseRun-model', other));
   }
@@ -288,6 +298,28 @@ function drawBudget(node: HTMLElement, budget: IBudget | null | undefined, symbo
   const bar = node.querySelector('.jp-StepwiseBudget-bar') as HTMLElement;
   bar.style.width = `${Math.max(0, Math.min(1, budget.fraction || 0)) * 100}%`;
   setText(node.querySelector('.jp-StepwiseBudget-text') as HTMLElement, budgetText(budget, symbol));
+}
+
+/**
+ * The header's totals, drawn into `node` in place: one line each, <span class="jp-StepwiseSidebar-<name>">
+ * holding what it covers and its amount (right-aligned), with its tooltip.
+ */
+function drawHeader(node: HTMLElement, parts: IHeaderPart[]): void {
+  if (node.childElementCount !== parts.length) {
+    node.replaceChildren(
+      ...parts.map(part => {
+        const line = el('span', `jp-StepwiseSidebar-${part.name}`);
+        line.append(el('span', 'jp-StepwiseSidebar-label'), ' ', el('span', 'jp-StepwiseSidebar-amount'));
+        return line;
+      })
+    );
+  }
+  parts.forEach((part, i) => {
+    const line = node.children[i] as HTMLElement;
+    line.title = part.tooltip;
+    setText(line.querySelector('.jp-StepwiseSidebar-label') as HTMLElement, part.label);
+    setText(line.querySelector('.jp-StepwiseSidebar-amount') as HTMLElement, part.amount);
+  });
 }
 
 /** What to say when the backends answered but have no session yet. */

@@ -48,7 +48,14 @@ export interface IRun {
   base_model: string;
   lora_rank: number;
   steps: number;
+  /** The newest forward_backward's loss:sum (summed over tokens, as Tinker's losses are). */
   last_loss: number | null;
+  /** The step that loss belongs to (optimizer steps before it, plus one), and its loss per token (the step's
+   * loss:sum over the tokens its loss counts, as the notebooks print it); null where the backend cannot say. */
+  loss_step?: number | null;
+  loss_per_token?: number | null;
+  /** Optimizer steps taken with no forward_backward before them (an RL step whose groups all tied). */
+  skipped_steps?: number;
   /** A fork: the run it branched off and the step it started from (null for a run made from scratch). */
   parent_run_id?: string | null;
   fork_step?: number | null;
@@ -67,6 +74,8 @@ export interface ISession {
   age_s: number;
   /** The name it was given when its kernel connected (the notebook's name then). */
   display_name: string | null;
+  /** The user's own; "name" when workbench.connect(name=...) named it (absent from a backend before this). */
+  user_metadata?: Record<string, string>;
   /** The path of the notebook its kernel runs now (it follows a rename), when the lab knows it. */
   notebook?: string | null;
   /** Not read from its backend in this poll: the last row the lab saw. */

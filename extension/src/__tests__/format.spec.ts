@@ -5,6 +5,7 @@ import {
   formatCost,
   formatLoss,
   formatTokens,
+  lossText,
   plural,
   shortModel,
   notebookBudget,
@@ -13,7 +14,9 @@ import {
   sessionTitle,
   statusText,
   statusTooltip,
-  totalTokens
+  stepsText,
+  totalTokens,
+  utcTime
 } from '../format';
 import { IBudget, ILab, ISession } from '../types';
 
@@ -166,5 +169,36 @@ describe('budgets', () => {
     expect(notebookBudget([{ ...mine, runs: [] }], 'nb.ipynb')!.fraction).toBe(0.95);
     expect(notebookBudget([{ ...mine, budget: null, runs: [run(1, null)] }], 'nb.ipynb')).toBeNull();
     expect(notebookBudget([mine], null)).toBeNull();
+  });
+});
+
+describe('a run\'s steps and loss (issue 56)', () => {
+  const run = (extra: object) => ({ training_run_id: 'a:train:0', base_model: 'm', lora_rank: 8, steps: 6,
+    last_loss: -174.0, ...extra });
+
+  it('gives the loss per token where the backend counted the tokens, else the sum said to be one', () => {
+    expect(lossText(run({ loss_step: 6, loss_per_token: 0.0471 }))).toBe('loss/token 0.04710');
+    expect(lossText(run({ loss_step: 5, loss_per_token: 0.0471 }))).toBe('loss/token 0.04710 at step 5');
+    expect(lossText(run({ loss_step: 6, loss_per_token: null }))).toBe('summed loss -174.0');
+    expect(lossText(run({}))).toBe('summed loss -174.0'); // a backend from before: no step, no per token
+    expect(lossText(run({ last_loss: null }))).toBe('no loss yet');
+  });
+
+  it('counts skipped steps beside the steps', () => {
+    expect(stepsText(run({ skipped_steps: 1 }))).toBe('6 steps (1 skipped)');
+    expect(stepsText(run({ skipped_steps: 0 }))).toBe('6 steps');
+    expect(stepsText(run({ steps: 1 }))).toBe('1 step');
+  });
+
+  it('names a session by the name given to connect() first', () => {
+    const base = { session_id: 's', display_name: 'x.ipynb', notebook: 'dir/y.ipynb' } as ISession;
+    expect(sessionTitle({ ...base, user_metadata: { name: 'warehouse-agent' } })).toBe('warehouse-agent');
+    expect(sessionTitle({ ...base, user_metadata: {} })).toBe('y.ipynb');
+    expect(sessionTitle({ ...base, notebook: null })).toBe('x.ipynb');
+  });
+
+  it('reads the lab\'s start as a UTC time', () => {
+    expect(utcTime('2026-12-05T23:40:12.5+00:00')).toBe('23:40 UTC');
+    expect(utcTime('')).toBe('');
   });
 });

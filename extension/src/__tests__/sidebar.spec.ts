@@ -74,11 +74,13 @@ describe('SessionsSidebar', () => {
     expect(text(row, 'title')).toBe('a');
     expect(text(row, 'model')).toBe('SmolLM2-135M-Instruct');
     expect(text(row, 'rank')).toBe('LoRA r8');
-    expect(runTexts(row)).toEqual(['train:0 · 3 steps · loss 12.35']);
+    expect(runTexts(row)).toEqual(['train:0 · 3 steps · summed loss 12.35']);
     expect(text(row, 'train')).toBe('train 1.5k');
     expect(text(row, 'cost')).toBe('$0.000123');
     expect(text(row, 'age')).toBe('1m 15s');
-    expect(node.querySelector('.jp-StepwiseSidebar-summary')!.textContent).toBe('1 session · 1 running · $0.000123 · lab $0.000456');
+    const summary = node.querySelector<HTMLElement>('.jp-StepwiseSidebar-summary')!;
+    expect(Array.from(summary.children).map(part => part.textContent!.trim())).toEqual([
+      '1 session · 1 running', 'running sessions $0.000123', 'lab total $0.000456']);
     model.dispose();
   });
 
@@ -98,7 +100,7 @@ describe('SessionsSidebar', () => {
     await model.update();
     expect(rows(node).map(r => r.dataset.sessionId)).toEqual(['b', 'a']);
     expect(rows(node)[1]).toBe(first); // the same element, not a redraw
-    expect(runTexts(first)).toEqual(['train:0 · 4 steps · loss 12.35']);
+    expect(runTexts(first)).toEqual(['train:0 · 4 steps · summed loss 12.35']);
     model.dispose();
   });
 
@@ -117,11 +119,11 @@ describe('SessionsSidebar', () => {
     expect(items.map(i => [i.dataset.runId, i.dataset.depth])).toEqual([
       ['a:train:0', '0'], ['a:train:1', '1'], ['a:train:3', '2'], ['a:train:2', '1'], ['a:train:4', '0']]);
     expect(runTexts(row)).toEqual([
-      'base · 2 steps · loss 1.500',
-      'hot · from base @ step 3 · 2 steps · loss 1.500',
-      'train:3 · from hot @ step 5 · 2 steps · loss 1.500',
-      'cold · from base @ step 1 · 2 steps · loss 1.500',
-      'elsewhere · from b:train:0 @ step 2 · 2 steps · loss 1.500'
+      'base · 2 steps · summed loss 1.500',
+      'hot · from base @ step 3 · 2 steps · summed loss 1.500',
+      'train:3 · from hot @ step 5 · 2 steps · summed loss 1.500',
+      'cold · from base @ step 1 · 2 steps · summed loss 1.500',
+      'elsewhere · from b:train:0 @ step 2 · 2 steps · summed loss 1.500'
     ]);
     expect(items[2].style.paddingLeft).toBe('28px');
     model.dispose();
@@ -134,8 +136,8 @@ describe('SessionsSidebar', () => {
     const { node, model } = await drawn([report([session('a', { runs: [run(0, 30, 1.5), run(1, 6, 2.25), run(2, 2, null, 16)] })])]);
     const [row] = rows(node);
     expect(row.dataset.runs).toBe('3');
-    expect(runTexts(row)).toEqual(['train:0 · 30 steps · loss 1.500', 'train:1 · 6 steps · loss 2.250',
-      'train:2 · 2 steps · loss – · SmolLM2-135M-Instruct r16']);
+    expect(runTexts(row)).toEqual(['train:0 · 30 steps · summed loss 1.500', 'train:1 · 6 steps · summed loss 2.250',
+      'train:2 · 2 steps · no loss yet · SmolLM2-135M-Instruct r16']);
     expect(row.textContent).not.toContain('38');
     model.dispose();
   });
@@ -269,6 +271,68 @@ describe('SessionsSidebar', () => {
     expect(text(onWorker, 'worker')).toBe('on worker-1');
     expect(onWorker.querySelector<HTMLElement>('.jp-StepwiseSession-worker')!.hidden).toBe(false);
     expect(inProcess.querySelector<HTMLElement>('.jp-StepwiseSession-worker')!.hidden).toBe(true);
+    model.dispose();
+  });
+
+  it('shows the loss per token, and a last step that was skipped as skipped (issue 56)', async () => {
+    const base = { base_model: 'HuggingFaceTB/SmolLM2-135M-Instruct', lora_rank: 8 };
+    const runs = [
+      // an RL run: step 6 tied (an optim_step with no forward_backward), its loss is step 5's
+      { ...base, training_run_id: 'a:train:0', steps: 6, last_loss: -174.0, loss_step: 5, loss_per_token: 0.04712,
+        skipped_steps: 1 },
+      { ...base, training_run_id: 'a:train:1', steps: 3, last_loss: 25.79, loss_step: 3, loss_per_token: 0.047,
+        skipped_steps: 0 },
+      // a custom loss: no per-token figure, so the sum, said to be one
+      { ...base, training_run_id: 'a:train:2', steps: 2, last_loss: 25.79, loss_step: 2, loss_per_token: null,
+        skipped_steps: 0 }
+    ];
+    const { node, model } = await drawn([report([session('a', { runs })])]);
+    const [row] = rows(node);
+    expect(runTexts(row)).toEqual([
+      'train:0 · 6 steps (1 skipped) · loss/token 0.04712 at step 5',
+      'train:1 · 3 steps · loss/token 0.04700',
+      'train:2 · 2 steps · summed loss 25.79'
+    ]);
+    const items = Array.from(row.querySelectorAll<HTMLElement>('li.jp-StepwiseRun'));
+    expect(items.map(i => i.dataset.skipped)).toEqual(['1', '0', '0']);
+    const tooltip = items[0].querySelector<HTMLElement>('.jp-StepwiseRun-loss')!.title;
+    expect(tooltip).toContain('loss:sum -174');
+    expect(tooltip).toContain('1 step skipped: an optim_step with no forward_backward before it');
+    expect(row.textContent).not.toMatch(/(^|[^/])loss -174/); // never an unlabelled sum
+    model.dispose();
+  });
+
+  it('calls a session by the name given to connect(), not its notebook (issue 56)', async () => {
+    const named = session('a', { display_name: 'warehouse-agent', notebook: 'work/agent.ipynb',
+                                 user_metadata: { name: 'warehouse-agent', local_pid: '12' } });
+    const plain = session('b', { display_name: 'agent.ipynb', notebook: 'work/renamed.ipynb', user_metadata: {} });
+    const { node, model } = await drawn([report([named, plain])]);
+    const [a, b] = rows(node);
+    expect(text(a, 'title')).toBe('warehouse-agent');
+    expect(a.dataset.name).toBe('warehouse-agent');
+    expect(a.dataset.notebook).toBe('work/agent.ipynb');
+    expect(a.querySelector<HTMLElement>('.jp-StepwiseSession-header')!.title).toContain(
+      'named by workbench.connect(name=...); its notebook is work/agent.ipynb');
+    expect(text(b, 'title')).toBe('renamed.ipynb'); // no name given: the notebook's, after a rename too
+    model.dispose();
+  });
+
+  it('says what each total in the header covers (issue 56)', async () => {
+    const running = { ...emptyRunning(), sessions: 2, cost: 0.00427, train_tokens: 1500 };
+    const lab = { ...emptyLab(), since: '2026-12-05T23:40:12+00:00', sessions: 6, cost: 0.00449 };
+    const answer = report([session('a'), session('b')], { running, lab });
+    const { node, model } = await drawn([answer, answer]);
+    const part = (name: string) => node.querySelector<HTMLElement>(`.jp-StepwiseSidebar-${name}`)!;
+    expect(part('count').textContent!.trim()).toBe('2 sessions · 2 running');
+    expect(part('running').textContent).toBe('running sessions $0.00427');
+    expect(part('running').querySelector('.jp-StepwiseSidebar-amount')!.textContent).toBe('$0.00427');
+    expect(part('running').title).toBe('What the 2 running sessions spent so far (ended sessions not counted): 1.5k tokens');
+    expect(part('lab').textContent).toBe('lab since 23:40 UTC $0.00449');
+    const lines = node.querySelector('.jp-StepwiseSidebar-summary')!.children;
+    await model.update(); // the next poll updates the same lines in place
+    expect(node.querySelector('.jp-StepwiseSidebar-summary')!.children[1]).toBe(lines[1]);
+    expect(part('lab').title).toBe(
+      'What every session created since 2026-12-05 23:40 UTC spent, ended ones included: 6 sessions, 0 tokens');
     model.dispose();
   });
 });
