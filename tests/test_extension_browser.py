@@ -24,7 +24,7 @@ import httpx
 import nbformat
 import pytest
 
-from browser import ARTIFACTS, NEEDS_CHROMIUM, backend_api, open_notebook, run_all, tail, wait_until
+from browser import ARTIFACTS, NEEDS_CHROMIUM, backend_api, open_notebook, run_all, tail, wait_until, wait_until_run
 
 pytestmark = NEEDS_CHROMIUM
 
@@ -113,7 +113,7 @@ def test_sidebar_and_cost_meter_follow_a_training_notebook(lab, browser):
         expect(run).to_have_attribute("data-steps", str(steps))
         expect(run.locator(".jp-StepwiseRun-name")).to_have_text(label)
         expect(run.locator(".jp-StepwiseRun-steps")).to_have_text(f"{steps} step" + ("s" if steps > 1 else ""))
-        expect(run.locator(".jp-StepwiseRun-loss")).to_have_text(re.compile(r"^loss \d"))
+        expect(run.locator(".jp-StepwiseRun-loss")).to_have_text(re.compile(r"^loss/token \d"))
     expect(row).not_to_contain_text(f"{STEPS + 1} steps")
     row.locator(".jp-StepwiseSession-header").click()
     paths = {c["checkpoint_type"]: c["tinker_path"] for c in session["checkpoints"]}
@@ -164,10 +164,101 @@ def test_sidebar_and_cost_meter_follow_a_training_notebook(lab, browser):
         tab = page.locator('.jp-SideBar [data-id="stepwise-sessions"]')
         if tab.get_attribute("aria-selected") != "true":
             tab.click()
-        expect(page.locator(".jp-StepwiseSidebar-summary")).to_contain_text("running · €", timeout=30_000)
+        expect(page.locator(".jp-StepwiseSidebar-running")).to_have_text(re.compile(r"^running sessions €"), timeout=30_000)
         expect(row.locator(".jp-StepwiseSession-cost")).to_have_text(re.compile(r"^€0\.0"))
         expect(page.locator(".jp-StepwiseCost")).to_be_hidden()
     finally:
         assert httpx.put(settings, json={"raw": json.dumps({"refreshInterval": 1})}).status_code == 204
 
 
+
+
+NAMED = f"""\
+import numpy as np
+import workbench
+from tinker import types
+from workbench.recipes import common
+
+client = workbench.connect(name="warehouse-agent", progress=False)
+tc = client.create_lora_training_client(base_model="{BASE}", rank=8, seed=0, user_metadata={{"name": "warm-up"}}).result()
+dash = workbench.Dashboard(training_run_id=tc)
+display(dash)
+tokens = list(range(200, 264))
+weights = np.zeros(63, np.float32)
+weights[20:] = 1.0  # the prompt's 20 tokens are not trained on
+datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={{"target_tokens": np.array(tokens[1:]), "weights": weights}})
+adam = types.AdamParams(learning_rate=1e-3)
+for step in range(1, 4):
+    out = tc.forward_backward([datum] * 2, "cross_entropy").result()
+    tc.optim_step(adam).result()
+    loss, counted = common.weighted_nll([datum] * 2, out.loss_fn_outputs)
+    print(f"step {{step}}: loss per token {{loss / counted:.6f}} (summed {{loss:.3f}})")
+tc.optim_step(adam).result()  # step 4 trains on nothing, as an RL step whose groups all tied
+dash.skip(4, "all groups tied")
+dash.refresh()
+print("named run done")"""
+
+
+def boxes_overlap(a: dict, b: dict) -> bool:
+    return a["x"] < b["x"] + b["width"] and b["x"] < a["x"] + a["width"] and \
+        a["y"] < b["y"] + b["height"] and b["y"] < a["y"] + a["height"]
+
+
+def test_sidebar_says_what_each_number_covers(lab, browser):
+    """Issue 56, where it shows: the session is called by the name given to connect() (not its notebook's);
+    the run shows its loss per token, equal to what the notebook printed, at the step it belongs to, its last
+    step (trained on nothing) counted as skipped; the header labels what the running sessions spent and what
+    the lab spent since it started; the dashboard's "loss per step" title sits clear of plotly's toolbar.
+    Screenshots: tests/_artifacts/extension-named-session.png, extension-loss-plot-title.png."""
+    from playwright.sync_api import expect
+
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(NAMED)])
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(notebook, lab["root"] / "agent.ipynb")
+    page = browser.new_page()
+    open_notebook(page, lab, "agent.ipynb")
+    run_all(page)
+    wait_until_run([page], lab, 300)
+    stdout = "\n".join(page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout']")
+                       .all_inner_texts())
+    assert "named run done" in stdout, page.locator(".jp-Notebook").inner_text()[-3000:]
+    printed = [float(x) for x in re.findall(r"loss per token ([\d.]+)", stdout)]
+    assert len(printed) == 3, stdout
+
+    page.locator('.jp-SideBar [data-id="stepwise-sessions"]').click()
+    row = page.locator("li.jp-StepwiseSession[data-name='warehouse-agent']")
+    expect(row).to_have_count(1, timeout=15_000)
+    expect(row.locator(".jp-StepwiseSession-title")).to_have_text("warehouse-agent")
+    expect(row).to_have_attribute("data-notebook", "agent.ipynb")
+    run = row.locator("li.jp-StepwiseRun")
+    expect(run.locator(".jp-StepwiseRun-name")).to_have_text("warm-up")
+    expect(run.locator(".jp-StepwiseRun-steps")).to_have_text("4 steps (1 skipped)")
+    loss = run.locator(".jp-StepwiseRun-loss")
+    expect(loss).to_have_text(re.compile(r"^loss/token [\d.]+ at step 3$"))
+    shown = float(re.search(r"loss/token ([\d.]+)", loss.inner_text()).group(1))
+    assert shown == pytest.approx(printed[-1], rel=1e-3), (shown, printed)
+    assert "loss:sum" in loss.get_attribute("title") and "1 step skipped" in loss.get_attribute("title")
+
+    summary = page.locator(".jp-StepwiseSidebar-summary")
+    expect(summary.locator(".jp-StepwiseSidebar-count")).to_have_text(re.compile(r"^\d+ sessions? · \d+ running\s*$"))
+    expect(summary.locator(".jp-StepwiseSidebar-running")).to_have_text(re.compile(r"^running sessions \$[\d.]+$"))
+    expect(summary.locator(".jp-StepwiseSidebar-lab")).to_have_text(re.compile(r"^lab since \d\d:\d\d UTC \$[\d.]+$"))
+    assert "ended sessions not counted" in summary.locator(".jp-StepwiseSidebar-running").get_attribute("title")
+    assert "ended ones included" in summary.locator(".jp-StepwiseSidebar-lab").get_attribute("title")
+    # The status bar follows the notebook's session, whatever it is called.
+    expect(page.locator(".jp-StepwiseCost")).to_have_attribute("data-notebook", "agent.ipynb")
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "extension-named-session.png"))
+
+    # The loss plot: its title clear of the toolbar that shows on hover.
+    plot = page.locator(".wb-dashboard .js-plotly-plot").filter(has=page.locator(".gtitle", has_text="loss per step"))
+    expect(plot).to_have_count(1)
+    plot.scroll_into_view_if_needed()
+    plot.hover()
+    modebar = plot.locator(".modebar")
+    expect(modebar).to_be_visible()
+    title, bar = plot.locator(".gtitle").bounding_box(), modebar.bounding_box()
+    assert not boxes_overlap(title, bar), (title, bar)
+    plot.screenshot(path=str(ARTIFACTS / "extension-loss-plot-title.png"))

@@ -86,6 +86,7 @@ LOSS_PANEL = "loss per step (loss:sum, summed over tokens)"
 PAGE = 1000
 PANEL_WIDTH, PANEL_HEIGHT = 440, 250
 LEGEND_ROW_PX = 20
+TITLE_ROW_PX = 24  # the toolbar's row at the top, above the title's
 HOVER_LINE_CHARS = 48  # a flag's detail, wrapped: a wide hover label is cut at the panel's edge
 
 
@@ -139,8 +140,11 @@ def _figure(title: str, y_title: str, series: dict[str, tuple[list, list]],
     return go.Figure(
         data=data,
         layout=go.Layout(
-            title=dict(text=title, font=dict(size=14)), width=PANEL_WIDTH, height=PANEL_HEIGHT + legend_height,
-            margin=dict(l=60, r=15, t=40, b=45 + legend_height), showlegend=len(data) > 1,
+            # The title on a row of its own, just above the plot and below plotly's toolbar (the modebar, at the
+            # figure's top right): centred at the top, a long title ran under the toolbar's icons (issue 56).
+            title=dict(text=title, font=dict(size=14), yref="paper", y=1, yanchor="bottom", pad=dict(b=8)),
+            width=PANEL_WIDTH, height=PANEL_HEIGHT + legend_height + TITLE_ROW_PX,
+            margin=dict(l=60, r=15, t=34 + TITLE_ROW_PX, b=45 + legend_height), showlegend=len(data) > 1,
             legend=dict(orientation="h", yref="container", y=0, yanchor="bottom", x=0, xanchor="left", maxheight=1),
             xaxis=xaxis, hoverlabel=dict(align="left"),
             yaxis=dict(title=dict(text=y_title), domain=[0, 0.86] if flags else [0, 1]),
