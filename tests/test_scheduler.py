@@ -4,8 +4,8 @@ The engine here is a stand-in that records which passes ran together, and its de
 whose requests each need a given number of steps: these tests are about who runs when, not about
 what the model computes. Time is a fake clock the scheduler reads (its `clock` seam): the stand-in
 work moves it by how long it "takes", and a test moves it past a wait, so what is checked does not
-depend on how fast the machine or its other processes are. The same scheduling with the real model and decoder is in
-tests/test_engine.py (test_a_training_job_finishes_while_a_long_sample_decodes).
+depend on how fast the machine or its other processes are. The same scheduling with the real model
+and decoder is in tests/test_engine.py (test_a_training_job_finishes_while_a_long_sample_decodes).
 """
 
 from __future__ import annotations
