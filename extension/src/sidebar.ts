@@ -1,6 +1,8 @@
 /**
- * The sessions sidebar: one row per session of every running backend, redrawn in place after each
- * poll; each row lists its training runs (steps and last loss each), and a click on it shows its
+ * The sessions sidebar: one row per session of every running backend (called by the name given to
+ * workbench.connect(name=...), else its notebook's), redrawn in place after each poll, under a header whose
+ * totals each say what they cover; each row lists its training runs (steps, skipped ones counted, and the
+ * last loss per token, or its sum said to be one), and a click on it shows its
  * checkpoints, each `tinker://` path with a copy button, and its in-memory sampler snapshots.
  * Sessions that ended (or whose backend stopped: the lab remembers them, with their checkpoints)
  * are greyed, in a group of their own that a click on its header folds. A session or run with a
