@@ -446,8 +446,8 @@ class VllmSampling:
 
     @staticmethod
     def check_options(options: SampleOptions, params: SamplingParams | None = None) -> None:
-        """Refuse, before anything is queued, the sampling options vLLM cannot serve (module docstring). With
-        `params` (the sample job's own check, _EngineView), also a grammar with stop=[]: a 400 when the job runs."""
+        """Refuse, before anything is queued, the sampling options vLLM cannot serve (module docstring), a grammar
+        with stop=[] among them (`params`: the service's admission and the sample job's own check, _EngineView)."""
         for name in ("target_prompt_logprobs", "prompt_alt_tokens_k"):
             if getattr(options, name):
                 raise UserError(f"{name} is not supported by this server's sampler (vLLM, STEPWISE_SAMPLER=vllm); "

@@ -57,7 +57,7 @@ def sample(svc: Service, tenant: str, sampler_id: str, seq_id: int, prompt: list
     check_still_published(svc, tenant, sampler)
     bound = check_sampling(svc, sampler.base_model, prompt, num_samples, params, options)
     if svc.vllm is not None:
-        svc.vllm.check_options(options)
+        svc.vllm.check_options(options, params)
     request_id = new_id()
     op = sampler_op(svc, sampler, prompt, num_samples, params, options)
     ids = [f"{request_id}:{i}" for i in range(num_samples)]
@@ -186,7 +186,7 @@ def generate(svc: Service, tenant: str, request_type: str, base_model: str, path
         raise UserError("streaming takes one prompt per request")
     most = [check_sampling(svc, base_model, prompt, num_samples, params, options) for prompt in prompts]
     if svc.vllm is not None:
-        svc.vllm.check_options(options)  # what vLLM cannot answer is a 400 now, not a failure later
+        svc.vllm.check_options(options, params)  # what vLLM cannot answer is a 400 now, not a failure later
     batch = new_id()
     # A checkpoint's sampling is charged to its run and, when the run is the caller's own, the run's session.
     run_id = run_of(path)
