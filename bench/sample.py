@@ -16,6 +16,9 @@ Five parts, each printing a ratio measured in this one run (higher is better):
             through base-model samplers; printed also: each server's start-up (the vLLM worker's
             apart), and the sampler-vs-trainer logprob gap (|vLLM's logprob - the batched server's
             compute_logprobs| on vLLM's tokens, same weights).
+            --sample-bf16: also a batched server with STEPWISE_SAMPLE_DTYPE=bfloat16 (a bf16 copy of the base
+            weights for sampling, float32 for training: engine/lora.py), its tokens/s against the float32
+            batched server's, and its logprobs against that server's compute_logprobs (float32) on its tokens.
 - generate: one adapter (rank 32, every target), one prompt, 8 samples of 64 tokens at
             temperature 1, in this process: `Engine.sample` over transformers' `generate` on the
             PEFT model (peft.get_peft_model, the same LoRA shape).      Target: >= 1.0x.
@@ -32,6 +35,7 @@ Five parts, each printing a ratio measured in this one run (higher is better):
 
     .venv/bin/python bench/sample.py [--parts server,generate] [--rounds 2] [--threads N] [--server-threads N] [--bf16]
     .venv/bin/python bench/sample.py --parts server --sampler vllm
+    .venv/bin/python bench/sample.py --parts server --sample-bf16
     .venv/bin/python bench/sample.py --parts small --rounds 3
     .venv/bin/python bench/sample.py --parts prefix --rounds 3
     .venv/bin/python bench/sample.py --parts family --rounds 3
@@ -63,14 +67,14 @@ QUESTIONS = [
 SERVER_ENV: dict[str, str] = {}  # extra environment for the servers (--server-threads)
 
 
-def start(sampler: str, dtype: str = "float32"):
-    """A backend process with its own home (the default model is shared), sampling with `sampler`.
-    A vLLM server answers once its worker is up (minutes on a busy CPU)."""
+def start(sampler: str, dtype: str = "float32", sample_dtype: str = "float32"):
+    """A backend process with its own home (the default model is shared), sampling with `sampler` (the built-in
+    one's base products in `sample_dtype`). A vLLM server answers once its worker is up (minutes on a busy CPU)."""
     from servers import start_server
 
     home = Path(tempfile.mkdtemp(prefix=f"stepwise-bench-{sampler}-"))
     (home / "models").symlink_to(Path.home() / ".cache" / "stepwise" / "models")
-    env = {"STEPWISE_SAMPLER": sampler, "STEPWISE_DTYPE": dtype, **SERVER_ENV}
+    env = {"STEPWISE_SAMPLER": sampler, "STEPWISE_DTYPE": dtype, "STEPWISE_SAMPLE_DTYPE": sample_dtype, **SERVER_ENV}
     return start_server(home, env=env, timeout=900 if sampler == "vllm" else 180)
 
 
@@ -153,21 +157,25 @@ class Sessions:
         return gaps
 
 
-def bench_server(rounds: int, bf16: bool, baseline: str) -> None:
+def bench_server(rounds: int, bf16: bool, baseline: str, sample_bf16: bool = False) -> None:
     """The batched server against one sampling with `baseline` (serial or vllm). `bf16` adds a server,
     batched with bf16 weights, for the record: its tokens differ (other numerics) and its logprobs are
-    not the fp32 ones (docs/performance.md, precision)."""
+    not the fp32 ones (docs/performance.md, precision). `sample_bf16` adds one whose sampler alone runs on a
+    bf16 copy of the weights (STEPWISE_SAMPLE_DTYPE)."""
     from workbench.recipes.common import local_tokenizer
 
     tokenizer = local_tokenizer(BASE)
-    kinds = {baseline: (baseline, "float32"), "batched": ("batched", "float32")}  # name: (STEPWISE_SAMPLER, dtype)
+    # name: (STEPWISE_SAMPLER, STEPWISE_DTYPE, STEPWISE_SAMPLE_DTYPE)
+    kinds = {baseline: (baseline, "float32", "float32"), "batched": ("batched", "float32", "float32")}
     if bf16:
-        kinds["batched-bf16"] = ("batched", "bfloat16")
+        kinds["batched-bf16"] = ("batched", "bfloat16", "float32")
+    if sample_bf16:
+        kinds["sample-bf16"] = ("batched", "float32", "bfloat16")
     servers, startup = {}, {}
     try:
-        for name, (sampler, dtype) in kinds.items():
+        for name, (sampler, dtype, sample_dtype) in kinds.items():
             start_time = time.perf_counter()
-            servers[name] = start(sampler, dtype)
+            servers[name] = start(sampler, dtype, sample_dtype)
             startup[name] = time.perf_counter() - start_time
         print("\n[server] start-up (until the server answers): " + ", ".join(f"{n} {s:.1f} s" for n, s in startup.items())
               + (f"; of which the vLLM worker {vllm_startup_s(servers['vllm']):.1f} s" if baseline == "vllm" else ""))
@@ -217,6 +225,11 @@ def _server_workload(servers, tokenizer, label: str, lora: bool, rounds: int, st
     if "batched-bf16" in servers:
         print(f"  ratio batched-bf16 / {baseline} (fp32): {rate['batched-bf16'] / rate[baseline]:.2f} (wall), "
               f"{cpu_per_token[baseline] / cpu_per_token['batched-bf16']:.2f} (server CPU time per token)")
+    if "sample-bf16" in servers:
+        gaps = sessions["batched"].logprob_gap(outputs["sample-bf16"])
+        print(f"  ratio sample-bf16 / batched (float32 sampling): {rate['sample-bf16'] / rate['batched']:.2f} (wall), "
+              f"{cpu_per_token['batched'] / cpu_per_token['sample-bf16']:.2f} (server CPU time per token); its logprobs "
+              f"vs the float32 server's compute_logprobs on its tokens: mean {statistics.mean(gaps):.1e}, max {max(gaps):.1e}")
 
 
 # ---- generate: in-process against transformers + peft ------------------------------------------------
@@ -482,6 +495,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads in this process (0: torch's default)")
     parser.add_argument("--server-threads", type=int, default=0, help="OMP_NUM_THREADS for the servers (0: default)")
     parser.add_argument("--bf16", action="store_true", help="server part: also a batched server with bf16 weights")
+    parser.add_argument("--sample-bf16", action="store_true",
+                        help="server part: also a batched server sampling on a bf16 copy (STEPWISE_SAMPLE_DTYPE=bfloat16)")
     parser.add_argument("--sampler", choices=("serial", "vllm"), default="serial",
                         help="server part: what the batched decoder is compared with (STEPWISE_SAMPLER of the other server)")
     args = parser.parse_args()
@@ -491,7 +506,7 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    parts = {"server": lambda: bench_server(args.rounds, args.bf16, args.sampler),
+    parts = {"server": lambda: bench_server(args.rounds, args.bf16, args.sampler, args.sample_bf16),
              "generate": lambda: bench_generate(args.rounds),
              "small": lambda: bench_small_products(args.rounds),
              "family": lambda: bench_family(args.rounds),
