@@ -125,7 +125,7 @@ class Settings:
     sample_cache_mb: int = env("SAMPLE_CACHE_MB", 4096, "the decoding rows' KV cache (MB; each request reserves its "
                                "rows at their longest); an 8th of it more for the prefix cache")
     sample_dtype: str = env("SAMPLE_DTYPE", "float32", "the built-in sampler's base-weight products: float32 (the "
-                            "trainer's weights, bit for bit) or bfloat16 (a copy of the base weights, 2 bytes each: "
+                            "trainer's own weights, bit for bit, whatever STEPWISE_DTYPE is) or bfloat16 (a copy of the base weights, 2 bytes each: "
                             "faster decoding, logprobs a little off the trainer's; engine/lora.py)")
     prefill_chunk_tokens: int = env("PREFILL_CHUNK_TOKENS", 512, "prompt tokens prefilled per decode step (longer "
                                     "prompts take several steps)")

@@ -75,6 +75,8 @@ def test_a_layer_uses_its_copy_only_while_sampling_and_only_for_the_weight_it_co
         layer.base._parameters["weight"] = other
         assert torch.equal(layer(x), x @ other.t())
     assert lora.sample_weights(model, "float32") == 0
+    model.to(torch.bfloat16)  # a bf16 base (STEPWISE_DTYPE): no copy either way, never a float32 one
+    assert lora.sample_weights(model, "float32") == 0 and lora.sample_weights(model, "bfloat16") == 0
 
 
 def test_bfloat16_sampling_samples_and_is_counted(engine, stepwise_home, tiny_model):
