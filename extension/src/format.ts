@@ -155,12 +155,12 @@ export function lossTooltip(run: IRun): string {
   const lines: string[] = [];
   if (run.loss_per_token !== null && run.loss_per_token !== undefined) {
     lines.push(
-      `loss per token ${run.loss_per_token}: the step's loss:sum over the tokens its loss counts ` +
+      `loss per token ${Number(run.loss_per_token.toPrecision(6))}: the step's loss:sum over the tokens its loss counts ` +
         '(the weights of cross_entropy; the tokens with an advantage of an RL loss)'
     );
   }
   if (run.last_loss !== null && run.last_loss !== undefined) {
-    lines.push(`loss:sum ${run.last_loss}: the last forward_backward's loss, summed over its tokens`);
+    lines.push(`loss:sum ${Number(run.last_loss.toPrecision(6))}: the last forward_backward's loss, summed over its tokens`);
   }
   const skipped = run.skipped_steps ?? 0;
   if (skipped > 0) {
