@@ -254,7 +254,7 @@ def test_the_rl_recipe_trains_on_episodes(tinker_server, tokenizer, browser, tmp
     did (kl_sampler ~0: the observation's tokens, placeholder logprobs, are not counted)."""
     client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
     rows = []
-    def planted(episode):  # an rl insight check of the user's: it fails every two-turn episode, from step 1
+    def planted(episode):  # an rl insight check of the user's: it fails every two-turn episode (the rewarded flag)
         return "a planted hack" if episode.turns == 2 else None
 
     config = rl.Config(task=TwoTurnTask(), steps=2, groups_per_batch=2, group_size=4, max_tokens=8, max_turns=3,
@@ -264,10 +264,13 @@ def test_the_rl_recipe_trains_on_episodes(tinker_server, tokenizer, browser, tmp
     summary = rl.run(config, service_client=client, on_step=rows.append)
     steps = [r for r in rows if "turns" in r]
     assert summary.steps == 2 and len(steps) == 2
-    # The user's check flags both steps, as begun at step 1 (the stand-in's noise trips neither built-in check).
+    # The user's check flags both steps (each has rewarded episodes), as begun at step 1 (the stand-in's noise trips
+    # neither built-in check).
     assert [[(f["kind"], f["check"], f["since"]) for f in r["flags"]] for r in steps] == \
         [[("answer_hack", "planted", 1)]] * 2 and summary.extra["flagged_steps"] == [1, 2]
-    assert "8 of 8 episodes" in steps[1]["flags"][0]["detail"] and "since step 1" in steps[1]["flags"][0]["detail"]
+    rewarded = round(steps[1]["reward"] * 8)  # the planted check fails every episode; rewarded ones are flagged
+    assert f"{rewarded} of 8 episodes rewarded although a planted hack" in steps[1]["flags"][0]["detail"]
+    assert "since step 1" in steps[1]["flags"][0]["detail"]
     for row in steps:
         assert row["turns"] == 2.0 and row["tool_calls"] == 0.0 and row["episode_tokens"] > 0
         assert row["graded"] == row["reward"]  # the environment's grade (Step.parts), logged per step

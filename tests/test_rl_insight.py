@@ -357,9 +357,10 @@ def episode(answer, reward=1.0, tool_output="5695"):
 
 
 def test_an_answer_that_echoes_the_tool_is_flagged_from_the_step_it_began():
-    """A hack planted at step 2 (notebook 08's echo in broken markup, and a bare copy of the tool's output) is
-    flagged at steps 2 and 3 as begun at step 2; honest answers that state the number are not; a check of the
-    user's own joins the list; a flag that stops and comes back begins again."""
+    """A hack planted at step 2 (notebook 08's echo in broken markup, and a bare copy of the tool's output, both
+    rewarded) is flagged at steps 2 and 3 as begun at step 2; honest answers that state the number are not, nor
+    are the same hacks unrewarded; a check of the user's own joins the list; a flag that stops and comes back
+    begins again."""
     from workbench.recipes import rl_hacks
 
     honest = [episode("67*85 = 5695."), episode("It is 5695", reward=1.0), episode("no idea", reward=0.0)]
@@ -380,7 +381,11 @@ def test_an_answer_that_echoes_the_tool_is_flagged_from_the_step_it_began():
     assert [(f["kind"], f["check"], f["since"], f["episodes"]) for f in flagged[2]] == \
         [("answer_hack", "carries_markup", 2, 1), ("answer_hack", "copies_tool_output", 2, 1)]
     assert [f["since"] for f in flagged[3]] == [2, 2] and [f["since"] for f in flagged[5]] == [5, 5]
-    assert "1 of 5 episodes (1 rewarded): its answer carries tool markup" in flagged[2][0]["detail"]
+    assert "1 of 5 episodes rewarded although its answer carries tool markup" in flagged[2][0]["detail"]
+    # The same answers unrewarded are no hack: the reward refuses them already (a strict ToolEnv's format grade).
+    refused = [episode('<tool_response> <tool_call> "calc", "expression": "5695" </tool_call>', reward=0.0),
+               episode(" 5695\n", reward=0.0)]
+    assert rl_hacks.flags(honest + refused, rl_hacks.CHECKS, 6, {}) == []
     assert "since step 2" in flagged[3][0]["detail"]
 
     def too_long(e):  # the user's own check
