@@ -277,7 +277,8 @@ export function statusText(notebook: ITotals | null, lab: ILab, symbol = '$'): s
   if (!notebook) {
     return `Stepwise ${spent} · ${formatTokens(totalTokens(lab))} tok`;
   }
-  return `Stepwise ${formatCost(notebook.cost, symbol)} · ${formatTokens(totalTokens(notebook))} tok · ${spent}`;
+  // "notebook": the figure covers this notebook's running sessions only (the tooltip says so); "lab": every session.
+  return `Stepwise notebook ${formatCost(notebook.cost, symbol)} · ${formatTokens(totalTokens(notebook))} tok · ${spent}`;
 }
 
 function kindsLine(totals: ITotals): string {

@@ -112,7 +112,7 @@ describe('status item', () => {
   });
   it("shows the notebook's cost and tokens, then the lab's; the lab's alone elsewhere", () => {
     const mine = notebookTotals(sessions, '00_quickstart.ipynb');
-    expect(statusText(mine, lab)).toBe('Stepwise $0.000456 · 2k tok · lab $0.0123');
+    expect(statusText(mine, lab)).toBe('Stepwise notebook $0.000456 · 2k tok · lab $0.0123');
     expect(statusText(null, lab)).toBe('Stepwise lab $0.0123 · 13.5k tok');
   });
   it('splits prefill, sample and train in the tooltip', () => {

@@ -45,7 +45,7 @@ describe('CostStatus', () => {
     await model.update();
     expect(classes()).toEqual(['exhausted']);
     expect(status.node.title).toContain('exhausted, the backend refuses more work');
-    expect(status.node.textContent).toMatch(/^Stepwise \$0\.0000400 · 1k tok/);
+    expect(status.node.textContent).toMatch(/^Stepwise notebook \$0\.0000400 · 1k tok/);
 
     status.notebookPath = 'another.ipynb'; // another tab: not this budget's notebook
     expect(classes()).toEqual([]);
