@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from torch.nn import functional as F
 
 from helpers import one_lora_layer
 from kernel_backend.engine import lora
@@ -77,6 +78,24 @@ def test_a_layer_uses_its_copy_only_while_sampling_and_only_for_the_weight_it_co
     assert lora.sample_weights(model, "float32") == 0
     model.to(torch.bfloat16)  # a bf16 base (STEPWISE_DTYPE): no copy either way, never a float32 one
     assert lora.sample_weights(model, "float32") == 0 and lora.sample_weights(model, "bfloat16") == 0
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_row_takes_a_matrix_vector_product_that_agrees_with_the_batched_one(bias):
+    """A lone row's bf16 product (torch.mv / addmv) is the batched F.linear's, to bf16 rounding, bias included."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("q_proj", torch.nn.Linear(64, 48, bias=bias))
+    model.requires_grad_(False)
+    lora.attach(model)
+    lora.sample_weights(model, "bfloat16")
+    x = torch.randn(4, 64)
+    with torch.no_grad(), lora.sampling(model):
+        batched = model.q_proj(x)
+        alone = torch.cat([model.q_proj(x[i : i + 1]) for i in range(4)])
+    assert alone.shape == batched.shape and alone.dtype == torch.float32
+    torch.testing.assert_close(alone, batched, rtol=0.01, atol=0.01)
+    torch.testing.assert_close(alone, F.linear(x, model.q_proj.base.weight, model.q_proj.base.bias), rtol=0.05, atol=0.05)
 
 
 def test_bfloat16_sampling_samples_and_is_counted(engine, stepwise_home, tiny_model):
