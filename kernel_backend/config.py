@@ -93,7 +93,8 @@ class Settings:
                          "per-tenant caps, and get_info reports the local tokenizer folder; unset: a shared server")
     adapter_cache_mb: int = env("ADAPTER_CACHE_MB", 0, "the adapters an engine keeps on its device (runs, samplers); "
                                 "past it the least recently used is dropped or spilled (engine/adapter_cache.py); 0: a "
-                                "tenth of a GPU's memory, 512 on CPU")
+                                "tenth of a GPU's memory, 512 on CPU; a notebook's backend (workbench.connect()) sets "
+                                "a quarter of the machine's memory")
     # Per-tenant limits (0: none), counted when work is admitted (kernel_backend/service/admission.py).
     max_sessions_per_tenant: int = env("MAX_SESSIONS_PER_TENANT", 0, "sessions a tenant may have alive at once")
     tokens_per_minute: int = env("TOKENS_PER_MINUTE", 0, "tokens admitted per tenant per minute")

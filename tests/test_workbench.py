@@ -30,6 +30,7 @@ import tinker
 from tinker import types
 
 import workbench
+from workbench import local_backend
 from workbench.dpo import add_reference_logprobs, dpo_loss
 from workbench.widgets.cost import format_cost
 from workbench.widgets.reprs import forward_backward_html, sample_html
@@ -105,6 +106,10 @@ def test_connect_starts_the_embedded_backend_once_and_announces_it(service, step
     assert workbench.connect() is service
     assert workbench.current().process.pid == conn.process.pid
 
+    # Its adapter cache is a quarter of the machine's memory (not a shared server's 512 MB), so a notebook can
+    # fully fine-tune the default model (tests/test_full_finetune.py trains one at this size) with no setting.
+    environ = dict(v.split("=", 1) for v in Path(f"/proc/{conn.process.pid}/environ").read_text().split("\0") if "=" in v)
+    assert int(environ["STEPWISE_ADAPTER_CACHE_MB"]) == local_backend.single_user_adapter_cache_mb() >= 512
     registry = json.loads((stepwise_home / "embedded" / "runtime" / f"{os.getpid()}.json").read_text())
     assert registry["base_url"] == conn.base_url and registry["api_key"] == conn.api_key
     assert registry["pid"] == os.getpid() and registry["embedded"] and registry["backend_pid"] == conn.process.pid

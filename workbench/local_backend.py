@@ -95,6 +95,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def single_user_adapter_cache_mb() -> int:
+    """The local backend's adapter cache: a quarter of this machine's memory, at least a shared server's 512 MB."""
+    total_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
+    return max(512, total_mb // 4)
+
+
 def _spawn(port: int, home: Path, log_path: Path, api_key: str) -> subprocess.Popen:
     # The child must import the same kernel_backend this kernel sees, even from a source checkout
     # that is on sys.path only because the notebook's folder is.
@@ -102,7 +108,11 @@ def _spawn(port: int, home: Path, log_path: Path, api_key: str) -> subprocess.Po
     # STEPWISE_LOCAL_KEY: the backend registers this key for its "local" tenant as it starts; the
     # well-known loopback key is off, so only processes that can read backend.json (this user) get in.
     # STEPWISE_EMBEDDED: one user on this machine, so no per-tenant caps (docs/security.md).
-    env = {**os.environ, "STEPWISE_HOME": str(home), "STEPWISE_LOCAL_KEY": api_key, "STEPWISE_LOOPBACK_KEY": "",
+    # STEPWISE_ADAPTER_CACHE_MB, unless the user set it: a quarter of the machine's memory rather than a shared
+    # server's 512 MB, so a notebook can fully fine-tune the default model (rank=0 needs about 2 GB) on a machine
+    # that has the memory, without a setting and a restart. The cache is a bound, not an allocation.
+    env = {"STEPWISE_ADAPTER_CACHE_MB": str(single_user_adapter_cache_mb()), **os.environ,
+           "STEPWISE_HOME": str(home), "STEPWISE_LOCAL_KEY": api_key, "STEPWISE_LOOPBACK_KEY": "",
            "STEPWISE_EMBEDDED": "1", "STEPWISE_LOG": str(log_path), "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(p for p in [package_root, os.environ.get("PYTHONPATH", "")] if p)}
     env.pop("JPY_SESSION_NAME", None)  # the backend is nobody's notebook
