@@ -233,7 +233,7 @@ def check_costs(page, lab: dict, notebook: str) -> dict:
             assert status.get_attribute(f"data-{kind}-tokens") == str(usage[f"{kind}_tokens"])
         assert math.isclose(float(status.get_attribute("data-cost")), usage["cost"], rel_tol=1e-12)
         tokens = sum(usage[f"{kind}_tokens"] for kind in kinds)
-        assert status.text_content().startswith(f"Stepwise {format_cost(usage['cost'])} · {format_tokens(tokens)} tok · lab $")
+        assert status.text_content().startswith(f"Stepwise notebook {format_cost(usage['cost'])} · {format_tokens(tokens)} tok · lab $")
         assert float(status.get_attribute("data-lab-cost")) >= usage["cost"]
 
     open_sidebar(page)
@@ -969,38 +969,44 @@ def test_budget_notebook(lab, browser):
     page.screenshot(path=str(ARTIFACTS / "notebook-07_budget.png"))
 
 
-AGENT = {"sft_steps": 3, "steps": 4, "groups_per_batch": 4, "group_size": 4, "eval_prompts": 8, "eval_samples": 4, "max_turns": 2}
+AGENT = {"sft_steps": 2, "steps": 4, "groups_per_batch": 4, "group_size": 4, "eval_prompts": 8, "eval_samples": 4, "max_turns": 2}
 
 
 def test_agent_tools_notebook(lab, browser):
-    """Multi-turn tool use, as notebook 08 teaches it: the base model never calls the calculator; three
-    steps of SFT on the call format; then RL on episodes (call, the calculator's answer, the reply) raises
-    the held-out reward. The plots show the reward and the tool calls and turns per episode at every step;
-    the cost per episode is printed; the inspector shows an episode turn by turn, the calculator's turns in
-    grey boxes with no token coloured and the policy's tokens coloured by logprob.
-    Screenshots: tests/_artifacts/agent-*.png."""
+    """Multi-turn tool use, as notebook 08 teaches it: the base model never calls the calculator; two steps of
+    SFT on whole demonstrated episodes; then RL on episodes (call, the calculator's answer, the reply) under a
+    strict reward (a plain answer with the product, after a call that ran) raises the held-out reward, and the
+    rewarded episodes answer in words: almost none echoes the tool's reply or carries its markup (read from the
+    stored rollouts, not from the reward). The plots show the reward, its three grades and the tool calls and
+    turns per episode at every step; the cost per episode is printed; the inspector shows an episode turn by
+    turn, the calculator's turns in grey boxes with no token coloured and the policy's tokens coloured by
+    logprob, and the grades as columns. Screenshots: tests/_artifacts/agent-*.png."""
     name = "08_agent_tools.ipynb"
     (page,) = run_notebooks(lab, browser, [(name, AGENT)])
     text = "\n".join(page.locator(".jp-Notebook .jp-OutputArea-output").all_text_contents())  # outputs, not sources
     assert "Error: ZeroDivisionError: division by zero" in text and "Error: NameError" in text  # the tool's errors
+    assert "'37 times 48 is 1776.': reward 1.0" in text and "'1776': reward 0.0" in text  # the strict reward, shown
     base = re.findall(r"What is \d+\*\d+\? -> reward (\S+), (\d+) tool calls", text)
     assert len(base) == 4 and all(calls == "0" for _, calls in base), base  # the base model never calls it
-    losses = [float(x) for x in re.findall(r"step \d: loss per call token (\S+)", text)]
+    losses = [float(x) for x in re.findall(r"step \d: loss per assistant token (\S+)", text)]
     assert len(losses) == AGENT["sft_steps"] and losses[-1] < losses[0] / 2, losses
     before, after = map(float, re.search(r"held-out reward: (\S+) -> (\S+)", text).groups())
-    # By script at these sizes, 5 seeds of the RL run and the warm-up: 0.19 -> 0.75, 0.25 -> 0.94, 0.50 -> 0.81,
-    # 0.00 -> 0.81, 0.19 -> 0.69. At the learning rate of 1e-3 it had before, 2 of 7 fell short (CI: 0.25 -> 0.00).
-    assert after >= before + 0.25, (before, after)
+    # By script at these sizes (the notebook's cells, 2026-12-05): seed 0 0.34 -> 0.69, seed 1 0.25 -> 0.78. With three
+    # warm-up steps the model starts near the top (0.75-0.88 -> 0.94-1.00), with one it never answers (0.0 -> 0.0).
+    assert after >= before + 0.15, (before, after)
     per_episode = re.search(r"(\d+) episodes, \$(\S+): \$(\S+) per episode", text)
     played = AGENT["steps"] * AGENT["groups_per_batch"] * AGENT["group_size"] + 2 * AGENT["eval_prompts"] * AGENT["eval_samples"]
     assert per_episode and int(per_episode[1]) == played, text[-2000:]
     assert float(per_episode[3]) == pytest.approx(float(per_episode[2]) / played, rel=1e-2)
+    echoes(Path(re.search(r"rollouts: (\S+\.rollouts)", text)[1]))
 
     by_title = {p["title"]: p for p in plots(page)}
     every = list(range(1, AGENT["steps"] + 1))
     traces = {t["name"]: t["steps"] for t in by_title["per episode"]["traces"]}
     assert traces["tool_calls"] == traces["turns"] == traces["tool_errors"] == every, traces
     assert {t["name"]: t["steps"] for t in by_title["reward"]["traces"]}["reward"] == every
+    assert {t["name"]: t["steps"] for t in by_title["grades"]["traces"]} == {g: every for g in ("answer", "tool_use", "format")}
+    assert "steps flagged by rl insight: none" in text  # a rewarded answer never echoes: rl insight has nothing to flag
 
     # The last cell's inspector: the best episode, turn by turn.
     inspector = page.locator(".wb-rollouts").last
@@ -1008,6 +1014,8 @@ def test_agent_tools_notebook(lab, browser):
     observation = inspector.locator('[data-role="observation"]')
     eventually(lambda: observation.count() >= 1)
     assert "<tool_response>" in observation.first.text_content()
+    headers = inspector.locator("th").all_text_contents()
+    assert {"answer", "tool_use", "format"} <= {h.strip(" ▲▼") for h in headers}, headers
     assert observation.first.evaluate("e => getComputedStyle(e).backgroundColor") == "rgb(238, 241, 244)"
     assert observation.locator(".wb-tok").count() == 0  # no logprob, no advantage: nothing coloured
     shades = inspector.locator('[data-role="policy"] .wb-tok').evaluate_all(
@@ -1016,4 +1024,26 @@ def test_agent_tools_notebook(lab, browser):
     ARTIFACTS.mkdir(exist_ok=True)
     inspector.scroll_into_view_if_needed()
     inspector.screenshot(path=str(ARTIFACTS / "agent-episode.png"))
-    check_notebook(page, lab, name, AGENT["steps"], {LOSS, "reward", "per episode"})
+    check_notebook(page, lab, name, AGENT["steps"], {LOSS, "reward", "grades", "per episode"})
+
+
+def echoes(rollouts: Path) -> None:
+    """Of the rewarded training episodes a run stored, the share whose final answer carries tool markup or is a tool's
+    reply copied back must be under 10% (read from the tokens and their roles, independently of the reward)."""
+    from workbench.recipes import common
+    from workbench.rollout_log import RolloutLog
+
+    tokenizer, log = common.local_tokenizer(), RolloutLog(rollouts)
+    rewarded, echoed = 0, []
+    for step in log.steps():
+        for row in log.samples(step, kind="train"):
+            if row["reward"] <= 0:
+                continue
+            roles, tokens = row["roles"], row["tokens"]
+            last = max(i for i, role in enumerate(roles) if role == "observation")  # the tool's turn
+            tool = tokenizer.decode(tokens[:last + 1], skip_special_tokens=True).rsplit("<tool_response>", 1)[1]
+            answer = tokenizer.decode(tokens[last + 1:], skip_special_tokens=True).strip()
+            rewarded += 1
+            if "<tool" in answer or "</tool" in answer or answer == tool.split("</tool_response>")[0].strip():
+                echoed.append(answer)
+    assert rewarded and len(echoed) < 0.1 * rewarded, (rewarded, echoed[:5])
