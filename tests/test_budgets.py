@@ -120,19 +120,30 @@ def test_sampling_counts_its_upper_bound_and_a_run_budget_covers_its_rollouts(ti
     assert final["totals"]["cost"] <= STEP_COST + 1.5 * most
 
 
-def test_the_openai_routes_are_refused_with_402_in_openai_shape_and_count_against_the_session(tinker_server):
+def client_session(server, key: str, name: str) -> str:
+    """The id of the session the OpenAI and Anthropic routes record the requests of client `name` under."""
+    (row,) = [r for r in rest(server, key, "GET", "/api/v1/usage/sessions").json()["sessions"]
+              if r["display_name"] == name and r["user_metadata"].get("api_client") == name]
+    return row["session_id"]
+
+
+def test_the_openai_routes_are_refused_with_402_in_openai_shape_by_their_session_and_run_budgets(tinker_server):
+    """An OpenAI request on a checkpoint is recorded under the client's own session ("openai" here), not the
+    run's (the notebook's): a budget on that session works as any session's; the run's budget still covers it."""
     key = tinker_server.make_key("budget-openai")
     client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=key)
     tc = client.create_lora_training_client(base_model=BASE, rank=4).result()
-    session_id = tc.model_id.split(":")[0]
+    notebook = tc.model_id.split(":")[0]
     path = tc.save_weights_for_sampler("budget-oai").result().path
     oai = openai.OpenAI(base_url=tinker_server.base_url + "/oai/api/v1", api_key=key)
     ask = dict(model=path, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8, temperature=0)
     oai.chat.completions.create(**ask)
+    session_id = client_session(tinker_server, key, "openai")
     one = rest(tinker_server, key, "GET", "/api/v1/usage", params={"session_id": session_id}).json()["totals"]["cost"]
-    assert one > 0  # the checkpoint's session was charged for the OpenAI request, and so was its run
+    assert one > 0  # the client's session was charged for the OpenAI request, and so was the checkpoint's run
     assert rest(tinker_server, key, "GET", "/api/v1/usage",
                 params={"training_run_id": tc.model_id}).json()["totals"]["cost"] == pytest.approx(one, rel=1e-12)
+    assert rest(tinker_server, key, "GET", "/api/v1/usage", params={"session_id": notebook}).json()["totals"]["cost"] == 0
     # A budget of what was spent: no room for another request's upper bound.
     assert rest(tinker_server, key, "PUT", f"/api/v1/budgets/session/{session_id}",
                 json={"budget_usd": one}).status_code == 200
@@ -141,15 +152,47 @@ def test_the_openai_routes_are_refused_with_402_in_openai_shape_and_count_agains
     assert refused.value.status_code == 402
     assert f"the budget of session {session_id} is" in refused.value.response.json()["error"]["message"]
     assert refused.value.response.json()["error"]["type"] == "insufficient_quota"
-    # The Anthropic route too, in Anthropic's shape.
-    message = rest(tinker_server, key, "POST", "/v1/messages", json={
-        "model": path, "max_tokens": 8, "messages": [{"role": "user", "content": "Say hi."}]})
-    assert message.status_code == 402 and message.json()["error"]["type"] == "billing_error"
     streamed = openai.OpenAI(base_url=tinker_server.base_url + "/oai/api/v1", api_key=key, max_retries=0)
     with pytest.raises(openai.APIStatusError):  # a stream is refused before it starts
         list(streamed.chat.completions.create(**ask, stream=True))
     assert rest(tinker_server, key, "GET", "/api/v1/usage",
                 params={"session_id": session_id}).json()["totals"]["cost"] == pytest.approx(one, rel=1e-12)
+    # Another client's session has its own (no) budget; the run's budget covers every client's sampling of it,
+    # the Anthropic route's too, refused in Anthropic's shape.
+    other = openai.OpenAI(base_url=tinker_server.base_url + "/oai/api/v1", api_key=key,
+                          default_headers={"X-Stepwise-Session": "second client"})
+    other.chat.completions.create(**ask)
+    spent = rest(tinker_server, key, "GET", "/api/v1/usage", params={"training_run_id": tc.model_id}).json()
+    assert spent["totals"]["cost"] > one
+    assert rest(tinker_server, key, "PUT", f"/api/v1/budgets/run/{tc.model_id}",
+                json={"budget_usd": spent["totals"]["cost"]}).status_code == 200
+    with pytest.raises(openai.APIStatusError, match=f"the budget of run {tc.model_id} is"):
+        other.chat.completions.create(**ask)
+    message = rest(tinker_server, key, "POST", "/v1/messages", json={
+        "model": path, "max_tokens": 8, "messages": [{"role": "user", "content": "Say hi."}]})
+    assert message.status_code == 402 and message.json()["error"]["type"] == "billing_error"
+    assert f"the budget of run {tc.model_id} is" in message.json()["error"]["message"]
+
+
+def test_a_tenant_budget_refuses_the_openai_and_anthropic_routes(tinker_server):
+    """The routes' own sessions are within the tenant's budget (the operator's), as every request is."""
+    key = tinker_server.make_key("budget-openai-tenant")
+    oai = openai.OpenAI(base_url=tinker_server.base_url + "/v1", api_key=key, max_retries=0)
+    ask = dict(model=BASE, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8, temperature=0)
+    oai.chat.completions.create(**ask)
+    spent = rest(tinker_server, key, "GET", "/api/v1/usage").json()["totals"]["cost"]
+    assert spent > 0
+    assert rest(tinker_server, tinker_server.api_key, "PUT", "/api/v1/budgets/tenant/budget-openai-tenant",
+                json={"budget_usd": spent}).status_code == 200
+    for named in ({}, {"X-Stepwise-Session": "a client of its own"}):
+        with pytest.raises(openai.APIStatusError) as refused:
+            oai.chat.completions.create(**ask, extra_headers=named)
+        assert refused.value.status_code == 402
+        assert "the budget of tenant budget-openai-tenant is" in refused.value.response.json()["error"]["message"]
+    message = rest(tinker_server, key, "POST", "/v1/messages", json={
+        "model": BASE, "max_tokens": 8, "messages": [{"role": "user", "content": "Say hi."}]})
+    assert message.status_code == 402 and message.json()["error"]["type"] == "billing_error"
+    assert rest(tinker_server, key, "GET", "/api/v1/usage").json()["totals"]["cost"] == pytest.approx(spent, rel=1e-12)
 
 
 def test_a_key_budget_covers_every_request_sent_with_that_key_and_counts_what_is_in_flight(tinker_server):

@@ -108,21 +108,130 @@ def test_errors_come_in_openai_shape(oai, tinker_server):
     assert denied.value.status_code == 401 and "error" in denied.value.response.json()
 
 
-def test_billing_counts_openai_requests_which_have_no_session(oai, tinker_server):
-    """The OpenAI endpoint's requests belong to no session: billing reports them with session_id None
-    (it once failed with a 500 sorting None among session ids, and the SDK retried for minutes)."""
+def test_billing_reports_openai_requests_under_their_own_session(tinker_server):
+    """Billing buckets an OpenAI request under the session the route records it in (once it had none, and
+    sorting None among session ids failed with a 500 the SDK retried for minutes)."""
     import datetime as dt
 
-    oai.completions.create(model=BASE, prompt="One, two,", max_tokens=3, temperature=0)
-    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
-    sampler = client.create_sampling_client(base_model=BASE)  # and a request that has a session
+    key = tinker_server.make_key("oai-billing")
+    openai.OpenAI(base_url=tinker_server.base_url + "/v1", api_key=key).completions.create(
+        model=BASE, prompt="One, two,", max_tokens=3, temperature=0)
+    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=key)
+    sampler = client.create_sampling_client(base_model=BASE)  # and a request of an SDK session
     sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2)).result()
     hour = dt.datetime.now(dt.timezone.utc).replace(minute=0, second=0, microsecond=0)
-    rest = client.create_rest_client()
-    usage = rest.get_billing_usage(hour - dt.timedelta(hours=1), hour + dt.timedelta(hours=1)).result()
-    sessionless = [e for e in usage.data if e.session_id is None and e.base_model == BASE]
-    assert {e.event_info.type for e in sessionless} >= {"sampling_sample"}
-    assert all(e.event_info.token_count > 0 for e in sessionless)
+    usage = client.create_rest_client().get_billing_usage(hour - dt.timedelta(hours=1), hour + dt.timedelta(hours=1)).result()
+    sessions = {row["display_name"]: row["session_id"] for row in route_sessions(tinker_server, key)}
+    ours = [e for e in usage.data if e.session_id == sessions["openai"]]
+    assert {e.event_info.type for e in ours} == {"sampling_prefill", "sampling_sample"}
+    assert all(e.event_info.token_count > 0 for e in ours)
+    assert None not in {e.session_id for e in usage.data} and len({e.session_id for e in usage.data}) == 2
+
+
+# ---- the session the OpenAI and Anthropic routes record a request under --------------------------------------------
+
+
+def route_sessions(server, key: str) -> list[dict]:
+    """The tenant's sessions as the sidebar reads them (GET /api/v1/usage/sessions)."""
+    r = httpx.get(server.base_url + "/api/v1/usage/sessions", headers={"X-API-Key": key})
+    r.raise_for_status()
+    return r.json()["sessions"]
+
+
+def anthropic_message(server, key: str, model: str, headers: dict | None = None, **body) -> dict:
+    r = httpx.post(server.base_url + "/v1/messages", timeout=120, json={
+        "model": model, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Say hi."}], **body},
+        headers={"x-api-key": key, "anthropic-version": "2023-06-01", **(headers or {})})
+    r.raise_for_status()
+    return r.json()
+
+
+def test_openai_and_anthropic_requests_are_recorded_under_a_session_of_their_own(tinker_server):
+    """A user's openai client and an eval beside their notebook, with the notebook's key: their requests are
+    listed under sessions of their own ("openai", "anthropic", or the name the request gives), not under the
+    notebook's SDK session, even when they sample the notebook's checkpoint; that sampling still counts for
+    the run; every token is billed once."""
+    key = tinker_server.make_key("oai-sessions")
+    client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=key)
+    tc = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    notebook = tc.model_id.split(":")[0]
+    path = tc.save_weights_for_sampler("for-eval").result().path
+    oai = openai.OpenAI(base_url=tinker_server.base_url + "/v1", api_key=key)
+    ask = dict(messages=[{"role": "user", "content": "Say hi."}], max_tokens=4, temperature=0)
+    used = []  # what each reply says it processed: (session name, prompt tokens + generated tokens)
+    for model in (BASE, path):  # two requests that name no session: one "openai" session
+        reply = oai.chat.completions.create(model=model, **ask)
+        used.append(("openai", reply.usage.prompt_tokens + reply.usage.completion_tokens))
+    text = oai.completions.create(model=path, prompt="One, two,", max_tokens=3, temperature=0)
+    used.append(("openai", text.usage.total_tokens))
+    # A client names its own: the header (any SDK's default_headers or extra_headers), or the body's user.
+    named = openai.OpenAI(base_url=tinker_server.base_url + "/v1", api_key=key,
+                          default_headers={"X-Stepwise-Session": "nightly eval"})
+    reply = named.chat.completions.create(model=path, **ask)
+    used.append(("nightly eval", reply.usage.total_tokens))
+    reply = oai.chat.completions.create(model=BASE, user="grader", **ask)
+    used.append(("grader", reply.usage.total_tokens))
+    # The Anthropic route: its own session, or the named one (the same name on either route: one session).
+    for _ in range(2):
+        message = anthropic_message(tinker_server, key, path)
+        used.append(("anthropic", message["usage"]["input_tokens"] + message["usage"]["output_tokens"]))
+    message = anthropic_message(tinker_server, key, BASE, headers={"X-Stepwise-Session": "nightly eval"})
+    used.append(("nightly eval", message["usage"]["input_tokens"] + message["usage"]["output_tokens"]))
+    message = anthropic_message(tinker_server, key, BASE, metadata={"user_id": "judge"})
+    used.append(("judge", message["usage"]["input_tokens"] + message["usage"]["output_tokens"]))
+
+    rows = route_sessions(tinker_server, key)
+    by_name = {}
+    for row in rows:
+        assert row["display_name"] not in by_name, f"two sessions named {row['display_name']!r}"
+        by_name[row["display_name"]] = row
+    assert set(by_name) - {None} >= {"openai", "anthropic", "nightly eval", "grader", "judge"}
+    assert len(rows) == 6  # those five and the SDK's
+    (sdk,) = [row for row in rows if row["session_id"] == notebook]
+    assert sdk["prefill_tokens"] == sdk["sample_tokens"] == 0 and sdk["cost"] == 0  # none of it is the notebook's
+    for name in ("openai", "anthropic", "nightly eval", "grader", "judge"):
+        row = by_name[name]
+        tokens = row["prefill_tokens"] + row["sample_tokens"]
+        assert tokens == sum(n for who, n in used if who == name) and row["cost"] > 0, (name, row)
+        assert row["status"] == "active" and row["training_run_ids"] == [] and row["kernel_pid"] is None
+    # Every token billed exactly once: the tenant's ledger is the sum of the sessions', and of the replies'.
+    tenant = httpx.get(tinker_server.base_url + "/api/v1/usage", headers={"X-API-Key": key}).json()
+    assert tenant["totals"]["prefill_tokens"] + tenant["totals"]["sample_tokens"] == sum(n for _, n in used)
+    assert all(r["session_id"] in {row["session_id"] for row in rows} for r in tenant["series"])
+    assert sum(row["cost"] for row in rows) == pytest.approx(tenant["totals"]["cost"], rel=1e-12)
+    # The checkpoint's sampling still counts for its run (its scope of usage, and so its budget).
+    run = httpx.get(tinker_server.base_url + "/api/v1/usage", headers={"X-API-Key": key},
+                    params={"training_run_id": tc.model_id}).json()
+    on_checkpoint = [r for r in tenant["series"] if r["sampler_id"] and path in r["sampler_id"]]
+    assert len(on_checkpoint) == 5
+    assert run["totals"]["cost"] == pytest.approx(sum(r["cost"] for r in on_checkpoint), rel=1e-12)
+    # A bad name is a 400 that says what to send.
+    with pytest.raises(openai.BadRequestError, match="X-Stepwise-Session"):
+        oai.chat.completions.create(model=BASE, extra_headers={"X-Stepwise-Session": "x" * 300}, **ask)
+
+
+def test_a_client_session_is_made_once_and_comes_back_after_it_expires(tmp_path):
+    """client_session: one session per tenant and name, reused; an expired one (no request for
+    STEPWISE_SESSION_TIMEOUT_S) is made active again by the next request, with the same id."""
+    from types import SimpleNamespace
+
+    from kernel_backend.persistence.database import SessionRow, Store
+    from kernel_backend.service import sessions
+
+    svc = SimpleNamespace(store=Store(f"sqlite:///{tmp_path}/db.sqlite"))
+    first = sessions.client_session(svc, "a", "openai")
+    assert sessions.client_session(svc, "a", "openai") == first
+    assert sessions.client_session(svc, "b", "openai") != first  # another tenant's
+    assert sessions.client_session(svc, "a", "anthropic") != first
+    svc.store.update(SessionRow, first, status="expired")
+    assert sessions.client_session(svc, "a", "openai") == first
+    assert svc.store.get(SessionRow, first).status == "active"
+    # An SDK session that happens to have the name is not the client's.
+    svc.store.add(SessionRow(id="sdk", tenant="c", display_name="openai"))
+    assert sessions.client_session(svc, "c", "openai") != "sdk"
+    assert sessions.client_name(None, None, "openai") == "openai"
+    assert sessions.client_name(None, "  grader\n ", "openai") == "grader"
+    assert sessions.client_name("my eval", "grader", "openai") == "my eval"
 
 
 def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(oai, tokenizer):

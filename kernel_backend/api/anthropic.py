@@ -5,8 +5,9 @@
 a `tinker://...` sampler path, or `<base>;<path>`. The key comes in `x-api-key` (what the SDK
 sends) or `Authorization: Bearer`. The request goes through sampling.generate like every sampling
 request: bounded and admitted before it is queued, batched with everyone's decoding, metered on the
-ledger (request type "Message"); its errors are the app's handlers' (app.py), in Anthropic's
-shape on this path. Content is text, tool_use and tool_result blocks; images, documents and
+ledger (request type "Message") under a session of the client's own: the one its `X-Stepwise-Session`
+header names, else its `metadata.user_id`, else "anthropic" (kernel_backend/api/openai.py client_session);
+its errors are the app's handlers' (app.py), in Anthropic's shape on this path. Content is text, tool_use and tool_result blocks; images, documents and
 Anthropic's server tools answer a 400 that says so. Tools and tool_choice (auto, any, tool, none)
 go through kernel_backend/tool_calls.py, as the OpenAI route's do; a reply's calls come back as
 tool_use blocks with stop_reason "tool_use". tool_choice any and tool (and a tool's `strict`) are enforced while
@@ -25,21 +26,22 @@ import json
 import uuid
 from typing import Literal
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Header
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from kernel_backend import tool_calls
 from kernel_backend.service.admission import SEED_RANGE
 from kernel_backend.api.auth import tenant_of
-from kernel_backend.api.openai import cut_at_stop, start_streaming, text_deltas, visible_tokens
+from kernel_backend.api.openai import client_session, cut_at_stop, start_streaming, text_deltas, visible_tokens
 from kernel_backend.api.tinker import service
-from kernel_backend.service import Service, sampling
+from kernel_backend.service import Service, sampling, sessions
 from kernel_backend.types import SampleOptions, SamplingParams
 from kernel_backend.errors import UserError, redact_paths
 
 PATH = "/v1/messages"
 REQUEST_TYPE = "Message"
+ROUTE = "anthropic"  # the session name of a request that names none
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
 
@@ -112,8 +114,10 @@ def count_tokens(body: MessagesInput, tenant: str = Depends(tenant_of), svc: Ser
 
 
 @router.post(PATH)
-async def messages(body: MessagesRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+async def messages(body: MessagesRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service),
+                   named: str | None = Header(None, alias=sessions.CLIENT_HEADER)):
     base, path = sampling.openai_model(svc, tenant, body.model)
+    session_id = client_session(svc, tenant, named, (body.metadata or {}).get("user_id"), ROUTE)
     tokenizer = sampling.tokenizer(svc, base)
     prompt, choice, grammar = _prompt(body, tokenizer)
     options = SampleOptions(grammar=grammar)
@@ -122,10 +126,12 @@ async def messages(body: MessagesRequest, tenant: str = Depends(tenant_of), svc:
                             top_k=body.top_k or -1, seed=body.seed, stop=stop or None)
     message_id = "msg_" + uuid.uuid4().hex
     if body.stream:
-        task, queue = start_streaming(svc, tenant, REQUEST_TYPE, base, path, prompt, 1, params, options)
+        task, queue = start_streaming(svc, tenant, REQUEST_TYPE, base, path, prompt, 1, params, options,
+                                      session_id=session_id)
         return StreamingResponse(_events(task, queue, tokenizer, message_id, body.model, len(prompt), stop, choice),
                                  media_type="text/event-stream")
-    (result,) = await sampling.generate(svc, tenant, REQUEST_TYPE, base, path, [prompt], 1, params, options)
+    (result,) = await sampling.generate(svc, tenant, REQUEST_TYPE, base, path, [prompt], 1, params, options,
+                                        session_id=session_id)
     (seq,) = result.sequences
     visible, _ = visible_tokens(seq, tokenizer, stop, sampling.eos_ids(svc, base))
     text = tokenizer.decode(visible)

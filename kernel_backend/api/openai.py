@@ -2,7 +2,10 @@
 
 Mounted at /oai/api/v1 (Tinker's path) and /v1. `model` is a base model name, a
 `tinker://<run>/sampler_weights/<name>` (or `/weights/<name>`) path, or `<base>;<path>`.
-Requests go through the scheduler like any other sampling, and are metered the same way.
+Requests go through the scheduler like any other sampling, and are metered the same way, under a session of
+the client's own (service/sessions.py client_session): the one its `X-Stepwise-Session` header names, else its
+body's `user`, else "openai"; one per tenant and name, apart from the SDK sessions (a notebook's) of the same key.
+A checkpoint's sampling still counts against its run (the run's budget and usage scope).
 
 /completions takes OpenAI's four prompt shapes (a text, texts, a token list, token lists: what
 lm-eval's local-completions sends) and answers n choices per prompt, indexed prompt by prompt; a
@@ -30,7 +33,7 @@ import time
 import uuid
 from typing import Literal
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Header
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
@@ -39,7 +42,7 @@ from kernel_backend.service.admission import SEED_RANGE
 from kernel_backend.api.auth import tenant_of
 from kernel_backend.api.wire import token_id
 from kernel_backend.api.tinker import service
-from kernel_backend.service import Service, sampling
+from kernel_backend.service import Service, sampling, sessions
 from kernel_backend.errors import NotFound, UserError, redact_paths
 from kernel_backend.types import SampleOptions, SamplingParams
 
@@ -135,9 +138,11 @@ def build_router(prefix: str) -> APIRouter:
         ]}
 
     @router.post("/chat/completions")
-    async def chat_completions(body: ChatRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    async def chat_completions(body: ChatRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service),
+                               named: str | None = Header(None, alias=sessions.CLIENT_HEADER)):
         try:
             base, path = sampling.openai_model(svc, tenant, body.model)
+            session_id = client_session(svc, tenant, named, body.user, ROUTE)
             tokenizer = sampling.tokenizer(svc, base)
             if body.functions is not None or body.function_call is not None:
                 raise OpenAIError(400, "functions and function_call are OpenAI's deprecated names: send tools and "
@@ -147,23 +152,34 @@ def build_router(prefix: str) -> APIRouter:
             grammar = tool_calls.grammar(choice, tools, _response_schema(body.response_format))
             prompt = tool_calls.render(tokenizer, [_message(m) for m in body.messages], tools, choice.prefill)
             top = (body.top_logprobs or 0) if body.logprobs else 0
-            return await _complete(svc, tenant, body, base, path, [prompt], top, chat=True, choice=choice,
-                                   grammar=grammar)
+            return await _complete(svc, tenant, session_id, body, base, path, [prompt], top, chat=True,
+                                   choice=choice, grammar=grammar)
         except (OpenAIError, UserError, NotFound) as e:
             return _as_openai(e).response()
 
     @router.post("/completions")
-    async def completions(body: CompletionRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service)):
+    async def completions(body: CompletionRequest, tenant: str = Depends(tenant_of), svc: Service = Depends(service),
+                          named: str | None = Header(None, alias=sessions.CLIENT_HEADER)):
         try:
             base, path = sampling.openai_model(svc, tenant, body.model)
+            session_id = client_session(svc, tenant, named, body.user, ROUTE)
             tokenizer = sampling.tokenizer(svc, base)
             grammar = tool_calls.grammar(tool_calls.Choice(), [], _response_schema(body.response_format))
-            return await _complete(svc, tenant, body, base, path, _prompts(body.prompt, tokenizer), body.logprobs or 0,
-                                   chat=False, grammar=grammar)
+            return await _complete(svc, tenant, session_id, body, base, path, _prompts(body.prompt, tokenizer),
+                                   body.logprobs or 0, chat=False, grammar=grammar)
         except (OpenAIError, UserError, NotFound) as e:
             return _as_openai(e).response()
 
     return router
+
+
+ROUTE = "openai"  # the session name of a request that names none
+
+
+def client_session(svc: Service, tenant: str, header: str | None, field, route: str) -> str:
+    """The session a request on these routes (or the Anthropic one) is recorded under: the client's own, named by its
+    X-Stepwise-Session header, else by `field` (a body's user), else after the route (sessions.client_session)."""
+    return sessions.client_session(svc, tenant, sessions.client_name(header, field, route))
 
 
 def _as_openai(e: Exception) -> OpenAIError:
@@ -231,7 +247,7 @@ def _max_tokens(body: SamplingFields, chat: bool) -> int:
     return (512 if chat else 16) if chosen is None else chosen
 
 
-async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, path: str | None,
+async def _complete(svc: Service, tenant: str, session_id: str, body: SamplingFields, base: str, path: str | None,
                     prompts: list[list[int]], top_logprobs: int, chat: bool, choice: tool_calls.Choice | None = None,
                     grammar: str | None = None):
     tokenizer = sampling.tokenizer(svc, base)
@@ -256,7 +272,8 @@ async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, 
     if body.stream:
         if len(prompts) > 1:
             raise OpenAIError(400, "stream takes one prompt per request", param="prompt")
-        task, queue = start_streaming(svc, tenant, request_type, base, path, prompts[0], body.n, params, options)
+        task, queue = start_streaming(svc, tenant, request_type, base, path, prompts[0], body.n, params, options,
+                                      session_id=session_id)
         wants_usage = body.stream_options is not None and body.stream_options.include_usage
         usage_of = (lambda results: _usage(prompts, results, max_tokens)) if wants_usage else None
         return StreamingResponse(
@@ -264,7 +281,8 @@ async def _complete(svc: Service, tenant: str, body: SamplingFields, base: str, 
                     choice or tool_calls.Choice()),
             media_type="text/event-stream",
         )
-    results = await sampling.generate(svc, tenant, request_type, base, path, prompts, body.n, params, options)
+    results = await sampling.generate(svc, tenant, request_type, base, path, prompts, body.n, params, options,
+                                      session_id=session_id)
     eos = sampling.eos_ids(svc, base)
     choices = []
     for prompt, result in zip(prompts, results):
@@ -364,7 +382,7 @@ def _completion_logprobs(entries: list[dict]) -> dict:
 
 
 def start_streaming(svc: Service, tenant: str, request_type: str, base: str, path: str | None, prompt: list[int],
-                    n: int, params: SamplingParams, options: SampleOptions | None = None):
+                    n: int, params: SamplingParams, options: SampleOptions | None = None, session_id: str | None = None):
     """Start generating `prompt` with each token queued as the decoder makes it: (task, queue) for
     text_deltas. sampling.generate bounds and admits the request now, so bad input is a 4xx before
     the stream starts. The Anthropic route streams through this too."""
@@ -374,7 +392,8 @@ def start_streaming(svc: Service, tenant: str, request_type: str, base: str, pat
     def on_token(row: int, token: int, logprob: float) -> None:  # on the scheduler thread
         loop.call_soon_threadsafe(queue.put_nowait, (row, token))
 
-    generation = sampling.generate(svc, tenant, request_type, base, path, [prompt], n, params, options, on_token=on_token)
+    generation = sampling.generate(svc, tenant, request_type, base, path, [prompt], n, params, options, on_token=on_token,
+                                   session_id=session_id)
     return asyncio.create_task(generation), queue
 
 

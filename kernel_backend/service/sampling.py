@@ -172,12 +172,14 @@ MAX_PROMPTS = 256  # prompts x samples in one OpenAI completions request (each p
 
 
 def generate(svc: Service, tenant: str, request_type: str, base_model: str, path: str | None, prompts: list[list[int]],
-             num_samples: int, params: SamplingParams, options: SampleOptions | None = None, on_token=None):
+             num_samples: int, params: SamplingParams, options: SampleOptions | None = None, on_token=None,
+             session_id: str | None = None):
     """Sample `num_samples` continuations of each prompt on the scheduler thread, metered like any
     request (a ledger row per prompt). Every prompt is bounded, and the whole batch admitted as one,
     now (raising UserError or RateLimited before anything is queued or streams); each prompt is a job
     of its own, so they share the decode batch with everyone's. Await the result for one SampleResult
-    per prompt. `on_token(row, token, logprob)` streams a single prompt's tokens."""
+    per prompt. `on_token(row, token, logprob)` streams a single prompt's tokens. `session_id`: the session it is
+    recorded under (the OpenAI and Anthropic routes': the client's own, sessions.client_session)."""
     options = options or SampleOptions()
     if not prompts or len(prompts) * num_samples > MAX_PROMPTS:
         raise UserError(f"a request takes 1 to {MAX_PROMPTS} prompts x n samples, got {len(prompts)} x {num_samples}; "
@@ -188,10 +190,10 @@ def generate(svc: Service, tenant: str, request_type: str, base_model: str, path
     if svc.vllm is not None:
         svc.vllm.check_options(options, params)  # what vLLM cannot answer is a 400 now, not a failure later
     batch = new_id()
-    # A checkpoint's sampling is charged to its run and, when the run is the caller's own, the run's session.
+    # A checkpoint's sampling counts against its run (the run's budget; the run's scope of usage finds its rows by
+    # their lane, budgets.ledger_scope), and is recorded under the caller's own session, not the run's: an eval of a
+    # notebook's checkpoint is the eval client's work, not the notebook's (the sidebar shows it on its own row).
     run_id = run_of(path)
-    run = svc.store.get(ModelRow, run_id) if run_id else None
-    session_id = run.session_id if run is not None and run.tenant == tenant else None
     svc.admit(tenant, batch, base_model, Usage(prefill_tokens=sum(u.prefill_tokens for u in most),
                                                sample_tokens=sum(u.sample_tokens for u in most)),
               session_id, run_id)  # the jobs below are admitted as this one batch

@@ -5,12 +5,19 @@ A session groups a client's training runs and samplers; when it ends (closed, or
 its heartbeats stop) its adapters are freed (`Service.end_session`). Every session is in one project
 (`DEFAULT_PROJECT` unless the client names one): a label of the tenant's own that the RestClient
 filters training runs, searches and storage usage by.
+
+The OpenAI and Anthropic routes have no ServiceClient: their requests are recorded under a session per
+(tenant, client name) that the first request makes (`client_session`): named by the request's
+X-Stepwise-Session header (or the OpenAI body's `user`, the Anthropic body's `metadata.user_id`), else after
+the route ("openai", "anthropic"). Each request is its heartbeat: it is active while requests come, expires
+as any session does once they stop for STEPWISE_SESSION_TIMEOUT_S, and the next request makes it active again.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import re
+import threading
 
 from sqlalchemy import and_, func, or_, select
 
@@ -26,6 +33,14 @@ MAX_DETAIL = 4096
 SEARCH_BATCH = 500
 # The most requests a session trace shows (its newest).
 MAX_TRACE_EVENTS = 100_000
+# What names the session of a request on the OpenAI and Anthropic routes (client_session).
+CLIENT_HEADER = "X-Stepwise-Session"
+MAX_CLIENT_NAME = 256  # SessionRow.display_name's length
+# A client session's user_metadata key that marks it as one (its value: the client's name).
+CLIENT_KEY = "api_client"
+# A request refreshes its client session's heartbeat when the last one is older than this.
+CLIENT_TOUCH_S = 5.0
+_client_lock = threading.Lock()
 
 
 def check_project_id(project_id) -> str:
@@ -68,6 +83,50 @@ def create_session(svc: Service, tenant: str, tags, user_metadata, sdk_version, 
         audit(tenant, "session_created", tenant, session_id=session_id, project_id=project_id or DEFAULT_PROJECT),
     )
     return {"session_id": session_id, "type": "create_session"}
+
+
+def client_name(header: str | None, field, route: str) -> str:
+    """The session name a request on the OpenAI or Anthropic routes gives (client_session): its
+    X-Stepwise-Session header, else `field` (the OpenAI body's `user`, the Anthropic body's
+    `metadata.user_id`: cut to MAX_CLIENT_NAME), else the route's name. Whitespace runs read as one space."""
+    if header is not None:
+        name = " ".join(header.split())
+        if not name or len(name) > MAX_CLIENT_NAME:
+            raise UserError(f"the {CLIENT_HEADER} header names the session to record the request under: 1 to "
+                            f"{MAX_CLIENT_NAME} characters, got {len(name)}")
+        return name
+    name = " ".join(field.split())[:MAX_CLIENT_NAME] if isinstance(field, str) else ""
+    return name or route
+
+
+def client_session(svc: Service, tenant: str, name: str) -> str:
+    """The id of the session that requests of the client `name` on the OpenAI and Anthropic routes are recorded
+    under (the usage ledger's session_id, the sidebar's row, a session budget's scope): the tenant's one of that
+    name, made by its first request and used by every later one. Each request is its heartbeat, so it shows as
+    active while requests come and expires like any session (Service.reap) once they stop; the next request makes
+    it active again, with its totals and budget. It holds no adapters (a checkpoint's sampler is the route's own
+    lane), so it is not counted against STEPWISE_MAX_SESSIONS_PER_TENANT, which is about adapters' sessions."""
+    with _client_lock:  # two first requests at once make one session
+        rows = [r for r in svc.store.list(SessionRow, SessionRow.tenant == tenant, SessionRow.display_name == name,
+                                          order=SessionRow.created_at)
+                if (r.user_metadata or {}).get(CLIENT_KEY) == name]
+        if not rows:
+            session_id = new_id()[:20]
+            svc.store.add(
+                SessionRow(id=session_id, tenant=tenant, tags=["api-client"], user_metadata={CLIENT_KEY: name},
+                           display_name=name),
+                audit(tenant, "session_created", tenant, session_id=session_id, project_id=DEFAULT_PROJECT,
+                      api_client=name),
+            )
+            return session_id
+        row = rows[0]
+        stale = (now() - utc(row.last_heartbeat)).total_seconds() > CLIENT_TOUCH_S
+        if row.status != "active":
+            svc.store.update(SessionRow, row.id, status="active", last_heartbeat=now(), finish_reason=None,
+                             finish_detail=None)
+        elif stale:
+            svc.store.update(SessionRow, row.id, last_heartbeat=now())
+        return row.id
 
 
 def heartbeat(svc: Service, tenant: str, session_id: str) -> dict:
