@@ -290,6 +290,16 @@ def train_killing(client, cluster, engine, tokenizer, seed: int, kill) -> None:
         np.testing.assert_allclose(a["logprobs"].to_numpy(), b, rtol=0, atol=1e-5)
     # The killed processes were restarted by Ray and rejoin.
     wait_live(cluster, killed, restarts={name: before[name]["restarts"] for name in killed})
+    # The cluster view says what happened: the home worker lost with the run on it, the run restored onto a live
+    # worker from its snapshot with its journal replayed, each killed worker rejoined.
+    events = cluster_report(cluster)["events"]
+    lost = [e for e in events if e["event"] == "lost" and tc.model_id in e["runs"]]
+    restored = [e for e in events if e["event"] == "restored" and e["run"] == tc.model_id]
+    assert [e["worker"] for e in lost] == [home] and lost[0]["reason"], events
+    assert restored and restored[-1]["onto"] and isinstance(restored[-1]["replayed"], int), events
+    assert 0 <= restored[-1]["from_step"] <= 5, restored
+    rejoined = {e["worker"] for e in events[events.index(lost[0]):] if e["event"] == "rejoined"}
+    assert set(killed) <= rejoined, events
 
 
 def test_a_worker_process_killed_mid_loop_costs_the_loop_nothing(client, cluster, engine, tokenizer):

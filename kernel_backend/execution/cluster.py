@@ -47,7 +47,9 @@ lost in flight, fail saying so; none is left pending.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import datetime
 import logging
 import os
 import threading
@@ -76,6 +78,7 @@ MAX_RESTARTS = 5
 # What a run is estimated to take on a worker until the worker's own measure includes it.
 UNKNOWN_ADAPTER_BYTES = 64 << 20
 RESTORING = "restoring"
+EVENTS_KEPT = 200  # the cluster view's record of workers lost and rejoined and runs restored: the latest kept
 
 
 # ---- the gateway's side ----------------------------------------------------------------------------------
@@ -163,6 +166,9 @@ class Cluster:
         self.lanes: dict[str, str] = {}  # sampler lanes -> their worker
         self.lost_lanes: dict[str, str] = {}  # sampler lanes whose worker died -> its name
         self.models: list[str] = []
+        # What happened to the workers and their runs, oldest first (the cluster view's "events"): an operator
+        # asking why a loop paused reads which worker was lost, why, and where each of its runs was restored.
+        self.events: collections.deque[dict] = collections.deque(maxlen=EVENTS_KEPT)
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)  # notified at each worker's report: a restore waits on it
         self._stopping = threading.Event()
@@ -299,7 +305,12 @@ class Cluster:
 
         return {"mode": "ray", "ray_address": ray.get_runtime_context().gcs_address, "namespace": NAMESPACE,
                 "workers": workers, "runs": runs, "snapshot_every": self.settings.snapshot_every,
-                "replicas_per_run": self.settings.replicas_per_run}
+                "replicas_per_run": self.settings.replicas_per_run, "events": list(self.events)}
+
+    def _event(self, event: str, worker: str, **facts) -> None:
+        """Record one thing that happened to a worker or its runs (report()'s "events"). Lock held or not."""
+        self.events.append({"at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                            "event": event, "worker": worker, **facts})
 
     # ---- submitting ---------------------------------------------------------------------------------
 
@@ -562,6 +573,7 @@ class Cluster:
         try:
             self._update(worker, ray.get(worker.actor.start.remote(self.models)), revive=True)
             log.info("worker %s rejoined: %s", worker.name, worker.state)
+            self._event("rejoined", worker.name, state=worker.state, restarts=worker.restarts)
         except Exception as e:
             self._lost(worker, f"{type(e).__name__}: {e}")
         finally:
@@ -588,6 +600,8 @@ class Cluster:
             worker.state, worker.error = "dead", reason
             # (A run being restored already, here or elsewhere, is its restore's: it picks its workers anew.)
             runs = [r for r in self.runs.values() if worker.name in r.workers and r.held_by != RESTORING]
+            self._event("lost", worker.name, reason=reason, runs=sorted(r.id for r in runs),
+                        in_flight=len(worker.parts))
             for run in runs:  # their next calls wait for the restore (those in flight fail: they were lost)
                 run.held, run.held_by = run.held or [], RESTORING
             for lane in [lane for lane, name in self.lanes.items() if name == worker.name]:
@@ -648,19 +662,24 @@ class Cluster:
                             "create_training_client_from_state_with_optimizer")
                     break
                 continue
-            log.info("run %s restored on %s at step %s", run.id, workers, run.snapshot["step"] if run.snapshot else 0)
+            step = run.snapshot["step"] if run.snapshot else 0
+            log.info("run %s restored on %s at step %s", run.id, workers, step)
+            replayed: int | str | None = None
             if self._replay is not None:  # then the requests since, which wait in run.held behind the restore
                 try:
-                    count = self._replay(run.id, run.snapshot["location"] if run.snapshot else None)
-                    log.info("run %s: %d journaled requests run again", run.id, count)
-                except Exception:
+                    replayed = self._replay(run.id, run.snapshot["location"] if run.snapshot else None)
+                    log.info("run %s: %d journaled requests run again", run.id, replayed)
+                except Exception as e:
                     log.exception("replaying the journal of run %s failed", run.id)
+                    replayed = f"failed: {type(e).__name__}: {e}"
+            self._event("restored", dead, run=run.id, onto=workers, from_step=step, replayed=replayed)
             break
         with self._lock:
             run.gone = gone
             unanswered, run.replayed = list(run.replayed.values()), {}
         if gone:
             log.warning("%s", gone)
+            self._event("run_gone", dead, run=run.id, reason=gone)
         self._release(run)
         for job in unanswered:  # lost in flight and not sent again by the replay (or no replay came)
             self._on_done(job, WorkerLost(gone or self._lost_message(run, dead)))
