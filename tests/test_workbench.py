@@ -649,9 +649,18 @@ def test_in_thread_keeps_the_kernel_answering_and_stops_on_interrupt():
     km, kc = start_new_kernel(kernel_name="python3")
     try:
         kc.execute("import ipywidgets, time, workbench\nslider = ipywidgets.IntSlider(7)", reply=True, timeout=60)
-        busy = kc.execute("def work():\n    for i in range(600):\n        time.sleep(0.05)\n    return 'done'\n"
+        busy = kc.execute("def work():\n    print('working', flush=True)\n    for i in range(600):\n"
+                          "        time.sleep(0.05)\n    return 'done'\n"
                           "await workbench.in_thread(work)")
-        time.sleep(1)
+
+        def working() -> bool:  # the cell is awaiting its worker thread: work() has started and said so
+            try:
+                msg = kc.get_iopub_msg(timeout=1)
+            except queue.Empty:
+                return False
+            return msg["msg_type"] == "stream" and msg["parent_header"].get("msg_id") == busy \
+                and "working" in msg["content"]["text"]
+        assert wait_for(working, 60), "the busy cell never started its work"
         # What JupyterLab's widget manager sends on (re)opening a notebook: open the control comm, ask its states.
         kc.session.send(kc.shell_channel.socket, "comm_open", {"comm_id": "control-1", "target_name":
                         "jupyter.widget.control", "data": {}}, metadata={"version": "1.0.0"})
