@@ -20,6 +20,7 @@ import torch
 
 from kernel_backend.execution import engine_work
 from kernel_backend.config import Settings
+from kernel_backend.engine import lora
 from kernel_backend.engine.core import Engine
 from kernel_backend.errors import UserError
 from kernel_backend.execution.engine_work import Op
@@ -101,7 +102,9 @@ class EngineWorker:
         }
 
     def _memory(self, engines: dict) -> dict:
-        base = sum(_tensor_bytes(p) for engine in engines.values() for p in engine.model.parameters())
+        # The base weights and, with STEPWISE_SAMPLE_DTYPE=bfloat16, their sampling copy (engine/lora.py).
+        base = sum(_tensor_bytes(p) for engine in engines.values() for p in engine.model.parameters()) + \
+            sum(lora.sample_weights_bytes(engine.model) for engine in engines.values())
         adapters = sum(_slot_bytes(slot) for engine in engines.values() for slot in list(engine.slots.values()))
         if self.settings.device.startswith("cuda") and self.state == "live":
             free, total = torch.cuda.mem_get_info(torch.device(self.settings.device))
