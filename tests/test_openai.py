@@ -117,10 +117,11 @@ def test_billing_reports_openai_requests_under_their_own_session(tinker_server):
     openai.OpenAI(base_url=tinker_server.base_url + "/v1", api_key=key).completions.create(
         model=BASE, prompt="One, two,", max_tokens=3, temperature=0)
     client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=key)
-    sampler = client.create_sampling_client(base_model=BASE)  # and a request of an SDK session
+    sampler = client.create_sampling_client(base_model=BASE).result()  # and a request of an SDK session
     sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2)).result()
     hour = dt.datetime.now(dt.timezone.utc).replace(minute=0, second=0, microsecond=0)
-    usage = client.create_rest_client().get_billing_usage(hour - dt.timedelta(hours=1), hour + dt.timedelta(hours=1)).result()
+    admin = tinker.AdminClient(base_url=tinker_server.base_url, api_key=key)
+    usage = admin.get_billing_usage(hour - dt.timedelta(hours=1), hour + dt.timedelta(hours=1)).result()
     sessions = {row["display_name"]: row["session_id"] for row in route_sessions(tinker_server, key)}
     ours = [e for e in usage.data if e.session_id == sessions["openai"]]
     assert {e.event_info.type for e in ours} == {"sampling_prefill", "sampling_sample"}
