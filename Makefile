@@ -66,6 +66,8 @@ test:
 	@$(PY) -m kernel_backend.vllm.venv build --background
 	@$(PY) tests/client_venvs.py build --background
 	@status=0; \
+	echo "ruff check: unused and undefined names ([tool.ruff] in pyproject.toml)"; \
+	$(VENV)/bin/ruff check . || status=1; \
 	echo "pytest: every test, on both cores"; \
 	$(PYTEST) -n 2 --dist loadfile --no-loadscope-reorder --durations=25 --junitxml=$(REPORT)/main.xml tests || status=1; \
 	echo "pytest: the official-SDK service tests once more, unchanged, their server's engines on two Ray workers"; \

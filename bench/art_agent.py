@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchenv import REPO, load_line  # noqa: E402 - first: OMP_WAIT_POLICY, sys.path (bench/benchenv.py)
+from benchenv import load_line  # noqa: E402 - first: OMP_WAIT_POLICY, sys.path (bench/benchenv.py)
 
 import httpx  # noqa: E402
 

@@ -15,7 +15,6 @@ Prints one JSON line per step: {"step", "reward", "tool_calls", "seconds"}.
 import argparse
 import asyncio
 import json
-import os
 import random
 import re
 import time

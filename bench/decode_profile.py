@@ -268,7 +268,7 @@ def floor(engine) -> float:
     t = best_of(lambda: ta.sum(), 5)
     print(f"  memory: torch sum of 1 GiB ({torch.get_num_threads()} threads, read only): {a.nbytes / t / 1e9:.1f} GB/s")
     read_rate = a.nbytes / t
-    del a, b, ta, tb
+    a = b = ta = tb = None  # the 2 GiB back before the products below (a `del` would hide the names' uses)
 
     head = engine.model.lm_head
     engine_product = head.product
@@ -292,14 +292,14 @@ def floor(engine) -> float:
     layers = engine.model.model.layers
     def weight(module):
         return module.base.weight.detach()
-    for kind, get in (("q/o 576->576", lambda l: weight(l.self_attn.q_proj)),
-                      ("k/v 576->192", lambda l: weight(l.self_attn.k_proj)),
-                      ("gate/up 576->1536", lambda l: weight(l.mlp.gate_proj)),
-                      ("down 1536->576", lambda l: weight(l.mlp.down_proj)),
+    for kind, get in (("q/o 576->576", lambda layer: weight(layer.self_attn.q_proj)),
+                      ("k/v 576->192", lambda layer: weight(layer.self_attn.k_proj)),
+                      ("gate/up 576->1536", lambda layer: weight(layer.mlp.gate_proj)),
+                      ("down 1536->576", lambda layer: weight(layer.mlp.down_proj)),
                       # not what the engine runs today: q/k/v and gate/up as one product each (issue 54's idea)
-                      ("q|k|v 576->960", lambda l: torch.cat([weight(l.self_attn.q_proj), weight(l.self_attn.k_proj),
-                                                              weight(l.self_attn.v_proj)])),
-                      ("gate|up 576->3072", lambda l: torch.cat([weight(l.mlp.gate_proj), weight(l.mlp.up_proj)]))):
+                      ("q|k|v 576->960", lambda layer: torch.cat([weight(layer.self_attn.q_proj), weight(layer.self_attn.k_proj),
+                                                              weight(layer.self_attn.v_proj)])),
+                      ("gate|up 576->3072", lambda layer: torch.cat([weight(layer.mlp.gate_proj), weight(layer.mlp.up_proj)]))):
         weights = [get(layer) for layer in layers]
         weights16 = [w.bfloat16() for w in weights]
         out_f, in_f = weights[0].shape
@@ -348,7 +348,7 @@ def use_sample_dtype(engine, dtype: str, quiet: bool = False) -> None:
 def pairs(engine, dtype: str, tokens: int, rounds: int) -> dict:
     """{(side, rows): (float32 step ms, `dtype` step ms, median of the pairs' float32/dtype ratios, pairs)}, decode
     steps alternating between the sampling copies and the float32 weights (see the docstring)."""
-    from kernel_backend.engine import lora, sampler
+    from kernel_backend.engine import sampler
     from kernel_backend.types import LoraConfig
 
     use_sample_dtype(engine, dtype, quiet=True)

@@ -26,7 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 
-def rl_datum(tokens: list[int], trained_from: int, rng) -> "Datum":
+def rl_datum(tokens: list[int], trained_from: int, rng):
     from kernel_backend.types import Datum
 
     n = len(tokens) - 1

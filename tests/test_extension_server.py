@@ -85,7 +85,7 @@ def trained_session(tinker_server):
 
 
 @pytest.fixture
-def fetch(jp_fetch, jp_asyncio_loop):
+def fetch(jp_fetch, jp_asyncio_loop):  # noqa: F811 - pytest fixtures, imported to be found
     """jp_fetch, run to completion on the Jupyter server's loop."""
     return lambda *parts, **kwargs: jp_asyncio_loop.run_until_complete(jp_fetch(*parts, **kwargs))
 
@@ -225,8 +225,8 @@ def test_lab_memory_marks_what_a_backend_that_does_not_answer_took_down():
     assert [r["session_id"] for r in small.remembered(set(), set(), set())] == ["s"]  # the newest is kept
 
 
-def test_a_session_follows_its_notebook_when_it_is_renamed(fetch, home, tinker_server, jp_serverapp,
-                                                           echo_kernel_spec):
+def test_a_session_follows_its_notebook_when_it_is_renamed(fetch, home, tinker_server, jp_serverapp,  # noqa: F811
+                                                           echo_kernel_spec):  # noqa: F811 - fixtures
     """Named "Untitled.ipynb" when its kernel connected; the notebook is renamed (JupyterLab PATCHes
     the Jupyter session's path); the report names the notebook's new path, found by the kernel's pid."""
     created = json.loads(fetch("api", "sessions", method="POST", body=json.dumps(

@@ -59,15 +59,15 @@ def clip(x, lo, hi):
 
 
 def ref_cross_entropy(lp, w):
-    value = -sum(l * wt for l, wt in zip(lp, w))
+    value = -sum(lt * wt for lt, wt in zip(lp, w))
     grad = [-wt for wt in w]
     return value, grad
 
 
 def ref_importance_sampling(lp, q, adv):
     value, grad = 0.0, []
-    for l, qt, a in zip(lp, q, adv):
-        r = math.exp(l - qt)
+    for lt, qt, a in zip(lp, q, adv):
+        r = math.exp(lt - qt)
         value -= r * a
         grad.append(-r * a)  # d/dlp of -exp(lp - q) * A
     return value, grad
@@ -75,8 +75,8 @@ def ref_importance_sampling(lp, q, adv):
 
 def ref_ppo(lp, q, adv, lo, hi):
     value, grad = 0.0, []
-    for l, qt, a in zip(lp, q, adv):
-        r = math.exp(l - qt)
+    for lt, qt, a in zip(lp, q, adv):
+        r = math.exp(lt - qt)
         unclipped, clipped = r * a, clip(r, lo, hi) * a
         if clipped < unclipped:
             # The clipped branch wins only when r is outside [lo, hi]: a constant, no gradient.
@@ -90,18 +90,18 @@ def ref_ppo(lp, q, adv, lo, hi):
 
 def ref_cispo(lp, q, adv, lo, hi):
     value, grad = 0.0, []
-    for l, qt, a in zip(lp, q, adv):
-        w = clip(math.exp(l - qt), lo, hi)  # a constant weight (stop-gradient)
-        value -= w * a * l
+    for lt, qt, a in zip(lp, q, adv):
+        w = clip(math.exp(lt - qt), lo, hi)  # a constant weight (stop-gradient)
+        value -= w * a * lt
         grad.append(-w * a)
     return value, grad
 
 
 def ref_dro(lp, q, adv, beta):
     value, grad = 0.0, []
-    for l, qt, a in zip(lp, q, adv):
-        value -= l * a - 0.5 * beta * (l - qt) ** 2
-        grad.append(-(a - beta * (l - qt)))
+    for lt, qt, a in zip(lp, q, adv):
+        value -= lt * a - 0.5 * beta * (lt - qt) ** 2
+        grad.append(-(a - beta * (lt - qt)))
     return value, grad
 
 
@@ -128,9 +128,9 @@ def ref_gspo(lp, q, adv, mask, lengths, lo, hi):
 def ref_stable_reinforce(lp, q, adv, sampled, limit):
     """Per sampled token: -min(exp(lp - q), C) * A * lp with the weight a constant; others count nothing."""
     value, grad = 0.0, []
-    for l, qt, a, m in zip(lp, q, adv, sampled):
-        w = min(math.exp(l - qt), limit) if m else 0.0
-        value -= w * a * l
+    for lt, qt, a, m in zip(lp, q, adv, sampled):
+        w = min(math.exp(lt - qt), limit) if m else 0.0
+        value -= w * a * lt
         grad.append(-w * a)
     return value, grad
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import chat_prompt, sft_datum, train
+from helpers import sft_datum, train
 from kernel_backend.engine import prefix_cache
 from kernel_backend.types import SampleOptions, SamplingParams
 

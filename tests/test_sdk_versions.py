@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tinker import types
 from tinker.proto import response_conv
 
 from client_venvs import TINKER_SDKS, client_env, tinker_sdk

@@ -12,9 +12,7 @@ import subprocess
 import sys
 
 import httpx
-import numpy as np
 import pytest
-from tinker import types
 
 from servers import REPO, start_server
 from test_service_http import DATA, Api

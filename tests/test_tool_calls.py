@@ -16,7 +16,6 @@ import subprocess
 
 import httpx
 import numpy as np
-import openai
 import pytest
 import tinker
 from tinker import types

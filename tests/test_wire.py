@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import zstandard
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.lib.public_interfaces.sampling_client import _tensor_data_to_model
