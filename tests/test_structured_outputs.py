@@ -303,15 +303,20 @@ def test_a_schema_that_cannot_be_enforced_is_a_400_naming_it(tinker_server, chan
     assert ledger_rows(tinker_server, before) == []  # refused before any work: nothing billed
 
 
-def test_the_real_model_under_json_schema_parse_and_forced_calls(real_model_server):
-    """The base model at temperature 1: every reply validates, through the openai client."""
-    oai = openai_client(real_model_server)
+def json_schema_replies_validate(oai) -> None:
+    """Eight replies under a strict json_schema at temperature 1 (the base model): each ends and validates."""
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     reply = oai.chat.completions.create(model=BASE, messages=ASK, n=8, temperature=1.0, max_tokens=ROOM,
                                         response_format=fmt)
     for choice in reply.choices:
         assert choice.finish_reason == "stop", choice
         jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_the_real_model_under_json_schema_parse_and_forced_calls(real_model_server):
+    """The base model at temperature 1: every reply validates, through the openai client."""
+    oai = openai_client(real_model_server)
+    json_schema_replies_validate(oai)
     for _ in range(2):
         parsed = oai.chat.completions.parse(model=BASE, messages=ASK, temperature=1.0, max_tokens=ROOM,
                                             response_format=Mood).choices[0].message.parsed

@@ -13,14 +13,12 @@ Marked `vllm`: they run last, and skip, saying how to build it, where the vLLM v
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import time
 
 import httpx
-import jsonschema
 import numpy as np
 import openai
 import pytest
@@ -33,7 +31,7 @@ from test_recipes import check_summary
 from test_service import BASE, chat_datum, prompt_of, train_steps
 from test_eval_clients import ledger_cursor, ledger_rows
 from test_service_http import Api
-from test_structured_outputs import ASK, CALC, FORECAST, PERSON, ROOM, _arguments_valid
+from test_structured_outputs import CALC, FORECAST, ROOM, _arguments_valid, json_schema_replies_validate
 from workbench import sdk_hooks
 from workbench.recipes import rl
 
@@ -309,12 +307,7 @@ def test_constraints_reach_vllm_structured_outputs_and_hold_every_time(vllm_serv
     backend). The logprobs are the model's own, as on the built-in sampler, not the masked distribution's."""
     before = ledger_cursor(vllm_server)
     oai = openai.OpenAI(base_url=vllm_server.base_url + "/v1", api_key=vllm_server.api_key)
-    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-    reply = oai.chat.completions.create(model=BASE, messages=ASK, n=8, temperature=1.0, max_tokens=ROOM,
-                                        response_format=fmt)
-    for choice in reply.choices:
-        assert choice.finish_reason == "stop", choice
-        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    json_schema_replies_validate(oai)
     forced = oai.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "What is 17*5+3?"}],
                                          tools=[CALC, FORECAST], n=4, temperature=1.0, max_tokens=ROOM,
                                          tool_choice={"type": "function", "function": {"name": "calc"}})
