@@ -248,8 +248,9 @@ SAMPLE_DTYPES = ("float32", "bfloat16")
 def sample_weights(model: nn.Module, setting: str) -> int:
     """Give every base layer of `model` the sampler's copy of its frozen weight in `setting`'s dtype
     (STEPWISE_SAMPLE_DTYPE), or none: "float32" (the default) is the trainer's own weights, bit for bit, whatever
-    their dtype (a bfloat16 base, STEPWISE_DTYPE, gets no float32 copy), and so is a copy in the weight's own dtype. Returns the copies' bytes (what Engine.memory counts). Set once, when the
-    engine starts: a decoder's prefix cache keeps what it computed before a change (Engine.reset_decoder drops it)."""
+    their dtype (a bfloat16 base, STEPWISE_DTYPE, gets no float32 copy), and so is a copy in the weight's own
+    dtype. Returns the copies' bytes (what Engine.memory counts). Set once, when the engine starts: a decoder's
+    prefix cache keeps what it computed before a change (Engine.reset_decoder drops it)."""
     if setting not in SAMPLE_DTYPES:
         raise ValueError(f"STEPWISE_SAMPLE_DTYPE must be one of {', '.join(SAMPLE_DTYPES)}, not {setting!r}")
     dtype = getattr(torch, setting)
