@@ -14,9 +14,10 @@ queued, so nothing changes. Admitted work finishes and is billed exactly (the le
 in-flight bound is released only once that row is written, so there is no moment where a request
 counts nowhere. Spend therefore never passes a budget, even with many requests in flight.
 
-Scopes and what each counts (`ledger_scope`): a session its requests (the OpenAI routes' too, when they
-sample a checkpoint of the session's runs); a run its own requests plus the sampling done with its
-weights (its rollouts); a key every request sent with it; a tenant all of its requests.
+Scopes and what each counts (`ledger_scope`): a session its requests (the OpenAI and Anthropic routes'
+requests count in the client's own session, service/sessions.client_session, not the one that made the
+checkpoint they sample); a run its own requests plus the sampling done with its weights (its rollouts, the
+OpenAI routes' samples of its checkpoints too); a key every request sent with it; a tenant all of its requests.
 """
 
 from __future__ import annotations
