@@ -9,10 +9,13 @@ import math
 import pytest
 import torch
 
+from kernel_backend.engine import losses
 from kernel_backend.engine.losses import (
-    LOSS_FNS,
+    LOSSES,
+    Loss,
     check_config,
     compute_loss,
+    known_inputs,
     optional_inputs,
     required_inputs,
 )
@@ -320,11 +323,12 @@ def test_float32_inputs_are_cast():
 # Metrics
 
 
-@pytest.mark.parametrize("loss_fn", sorted(LOSS_FNS))
+@pytest.mark.parametrize("loss_fn", sorted(LOSSES))
 def test_metrics(loss_fn):
     lp, inputs = make_batch(10)
     loss, metrics = compute_loss(loss_fn, lp.clone().requires_grad_(True), inputs, {})
     assert metrics["loss:sum"] == pytest.approx(loss.item(), abs=TOL)
+    assert set(metrics) == {"loss:sum", *LOSSES[loss_fn].metrics}  # the record says what its loss reports
     for key, value in metrics.items():
         assert key.count(":") == 1, key
         assert key.split(":")[1] in {"mean", "sum", "min", "max"}, key
@@ -364,6 +368,9 @@ def test_required_inputs():
         assert optional_inputs(name) == {}
     assert set(required_inputs("gspo")) == {"logprobs", "advantages", "sequence_ratio_mask"}
     assert set(required_inputs("stable_reinforce")) == {"logprobs", "advantages", "sampled_mask"}
+    assert known_inputs()[0] == "target_tokens"
+    assert set(known_inputs()) == {"target_tokens", "weights", "advantages", "logprobs", "sequence_ratio_mask",
+                                   "sampled_mask"}
 
 
 @pytest.mark.parametrize(
@@ -416,3 +423,59 @@ def test_missing_and_misshaped_inputs():
         compute_loss("ppo", lp, {"logprobs": torch.zeros(4)}, None)
     with pytest.raises(UserError, match="shape"):
         compute_loss("cross_entropy", lp, {"weights": torch.ones(5)}, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# A new loss is one record: put in the table, the wire, the engine's checks and compute_loss take it
+
+
+def scaled_mask(logprobs, inputs, config):
+    """A toy loss: L = -scale * sum(toy_mask * lp)."""
+    loss = -config["scale"] * (inputs["toy_mask"] * logprobs).sum()
+    return loss, {"toy_tokens:sum": float(inputs["toy_mask"].sum())}
+
+
+TOY = Loss(scaled_mask, inputs=("toy_mask",), config={"scale": 1.0}, metrics=("toy_tokens:sum",))
+
+
+def toy_body(model_id, loss_fn, inputs, config=None):
+    """A JSON forward body as a client sends it: 5 tokens, each input a float32 TensorData."""
+    tensors = {name: {"data": values, "dtype": "float32", "shape": [5]} for name, values in inputs.items()}
+    tensors["target_tokens"] = {"data": [2, 3, 4, 5, 6], "dtype": "int64", "shape": [5]}
+    datum = {"model_input": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3, 4, 5]}]}, "loss_fn_inputs": tensors}
+    return {"model_id": model_id, "forward_input": {"data": [datum], "loss_fn": loss_fn, "loss_fn_config": config or {}}}
+
+
+def test_a_new_loss_is_one_record(engine, adapters, monkeypatch):
+    from kernel_backend.api import wire
+
+    adapter = adapters("toy")
+    mask = [0.0, 1.0, 1.0, 0.0, 1.0]
+
+    def forward(loss_fn, inputs, config=None):
+        call = wire.forward_backward_from_json(toy_body(adapter, loss_fn, inputs, config))
+        return engine.forward(call.model_id, call.data, call.loss_fn, call.loss_fn_config)
+
+    with pytest.raises(UserError, match="unknown key"):  # before the record: its input is no loss's
+        forward("cross_entropy", {"toy_mask": mask})
+    with pytest.raises(UserError, match="unknown loss_fn 'toy'"):
+        forward("toy", {})
+
+    monkeypatch.setitem(losses.LOSSES, "toy", TOY)
+    reference = forward("cross_entropy", {"weights": mask}).metrics["loss:sum"]
+    result = forward("toy", {"toy_mask": mask}, {"scale": 3.0})
+    assert result.metrics["loss:sum"] == pytest.approx(3 * reference, rel=1e-6)
+    assert result.metrics["toy_tokens:sum"] == 3.0
+    assert forward("toy", {"toy_mask": mask}).metrics["loss:sum"] == pytest.approx(reference, rel=1e-6)  # its default
+    with pytest.raises(UserError, match="missing 'toy_mask', which loss_fn 'toy' needs"):
+        forward("toy", {"weights": mask})
+    with pytest.raises(UserError, match="unknown loss_fn_config key 'beta' for toy; allowed keys: scale"):
+        forward("toy", {"toy_mask": mask}, {"beta": 1.0})
+    assert "toy" in str(pytest.raises(UserError, forward, "nope", {}).value)  # and the supported names list it
+
+
+def test_the_rl_recipe_takes_the_tables_rl_losses():
+    """The recipe's losses are read from the table: those its datums carry the inputs of, and stable_reinforce."""
+    from workbench.recipes import rl
+
+    assert rl.LOSSES == ("importance_sampling", "ppo", "cispo", "dro", "stable_reinforce")

@@ -43,10 +43,6 @@ from kernel_backend.types import (
 )
 from kernel_backend.errors import UserError
 
-# loss_fn_inputs names the engine understands (Tinker's); others are rejected by name.
-# sampled_mask is stable_reinforce's, filled by the service from the datum's provenance (service/stability.py).
-KNOWN_INPUTS = ("target_tokens", "weights", "advantages", "logprobs", "sequence_ratio_mask", "sampled_mask")
-
 
 @dataclass
 class Pass:
@@ -299,6 +295,7 @@ class Engine:
             raise UserError(f"{p.adapter_id!r} is a sampler snapshot and cannot be trained")
         needed = losses.required_inputs(p.loss_fn)
         optional = losses.optional_inputs(p.loss_fn)
+        known = losses.known_inputs()  # the names some loss reads (losses.LOSSES); others are rejected by name
         total_tokens = sum(len(d.tokens) for d in p.data)
         if total_tokens > self.settings.max_batch_tokens:
             raise UserError(
@@ -311,10 +308,10 @@ class Engine:
             tokens = _check_tokens(datum.tokens, self.vocab_size, f"{where}.model_input")
             if len(tokens) > self.max_context:
                 raise UserError(f"{where} has {len(tokens)} tokens, over the model's context of {self.max_context}")
-            unknown = set(datum.loss_fn_inputs) - set(KNOWN_INPUTS)
+            unknown = set(datum.loss_fn_inputs) - set(known)
             if unknown:
                 raise UserError(
-                    f"{where}.loss_fn_inputs has unknown key(s) {sorted(unknown)}; known: {', '.join(KNOWN_INPUTS)}"
+                    f"{where}.loss_fn_inputs has unknown key(s) {sorted(unknown)}; known: {', '.join(known)}"
                 )
             if "target_tokens" not in datum.loss_fn_inputs:
                 raise UserError(f"{where}.loss_fn_inputs needs 'target_tokens' (the token each position predicts)")

@@ -2,9 +2,9 @@
 
 This module owns the loss definitions the engine applies to the model's log-probabilities of
 the target tokens: cross_entropy, importance_sampling, ppo, cispo, dro, gspo and stable_reinforce.
-It also owns their inputs (which `loss_fn_inputs` each needs), their `loss_fn_config` keys and
-defaults, the metrics they report (and how micro-batches' metrics merge), and the log-probabilities
-themselves (`target_logprobs`: log_softmax and gather, with a lean backward). stable_reinforce's sampler logprobs and sampled-token mask
+Each is one record (`Loss`) in one table (`LOSSES`): its function, the `loss_fn_inputs` it needs,
+its `loss_fn_config` keys and defaults, the metrics it reports; the engine's checks and the RL
+recipe read that table. It also owns how micro-batches' metrics merge, and the log-probabilities themselves (`target_logprobs`: log_softmax and gather, with a lean backward). stable_reinforce's sampler logprobs and sampled-token mask
 are not the client's: the service fills them from what the sampler recorded (service/stability.py).
 
 Every loss is a SUM over tokens, never a mean: Tinker does no length normalisation, so a
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -179,55 +180,54 @@ def stable_reinforce(logprobs, inputs, config):
     }
 
 
-LOSS_FNS: dict[str, LossFn] = {
-    "cross_entropy": cross_entropy,
-    "importance_sampling": importance_sampling,
-    "ppo": ppo,
-    "cispo": cispo,
-    "dro": dro,
-    "gspo": gspo,
-    "stable_reinforce": stable_reinforce,
-}
+# ---------------------------------------------------------------------------------------------
+# The table: one record per loss, all that the engine (its input check, check_config, compute_loss) and the RL
+# recipe (workbench/recipes/rl.py) know of it. A new loss is its function above and one Loss in LOSSES
+# (docs/architecture.md, "Adding a loss").
+
+
+@dataclass(frozen=True)
+class Loss:
+    """One loss: its function and all the engine checks before calling it."""
+
+    fn: LossFn
+    inputs: tuple[str, ...] = ()  # the loss_fn_inputs it needs besides target_tokens
+    optional: dict[str, float] = field(default_factory=dict)  # inputs a caller may leave out: the value that fills them
+    config: dict[str, float] = field(default_factory=dict)  # its loss_fn_config keys, with their defaults
+    metrics: tuple[str, ...] = ()  # what fn reports besides loss:sum, each "name:reduction" (see merge_metrics)
+    check: Callable[[dict[str, float]], None] | None = None  # a further check of the merged config; raises UserError
+
+
+def _positive_truncation(config: dict[str, float]) -> None:
+    if config["clip_high_threshold"] <= 0:
+        raise UserError(f"loss_fn_config clip_high_threshold must be positive for stable_reinforce (it truncates the "
+                        f"importance weight), got {config['clip_high_threshold']}")
+
 
 _RL_INPUTS = ("logprobs", "advantages")
+_KL = "kl_sample_train:mean"
 
-# Inputs each loss needs besides target_tokens.
-_REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
-    "cross_entropy": (),
-    "importance_sampling": _RL_INPUTS,
-    "ppo": _RL_INPUTS,
-    "cispo": _RL_INPUTS,
-    "dro": _RL_INPUTS,
-    "gspo": (*_RL_INPUTS, "sequence_ratio_mask"),
-    "stable_reinforce": (*_RL_INPUTS, "sampled_mask"),  # logprobs and sampled_mask: filled from provenance
-}
-
-# Inputs a caller may leave out, and the value that stands in for them.
-_OPTIONAL_INPUTS: dict[str, dict[str, float]] = {
-    "cross_entropy": {"weights": 1.0},
-    "importance_sampling": {},
-    "ppo": {},
-    "cispo": {},
-    "dro": {},
-    "gspo": {},
-    "stable_reinforce": {},
-}
-
-# loss_fn_config keys and their defaults. ppo and cispo defaults are Tinker's documented ones.
-# Tinker does not publish a default beta for dro; 0.05 is our choice (TuFT uses 0.01), so
-# clients that care should pass beta explicitly. gspo's are the GSPO paper's clip range
-# (1 - 3e-4, 1 + 4e-4): a sequence ratio moves far less than a token's, so PPO's 0.8 / 1.2
+# The defaults: ppo's and cispo's are Tinker's documented ones. Tinker does not publish a default beta for dro;
+# 0.05 is our choice (TuFT uses 0.01), so clients that care should pass beta explicitly. gspo's are the GSPO
+# paper's clip range (1 - 3e-4, 1 + 4e-4): a sequence ratio moves far less than a token's, so PPO's 0.8 / 1.2
 # would almost never clip. Tinker's page gives gspo's formula but no defaults: pass them to be sure.
-# stable_reinforce's truncation C = 2 is ours (TIS uses a small constant; 2 lets the learner double a
-# token's probability before its weight stops growing).
-_DEFAULT_CONFIGS: dict[str, dict[str, float]] = {
-    "cross_entropy": {},
-    "importance_sampling": {},
-    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
-    "dro": {"beta": 0.05},
-    "gspo": {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},
-    "stable_reinforce": {"clip_high_threshold": 2.0},
+# stable_reinforce's truncation C = 2 is ours (TIS uses a small constant; 2 lets the learner double a token's
+# probability before its weight stops growing); its logprobs and sampled_mask are filled by the service from the
+# datum's provenance (service/stability.py), not sent by the client.
+LOSSES: dict[str, Loss] = {
+    "cross_entropy": Loss(cross_entropy, optional={"weights": 1.0}),
+    "importance_sampling": Loss(importance_sampling, _RL_INPUTS, metrics=(_KL,)),
+    "ppo": Loss(ppo, _RL_INPUTS, config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+                metrics=("clip_fraction:mean", _KL)),
+    "cispo": Loss(cispo, _RL_INPUTS, config={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+                  metrics=("clip_fraction:mean", _KL)),
+    "dro": Loss(dro, _RL_INPUTS, config={"beta": 0.05}, metrics=(_KL,)),
+    "gspo": Loss(gspo, (*_RL_INPUTS, "sequence_ratio_mask"),
+                 config={"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},
+                 metrics=("clip_fraction:mean", _KL)),
+    "stable_reinforce": Loss(stable_reinforce, (*_RL_INPUTS, "sampled_mask"), config={"clip_high_threshold": 2.0},
+                             metrics=("importance_ratio:mean", "importance_ratio:max", "truncated_fraction:mean", _KL),
+                             check=_positive_truncation),
 }
 
 
@@ -235,21 +235,28 @@ _DEFAULT_CONFIGS: dict[str, dict[str, float]] = {
 # What the engine calls
 
 
-def _check_name(loss_fn: str) -> None:
-    if loss_fn not in LOSS_FNS:
-        raise UserError(f"unknown loss_fn {loss_fn!r}; supported: {', '.join(sorted(LOSS_FNS))}")
+def _loss(loss_fn: str) -> Loss:
+    if loss_fn not in LOSSES:
+        raise UserError(f"unknown loss_fn {loss_fn!r}; supported: {', '.join(sorted(LOSSES))}")
+    return LOSSES[loss_fn]
+
+
+def known_inputs() -> tuple[str, ...]:
+    """Every loss_fn_inputs name some loss reads, target_tokens first: the engine rejects any other by name."""
+    names = ["target_tokens"]
+    for loss in LOSSES.values():
+        names += [name for name in (*loss.optional, *loss.inputs) if name not in names]
+    return tuple(names)
 
 
 def required_inputs(loss_fn: str) -> tuple[str, ...]:
     """The loss_fn_inputs that must be present besides target_tokens."""
-    _check_name(loss_fn)
-    return _REQUIRED_INPUTS[loss_fn]
+    return _loss(loss_fn).inputs
 
 
 def optional_inputs(loss_fn: str) -> dict[str, float]:
     """The loss_fn_inputs that may be omitted, each with the value that fills it."""
-    _check_name(loss_fn)
-    return dict(_OPTIONAL_INPUTS[loss_fn])
+    return dict(_loss(loss_fn).optional)
 
 
 # Any loss's loss_fn_config may also ask for each position's k most likely tokens and their logprobs
@@ -269,8 +276,8 @@ def topk_of(config: dict | None) -> int:
 def check_config(loss_fn: str, config: dict | None) -> dict[str, float]:
     """Merge the caller's loss_fn_config over the defaults, rejecting anything we would ignore (TOPK_KEY is
     every loss's, read by topk_of)."""
-    _check_name(loss_fn)
-    defaults = _DEFAULT_CONFIGS[loss_fn]
+    loss = _loss(loss_fn)
+    defaults = loss.config
     merged = dict(defaults)
     allowed = ", ".join(sorted([*defaults, TOPK_KEY]))
     for key, value in (config or {}).items():
@@ -290,9 +297,8 @@ def check_config(loss_fn: str, config: dict | None) -> dict[str, float]:
             f"loss_fn_config clip_low_threshold ({merged['clip_low_threshold']}) must not exceed "
             f"clip_high_threshold ({merged['clip_high_threshold']})"
         )
-    if loss_fn == "stable_reinforce" and merged["clip_high_threshold"] <= 0:
-        raise UserError(f"loss_fn_config clip_high_threshold must be positive for stable_reinforce (it truncates the "
-                        f"importance weight), got {merged['clip_high_threshold']}")
+    if loss.check:
+        loss.check(merged)
     return merged
 
 
@@ -335,7 +341,7 @@ def compute_loss(
     rows = torch.repeat_interleave(index, torch.tensor(lengths, device=logprobs.device))
     full["datum_index"] = rows.reshape(-1, *[1] * (logprobs.dim() - 1)).expand(logprobs.shape)
 
-    loss, metrics = LOSS_FNS[loss_fn](logprobs, full, config)
+    loss, metrics = LOSSES[loss_fn].fn(logprobs, full, config)
     return loss, {"loss:sum": float(loss.detach()), **metrics}
 
 

@@ -100,13 +100,18 @@ import numpy as np
 import tinker
 from tinker import types
 
+from kernel_backend.engine import losses
 from workbench import episodes, rollout_log
 from workbench.recipes import common, estimates, rl_hacks
 from workbench.recipes.rl_monitoring import against_base, group_metrics, sampler_vs_learner
 from workbench.recipes.rl_tasks import TASKS, AdditionTask, Problem, Task, task_for  # noqa: F401 - rl.Task etc. (rl_tasks.py)
 from workbench.recipes.common import BaseConfig, Summary
 
-LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "stable_reinforce")
+# The losses this recipe trains with, from the backend's table (kernel_backend/engine/losses.py): those whose inputs
+# its datums carry (sampler logprobs and advantages), and stable_reinforce, whose inputs the service fills from
+# what its sampler recorded (`stable` in run).
+LOSSES = tuple(name for name, loss in losses.LOSSES.items() if name == "stable_reinforce"
+               or "advantages" in loss.inputs and set(loss.inputs) <= {"logprobs", "advantages"})
 TIED = "every group tied"  # why a step is skipped
 
 
