@@ -75,6 +75,23 @@ def test_no_import_runs_up_a_layer():
     assert not upward, "\n".join(upward)
 
 
+# What workbench/ may import of kernel_backend (docs/architecture.md, "The map"): the shared modules, the base models'
+# names (to read a tokenizer), the losses' table (which losses the RL recipe takes) and the command line.
+WORKBENCH_MAY_IMPORT = {"kernel_backend.engine.base_models", "kernel_backend.engine.losses", "kernel_backend.__main__"}
+
+
+def test_workbench_imports_only_what_the_map_allows():
+    known = modules()
+    beyond = []
+    for module, path in known.items():
+        if module.split(".")[0] != "workbench":
+            continue
+        for target in imports(path, known, everywhere=True):
+            if layer(target) not in (None, "shared") and target not in WORKBENCH_MAY_IMPORT:
+                beyond.append(f"{module} imports {target}")
+    assert not beyond, "\n".join(beyond)
+
+
 def test_no_import_circle():
     known = modules()
     graph = {module: imports(path, known) - {module} for module, path in known.items()}
