@@ -80,6 +80,8 @@ class MultiLoraLinear(nn.Module):
         if self.routing.sampling and self.sample_source is self.base.weight:
             # The sampler's copy: bf16 x bf16 products (native on CPUs with AVX-512 bf16 / AMX), output cast back.
             x = x2d.to(self.sample_weight.dtype)
+            if self.sample_weight.is_mkldnn:  # oneDNN's own layout (`_prepacked`): any row count, F.linear's results
+                return _packed_linear(x, self.sample_weight, self.sample_bias).to(x2d.dtype)
             if len(x) == 1:  # one row (a lone request's decode step): torch.mv, 1.3-2x faster than F.linear's bf16
                 # matrix-vector path on a 2-core Xeon (same results there), where F.linear's was slower than float32
                 out = torch.mv(self.sample_weight, x[0]) if self.sample_bias is None else \
@@ -260,9 +262,23 @@ def sample_weights(model: nn.Module, setting: str) -> int:
             layer.sample_source, layer.sample_weight, layer.sample_bias = None, None, None
             continue
         layer.sample_source = weight
-        layer.sample_weight = weight.detach().to(dtype).contiguous()
+        layer.sample_weight = _prepacked(weight.detach().to(dtype).contiguous())
         layer.sample_bias = bias.detach().to(dtype) if bias is not None else None
     return sample_weights_bytes(model)
+
+
+def _prepacked(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight in oneDNN's blocked layout for its product, where the CPU build has oneDNN: reordered once here
+    instead of on every product, 1.1-2x faster at a decode step's 1-32 rows than F.linear on the plain copy, and
+    the same results (bench/sample_products.py, docs/performance.md). Elsewhere (a GPU) the plain copy."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return weight
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b for a `_prepacked` weight."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def sample_weights_bytes(model: nn.Module) -> int:
