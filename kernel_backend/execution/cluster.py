@@ -43,6 +43,12 @@ requests in flight fail with an error that names the step the run resumes from.)
 (max_restarts) loads its models again and rejoins: it takes new runs, and the runs lost when every worker died
 (they wait for it). A run that no worker can take within STEPWISE_WORKER_WAIT_S is gone: its requests, waiting or
 lost in flight, fail saying so; none is left pending.
+
+The gateway's own crash. Its Ray head and workers die with it (Ray ties them to the process that started them; the
+few agents that linger, the next gateway of the home ends: _end_previous_head). Started again on the same home, it
+starts a new head and workers, then rebuilds every run as the in-process server does (service/recovery.replay: the
+run's newest snapshot, recorded in the database by the optim_step that wrote it, then its journal since), before the
+API serves; the requests pending at the crash are answered by the replay, and the SDK's retries carry the loop across.
 """
 
 from __future__ import annotations
@@ -157,10 +163,13 @@ class Cluster:
 
     restores_runs = True  # a lost worker's runs come back from the snapshots the gateway keeps
 
-    def __init__(self, settings: Settings, storage: CheckpointStorage, on_done, replay=None) -> None:
+    def __init__(self, settings: Settings, storage: CheckpointStorage, on_done, replay=None, rebuild=None) -> None:
         """`replay(run_id, snapshot_location)`: run a restored run's journaled requests since that snapshot (None:
-        since its creation) again, answering those lost in flight (service/recovery.py). Without it, those fail."""
+        since its creation) again, answering those lost in flight (service/recovery.py). Without it, those fail.
+        `rebuild()`: after a crash of this gateway, rebuild every run it had from its snapshot and journal
+        (service/recovery.replay), once the workers are live and before any new request (start)."""
         self.settings, self.storage, self._on_done, self._replay = settings, storage, on_done, replay
+        self._rebuild = rebuild
         self.workers: dict[str, Worker] = {}
         self.runs: dict[str, Run] = {}
         self.lanes: dict[str, str] = {}  # sampler lanes -> their worker
@@ -189,11 +198,13 @@ class Cluster:
             raise RuntimeError("STEPWISE_WORKERS and STEPWISE_RAY_ADDRESS need Ray: pip install 'stepwise[cluster]'") from None
 
         self.models = list(base_models)
+        own_head = not ray.is_initialized() and not self.settings.ray_address
         if not ray.is_initialized():
             self._started_ray = True
             if self.settings.ray_address:
                 ray.init(address=self.settings.ray_address, namespace=NAMESPACE)
             else:  # a head on loopback, just for this backend
+                _end_previous_head(self.settings.home)
                 ray.init(num_cpus=self.settings.ray_num_cpus or os.cpu_count(),
                          include_dashboard=False, object_store_memory=self.settings.ray_object_store_mb << 20,
                          namespace=NAMESPACE)
@@ -224,6 +235,13 @@ class Cluster:
         if not live:
             raise RuntimeError("no engine worker could load the base models: " +
                                "; ".join(f"{w.name}: {w.error}" for w in self.workers.values()))
+        # The runs a crash of the gateway cut off died with its workers (Ray kills a driver's actors with it): they
+        # come back here as in-process, their snapshot loaded on a worker, then their journal since, the requests
+        # pending at the crash answered as themselves. Before the API serves: no new request can overtake them.
+        if self._rebuild is not None:
+            self._rebuild()
+        if own_head:
+            _record_head(self.settings.home)
         self._heartbeats.start()
 
     def _devices(self, ray) -> list[str]:
@@ -250,6 +268,7 @@ class Cluster:
                 pass
         if self._started_ray:
             ray.shutdown()
+            _forget_head(self.settings.home)
 
     # ---- what the service asks ------------------------------------------------------------------------
 
@@ -345,7 +364,8 @@ class Cluster:
         workers = self._place(job.base_model, replicas, estimate)
         if not workers:
             raise RuntimeError(f"no live engine worker for {job.base_model}; GET /api/v1/cluster shows why")
-        run = Run(job.lane, job.tenant, job.base_model, origin, workers, estimate)
+        # (A run rebuilt after a crash is made by the service's own load_state job, whose op names the owner.)
+        run = Run(job.lane, job.tenant or origin.args.get("owner", ""), job.base_model, origin, workers, estimate)
         self.runs[run.id] = run
         for name in workers:
             self.workers[name].placed[run.id] = estimate
@@ -716,6 +736,69 @@ class Cluster:
             if _is_actor_error(e):
                 self._lost(self.workers[name], f"{type(e).__name__}: {e}")
             raise
+
+
+# ---- the gateway's own Ray head, across a crash of the gateway ---------------------------------------------
+#
+# The Ray head a gateway starts (gcs_server, raylet, and the engine workers under it) dies with the gateway, even
+# killed with SIGKILL: Ray ties them to it. Ray's agents (DashboardAgent, RuntimeEnvAgent) notice their raylet gone
+# within seconds, but then try to tell the dead head why before they exit, a minute or more. A gateway started
+# again at once would run beside them, so it ends them first: it finds them in the file its predecessor wrote.
+
+HEAD_FILE = "ray-head.json"  # in $STEPWISE_HOME/runtime: {"gateway": pid, "processes": [{"pid", "started"}]}
+
+
+def _head_file(home):
+    from kernel_backend import runtime
+
+    return runtime.runtime_dir(home) / HEAD_FILE
+
+
+def _record_head(home) -> None:
+    """Write down the processes of the Ray head this gateway started (its descendants, the workers among them)."""
+    import psutil  # (a dependency of Ray's)
+
+    from kernel_backend import runtime
+
+    processes = [{"pid": p.pid, "started": p.create_time()} for p in psutil.Process().children(recursive=True)]
+    runtime.write_private_json(_head_file(home), {"gateway": os.getpid(), "processes": processes})
+
+
+def _end_previous_head(home) -> None:
+    """Kill what is left of the Ray head of this home's previous gateway, if that gateway died without stopping it.
+    A process is only killed if it is the very one recorded (its pid and start time), never a pid reused since."""
+    import json
+
+    import psutil
+
+    from kernel_backend import runtime
+
+    try:
+        record = json.loads(_head_file(home).read_text())
+    except (OSError, ValueError):
+        return
+    if runtime.pid_alive(int(record.get("gateway") or 0)):
+        return  # its gateway runs (or its pid was reused): not ours to end
+    ended = []
+    for entry in record.get("processes", []):
+        try:
+            process = psutil.Process(entry["pid"])
+            if process.create_time() == entry["started"]:
+                process.kill()
+                ended.append(f"{process.pid} {process.name()}")
+        except (psutil.Error, KeyError, TypeError):
+            continue  # gone already
+    if ended:
+        log.warning("ended %d processes of the Ray head of a gateway that died (pid %s): %s", len(ended),
+                    record.get("gateway"), ", ".join(ended))
+    _forget_head(home)
+
+
+def _forget_head(home) -> None:
+    try:
+        _head_file(home).unlink()
+    except OSError:
+        pass
 
 
 # ---- helpers --------------------------------------------------------------------------------------------

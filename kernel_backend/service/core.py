@@ -117,7 +117,8 @@ class Service:
             from kernel_backend.execution.cluster import Cluster
 
             self.executor = Cluster(self.settings, self.storage, self.on_done,
-                                    replay=lambda run_id, location: recovery.replay_after_worker_loss(self, run_id, location))
+                                    replay=lambda run_id, location: recovery.replay_after_worker_loss(self, run_id, location),
+                                    rebuild=self._replay_journals)
             self.vllm = None
         else:
             self.executor = InProcess(self.settings, self.ctx, self.on_done, replay=self._replay_journals)
@@ -178,11 +179,11 @@ class Service:
 
     def _fail_interrupted_futures(self) -> None:
         """Futures left pending by a previous process, other than journaled ones (replay answers those, see
-        service/recovery.py; with Ray workers the cluster restores runs its own way), will never finish: mark
+        service/recovery.py; with Ray workers too, once the workers are live), will never finish: mark
         them interrupted. Polling one answers 410, on which the SDK submits the request again (and the
         resubmission replaces the interrupted row, see Store.insert_future).
         """
-        replayed = set() if self.executor.restores_runs else recovery.pending_journaled(self)
+        replayed = recovery.pending_journaled(self)
         for row in self.store.list(FutureRow, FutureRow.status == "pending"):
             if row.request_id in replayed:
                 continue
