@@ -153,3 +153,36 @@ def test_the_sampler_trainer_gap_on_the_real_model(real_engine):
         assert np.abs(bf16).mean() > 10 * np.abs(fp32).mean()  # the copies were used
     finally:
         real_engine.delete_adapter("dtype-gap")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_layers_read_together_share_one_copy_and_give_each_layer_s_own_products(bias):
+    """q, k, v (and gate, up) share one stacked bf16 copy: one product through `lora.products`, each layer's part
+    with its LoRA deltas equal to the layer's own bf16 product plus deltas; a layer called alone gets its part too;
+    the stacked copy costs the bytes the separate ones would; float32 leaves none."""
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    for name, out in (("q_proj", 48), ("k_proj", 16), ("v_proj", 16)):
+        model.add_module(name, torch.nn.Linear(64, out, bias=bias))
+    model.requires_grad_(False)
+    lora.attach(model)
+    adapter = lora.new_adapter(model, LoraConfig(rank=4, seed=1))
+    for _, b in adapter.weights.values():
+        b.data.normal_(0, 0.1)
+    layers = (model.q_proj, model.k_proj, model.v_proj)
+    per_byte = 2 * sum(layer.base.weight.numel() + (layer.base.bias.numel() if bias else 0) for layer in layers)
+    assert lora.sample_weights(model, "bfloat16") == per_byte
+    assert all(layer.shared_copy is layers[0].shared_copy is not None for layer in layers)
+    x = torch.randn(5, 64)
+    with torch.no_grad(), lora.route(model, [adapter] * 5), lora.sampling(model):
+        together = lora.products(layers, x)
+        alone = [layer(x) for layer in layers]
+    for layer, got, single in zip(layers, together, alone):
+        a, b = adapter.weights[layer.name]
+        expected = F.linear(x.bfloat16(), layer.base.weight.bfloat16(),
+                            layer.base.bias.bfloat16() if bias else None).float() + adapter.scale * (x @ a.t() @ b.t())
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(single, got)
+    with torch.no_grad(), lora.route(model, [adapter] * 5):  # outside the sampler: the float32 weights, as ever
+        assert all(torch.equal(got, layer(x)) for got, layer in zip(lora.products(layers, x), layers))
+    assert lora.sample_weights(model, "float32") == 0 and all(layer.shared_copy is None for layer in layers)

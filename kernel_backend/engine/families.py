@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernel_backend.engine import small_products
+from kernel_backend.engine import lora, small_products
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def projections(family: Family, attention: torch.nn.Module, x: torch.Tensor, hea
         keys = attention.config.num_key_value_heads * head_dim
         q, k, v = qkv[:, :queries], qkv[:, queries:queries + keys], qkv[:, queries + keys:]
     else:
-        q, k, v = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+        q, k, v = lora.products((attention.q_proj, attention.k_proj, attention.v_proj), x)
     q, k, v = q.view(n, -1, head_dim), k.view(n, -1, head_dim), v.view(n, -1, head_dim)
     if family.qk_norm:
         q, k = norm(family, attention.q_norm, q), norm(family, attention.k_norm, k)
@@ -112,7 +112,7 @@ def feed_forward(family: Family, mlp: torch.nn.Module, x: torch.Tensor) -> torch
     if family.fused_projections:
         gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
     elif hasattr(mlp, "gate_proj"):
-        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        gate, up = lora.products((mlp.gate_proj, mlp.up_proj), x)
     else:
         return mlp(x[None])[0]
     act = mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn  # Phi-3 names it activation_fn

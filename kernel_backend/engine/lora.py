@@ -19,6 +19,7 @@ Adapters save to and load from PEFT's format (`adapter_config.json` and
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 from pathlib import Path
@@ -70,6 +71,7 @@ class MultiLoraLinear(nn.Module):
         # copies: a full run's weights swapped in (engine/full_weights.py) are not it, and run as they are.
         self.sample_source: torch.Tensor | None = None
         self.sample_weight = self.sample_bias = None
+        self.shared_copy: SharedCopy | None = None  # or one copy for the layers read together with it (`products`)
 
     @property
     def weight(self) -> torch.Tensor:  # generation utilities look at lm_head.weight
@@ -79,6 +81,8 @@ class MultiLoraLinear(nn.Module):
         """The frozen layer's output for (tokens, in_features), in x2d's dtype."""
         if self.routing.sampling and self.sample_source is self.base.weight:
             # The sampler's copy: bf16 x bf16 products (native on CPUs with AVX-512 bf16 / AMX), output cast back.
+            if self.shared_copy is not None:  # called alone (not through `products`): its part of the shared product
+                return self.shared_copy.part(self, x2d)
             x = x2d.to(self.sample_weight.dtype)
             if self.sample_weight.is_mkldnn:  # oneDNN's own layout (`_prepacked`): any row count, F.linear's results
                 return _packed_linear(x, self.sample_weight, self.sample_bias).to(x2d.dtype)
@@ -98,6 +102,13 @@ class MultiLoraLinear(nn.Module):
         # A decode step's products are small: on one thread they skip OpenMP's wake-up (engine/small_products.py).
         with small_products.small(tokens * in_features * out_features):
             out = self.base_product(x2d)
+        return self.plus_deltas(x, out)
+
+    def plus_deltas(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The layer's output for x: `out`, the base product for x's rows (tokens, out_features), plus the LoRA deltas
+        of the adapters the routing names for them, added in place."""
+        x2d = x.reshape(-1, x.shape[-1])
+        tokens, (out_features, in_features) = x2d.shape[0], self.base.weight.shape
         groups = [(adapter, rows) for adapter, rows in self.routing.groups if self.name in adapter.weights]
         if not groups:
             return out.view(*x.shape[:-1], out.shape[-1])
@@ -264,7 +275,71 @@ def sample_weights(model: nn.Module, setting: str) -> int:
         layer.sample_source = weight
         layer.sample_weight = _prepacked(weight.detach().to(dtype).contiguous())
         layer.sample_bias = bias.detach().to(dtype) if bias is not None else None
+    _share_copies(model, setting)
     return sample_weights_bytes(model)
+
+
+def _share_copies(model: nn.Module, setting: str) -> None:
+    """Layers read together (READ_TOGETHER) get one stacked copy instead of one each. The packed forward reads them
+    through `products` (engine/families.py); a layer called alone (transformers' own forward, for architectures the
+    packed forward does not know) computes the whole stacked product and keeps its part: the same numbers, more work."""
+    for module in model.modules():
+        for names in READ_TOGETHER:
+            layers = [getattr(module, name, None) for name in names]
+            if not all(isinstance(layer, MultiLoraLinear) for layer in layers):
+                continue
+            copied = all(layer.sample_source is not None for layer in layers)
+            shared = SharedCopy(layers, getattr(torch, setting)) if copied else None
+            for layer in layers:
+                layer.shared_copy = shared
+                if shared is not None:
+                    layer.sample_weight = layer.sample_bias = None
+
+
+# Layers the packed forward reads from one input (engine/families.py: projections, feed_forward). In the sampler's
+# passes each set shares one copy, its weights stacked, so that a decode step makes one product where it made three
+# (q, k, v) or two (gate, up): fewer calls of small products, each busier (bench/sample_products.py).
+READ_TOGETHER = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class SharedCopy:
+    """The sampling copy of layers read together: their frozen weights (and biases) stacked along the outputs."""
+
+    def __init__(self, layers: list[MultiLoraLinear], dtype: torch.dtype) -> None:
+        self.layers = layers
+        self.sizes = [layer.base.weight.shape[0] for layer in layers]
+        self.starts = dict(zip((id(layer) for layer in layers), itertools.accumulate([0, *self.sizes])))
+        self.work = layers[0].base.weight.shape[1] * sum(self.sizes)  # multiply-adds a row
+        self.weight = _prepacked(torch.cat([layer.base.weight.detach() for layer in layers]).to(dtype).contiguous())
+        biases = [layer.base.bias for layer in layers]
+        self.bias = None if all(b is None for b in biases) else torch.cat(
+            [torch.zeros(n, dtype=dtype) if b is None else b.detach().to(dtype) for b, n in zip(biases, self.sizes)])
+
+    def in_use(self) -> bool:
+        """In the sampler's passes, while every layer holds the weight the copy copies (a full run's are not it)."""
+        return self.layers[0].routing.sampling and all(layer.sample_source is layer.base.weight for layer in self.layers)
+
+    def product(self, x2d: torch.Tensor) -> torch.Tensor:
+        """Every layer's base product for x2d (tokens, in_features), side by side, in x2d's dtype."""
+        x = x2d.to(self.weight.dtype)
+        with small_products.small(len(x) * self.work):
+            out = _packed_linear(x, self.weight, self.bias) if self.weight.is_mkldnn else F.linear(x, self.weight, self.bias)
+        return out.to(x2d.dtype)
+
+    def part(self, layer: MultiLoraLinear, x2d: torch.Tensor) -> torch.Tensor:
+        start = self.starts[id(layer)]
+        return self.product(x2d)[:, start:start + layer.base.weight.shape[0]]
+
+
+def products(layers, x: torch.Tensor) -> list[torch.Tensor]:
+    """Each layer's output for one input x (tokens, features), as [layer(x) for layer in layers]; in the sampler's
+    passes, where the layers share a copy (READ_TOGETHER), with one base product for them all and each layer's LoRA
+    deltas added to its part."""
+    shared = getattr(layers[0], "shared_copy", None)
+    if shared is None or not shared.in_use():
+        return [layer(x) for layer in layers]
+    out = shared.product(x)
+    return [layer.plus_deltas(x, part) for layer, part in zip(layers, out.split(shared.sizes, dim=-1))]
 
 
 def _prepacked(weight: torch.Tensor) -> torch.Tensor:
@@ -283,8 +358,10 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def sample_weights_bytes(model: nn.Module) -> int:
     """The bytes of the sampler's weight copies (an lm_head tied to the embedding has a copy of its own)."""
-    return sum(t.nbytes for layer in lora_layers(model).values()
-               for t in (layer.sample_weight, layer.sample_bias) if t is not None)
+    layers = lora_layers(model).values()
+    shared = {id(layer.shared_copy): layer.shared_copy for layer in layers if layer.shared_copy is not None}
+    return sum(t.nbytes for t in [*(t for layer in layers for t in (layer.sample_weight, layer.sample_bias)),
+                                  *(t for copy in shared.values() for t in (copy.weight, copy.bias))] if t is not None)
 
 
 @contextlib.contextmanager
