@@ -139,7 +139,7 @@ def admin_stats(tenant: str = Depends(operator_of), svc: Service = Depends(servi
     versions and start-up times when vLLM samples."""
     return {"adapters": svc.executor.adapter_counts(), "adapter_cache": svc.executor.adapter_cache_stats(),
             "sampling": svc.executor.sampling_stats(),
-            "vllm": svc.vllm.stats() if svc.vllm is not None else None}
+            "vllm": svc.ctx.sampler.stats()}
 
 
 @router.get("/cluster")

@@ -13,6 +13,13 @@ the checkpoint store, which every worker reaches (a local folder on one machine,
 across machines). They return plain data; the service turns it into the reply and writes the rows
 (`Job.encode`, always on the gateway). The gateway locates checkpoints (their store location, from
 its database); the engine side reads and writes their files through the store.
+
+The Context also holds the sampler: what answers sample requests, and what the service asks of it (which
+options it refuses at admission, its stats). By default a `BuiltinSampler`: the engines' own decoders sample,
+reading adapters from the engine itself, so each of its hooks does nothing. With STEPWISE_SAMPLER=vllm the
+in-process executor (execution/executor.py) puts a `VllmSampling` (execution/vllm_sampler.py) there instead,
+with the same methods: the work below (save, snapshot, free_adapters) tells it of each sampler adapter it makes
+or drops, unconditionally, and neither this module nor the service asks which sampler it is.
 """
 
 from __future__ import annotations
@@ -52,18 +59,46 @@ class SampleOp:
     owner: str = ""  # the tenant whose share of the adapter cache a loaded checkpoint uses (engine/adapter_cache.py)
 
 
+class BuiltinSampler:
+    """The sampler when the engines' own decoders sample (the default, and always on Ray workers): it answers
+    every option the engine validates and finds adapters on the engine, so there is nothing to refuse, count,
+    start or tell. VllmSampling (execution/vllm_sampler.py) has the same methods and does each."""
+
+    def start(self, base_models: list[str]) -> None:
+        """Start the sampler's own processes (the decoders are the engines')."""
+
+    def stop(self) -> None: ...
+
+    def check_options(self, options: SampleOptions, params: SamplingParams | None = None) -> None:
+        """Refuse, with a UserError (a 400 at admission), the options this sampler cannot answer: none."""
+
+    def stats(self) -> dict | None:
+        """The sampler's own stats for GET /api/v1/admin/stats (the decoders' are the executor's sampling_stats)."""
+        return None
+
+    def add_snapshot(self, engine, base_model: str, sampler_id: str) -> None:
+        """The engine took an in-memory snapshot of a run's weights (save_weights_and_get_sampling_client)."""
+
+    def add_checkpoint(self, engine, base_model: str, path: str, folder) -> None:
+        """A sampler checkpoint was written at `path`; `folder`: its files, before they are sealed."""
+
+    def remove(self, adapter_id: str) -> None:
+        """An adapter or snapshot is gone from the engine."""
+
+
 @dataclass
 class Context:
     """What engine-side work reaches besides the engine. One per scheduler (this process, or a worker)."""
 
     settings: Settings
     storage: CheckpointStorage
-    vllm: object | None = None  # VllmSampling, in this process only (STEPWISE_SAMPLER=vllm): adapters go there too
+    # What samples (the module docstring): the engines' own decoders, or VllmSampling in this process only.
+    sampler: BuiltinSampler = field(default_factory=BuiltinSampler)
     snapshots: dict[str, list[str]] = field(default_factory=dict)  # run id -> its in-memory sampler snapshots
 
     @classmethod
-    def of(cls, settings: Settings, vllm=None) -> "Context":
-        return cls(settings, CheckpointStorage(settings.checkpoints_dir, settings.storage_url), vllm)
+    def of(cls, settings: Settings) -> "Context":
+        return cls(settings, CheckpointStorage(settings.checkpoints_dir, settings.storage_url))
 
 
 def run(engine, ctx: Context, op: Op):
@@ -107,8 +142,7 @@ def free_adapters(engine, ctx: Context, adapter_ids: list[str]) -> dict:
     for adapter_id in adapter_ids:
         engine.delete_adapter(adapter_id)
         ctx.snapshots.pop(adapter_id, None)
-        if ctx.vllm is not None:
-            ctx.vllm.remove(adapter_id)
+        ctx.sampler.remove(adapter_id)
     return {}
 
 
@@ -134,8 +168,8 @@ def save(engine, ctx: Context, model_id: str, kind: str, key: str, path: str, ov
             engine.save_state(model_id, staging)
         else:
             engine.save_weights_for_sampler(model_id, staging)
-        if kind == "sampler" and ctx.vllm is not None:  # registered while the files are plain (before sealing)
-            ctx.vllm.add_checkpoint(engine, base_model, path, staging)
+        if kind == "sampler":  # registered while the files are plain (before sealing)
+            ctx.sampler.add_checkpoint(engine, base_model, path, staging)
         if age_recipients is not None:
             crypto.age_encrypt_folder(staging, crypto.age_recipients(age_recipients))
         if ctx.settings.encryption_key:  # sealed before it reaches the store
@@ -158,15 +192,13 @@ def snapshot(engine, ctx: Context, model_id: str, sampler_id: str, base_model: s
     """save_weights_and_get_sampling_client: an in-memory copy of the weights under `sampler_id`; a run
     keeps its newest `keep`, older ones are dropped."""
     engine.snapshot_sampler(model_id, sampler_id, owner)
-    if ctx.vllm is not None:
-        ctx.vllm.add_snapshot(engine, base_model, sampler_id)
+    ctx.sampler.add_snapshot(engine, base_model, sampler_id)
     kept = ctx.snapshots.setdefault(model_id, [])
     kept.append(sampler_id)
     while len(kept) > keep:
         dropped = kept.pop(0)
         engine.delete_adapter(dropped)
-        if ctx.vllm is not None:
-            ctx.vllm.remove(dropped)
+        ctx.sampler.remove(dropped)
     return {}
 
 

@@ -4,8 +4,12 @@
   (execution/scheduler.py); with STEPWISE_SAMPLER=vllm, sample requests go to vLLM workers instead (execution/vllm_sampler.py). Runs a
   crash cut off come back from their snapshots and journals, replayed (service/recovery.py) after the engines load
   and before the thread takes any job.
+  The sampler it runs sits on the Context it shares with the service (engine_work.Context.sampler): what the
+  service asks of a sampler (the options it refuses, its stats) is asked there, of whichever it is; `submit` is
+  the one place that tells them apart, sending sample requests to vLLM's workers or to the scheduler.
 - `cluster.Cluster` (STEPWISE_WORKERS or STEPWISE_RAY_ADDRESS): the engines in Ray workers; the gateway restores a
-  lost worker's runs from the snapshots it keeps.
+  lost worker's runs from the snapshots it keeps. Its workers sample with their engines' decoders, so the service's
+  Context keeps its default sampler (engine_work.BuiltinSampler).
 
 Both take `on_done(job, outcome)` (the op's result, or the exception it raised) and a `replay` hook at construction.
 """
@@ -64,8 +68,9 @@ class InProcess:
         self.settings, self._replay = settings, replay
         self.scheduler = Scheduler(load_engine=lambda name: Engine(name, settings), on_done=on_done,
                                    max_batch_tokens=settings.max_batch_tokens, ctx=ctx)
-        # STEPWISE_SAMPLER=vllm: the VllmSampling that answers sample requests; None: the engines' own decoders.
-        self.vllm = VllmSampling(settings, self.scheduler, on_done) if settings.sampler == "vllm" else None
+        if settings.sampler == "vllm":  # the VllmSampling that answers sample requests, on the ctx the work reaches
+            ctx.sampler = VllmSampling(settings, self.scheduler, on_done)
+        self.sampler = ctx.sampler  # else the engines' own decoders (engine_work.BuiltinSampler)
 
     @property
     def engines(self) -> dict[str, Engine]:
@@ -76,17 +81,15 @@ class InProcess:
             self.scheduler.engine(name)
         self._replay()
         self.scheduler.start()
-        if self.vllm is not None:
-            self.vllm.start(list(self.engines))
+        self.sampler.start(list(self.engines))
 
     def stop(self) -> None:
         self.scheduler.stop()
-        if self.vllm is not None:
-            self.vllm.stop()
+        self.sampler.stop()
 
     def submit(self, job: Job, ordered: bool) -> None:
-        if self.vllm is not None and job.request_type in SAMPLER_REQUESTS:
-            self.vllm.submit(job)
+        if isinstance(self.sampler, VllmSampling) and job.request_type in SAMPLER_REQUESTS:
+            self.sampler.submit(job)
         elif job.op is not None and job.op.name == "free_adapters" and job.base_model not in self.engines:
             return  # a model never loaded holds no adapter (and is not loaded to free none)
         else:

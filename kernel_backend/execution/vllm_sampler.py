@@ -10,9 +10,11 @@ Three pieces, from the bottom up:
   so the same weights load once under a versioned name (`<first id>@<sha256 prefix>#<load number>`). Snapshots
   (save_weights_and_get_sampling_client) stay until the service removes them; of the other versions
   the latest STEPWISE_VLLM_MAX_ADAPTERS used are kept, and the one used longest ago is unloaded.
-- `VllmSampling`: what the service calls. Sample jobs (Sample, Completion, ChatCompletion) come here
-  instead of the scheduler thread; each runs its usual function (engine_work.sample_request) on a pool thread
-  against an `_EngineView`, which answers the engine calls a sample job makes (has_adapter, load_sampler,
+- `VllmSampling`: the sampler the in-process executor puts on the Context (engine_work.Context.sampler, in the
+  built-in sampler's place, with its methods): the options it refuses at admission, its stats, the adapters the
+  engine-side work tells it of. Sample jobs (Sample, Completion, ChatCompletion) come here instead of the
+  scheduler thread (InProcess.submit); each runs its usual function (engine_work.sample_request) on a pool
+  thread against an `_EngineView`, which answers the engine calls a sample job makes (has_adapter, load_sampler,
   sample) with vLLM, after the engine's own validation. So admission, metering, idempotency, tenancy
   and error categories are the service's, unchanged; only the sampling moved.
 

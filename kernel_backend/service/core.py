@@ -99,7 +99,9 @@ class Service:
         self.settings = settings or Settings()
         self._lock_home()
         self.store = Store(self.settings.database_url)
-        self.ctx = engine_work.Context.of(self.settings)  # what engine-side work reaches: settings, the checkpoint store
+        # What engine-side work reaches: settings, the checkpoint store, and the sampler (what it refuses, its stats:
+        # the engines' own decoders, or vLLM's workers, which the in-process executor puts there; engine_work.py).
+        self.ctx = engine_work.Context.of(self.settings)
         self.storage = self.ctx.storage
         self.prices = Prices(self.settings.prices_path or None)
         self.admission = Admission(self.settings, self.store, self.adapter_bytes)
@@ -119,11 +121,8 @@ class Service:
             self.executor = Cluster(self.settings, self.storage, self.on_done,
                                     replay=lambda run_id, location: recovery.replay_after_worker_loss(self, run_id, location),
                                     rebuild=self._replay_journals)
-            self.vllm = None
         else:
             self.executor = InProcess(self.settings, self.ctx, self.on_done, replay=self._replay_journals)
-            self.vllm = self.executor.vllm  # STEPWISE_SAMPLER=vllm: sample requests go to vLLM workers
-        self.ctx.vllm = self.vllm
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._waiters_lock = threading.Lock()
         # State of one concern each, kept here because it lives as long as the service:

@@ -56,8 +56,7 @@ def sample(svc: Service, tenant: str, sampler_id: str, seq_id: int, prompt: list
     sampler = svc.sampler(tenant, sampler_id)
     check_still_published(svc, tenant, sampler)
     bound = check_sampling(svc, sampler.base_model, prompt, num_samples, params, options)
-    if svc.vllm is not None:
-        svc.vllm.check_options(options, params)
+    svc.ctx.sampler.check_options(options, params)  # what the sampler cannot answer is a 400 now, not a failure later
     request_id = new_id()
     op = sampler_op(svc, sampler, prompt, num_samples, params, options)
     ids = [f"{request_id}:{i}" for i in range(num_samples)]
@@ -187,8 +186,7 @@ def generate(svc: Service, tenant: str, request_type: str, base_model: str, path
     if on_token is not None and len(prompts) != 1:
         raise UserError("streaming takes one prompt per request")
     most = [check_sampling(svc, base_model, prompt, num_samples, params, options) for prompt in prompts]
-    if svc.vllm is not None:
-        svc.vllm.check_options(options, params)  # what vLLM cannot answer is a 400 now, not a failure later
+    svc.ctx.sampler.check_options(options, params)  # what the sampler cannot answer is a 400 now, not a failure later
     batch = new_id()
     # A checkpoint's sampling counts against its run (the run's budget; the run's scope of usage finds its rows by
     # their lane, budgets.ledger_scope), and is recorded under the caller's own session, not the run's: an eval of a
