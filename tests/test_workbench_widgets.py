@@ -14,9 +14,11 @@ import math
 import re
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
+import ipywidgets
 import numpy as np
 import pandas as pd
 import pytest
@@ -649,3 +651,143 @@ def test_throttle_runs_the_trailing_call_on_its_own_timer():
     throttle()  # within the window (or, on a stalled machine, after it: then at once)
     wait_until(lambda: len(calls) == 2, what="the trailing call")
     assert throttle._timer is None  # and nothing else is pending
+
+
+# ---- a reloaded page's request for every widget's state, while other threads make widgets ------------
+
+
+class ControlComm:
+    """ipywidgets' control comm as the kernel holds it once a page opened it: what goes back to the page."""
+
+    def __init__(self):
+        self.sent: list[dict] = []
+
+    def send(self, data, buffers=None):
+        self.sent.append(data)
+
+
+def ask_states(handler) -> dict:
+    """What the page gets for `request_states` from `handler` ({model_id: entry}); raises what it raises."""
+    comm = ipywidgets.Widget._control_comm
+    before = len(comm.sent)
+    handler({"content": {"data": {"method": "request_states"}}})
+    (reply,) = comm.sent[before:]
+    assert reply["method"] == "update_states"
+    return reply["states"]
+
+
+class Stalling(ipywidgets.HTML):
+    """A widget whose state, the first time it is read, waits for another thread to create two widgets and
+    close `victim` (a widget later in the registry): the moment the race needs, made to happen every time."""
+
+    def get_state(self, key=None, drop_defaults=False):
+        if getattr(self, "victim", None) is not None:
+            victim, self.victim = self.victim, None
+
+            def churn():
+                self.made = [ipywidgets.HTML("made meanwhile"), ipywidgets.IntProgress()]
+                victim.close()
+            other = threading.Thread(target=churn)
+            other.start()
+            other.join()
+        return super().get_state(key, drop_defaults)
+
+
+class HalfBuilt(ipywidgets.HTML):
+    """A widget registered but not ready to give its state (as one read by the page's request while another
+    thread still runs its constructor)."""
+
+    building = False
+
+    def get_state(self, key=None, drop_defaults=False):
+        if self.building:
+            raise AttributeError("'HalfBuilt' object has no attribute 'figure' (still being built)")
+        return super().get_state(key, drop_defaults)
+
+
+@pytest.fixture
+def page_control_comm(monkeypatch):
+    from workbench.widget_states import install
+
+    assert install()  # ipywidgets 8 here: the workbench's handler is in place (workbench.widgets installed it)
+    comm = ControlComm()
+    monkeypatch.setattr(ipywidgets.Widget, "_control_comm", comm)
+    return comm
+
+
+def test_a_reloaded_page_gets_every_widgets_state_while_other_threads_create_and_close_widgets(page_control_comm):
+    """A page reloaded while other threads create and close widgets (a run's progress bars on in_thread's
+    worker, the dashboard's pollers): ipywidgets 8.1's own handler iterates its live registry, so it raises
+    and the page gets no answer at all ("model not found" after the reload). The workbench's handler
+    (workbench/widget_states.py) answers with every widget that lived through the request; one closed
+    meanwhile or not yet able to give its state is left out, not the whole answer."""
+    from workbench.widget_states import _ORIGINAL
+
+    ipywidgets_own = _ORIGINAL["handler"].__get__(None, ipywidgets.Widget)
+    ours = ipywidgets.Widget._handle_control_comm_msg
+    assert ours.__func__ is not ipywidgets_own.__func__
+
+    def widgets():
+        stalling = Stalling("reads slowly")
+        stalling.victim = ipywidgets.HTML("closed by another thread during the request")
+        steady = [ipywidgets.HBox([ipywidgets.IntProgress(value=i, max=10), ipywidgets.HTML(f"{i}/10")])
+                  for i in range(10)]
+        return stalling, stalling.victim, steady
+
+    stalling, victim, steady = widgets()
+    with pytest.raises(RuntimeError, match="dictionary changed size during iteration"):
+        ask_states(ipywidgets_own)  # without the fix: no answer
+    assert page_control_comm.sent == []
+    for widget in (stalling, *stalling.made, *steady):
+        widget.close()
+
+    stalling, victim, steady = widgets()
+    half_built = HalfBuilt("not ready")
+    half_built.building = True
+    states = ask_states(ours)
+    for box in steady:  # every box, its bar, its label and their layouts and styles
+        for widget in (box, *box.children, box.layout, box.children[0].style):
+            assert widget.model_id in states, widget
+        assert states[box.model_id]["model_name"] == "HBoxModel"
+        assert states[box.model_id]["state"]["children"] == [f"IPY_MODEL_{c.model_id}" for c in box.children]
+    assert stalling.model_id in states and victim.comm is None and half_built.model_id not in states
+    assert all(w.model_id not in states for w in stalling.made)  # made after the copy: their comm_open carries them
+    half_built.building = False
+    for widget in (stalling, half_built, *stalling.made, *steady):
+        widget.close()
+
+
+def test_the_page_gets_its_answer_each_time_while_threads_keep_making_widgets(page_control_comm):
+    """The same, with threads making and closing progress bars as fast as they can for the whole time
+    (no staging): every request is answered, and with every widget that was there throughout."""
+    steady = [ipywidgets.HTML(str(i)) for i in range(50)]
+    stop = threading.Event()
+
+    def progress_bars():
+        while not stop.is_set():
+            bar = ipywidgets.HBox([ipywidgets.HTML("sft"), ipywidgets.FloatProgress(), ipywidgets.HTML("1/3")])
+            for widget in (bar, *bar.children):
+                widget.close()
+    threads = [threading.Thread(target=progress_bars) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(20):
+            states = ask_states(ipywidgets.Widget._handle_control_comm_msg)
+            assert {w.model_id for w in steady} <= set(states)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        for widget in steady:
+            widget.close()
+    assert len(page_control_comm.sent) == 20
+
+
+def test_the_fix_is_installed_once_and_other_control_messages_fail_as_before(page_control_comm):
+    from workbench.widget_states import install
+
+    handler = ipywidgets.Widget.__dict__["_handle_control_comm_msg"]
+    assert install() and ipywidgets.Widget.__dict__["_handle_control_comm_msg"] is handler  # not wrapped twice
+    with pytest.raises(RuntimeError, match='Unknown front-end to back-end widget control msg with method "hello"'):
+        ipywidgets.Widget._handle_control_comm_msg({"content": {"data": {"method": "hello"}}})

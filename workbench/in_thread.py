@@ -10,6 +10,9 @@ serves widget (comm) messages while a cell awaits: the widgets come back within 
 reopens notebook 02 in a second tab mid-run; tests/test_workbench.py asks a kernel for its widgets mid-cell). Output, progress bars and plots still go to the cell (the worker runs in the
 cell's context), and other cells still wait their turn.
 
+The worker makes widgets off the kernel's shell thread (a recipe's progress bar, the dashboard's plots), so
+in_thread first makes the kernel's answer to a reloaded page safe from that (workbench/widget_states.py).
+
 Kernel > Interrupt stops the work too: while the cell awaits, SIGINT raises KeyboardInterrupt in the worker (at
 its next line of Python: after the request it is waiting on returns), not in the kernel's event loop, and the cell
 raises `Interrupted` once the work has stopped.
@@ -24,6 +27,8 @@ import functools
 import signal
 import threading
 
+from workbench import widget_states
+
 
 class Interrupted(Exception):
     """The work was stopped by Kernel > Interrupt (raised in the cell as KeyboardInterrupt's stand-in: a
@@ -32,6 +37,7 @@ class Interrupted(Exception):
 
 async def in_thread(fn, /, *args, **kwargs):
     """fn(*args, **kwargs) on a worker thread, awaited (see the module docstring): its result, or its exception."""
+    widget_states.install()  # the worker's widgets vs. a page reloaded meanwhile
     loop = asyncio.get_running_loop()
     running: dict[str, int] = {}  # "thread": the worker's id while fn runs (a pool thread: never interrupt it after)
 
