@@ -15,7 +15,8 @@ Three parts, in one run:
            children's taken out):
              base products  each MultiLoraLinear's frozen product (its `base_product`; in bf16 the input's and
                             output's casts included), by layer kind
-                            (q/k/v/o, gate/up/down, lm_head)
+                            (q/k/v/o, gate/up/down, lm_head); in bf16 q|k|v and gate|up are one stacked product
+                            each (lora.SharedCopy.product)
              linear Python  MultiLoraLinear.forward less its products: small_products.small's
                             thread switch, the routing lookup, reshapes
              LoRA products  engine/lora.py add_deltas
@@ -119,6 +120,10 @@ def instrument(engine, timers: Timers):
         kind = next(k for k in KINDS if name.endswith(k))
         layer.base_product = timers.wrap(layer.base_product, "base " + kind)
         undo.append(lambda layer=layer: layer.__dict__.pop("base_product"))  # the class's method again
+    # bf16 sampling: q|k|v and gate|up share one stacked copy and product (lora.products), timed as its own kind.
+    patch(lora.SharedCopy, "product", lambda copy, x: "base " + "|".join(n.rsplit(".", 1)[-1][:-5] for n in
+                                                                         (layer.name for layer in copy.layers)))
+    patch(lora.MultiLoraLinear, "plus_deltas", "linear layers' Python")  # its LoRA products are timed children
     patch(lora, "add_deltas", "LoRA products")
     patch(families, "norm", "norms")
     patch(families, "rotate", "rotary")
@@ -216,7 +221,7 @@ def profile(engine, tokens: int, rounds: int, dtypes: list[str]) -> dict:
 
 
 def print_profile(results: dict, dtype: str) -> None:
-    order = [*(f"base {k}" for k in KINDS), "LoRA products", "attention", "norms", "rotary", "elementwise",
+    order = [*(f"base {k}" for k in KINDS), "base q|k|v", "base gate|up", "LoRA products", "attention", "norms", "rotary", "elementwise",
              "sampling: logsumexp, gather", "sampling: draw", "linear layers' Python", "overhead (wall - parts)"]
     for side in ("LoRA r8", "base"):
         print(f"\n[profile] {side}, sampling weights {dtype}: ms per decode step (median) and share of the timed step")
