@@ -10,7 +10,9 @@ adapter is None see the base model alone.
 
 For sampling, each base layer may also hold a copy of its frozen weight in another dtype (bfloat16:
 STEPWISE_SAMPLE_DTYPE, `sample_weights`): inside `sampling(model)` (the sampler's forward passes) the
-base products run on that copy, activations and the LoRA deltas staying float32; training never sees it.
+base products run on that copy, activations and the LoRA deltas staying float32; training never sees it. On a CPU
+the copy is prepacked in oneDNN's layout, and layers read from one input (q, k, v; gate, up) share one stacked copy
+and one product (`products`).
 
 Adapters save to and load from PEFT's format (`adapter_config.json` and
 `adapter_model.safetensors`), so `peft.PeftModel.from_pretrained` reads what we write.
