@@ -149,7 +149,8 @@ class Settings:
     worker_devices: list[str] = env("WORKER_DEVICES", [], "each worker's device, comma separated; empty: cuda per "
                                     "worker when Ray gives it a GPU, else cpu")
     worker_threads: int = env("WORKER_THREADS", 0, "torch threads per CPU worker; 0: the cores shared among the workers")
-    worker_memory_mb: int = env("WORKER_MEMORY_MB", 0, "the memory a CPU worker places adapters against (MB); 0: the "
+    worker_memory_mb: int = env("WORKER_MEMORY_MB", 0, "the memory a CPU worker places runs and admits batches against "
+                                "(MB): a run or a batch that needs more fails at once, naming this; 0: 80% of the "
                                 "machine's shared among the workers")
     replicas_per_run: int = env("REPLICAS_PER_RUN", 1, "data parallel: workers each training run spans (a run's "
                                 "user_metadata {\"replicas\": \"N\"} asks for its own)")

@@ -310,6 +310,48 @@ def test_every_worker_process_killed_mid_loop_costs_the_loop_nothing(client, clu
     train_killing(client, cluster, engine, tokenizer, seed=22, kill=lambda home: LIVE)
 
 
+def test_a_worker_refuses_at_admission_what_its_memory_cannot_hold(tmp_path, stepwise_home, tiny_model, engine,
+                                                                   tokenizer):
+    """A backend of its own with one worker of STEPWISE_WORKER_MEMORY_MB=48 (the stand-in's weights take 12 MB): a
+    full fine-tuning run (about 49 MB of weights, gradients and moments) is refused when it is made, and a batch whose
+    activations need more than the worker has free fails at once, both naming the setting to raise, instead of the
+    worker growing until the OS or Ray's memory monitor kills it. The worker stays up, and the run the big batch was
+    sent to goes on as if it had never been sent."""
+    (tmp_path / "models").symlink_to(stepwise_home / "models")
+    server = start_server(tmp_path, timeout=600, env={
+        "STEPWISE_WORKERS": "1", "STEPWISE_WORKER_THREADS": "1", "STEPWISE_RAY_NUM_CPUS": "1",
+        "STEPWISE_RAY_OBJECT_STORE_MB": "128", "STEPWISE_HEARTBEAT_S": "0.5", "STEPWISE_WORKER_MEMORY_MB": "48",
+        **stand_in_env(tiny_model)})
+    try:
+        client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
+        with pytest.raises(Exception) as refused:
+            client.create_lora_training_client(base_model=BASE, rank=0, seed=1).result()
+        assert "a full fine-tuning run" in str(refused.value), refused.value
+        assert "raise STEPWISE_WORKER_MEMORY_MB to at least" in str(refused.value), refused.value
+        assert cluster_report(server)["runs"] == {}  # nothing was placed
+
+        tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=51).result()
+        small = [sft_datum(*QUESTIONS[2], tokenizer)]
+        memory = cluster_report(server)["workers"][0]["memory"]
+        per_token = memory["activation_bytes_per_token"][BASE]
+        assert len(small[0].tokens) * per_token < memory["free"] < 8 * len(small[0].tokens) * per_token, memory
+        with pytest.raises(Exception) as too_big:
+            tc.forward_backward([sdk_datum(d) for d in small * 8], "cross_entropy").result()
+        assert "this batch needs about" in str(too_big.value), too_big.value
+        assert "STEPWISE_MICRO_BATCH_TOKENS, or raise STEPWISE_WORKER_MEMORY_MB" in str(too_big.value), too_big.value
+
+        sdk_small = [sdk_datum(d) for d in small]
+        train_steps(tc, sdk_small, steps=2)
+        got = tc.forward(sdk_small, "cross_entropy").result().loss_fn_outputs
+        expected = in_process_logprobs(engine, 51, 4, small, steps=2)
+        np.testing.assert_allclose(got[0]["logprobs"].to_numpy(), expected[0], rtol=0, atol=1e-5)
+        report = cluster_report(server)
+        assert report["workers"][0]["state"] == "live" and report["workers"][0]["restarts"] == 0, report["workers"]
+        assert not [e for e in report["events"] if e["event"] == "lost"], report["events"]
+    finally:
+        server.stop()
+
+
 def test_a_run_whose_worker_never_comes_back_fails_saying_why(tmp_path, stepwise_home, tiny_model, tokenizer):
     """A backend of its own with one worker, stopped for good (ray.kill without a restart): its run waits
     STEPWISE_WORKER_WAIT_S (2 s here) for a live worker, then its requests fail with a message that says why,

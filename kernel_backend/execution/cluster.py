@@ -19,6 +19,10 @@ Placement. A new training run goes to the live worker with the most free memory 
 CPU), preferring workers that hold its base model; its calls follow it there, and the worker's
 scheduler runs them in seq_id order. A sampler goes where its weights are (the in-memory snapshot's
 worker) or, for the base model or a checkpoint, to the least busy live worker, which loads it.
+Memory is admitted, never overrun: a run whose state could not fit its worker's room for adapters fails when it
+is made (_admit_run), and a batch whose activations need more than its worker has free fails at the worker
+(EngineWorker._refuse_if_too_big), both naming STEPWISE_WORKER_MEMORY_MB; the OS or Ray's memory monitor would
+kill the worker instead.
 
 Data parallel. A run with R replicas (STEPWISE_REPLICAS_PER_RUN, or its user_metadata
 {"replicas": "R"}) lives on R workers, which share a torch.distributed process group (gloo on CPU,
@@ -84,6 +88,8 @@ MAX_RESTARTS = 5
 # What a run is estimated to take on a worker until the worker's own measure includes it.
 UNKNOWN_ADAPTER_BYTES = 64 << 20
 RESTORING = "restoring"
+# Of a machine's memory, what its CPU workers share by default (STEPWISE_WORKER_MEMORY_MB, _cpu_budget).
+MACHINE_SHARE = 0.8
 EVENTS_KEPT = 200  # the cluster view's record of workers lost and rejoined and runs restored: the latest kept
 
 
@@ -205,9 +211,7 @@ class Cluster:
                 ray.init(address=self.settings.ray_address, namespace=NAMESPACE)
             else:  # a head on loopback, just for this backend
                 _end_previous_head(self.settings.home)
-                ray.init(num_cpus=self.settings.ray_num_cpus or os.cpu_count(),
-                         include_dashboard=False, object_store_memory=self.settings.ray_object_store_mb << 20,
-                         namespace=NAMESPACE)
+                self._start_own_head(ray)
         devices, explicit = self._devices(ray), bool(self.settings.worker_devices)
         budget = self._cpu_budget(devices)
         actor_class = ray.remote(EngineWorker)
@@ -244,6 +248,31 @@ class Cluster:
             _record_head(self.settings.home)
         self._heartbeats.start()
 
+    def _start_own_head(self, ray, tries: int = 3) -> None:
+        """A Ray head on loopback for this backend alone: address "local", so that neither RAY_ADDRESS nor a cluster
+        `ray start` left on this machine is joined instead (STEPWISE_RAY_ADDRESS is the way to join one). Ray gives
+        its raylet 30 s to register, which a loaded machine can miss: the half-started head is ended and started
+        again."""
+        import psutil  # (a dependency of Ray's)
+
+        for attempt in range(1, tries + 1):
+            try:
+                ray.init(address="local", num_cpus=self.settings.ray_num_cpus or os.cpu_count(),
+                         include_dashboard=False, object_store_memory=self.settings.ray_object_store_mb << 20,
+                         namespace=NAMESPACE)
+                return
+            except Exception as e:
+                if "timed out during startup" not in str(e) or attempt == tries:
+                    raise
+                log.warning("the Ray head did not start in time (%s); starting it again (%d of %d)", e, attempt + 1,
+                            tries)
+                ray.shutdown()
+                for process in psutil.Process().children(recursive=True):  # this gateway's only children: Ray's
+                    try:
+                        process.kill()
+                    except psutil.Error:
+                        pass
+
     def _devices(self, ray) -> list[str]:
         if self.settings.worker_devices:
             return list(self.settings.worker_devices)
@@ -252,10 +281,14 @@ class Cluster:
         return ["cuda" if gpu else "cpu"] * count
 
     def _cpu_budget(self, devices: list[str]) -> int:
+        """What each CPU worker admits runs and batches against (STEPWISE_WORKER_MEMORY_MB): by default the
+        MACHINE_SHARE of this machine's memory, split among them. The rest is the gateway's, Ray's and the
+        system's: Ray's memory monitor kills workers once the machine is 95% full (RAY_memory_usage_threshold),
+        and the workers refuse work before they reach their budgets."""
         if self.settings.worker_memory_mb:
             return self.settings.worker_memory_mb << 20
         cpu_workers = max(1, sum(1 for d in devices if not d.startswith("cuda")))
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // cpu_workers
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * MACHINE_SHARE) // cpu_workers
 
     def stop(self) -> None:
         import ray
@@ -364,6 +397,7 @@ class Cluster:
         workers = self._place(job.base_model, replicas, estimate)
         if not workers:
             raise RuntimeError(f"no live engine worker for {job.base_model}; GET /api/v1/cluster shows why")
+        self._admit_run(job, workers)
         # (A run rebuilt after a crash is made by the service's own load_state job, whose op names the owner.)
         run = Run(job.lane, job.tenant or origin.args.get("owner", ""), job.base_model, origin, workers, estimate)
         self.runs[run.id] = run
@@ -379,6 +413,34 @@ class Cluster:
         if facts is None or config is None:
             return UNKNOWN_ADAPTER_BYTES
         return engine_work.adapter_bytes(facts, config) * TRAINING_COPIES
+
+    def _admit_run(self, job: Job, workers: list[str]) -> None:
+        """Refuse a new run whose state (weights, gradients, optimizer) could not fit on the workers it was placed on
+        even with every other adapter spilled (their `adapter_room`), rather than let it grow a worker past its
+        memory until the OS or Ray's memory monitor kills it. (The workers with the most room were chosen.) A run
+        loaded from a checkpoint, whose size is not known here, is not checked. Lock held."""
+        config = job.op.args.get("config")
+        facts = self.facts().get(job.base_model)
+        if config is None or facts is None:
+            return
+        need = engine_work.adapter_bytes(facts, config) * TRAINING_COPIES
+        short = [name for name in workers if need > self.workers[name].report.get("memory", {}).get("adapter_room", need)]
+        if not short:
+            return
+        memory = self.workers[short[0]].report["memory"]
+        full = config.rank == 0
+        what = ("a full fine-tuning run (rank 0: its own copy of every weight, with gradients and AdamW's two moments)"
+                if full else f"a rank-{config.rank} LoRA run (its weights, gradients and AdamW's two moments)")
+        gpu = self.workers[short[0]].device.startswith("cuda")
+        budget = "its GPU" if gpu else "its STEPWISE_WORKER_MEMORY_MB budget"
+        raise UserError(
+            f"{what} needs about {need >> 20} MB on an engine worker; engine worker {short[0]} has room for "
+            f"{memory['adapter_room'] >> 20} MB ({memory['total'] >> 20} MB, {budget}, less "
+            f"{(memory['base_model_bytes'] + memory['other_bytes']) >> 20} MB for the base model and its caches): "
+            + ("" if gpu else f"raise STEPWISE_WORKER_MEMORY_MB to at least "
+                              f"{(memory['total'] + need - memory['adapter_room']) // 2**20 + 1} (and restart the "
+                              "server), or ")
+            + ("train a LoRA adapter instead (rank 1 or more)" if full else "use a smaller LoRA rank"))
 
     def _place(self, base_model: str, count: int, estimate: int, keep: list[str] = ()) -> list[str]:
         """`keep` plus the live workers with the most free memory, up to `count`, preferring those holding the model."""
