@@ -1,32 +1,35 @@
-"""The kernel's answer to a page asking for every widget's state, made safe while other threads create
-and close widgets.
+"""The kernel's answers to a page asking for every widget (a notebook opened or reloaded), made safe
+while other threads create and close widgets.
 
 When JupyterLab opens or reloads a notebook, its widget manager opens ipywidgets' control comm and
 sends `request_states`; the kernel answers with one `update_states` message holding the state of every
-live widget, and the page builds its widget models from it. A view whose model is not in that answer
-shows "Error displaying widget: model not found".
+live widget, and the page builds its widget models from it. Without an answer within 4 s the page falls
+back to a `comm_info_request` (the kernel's list of widget comms) and asks each of those for its state.
+A view whose model came back in neither way shows "Error displaying widget: model not found"; one whose
+answer never came stays at "Loading widget...".
 
-ipywidgets 8 (every release through 8.1.9, the newest when this was written) answers on the kernel's
-shell thread by iterating its registry of live widgets (`ipywidgets.widgets.widget._instances`, a dict)
-directly, reading each widget's state as it goes. The workbench creates and closes widgets on other
+Both answers are read on the kernel's shell thread by iterating a live registry: ipywidgets 8 (every
+release through 8.1.9, the newest when this was written) iterates its dict of live widgets
+(`ipywidgets.widgets.widget._instances`), reading each widget's state as it goes, and ipykernel (6 and
+7, through 7.4) its comm manager's dict of comms. The workbench creates and closes widgets on other
 threads: a run awaited with workbench.in_thread draws its progress bars and the dashboard's plots on a
 worker thread, and the dashboard's and the cost meter's pollers and redraw timers run on threads of
 their own. A widget created or closed by one of them during that loop makes it raise ("RuntimeError:
 dictionary changed size during iteration"; or an AttributeError from a widget closed after the loop
-reached it, whose `model_id` reads its comm, now None). The exception ends the handler before it
-sends anything: ipykernel logs it and the page gets no answer. After 4 s the page falls back to
-asking for each widget separately, and that path too can come back short on a busy kernel (its
-comm_info list is read the same way); a page that then calls itself restored shows "model not found"
-for the widgets it missed, intermittently, depending on what another thread did at that moment.
+reached it, whose `model_id` reads its comm, now None). The exception ends the handler before it sends
+anything (ipykernel logs "Exception in message handler"), so the page gets no answer: intermittently,
+depending on what another thread did at that moment, a reloaded page shows "model not found" or never
+finishes loading its widgets (seen in a browser with a thread making progress bars in the kernel,
+tests/test_notebooks.py).
 
 install() (called when workbench.widgets is imported and when workbench.in_thread starts work, the
-two ways our widgets get made off the shell thread) replaces that handler with one that reads a copy
-of the registry, taken in one step, and skips a widget closed meanwhile (its views are gone from the
-page too) or one that fails to give its state (read mid-construction by another thread: its comm_open
-message, sent when it registered, carries its state to the page anyway). Every other widget's state is
-sent, so one bad widget no longer costs the page all the others. It patches ipywidgets 8.x only (7.x has
-no control comm; a later major version is left alone), once per process, and only the handler
-ipywidgets itself defined: should an 8.x release fix it, the reply ours sends is the same as theirs.
+two ways our widgets get made off the shell thread) replaces both handlers with ones that read a copy
+of the registry, taken in one step. The widget states skip a widget closed meanwhile (its views are gone
+from the page too) or one that fails to give its state (read mid-construction by another thread: its
+comm_open message, sent when it registered, carries its state to the page anyway), so one bad widget no
+longer costs the page all the others. It patches ipywidgets 8.x (7.x has no control comm; a later major
+version is left alone) and ipykernel 6.x and 7.x, once per process, and only handlers those packages
+defined themselves: should a release fix them, the replies ours send are the same as theirs.
 """
 
 from __future__ import annotations
@@ -39,8 +42,10 @@ _ORIGINAL: dict = {}  # "handler": ipywidgets' own classmethod, once install() h
 
 
 def install() -> bool:
-    """Answer `request_states` with safe_states() from now on; True if this call or an earlier one
-    patched ipywidgets, False where it needs no patch (ipywidgets missing, or not an 8.x release)."""
+    """Answer `request_states` with safe_states(), and a running kernel's `comm_info_request` from a copy
+    of its comms, from now on; True if ipywidgets' handler is (now) the safe one, False where it needs
+    no patch (ipywidgets missing, or not an 8.x release)."""
+    _install_comm_info()
     try:
         import ipywidgets
         from ipywidgets.widgets import widget as widget_module
@@ -94,3 +99,31 @@ def safe_states() -> dict[str, dict]:
             continue
         states[model_id] = entry
     return states
+
+
+def _install_comm_info() -> None:
+    """The running kernel's `comm_info_request` answered from a copy of its comms (ipykernel 6, 7)."""
+    try:
+        import ipykernel
+        from IPython import get_ipython
+    except ImportError:
+        return
+    kernel = getattr(get_ipython(), "kernel", None)
+    handlers = getattr(kernel, "shell_handlers", None)
+    if not ipykernel.__version__.startswith(("6.", "7.")) or not isinstance(handlers, dict):
+        return  # not in an ipykernel kernel, or one this was not written against
+    handler = handlers.get("comm_info_request")
+    if getattr(handler, "__func__", None) is not type(kernel).comm_info_request:
+        return  # already ours, or someone else's
+    # The kernel binds its handlers when it starts (Kernel.__init__), so the table is patched, not the class.
+
+    async def comm_info_request(stream, ident, parent):
+        if not kernel.session:
+            return
+        target_name = parent["content"].get("target_name", None)
+        registry = kernel.comm_manager.comms.copy() if hasattr(kernel, "comm_manager") else {}  # in one step
+        comms = {comm_id: {"target_name": comm.target_name} for comm_id, comm in registry.items()
+                 if target_name is None or comm.target_name == target_name}
+        kernel.session.send(stream, "comm_info_reply", {"comms": comms, "status": "ok"}, parent, ident)
+
+    handlers["comm_info_request"] = comm_info_request
