@@ -1052,3 +1052,93 @@ def echoes(rollouts: Path) -> None:
             if "<tool" in answer or "</tool" in answer or answer == tool.split("</tool_response>")[0].strip():
                 echoed.append(answer)
     assert rewarded and len(echoed) < 0.1 * rewarded, (rewarded, echoed[:5])
+
+
+# ---- reloading a finished run while another thread makes widgets (issue 56) ---------------------------
+
+RELOADED = "reload-finished-run.ipynb"
+
+
+@pytest.fixture
+def tiny_backend(tmp_path, stepwise_home, tiny_model):
+    """A backend of this test's own on the tiny stand-in model (tests/tiny_model.py): what is checked is
+    what the page shows, not what the model learns."""
+    from servers import start_server
+    from tiny_model import stand_in_env
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "models").symlink_to(stepwise_home / "models")
+    server = start_server(home, env=stand_in_env(tiny_model), timeout=600)
+    yield server
+    server.stop()
+
+
+def finished_run_widgets(page) -> dict:
+    """What the page draws of the finished run's widgets: dashboards, full progress bars (tqdm's: a box of
+    its label, a bar and '3/3 ...'), cost meters; and whether any widget is still "Loading widget..."."""
+    bars = page.locator(".jp-OutputArea-output .widget-hbox").filter(has=page.locator(".widget-hprogress"))
+    return {"dashboards": page.locator(".wb-dashboard").count(), "meters": page.locator(".wb-cost").count(),
+            "bars": [b.text_content() for b in bars.all()],
+            "loading": "Loading widget" in page.locator(".jp-Notebook").text_content()}
+
+
+def test_a_finished_runs_widgets_come_back_on_every_reload(lab, browser, tiny_backend):
+    """A finished SFT run's widgets (its progress bar, the dashboard's plots, a cost meter) while another
+    thread in the kernel keeps making and closing progress bars (as a second run's would): the page is
+    reloaded five times and each time every widget is drawn again, none "Loading widget..." or "Error
+    displaying widget: model not found". Before workbench/widget_states.py the kernel's answer to the
+    reloaded page's request for its widgets raised when that thread made or closed one meanwhile, and
+    the page got no answer (tests/_artifacts/notebook-reload-finished-run.png)."""
+    import httpx
+    import nbformat
+
+    endpoint = f"base_url={tiny_backend.base_url!r}, api_key={tiny_backend.api_key!r}"
+    cells = [f"import threading, ipywidgets, workbench\nfrom workbench.recipes import common, sft\n"
+             f"client = workbench.connect({endpoint}, progress=False)\n"
+             f"config = sft.Config({endpoint}, steps=3, eval_every=1, save_every=3, sample_questions=1)",
+             'dashboard = workbench.Dashboard(session=client, panels={"loss per assistant token": ["train_loss", "eval_loss"]})\n'
+             "display(dashboard)\n"
+             'summary = await workbench.in_thread(sft.run, config, service_client=client, '
+             'on_step=common.plot_to(dashboard, "eval_loss", "train_loss"))',
+             "workbench.CostMeter(session=client)",
+             "stop = threading.Event()\n\n"
+             "def progress_bars():  # another run's bars, made and closed every 20 ms until the kernel ends\n"
+             "    while not stop.wait(0.02):\n"
+             '        bar = ipywidgets.HBox([ipywidgets.HTML("eval"), ipywidgets.FloatProgress(), ipywidgets.HTML("1/3")])\n'
+             "        for widget in (bar, *bar.children):\n"
+             "            widget.close()\n\n"
+             "threading.Thread(target=progress_bars, daemon=True).start()"]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(notebook, lab["root"] / RELOADED)
+    try:
+        page = browser.new_page()
+        open_notebook(page, lab, RELOADED)
+        run_all(page)
+        wait_until_run([page], lab)
+        assert not problems(page), problems(page)
+        shown = plots(page)
+        assert {p["title"] for p in shown} == {LOSS, "loss per assistant token"}, shown
+        drawn = finished_run_widgets(page)
+        assert drawn["dashboards"] == drawn["meters"] == len(drawn["bars"]) == 1 and not drawn["loading"], drawn
+        assert "3/3" in drawn["bars"][0], drawn
+        save(page)
+        for reload in range(1, 6):
+            page.reload()
+            wait_for_kernel(page)
+
+            def every_widget_back():
+                assert not problems(page), (reload, problems(page))
+                assert finished_run_widgets(page) == drawn, reload
+                assert plots(page) == shown, reload
+            eventually(every_widget_back, timeout=60)
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.locator(".wb-dashboard").first.scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / "notebook-reload-finished-run.png"))
+    finally:
+        # The kernel shuts down (its thread of progress bars with it), as closing the notebook does.
+        for session in httpx.get(f"{lab['url']}/api/sessions").json():
+            if session["path"] == RELOADED:
+                httpx.delete(f"{lab['url']}/api/sessions/{session['id']}")
+        (lab["root"] / RELOADED).unlink()
