@@ -1,20 +1,31 @@
-"""The gateway's own crash on Ray (kernel_backend/execution/cluster.py): `serve --workers 2`, the process that owns the
-Ray head and the engine workers, killed with SIGKILL mid-loop and started again on the same home and port.
+"""The gateway on Ray (kernel_backend/execution/cluster.py): its own crash, and a cluster of more than one node.
+
+`serve --workers 2`, the process that owns the Ray head and the engine workers, killed with SIGKILL mid-loop and
+started again on the same home and port.
 
 The standard is the in-process server's (tests/test_recovery.py): the SDK loop goes on across the restart (its own
 retries carry it while the server is away), the requests in flight at the kill are answered by the rebuilt run, and
 the final logprobs are those of an uninterrupted in-process run (1e-5). A killed gateway leaves no Ray process
 behind: its head, its workers and Ray's agents go with it (they would eat a small machine's memory).
 
-A backend of its own (it is killed), on the tiny random stand-in for the default model, as tests/test_cluster.py's.
+`ray start --head` and `ray start --address` on this machine stand in for two nodes of a cluster that `serve` joins
+(STEPWISE_RAY_ADDRESS).
+
+Backends of their own, on the tiny random stand-in for the default model, as tests/test_cluster.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
+import re
 import sqlite3
+import subprocess
+import sys
+import tempfile
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,8 +33,8 @@ import tinker
 from tinker import types
 
 from helpers import sft_datum, wait_until
-from servers import start_server
-from test_cluster import BASE, LR, QUESTIONS, in_process_logprobs, sdk_datum
+from servers import free_port, start_server
+from test_cluster import BASE, LR, QUESTIONS, cluster_report, in_process_logprobs, sdk_datum, train_steps
 from tiny_model import stand_in_env
 
 if importlib.util.find_spec("ray") is None:
@@ -98,3 +109,81 @@ def test_a_killed_gateway_comes_back_and_the_loop_ends_as_if_uninterrupted(tmp_p
         if restart is not None:
             restart.join()
         server.stop()
+
+
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+@contextlib.contextmanager
+def two_node_cluster():
+    """A Ray cluster of two nodes on this machine (`ray start --head`, then `ray start --address`), one CPU each, in a
+    temp dir of its own; yields its address. Ended by killing its own processes (never `ray stop`: that stops every
+    Ray on the machine)."""
+    temp_dir = tempfile.mkdtemp(prefix="stepwise-ray-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    # Token authentication, as Ray asks of a node or driver joining a cluster that `ray start` made here.
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    common = ["--num-cpus=1", "--disable-usage-stats", f"--temp-dir={temp_dir}", f"--object-store-memory={128 << 20}"]
+    try:
+        head = subprocess.run([RAY, "start", "--head", f"--port={free_port()}", "--include-dashboard=false", *common],
+                              env=env, capture_output=True, text=True, timeout=300)
+        found = re.search(r"ray start --address='([^']+)'", head.stdout + head.stderr)
+        assert head.returncode == 0 and found, head.stdout + head.stderr
+        address = found.group(1)
+        node = subprocess.run([RAY, "start", f"--address={address}", *common], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert node.returncode == 0, node.stdout + node.stderr
+
+        def nodes_alive() -> int:
+            status = subprocess.run([RAY, "status", f"--address={address}"], env=env, capture_output=True, text=True,
+                                    timeout=120).stdout
+            return len(re.findall(r"^ 1 node_", status.split("Pending:")[0], flags=re.M))
+
+        wait_until(lambda: nodes_alive() == 2, timeout=120, what="the second node to join", every=1)
+        yield address
+    finally:
+        ours = [p for p in psutil.process_iter(["cmdline"]) if temp_dir in " ".join(p.info["cmdline"] or [])]
+        for process in ours + [child for p in ours for child in _children(p)]:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+
+
+def _children(process: psutil.Process) -> list[psutil.Process]:
+    try:
+        return process.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def test_the_gateway_joins_a_ray_cluster_and_spreads_its_workers_over_its_nodes(tmp_path, stepwise_home, tiny_model,
+                                                                                 engine, tokenizer):
+    """`serve` with STEPWISE_RAY_ADDRESS and STEPWISE_WORKERS=2 joins a cluster of two nodes: one worker on each, a
+    run trains as on one process (1e-5), and the cluster outlives the gateway (it is not the gateway's to stop)."""
+    (tmp_path / "models").symlink_to(stepwise_home / "models")
+    with two_node_cluster() as address:
+        server = start_server(tmp_path, timeout=600, env={
+            "STEPWISE_RAY_ADDRESS": address, "STEPWISE_WORKERS": "2", "STEPWISE_WORKER_THREADS": "1",
+            "STEPWISE_HEARTBEAT_S": "0.5", "STEPWISE_EMBEDDED": "0", "RAY_AUTH_MODE": "token", **stand_in_env(tiny_model)})
+        try:
+            report = cluster_report(server)
+            assert report["ray_address"] == address
+            workers = report["workers"]
+            assert [w["state"] for w in workers] == ["live", "live"], workers
+            assert len({w["node_id"] for w in workers}) == 2, workers  # one on each node
+
+            client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
+            datums = [sft_datum(*QUESTIONS[3], tokenizer)]
+            data = [sdk_datum(d) for d in datums]
+            runs = [client.create_lora_training_client(base_model=BASE, rank=4, seed=61 + i).result() for i in range(2)]
+            placed = cluster_report(server)["runs"]
+            assert sorted(placed[tc.model_id]["workers"][0] for tc in runs) == ["worker-0", "worker-1"], placed
+            for i, tc in enumerate(runs):
+                train_steps(tc, data, steps=2)
+                got = tc.forward(data, "cross_entropy").result().loss_fn_outputs
+                expected = in_process_logprobs(engine, 61 + i, 4, datums, steps=2)
+                assert abs(got[0]["logprobs"].to_numpy() - expected[0]).max() <= 1e-5
+        finally:
+            server.stop()
+        # The gateway stopped its workers, not the cluster: both raylets still run.
+        raylets = [p for p in psutil.process_iter(["name", "cmdline"])
+                   if p.info["name"] == "raylet" and address.rsplit(":", 1)[1] in " ".join(p.info["cmdline"] or [])]
+        assert len(raylets) == 2, raylets

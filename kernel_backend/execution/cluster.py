@@ -215,6 +215,8 @@ class Cluster:
         devices, explicit = self._devices(ray), bool(self.settings.worker_devices)
         budget = self._cpu_budget(devices)
         actor_class = ray.remote(EngineWorker)
+        nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+        log.info("cluster: Ray at %s, %d nodes alive", ray.get_runtime_context().gcs_address, len(nodes))
         for i, device in enumerate(devices):
             name = f"worker-{i}"
             settings = dataclasses.replace(self.settings, device=device,
@@ -225,6 +227,7 @@ class Cluster:
                 name=actor_name, num_cpus=0,
                 num_gpus=1 if device.startswith("cuda") and not explicit else 0,
                 max_restarts=MAX_RESTARTS, max_concurrency=1000,
+                scheduling_strategy=_spread(device, i, nodes),
             ).remote(name, settings, budget)
             self.workers[name] = Worker(name, actor, actor_name, device)
         reports = [w.actor.start.remote(self.models) for w in self.workers.values()]
@@ -340,7 +343,8 @@ class Cluster:
         with self._lock:
             workers = [{
                 "name": w.name, "actor": w.actor_name, "state": w.state, "error": w.error, "device": w.device,
-                "node": w.report.get("node"), "pid": w.report.get("pid"), "restarts": w.restarts,
+                "node": w.report.get("node"), "node_id": w.report.get("node_id"), "pid": w.report.get("pid"),
+                "restarts": w.restarts,
                 "models": sorted(w.report.get("models", {})),
                 "memory": w.report.get("memory"),
                 "runs": sorted(r.id for r in self.runs.values() if w.name in r.workers),
@@ -864,6 +868,18 @@ def _forget_head(home) -> None:
 
 
 # ---- helpers --------------------------------------------------------------------------------------------
+
+
+def _spread(device: str, index: int, nodes: list[str]):
+    """Where worker `index` runs: CPU workers round the cluster's nodes (a node lost costs fewer workers, and each
+    has more of a node's cores), GPU workers where Ray finds a free GPU. Pinned to the node: Ray's SPREAD, and a
+    soft affinity (Ray 2.60), leave actors that ask for no CPU on the head. A worker whose node is gone is lost for
+    good, its runs restored on the others' (Cluster._restore)."""
+    if device.startswith("cuda") or len(nodes) < 2:
+        return "DEFAULT"
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=nodes[index % len(nodes)], soft=False)
 
 
 def _wire(job: Job) -> Job:

@@ -92,7 +92,7 @@ class EngineWorker:
         engines = dict(self.scheduler.engines)
         return {
             "name": self.name, "incarnation": self.incarnation, "state": self.state, "error": self.error,
-            "device": self.settings.device, "pid": os.getpid(), "node": _node_ip(),
+            "device": self.settings.device, "pid": os.getpid(), "node": _node_ip(), "node_id": _node_id(),
             "models": self.scheduler.facts() if self.state == "live" else {},
             "adapters": {name: list(engine.adapters.entries) for name, engine in engines.items()},
             "adapter_cache": {name: engine.adapters.stats() for name, engine in engines.items()},
@@ -287,6 +287,13 @@ def _node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+def _node_id() -> str:
+    """Ray's id of this worker's node (two nodes of one machine share an address)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
 
 
 def _measured(engine) -> dict:
