@@ -8,7 +8,9 @@ the loss, not what a model learns; a random model's replies serve as well as a t
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import threading
 import time
 
 import httpx
@@ -171,6 +173,44 @@ def test_episodes_play_through_the_sdk_as_one_token_sequence(sampler, tokenizer,
     tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
     out = tc.forward([datum], "importance_sampling").result()
     assert out.metrics["kl_sample_train:mean"] == pytest.approx(0.0, abs=2e-3)
+
+
+class HeldSampler:
+    """The SDK's sampler, except that the first turn of the episode asking `held` is answered only once another
+    episode's second turn has been sent (after 60 s regardless: then `released_early` stays False)."""
+
+    def __init__(self, inner, held: list[int], others: list[list[int]]) -> None:
+        self.inner, self.held, self.others = inner, held, others
+        self.second_turn_sent, self.released_early = threading.Event(), False
+
+    def sample(self, prompt, num_samples, params, **kwargs):
+        tokens, future = prompt.to_ints(), self.inner.sample(prompt, num_samples, params, **kwargs)
+        if any(len(tokens) > len(first) and tokens[:len(first)] == first for first in self.others):
+            self.second_turn_sent.set()
+        if tokens != self.held:
+            return future
+        gate = concurrent.futures.Future()  # a plain future, as older SDKs returned: waited on as it is
+
+        def release():
+            self.released_early = self.second_turn_sent.wait(60)
+            gate.set_result(future.result())
+        threading.Thread(target=release, daemon=True).start()
+        return gate
+
+
+def test_an_episode_goes_on_while_another_is_still_sampling(sampler, tokenizer):
+    """Each episode's next turn is sent as soon as its own turn is back, not when every episode's is: with one
+    episode's first turn held back, another's second turn goes out meanwhile, and every episode still plays out as
+    its environment says, in the order given."""
+    schemas = [Tool.of(calc).schema]
+    envs = [Scripted(3), Scripted(1), Scripted(2)]
+    envs[1].reset = lambda: [{"role": "user", "content": "Which tool adds numbers?"}]  # the held episode's own prompt
+    firsts = [tool_calls.render(tokenizer, env.reset(), schemas) for env in envs]
+    held = HeldSampler(sampler, firsts[1], [firsts[0], firsts[2]])
+    played = episodes.run_episodes(held, tokenizer, envs, tools=[Tool.of(calc)], max_turns=4, max_tokens=6, seed=2)
+    assert held.released_early, "no other episode's second turn was sent while the held one was sampling"
+    assert [(e.turns, e.ended) for e in played] == [(3, "done"), (1, "done"), (2, "done")]
+    assert [e.segments[0].tokens for e in played] == firsts
 
 
 def test_a_demonstration_of_a_call_trains_what_an_episode_samples(tokenizer):

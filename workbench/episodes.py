@@ -239,11 +239,14 @@ def reply_message(tokenizer, tokens: list[int]) -> dict:
 def run_episodes(sampler, tokenizer, envs: list, tools: list[Tool] | None = None, max_turns: int = 4,
                  max_tokens: int = 64, max_episode_tokens: int = 1024, temperature: float = 1.0,
                  seed: int = 0, constrain_calls: bool = False) -> list[Episode]:
-    """Play each environment to its end, all of them in lockstep: each turn samples every unfinished
-    episode at once (the server batches them), then steps the environments. An episode ends when its
-    environment says done, after `max_turns` policy turns, or when its tokens pass `max_episode_tokens`
-    (reward 0 unless done). `constrain_calls`: each turn is plain text or one valid call (the module's
-    docstring)."""
+    """Play each environment to its end, all of them at once: every episode's first turn is sampled together
+    (the server batches them), and each episode goes on as soon as its own turn is back: its environment
+    steps here, on this thread, and its next turn joins the server's running batch while other episodes are
+    still sampling theirs (no turn waits for the slowest episode of the one before). An episode ends when
+    its environment says done, after `max_turns` policy turns, or when its tokens pass `max_episode_tokens`
+    (reward 0 unless done). Each turn's seed is fixed by the episode and the turn, so what an episode samples
+    does not depend on when its turn ran. `constrain_calls`: each turn is plain text or one valid call (the
+    module's docstring)."""
     schemas = [t.schema for t in tools] if tools else None
     extra = {}
     if constrain_calls:
@@ -259,42 +262,57 @@ def run_episodes(sampler, tokenizer, envs: list, tools: list[Tool] | None = None
             raise ValueError(f"an episode's first prompt is {len(prompt)} tokens, and with max_tokens {max_tokens} "
                              f"its first turn passes max_episode_tokens {max_episode_tokens}: raise max_episode_tokens")
         episodes.append(Episode([Segment("prompt", prompt, text=tokenizer.decode(prompt))], messages))
-    live = list(range(len(envs)))
-    for turn in range(max_turns):
-        futures = [(i, sampler.sample(types.ModelInput.from_ints(episodes[i].tokens), 1, types.SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, seed=seed * 1000 + i * 64 + turn), **extra)) for i in live]
-        still = []
-        for i, future in futures:
-            episode, env = episodes[i], envs[i]
-            (seq,) = future.result().sequences
-            text = tokenizer.decode(seq.tokens)  # with the end token: the template's closing is measured from it
-            reply = reply_message(tokenizer, seq.tokens)
-            calls = reply.get("tool_calls", [])
-            history = list(episode.messages)
-            episode.segments.append(Segment("policy", list(seq.tokens), list(seq.logprobs),
-                                            tokenizer.decode(seq.tokens, skip_special_tokens=True)))
-            episode.messages.append(reply)
-            outcome = env.step(history, reply)
-            episode.tool_calls += len(calls)
-            episode.tool_errors += sum(m.get("role") == "tool" and str(m.get("content", "")).startswith("Error:")
-                                       for m in outcome.messages)
-            if outcome.done:
-                episode.reward, episode.parts, episode.ended = outcome.reward, dict(outcome.parts), "done"
-                continue
-            if turn == max_turns - 1:
-                episode.ended = "max_turns"
-                continue
-            tokens, obs_text = observation_tokens(tokenizer, history, text, outcome.messages, schemas)
-            episode.segments.append(Segment("observation", tokens, text=obs_text))
-            episode.messages.extend(outcome.messages)
-            if len(episode.tokens) + max_tokens > max_episode_tokens:
-                episode.ended = "max_tokens"
-                continue
-            still.append(i)
-        live = still
-        if not live:
-            break
+
+    def sample(i: int, turn: int):
+        return sampler.sample(types.ModelInput.from_ints(episodes[i].tokens), 1, types.SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, seed=seed * 1000 + i * 64 + turn), **extra)
+
+    def play(i: int, turn: int, response) -> bool:
+        """Episode i's turn `turn` is back: record it and step its environment. Whether the episode goes on."""
+        episode, env = episodes[i], envs[i]
+        (seq,) = response.sequences
+        text = tokenizer.decode(seq.tokens)  # with the end token: the template's closing is measured from it
+        reply = reply_message(tokenizer, seq.tokens)
+        calls = reply.get("tool_calls", [])
+        history = list(episode.messages)
+        episode.segments.append(Segment("policy", list(seq.tokens), list(seq.logprobs),
+                                        tokenizer.decode(seq.tokens, skip_special_tokens=True)))
+        episode.messages.append(reply)
+        outcome = env.step(history, reply)
+        episode.tool_calls += len(calls)
+        episode.tool_errors += sum(m.get("role") == "tool" and str(m.get("content", "")).startswith("Error:")
+                                   for m in outcome.messages)
+        if outcome.done:
+            episode.reward, episode.parts, episode.ended = outcome.reward, dict(outcome.parts), "done"
+            return False
+        if turn == max_turns - 1:
+            episode.ended = "max_turns"
+            return False
+        tokens, obs_text = observation_tokens(tokenizer, history, text, outcome.messages, schemas)
+        episode.segments.append(Segment("observation", tokens, text=obs_text))
+        episode.messages.extend(outcome.messages)
+        if len(episode.tokens) + max_tokens > max_episode_tokens:
+            episode.ended = "max_tokens"
+            return False
+        return True
+
+    pending = {i: (0, sample(i, 0)) for i in range(len(envs))}  # episode -> (its turn, that turn's future)
+    while pending:
+        for i in _finished(pending):  # in episode order: the environments step in a fixed order
+            turn, future = pending.pop(i)
+            if play(i, turn, future.result()):
+                pending[i] = (turn + 1, sample(i, turn + 1))
     return episodes
+
+
+def _finished(pending: dict) -> list[int]:
+    """The episodes whose turn is back, at least one (waiting for the first). The SDK's futures give a standard
+    concurrent future (`.future()`); a sampler whose futures do not is waited on in episode order."""
+    waitable = {i: getattr(future, "future", lambda f=future: f)() for i, (_, future) in pending.items()}
+    if not all(isinstance(f, concurrent.futures.Future) for f in waitable.values()):
+        return [min(pending)]
+    concurrent.futures.wait(list(waitable.values()), return_when=concurrent.futures.FIRST_COMPLETED)
+    return sorted(i for i, f in waitable.items() if f.done())
 
 
 def group_advantages(episodes: list[Episode]) -> np.ndarray:
