@@ -350,37 +350,46 @@ def use_sample_dtype(engine, dtype: str, quiet: bool = False) -> None:
               f"{engine.memory()['sampler_weights_bytes'] / 1e6:.0f} MB)", flush=True)
 
 
+def alternating(engine, requests, rounds: int, kinds: tuple, use) -> list[tuple]:
+    """Decode steps taking turns among `kinds` on the same rows: `use(kind)` sets each step up (inside the step, after
+    Decoder.step's own set-up). `requests(round)` are run `rounds` times. Returns [(live rows, kind, seconds)]."""
+    from kernel_backend.engine import sampler
+
+    original, steps = sampler.Decoder._decode, []
+
+    def decode(self, finished):
+        kind = kinds[len(steps) % len(kinds)]
+        use(kind)
+        start = time.perf_counter()
+        try:
+            return original(self, finished)
+        finally:
+            steps.append((len(self.rows), kind, time.perf_counter() - start))
+    sampler.Decoder._decode = decode
+    try:
+        for r in range(rounds):
+            engine.run_requests(requests(r))
+    finally:
+        sampler.Decoder._decode = original
+    return steps
+
+
 def pairs(engine, dtype: str, tokens: int, rounds: int) -> dict:
     """{(side, rows): (float32 step ms, `dtype` step ms, median of the pairs' float32/dtype ratios, pairs)}, decode
     steps alternating between the sampling copies and the float32 weights (see the docstring)."""
-    from kernel_backend.engine import sampler
     from kernel_backend.types import LoraConfig
 
     use_sample_dtype(engine, dtype, quiet=True)
     engine.create_adapter("pairs", LoraConfig(rank=8, seed=0))
     routing = engine.model._stepwise_routing
-    original = sampler.Decoder._decode
     results = {}
     print(f"\n[pairs] decode steps alternating float32 / {dtype} weights (medians; ratio: float32 step / {dtype} step, "
           "the median over adjacent pairs)")
     for side, adapter in (("LoRA r8", "pairs"), ("base", None)):
         for rows in WORKLOADS:
-            steps = []  # (rows, copies on, seconds)
-
-            def decode(self, finished):
-                on = len(steps) % 2 == 1
-                routing.sampling = on  # Decoder.step turned it on; off: the float32 weights
-                start = time.perf_counter()
-                try:
-                    return original(self, finished)
-                finally:
-                    steps.append((len(self.rows), on, time.perf_counter() - start))
-            sampler.Decoder._decode = decode
-            try:
-                for r in range(rounds):
-                    engine.run_requests(workload(engine, adapter, rows, tokens, seed=100 * r))
-            finally:
-                sampler.Decoder._decode = original
+            # Decoder.step turned lora.sampling on; off every other step: the float32 weights.
+            steps = alternating(engine, lambda r: workload(engine, adapter, rows, tokens, seed=100 * r), rounds,
+                                (False, True), lambda on: setattr(routing, "sampling", on))
             full = [(on, t) for n, on, t in steps[2:] if n == rows]  # the first pair warms up
             ratios = [a[1] / b[1] for a, b in zip(full, full[1:]) if not a[0] and b[0]]
             fp32 = 1e3 * statistics.median(t for on, t in full if not on)

@@ -30,7 +30,7 @@ from benchenv import BASE, load_line  # noqa: E402 - first: OMP_WAIT_POLICY, sys
 
 import torch  # noqa: E402
 
-from decode_profile import WORKLOADS, workload  # noqa: E402
+from decode_profile import WORKLOADS, alternating, workload  # noqa: E402
 
 KINDS = ("float32", "bf16 plain", "bf16 packed")
 
@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    from kernel_backend.engine import lora, sampler
+    from kernel_backend.engine import lora
     from kernel_backend.engine.core import Engine
     from kernel_backend.types import LoraConfig
 
@@ -75,25 +75,12 @@ def main() -> None:
     print(f"bf16 plain vs packed, the same requests: {sum(gaps) / len(gaps):.1e} mean |logprob difference|, max "
           f"{max(gaps):.1e} (over {len(gaps)} tokens while the samples agree)")
 
-    original = sampler.Decoder._decode
     for side, adapter in (("LoRA r8", "r8"), ("base", None)):
         for rows in WORKLOADS:
-            steps = []  # (live rows, kind, seconds)
-
-            def decode(self, finished):
-                kind = KINDS[len(steps) % len(KINDS)]
-                use(kind)
-                start = time.perf_counter()
-                try:
-                    return original(self, finished)
-                finally:
-                    steps.append((len(self.rows), kind, time.perf_counter() - start))
-            sampler.Decoder._decode = decode
             try:
-                for r in range(args.rounds):
-                    engine.run_requests(workload(engine, adapter, rows, 40, seed=100 * r))
+                steps = alternating(engine, lambda r: workload(engine, adapter, rows, 40, seed=100 * r), args.rounds,
+                                    KINDS, use)
             finally:
-                sampler.Decoder._decode = original
                 use("bf16 packed")
             timed = [(kind, t) for n, kind, t in steps[len(KINDS):] if n == rows]  # the first turn warms up
             ms = {kind: 1e3 * statistics.median(t for k, t in timed if k == kind) for kind in KINDS}
