@@ -58,8 +58,18 @@ def journaled(home, model_id: str) -> int:
         return db.execute("select count(*) from journal where model_id = ?", (model_id,)).fetchone()[0]
 
 
+def running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:  # it ended while we looked
+        return False
+
+
 def test_a_killed_gateway_comes_back_and_the_loop_ends_as_if_uninterrupted(tmp_path, stepwise_home, tiny_model,
                                                                              engine, tokenizer):
+    """kill -9 of `serve --workers 2` once step 5's requests are accepted, started again on its home and port while
+    the loop waits: the loop finishes with no failed call, its logprobs those of an uninterrupted in-process run
+    (1e-5), each step billed once, and nothing of the killed gateway's Ray left running."""
     (tmp_path / "models").symlink_to(stepwise_home / "models")
     env = {**ENV, **stand_in_env(tiny_model)}
     server = start_server(tmp_path, env=env, timeout=600)
@@ -95,8 +105,8 @@ def test_a_killed_gateway_comes_back_and_the_loop_ends_as_if_uninterrupted(tmp_p
         for a, b in zip(got, expected):
             assert abs(a["logprobs"].to_numpy() - b).max() <= 1e-5, abs(a["logprobs"].to_numpy() - b).max()
         # The killed gateway's Ray processes are gone: the new one has a head and workers of its own.
-        alive = lambda: [p for p in left_behind if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]  # noqa: E731
-        wait_until(lambda: not alive(), timeout=5, what=f"the killed gateway's Ray processes to end: {alive()}")
+        wait_until(lambda: not any(running(p) for p in left_behind), timeout=5,
+                   what=f"the killed gateway's Ray processes to end: {[p for p in left_behind if running(p)]}")
         assert not {p.pid for p in left_behind} & {p.pid for p in ray_processes(server.process.pid)}
         # Each step billed once: the optim_step in flight at the kill applied exactly once.
         rows = httpx.get(f"{server.base_url}/api/v1/usage", params={"training_run_id": tc.model_id},

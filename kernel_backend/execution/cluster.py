@@ -212,6 +212,7 @@ class Cluster:
             else:  # a head on loopback, just for this backend
                 _end_previous_head(self.settings.home)
                 self._start_own_head(ray)
+                _record_head(self.settings.home)  # (again once the workers run: a crash may come before)
         devices, explicit = self._devices(ray), bool(self.settings.worker_devices)
         budget = self._cpu_budget(devices)
         actor_class = ray.remote(EngineWorker)
