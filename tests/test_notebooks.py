@@ -1083,6 +1083,31 @@ def finished_run_widgets(page) -> dict:
             "loading": "Loading widget" in page.locator(".jp-Notebook").text_content()}
 
 
+def widget_traffic(page) -> list:
+    """A list that fills with what the page's widget manager sends and hears on the kernel's websocket (the
+    requests for the kernel's widgets and their answers, seconds after the list was cleared) and the
+    page's console errors: evidence for a failure's message."""
+    heard: list = []
+    start = [time.monotonic()]
+
+    def note(*what):
+        if not heard:
+            start[0] = time.monotonic()
+        heard.append((round(time.monotonic() - start[0], 2), *what))
+
+    def on_websocket(socket):
+        def frame(payload, direction):
+            text = payload if isinstance(payload, str) else payload.decode("utf-8", "replace")
+            for key in ("request_states", "update_states", "comm_info_request", "comm_info_reply"):
+                if key in text:
+                    note(direction, key, len(text))
+        socket.on("framesent", lambda payload: frame(payload, "sent"))
+        socket.on("framereceived", lambda payload: frame(payload, "heard"))
+    page.on("websocket", on_websocket)
+    page.on("console", lambda message: note("console", message.text[:300]) if message.type == "error" else None)
+    return heard
+
+
 def test_a_finished_runs_widgets_come_back_on_every_reload(lab, browser, tiny_backend):
     """A finished SFT run's widgets (its progress bar, the dashboard's plots, a cost meter) while another
     thread in the kernel keeps making and closing progress bars (as a second run's would): the page is
@@ -1103,17 +1128,19 @@ def test_a_finished_runs_widgets_come_back_on_every_reload(lab, browser, tiny_ba
              'on_step=common.plot_to(dashboard, "eval_loss", "train_loss"))',
              "workbench.CostMeter(session=client)",
              "stop = threading.Event()\n\n"
-             "def progress_bars():  # another run's bars, made and closed every 20 ms until the kernel ends\n"
-             "    while not stop.wait(0.02):\n"
+             "def progress_bars():  # another run's bars, made and closed every 50 ms until the kernel ends\n"
+             "    while not stop.wait(0.05):\n"
              '        bar = ipywidgets.HBox([ipywidgets.HTML("eval"), ipywidgets.FloatProgress(), ipywidgets.HTML("1/3")])\n'
-             "        for widget in (bar, *bar.children):\n"
-             "            widget.close()\n\n"
+             "        for widget in (bar, *bar.children):  # each with its layout and style, or they pile up in the kernel\n"
+             "            for part in (widget, widget.layout, getattr(widget, 'style', None)):\n"
+             "                part and part.close()\n\n"
              "threading.Thread(target=progress_bars, daemon=True).start()"]
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(notebook, lab["root"] / RELOADED)
     try:
         page = browser.new_page()
+        heard = widget_traffic(page)
         open_notebook(page, lab, RELOADED)
         run_all(page)
         wait_until_run([page], lab)
@@ -1125,14 +1152,20 @@ def test_a_finished_runs_widgets_come_back_on_every_reload(lab, browser, tiny_ba
         assert "3/3" in drawn["bars"][0], drawn
         save(page)
         for reload in range(1, 6):
+            heard.clear()
             page.reload()
             wait_for_kernel(page)
 
             def every_widget_back():
-                assert not problems(page), (reload, problems(page))
-                assert finished_run_widgets(page) == drawn, reload
+                # What the page asked the kernel and heard back comes with a failure (what is left to find).
+                assert not problems(page), (reload, problems(page), heard)
+                assert finished_run_widgets(page) == drawn, (reload, heard)
                 assert plots(page) == shown, reload
-            eventually(every_widget_back, timeout=60)
+            try:
+                eventually(every_widget_back, timeout=60)
+            except AssertionError:
+                print(f"reload {reload}: what the page sent and heard", *heard, sep="\n")
+                raise
         ARTIFACTS.mkdir(exist_ok=True)
         page.locator(".wb-dashboard").first.scroll_into_view_if_needed()
         page.screenshot(path=str(ARTIFACTS / "notebook-reload-finished-run.png"))
