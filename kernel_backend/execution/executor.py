@@ -27,8 +27,9 @@ SAMPLER_REQUESTS = ("Sample", "ChatCompletion", "Completion", "Message")
 
 
 class Executor(Protocol):
-    # True: it restores the runs a crash cut off by itself; False: the service snapshots each run's state for
-    # replay (service/recovery.py).
+    # True: it decides when a run snapshots and restores the runs a lost worker held by itself (the cluster); False:
+    # the service asks for each run's snapshot on its optim_steps. Either way the service replays the runs a crash
+    # of this process cut off (service/recovery.py).
     restores_runs: bool
 
     def start(self, base_models: list[str]) -> None:
