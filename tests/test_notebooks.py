@@ -1127,9 +1127,12 @@ def test_a_finished_runs_widgets_come_back_on_every_reload(lab, browser, tiny_ba
              'summary = await workbench.in_thread(sft.run, config, service_client=client, '
              'on_step=common.plot_to(dashboard, "eval_loss", "train_loss"))',
              "workbench.CostMeter(session=client)",
+             "# A long session's widgets (every tqdm bar leaves its layouts and styles open, for one): the kernel's\n"
+             "# answer to a reload reads each, so a thread making bars meanwhile has time to change the registry.\n"
+             "session_widgets = [ipywidgets.HTML(str(i)) for i in range(2000)]\n"
              "stop = threading.Event()\n\n"
-             "def progress_bars():  # another run's bars, made and closed every 50 ms until the kernel ends\n"
-             "    while not stop.wait(0.05):\n"
+             "def progress_bars():  # another run's bars, made and closed every 20 ms until the kernel ends\n"
+             "    while not stop.wait(0.02):\n"
              '        bar = ipywidgets.HBox([ipywidgets.HTML("eval"), ipywidgets.FloatProgress(), ipywidgets.HTML("1/3")])\n'
              "        for widget in (bar, *bar.children):  # each with its layout and style, or they pile up in the kernel\n"
              "            for part in (widget, widget.layout, getattr(widget, 'style', None)):\n"
