@@ -766,8 +766,10 @@ def test_the_page_gets_its_answer_each_time_while_threads_keep_making_widgets(pa
     def progress_bars():
         while not stop.is_set():
             bar = ipywidgets.HBox([ipywidgets.HTML("sft"), ipywidgets.FloatProgress(), ipywidgets.HTML("1/3")])
-            for widget in (bar, *bar.children):
-                widget.close()
+            for widget in (bar, *bar.children):  # with their layouts and styles: left open, they pile up by millions
+                for part in (widget, widget.layout, getattr(widget, "style", None)):
+                    if part is not None:
+                        part.close()
     threads = [threading.Thread(target=progress_bars) for _ in range(2)]
     for thread in threads:
         thread.start()
