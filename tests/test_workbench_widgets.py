@@ -793,3 +793,24 @@ def test_the_fix_is_installed_once_and_other_control_messages_fail_as_before(pag
     assert install() and ipywidgets.Widget.__dict__["_handle_control_comm_msg"] is handler  # not wrapped twice
     with pytest.raises(RuntimeError, match='Unknown front-end to back-end widget control msg with method "hello"'):
         ipywidgets.Widget._handle_control_comm_msg({"content": {"data": {"method": "hello"}}})
+
+
+def test_the_answer_to_a_reload_never_refers_to_a_widget_it_leaves_out():
+    """A box whose child another thread closed while the states were read is left out of the answer (and a box
+    holding that box): the page builds the answer's models together, and one unresolvable child failed them all."""
+    from workbench import widget_states
+
+    bar = ipywidgets.HBox([ipywidgets.HTML("eval"), ipywidgets.FloatProgress()])
+    outer, fine = ipywidgets.VBox([bar]), ipywidgets.HTML("a finished run's bar")
+    try:
+        states = widget_states.safe_states()
+        assert {bar.model_id, outer.model_id, fine.model_id} <= set(states)
+        del states[bar.children[0].model_id]  # as if closed while the states were read
+        answer = widget_states._self_contained(states)
+        assert bar.model_id not in answer and outer.model_id not in answer
+        assert fine.model_id in answer and bar.children[1].model_id in answer
+        referred = {ref for entry in answer.values() for ref in re.findall(r"IPY_MODEL_(\w+)", json.dumps(entry["state"]))}
+        assert referred <= set(answer)
+    finally:
+        for widget in (outer, bar, *bar.children, fine):
+            widget.close()

@@ -38,6 +38,8 @@ import logging
 
 log = logging.getLogger(__name__)
 
+MODEL_PREFIX = "IPY_MODEL_"  # how one widget's state refers to another (ipywidgets' widget_serialization)
+
 _ORIGINAL: dict = {}  # "handler": ipywidgets' own classmethod, once install() has replaced it (tests compare both)
 
 
@@ -98,7 +100,31 @@ def safe_states() -> dict[str, dict]:
         if widget.comm is None:  # closed while its state was read: the page drops its views anyway
             continue
         states[model_id] = entry
-    return states
+    return _self_contained(states)
+
+
+def _self_contained(states: dict[str, dict]) -> dict[str, dict]:
+    """The states less any that refer to a widget not among them (a box whose child another thread closed
+    while the states were read): the page builds every model of the answer together, and one whose child it
+    cannot find fails them all ("model not found" for widgets that were never in doubt). Dropped until none
+    is left referring to a missing one (a box inside a dropped box goes too)."""
+    def references(value) -> set[str]:
+        if isinstance(value, str):
+            return {value[len(MODEL_PREFIX):]} if value.startswith(MODEL_PREFIX) else set()
+        if isinstance(value, dict):
+            value = list(value.values())
+        if isinstance(value, (list, tuple)):
+            return set().union(*map(references, value))
+        return set()
+
+    needs = {model_id: references(entry["state"]) for model_id, entry in states.items()}
+    kept = set(states)
+    while True:
+        broken = {model_id for model_id in kept if not needs[model_id] <= kept}
+        if not broken:
+            return {model_id: states[model_id] for model_id in kept}
+        log.debug("widgets %s left out of the page's widget states: they refer to widgets closed meanwhile", broken)
+        kept -= broken
 
 
 def _install_comm_info() -> None:
