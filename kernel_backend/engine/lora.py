@@ -85,15 +85,7 @@ class MultiLoraLinear(nn.Module):
             # The sampler's copy: bf16 x bf16 products (native on CPUs with AVX-512 bf16 / AMX), output cast back.
             if self.shared_copy is not None:  # called alone (not through `products`): its part of the shared product
                 return self.shared_copy.part(self, x2d)
-            x = x2d.to(self.sample_weight.dtype)
-            if self.sample_weight.is_mkldnn:  # oneDNN's own layout (`_prepacked`): any row count, F.linear's results
-                return _packed_linear(x, self.sample_weight, self.sample_bias).to(x2d.dtype)
-            if len(x) == 1:  # one row (a lone request's decode step): torch.mv, 1.3-2x faster than F.linear's bf16
-                # matrix-vector path on a 2-core Xeon (same results there), where F.linear's was slower than float32
-                out = torch.mv(self.sample_weight, x[0]) if self.sample_bias is None else \
-                    torch.addmv(self.sample_bias, self.sample_weight, x[0])
-                return out[None].to(x2d.dtype)
-            return F.linear(x, self.sample_weight, self.sample_bias).to(x2d.dtype)
+            return _copy_product(x2d, self.sample_weight, self.sample_bias)
         # A full run's weights, swapped in (engine/full_weights.py), train: their product must give them gradients.
         product = F.linear if self.base.weight.requires_grad else self.product
         return product(x2d, self.base.weight, self.base.bias)
@@ -315,7 +307,8 @@ class SharedCopy:
         self.weight = _prepacked(torch.cat([layer.base.weight.detach() for layer in layers]).to(dtype).contiguous())
         biases = [layer.base.bias for layer in layers]
         self.bias = None if all(b is None for b in biases) else torch.cat(
-            [torch.zeros(n, dtype=dtype) if b is None else b.detach().to(dtype) for b, n in zip(biases, self.sizes)])
+            [torch.zeros(n, dtype=dtype, device=layers[0].base.weight.device) if b is None else b.detach().to(dtype)
+             for b, n in zip(biases, self.sizes)])
 
     def in_use(self) -> bool:
         """In the sampler's passes, while every layer holds the weight the copy copies (a full run's are not it)."""
@@ -323,10 +316,8 @@ class SharedCopy:
 
     def product(self, x2d: torch.Tensor) -> torch.Tensor:
         """Every layer's base product for x2d (tokens, in_features), side by side, in x2d's dtype."""
-        x = x2d.to(self.weight.dtype)
-        with small_products.small(len(x) * self.work):
-            out = _packed_linear(x, self.weight, self.bias) if self.weight.is_mkldnn else F.linear(x, self.weight, self.bias)
-        return out.to(x2d.dtype)
+        with small_products.small(len(x2d) * self.work):
+            return _copy_product(x2d, self.weight, self.bias)
 
     def part(self, layer: MultiLoraLinear, x2d: torch.Tensor) -> torch.Tensor:
         start = self.starts[id(layer)]
@@ -353,9 +344,18 @@ def _prepacked(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b for a `_prepacked` weight."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+def _copy_product(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x2d W^T + b with a sampling copy (a layer's own or a stacked one): bf16 x bf16 products (native on CPUs with
+    AVX-512 bf16 / AMX), the input cast to the copy's dtype and the output back to x2d's."""
+    x = x2d.to(weight.dtype)
+    if weight.is_mkldnn:  # oneDNN's own layout (`_prepacked`): any row count, F.linear's results
+        out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    elif len(x) == 1:  # one row (a lone request's decode step): torch.mv, 1.3-2x faster than F.linear's bf16
+        # matrix-vector path on a 2-core Xeon (same results there), where F.linear's was slower than float32
+        out = (torch.mv(weight, x[0]) if bias is None else torch.addmv(bias, weight, x[0]))[None]
+    else:
+        out = F.linear(x, weight, bias)
+    return out.to(x2d.dtype)
 
 
 def sample_weights_bytes(model: nn.Module) -> int:
