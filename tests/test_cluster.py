@@ -310,6 +310,15 @@ def test_every_worker_process_killed_mid_loop_costs_the_loop_nothing(client, clu
     train_killing(client, cluster, engine, tokenizer, seed=22, kill=lambda home: LIVE)
 
 
+def one_worker_backend(home, stepwise_home, tiny_model, **settings) -> Server:
+    """A backend of a test's own in `home`, on one Ray worker (one CPU, one torch thread) serving the stand-in, with
+    `settings` (STEPWISE_* variables) besides."""
+    (home / "models").symlink_to(stepwise_home / "models")
+    return start_server(home, timeout=600, env={
+        "STEPWISE_WORKERS": "1", "STEPWISE_WORKER_THREADS": "1", "STEPWISE_RAY_NUM_CPUS": "1",
+        "STEPWISE_RAY_OBJECT_STORE_MB": "128", "STEPWISE_HEARTBEAT_S": "0.5", **settings, **stand_in_env(tiny_model)})
+
+
 def test_a_worker_refuses_at_admission_what_its_memory_cannot_hold(tmp_path, stepwise_home, tiny_model, engine,
                                                                    tokenizer):
     """A backend of its own with one worker of STEPWISE_WORKER_MEMORY_MB=48 (the stand-in's weights take 12 MB): a
@@ -317,11 +326,7 @@ def test_a_worker_refuses_at_admission_what_its_memory_cannot_hold(tmp_path, ste
     activations need more than the worker has free fails at once, both naming the setting to raise, instead of the
     worker growing until the OS or Ray's memory monitor kills it. The worker stays up, and the run the big batch was
     sent to goes on as if it had never been sent."""
-    (tmp_path / "models").symlink_to(stepwise_home / "models")
-    server = start_server(tmp_path, timeout=600, env={
-        "STEPWISE_WORKERS": "1", "STEPWISE_WORKER_THREADS": "1", "STEPWISE_RAY_NUM_CPUS": "1",
-        "STEPWISE_RAY_OBJECT_STORE_MB": "128", "STEPWISE_HEARTBEAT_S": "0.5", "STEPWISE_WORKER_MEMORY_MB": "48",
-        **stand_in_env(tiny_model)})
+    server = one_worker_backend(tmp_path, stepwise_home, tiny_model, STEPWISE_WORKER_MEMORY_MB="48")
     try:
         client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
         with pytest.raises(Exception) as refused:
@@ -356,11 +361,7 @@ def test_a_run_whose_worker_never_comes_back_fails_saying_why(tmp_path, stepwise
     """A backend of its own with one worker, stopped for good (ray.kill without a restart): its run waits
     STEPWISE_WORKER_WAIT_S (2 s here) for a live worker, then its requests fail with a message that says why,
     instead of answering try_again for ever."""
-    (tmp_path / "models").symlink_to(stepwise_home / "models")
-    server = start_server(tmp_path, timeout=600, env={
-        "STEPWISE_WORKERS": "1", "STEPWISE_WORKER_THREADS": "1", "STEPWISE_RAY_NUM_CPUS": "1",
-        "STEPWISE_RAY_OBJECT_STORE_MB": "128", "STEPWISE_HEARTBEAT_S": "0.5", "STEPWISE_WORKER_WAIT_S": "2",
-        **stand_in_env(tiny_model)})
+    server = one_worker_backend(tmp_path, stepwise_home, tiny_model, STEPWISE_WORKER_WAIT_S="2")
     try:
         client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
         tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=31).result()
