@@ -82,18 +82,33 @@ def causal_within_paths(model: torch.nn.Module, paths: list[np.ndarray], device=
         seen[path] = True
     groups = [_AttentionGroup(paths, starts, members, windows, device) for members in _attention_groups(paths, starts)]
     order = np.concatenate([g.owned for g in groups])  # the groups' real query slots, in their order: token ids
-    back = torch.from_numpy(np.argsort(order, kind="stable")).to(device)  # token id -> its row in the groups' outputs
+    back = _run(torch.from_numpy(np.argsort(order, kind="stable")).to(device))  # token id -> its row in the outputs
 
     def attend(layer: int, q, k, v):
         outputs = []
         for g in groups:
-            q_ = q.index_select(0, g.queries).unflatten(0, g.query_shape).transpose(1, 2)
-            k_, v_ = (t.index_select(0, g.keys).unflatten(0, g.key_shape).transpose(1, 2) for t in (k, v))
+            q_ = _take(q, g.queries).unflatten(0, g.query_shape).transpose(1, 2)
+            k_, v_ = (_take(t, g.keys).unflatten(0, g.key_shape).transpose(1, 2) for t in (k, v))
             mask = g.masks[windows[layer]]
             out = families.attention(q_, k_, v_, mask=mask, causal=mask is None, scale=scale, softcap=softcap)
-            outputs.append(out.transpose(1, 2).flatten(0, 1).index_select(0, g.real))
-        return torch.cat(outputs).index_select(0, back)
+            outputs.append(_take(out.transpose(1, 2).flatten(0, 1), g.real))
+        return _take(outputs[0] if len(outputs) == 1 else torch.cat(outputs), back)
     return attend
+
+
+def _run(index: torch.Tensor) -> torch.Tensor | slice:
+    """An index of consecutive rows as the slice it is: rows laid end to end with nothing shared or padded (a batch of
+    equal rows, the usual SFT batch) gather nothing, and a slice is a view, where index_select copies in forward and
+    index_adds into a zero-filled tensor in backward (~3% of an 8 x 128 training step; docs/performance.md)."""
+    n = len(index)
+    if n and int(index[-1]) - int(index[0]) == n - 1 and bool((index.diff() == 1).all()):
+        return slice(int(index[0]), int(index[0]) + n)
+    return index
+
+
+def _take(t: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+    """t's rows `rows` (dim 0), contiguous as index_select gives them: a view where `rows` is a slice of contiguous t."""
+    return t[rows].contiguous() if isinstance(rows, slice) else t.index_select(0, rows)
 
 
 def _attention_groups(paths: list[np.ndarray], starts: list[int], waste: float = 1.25) -> list[list[int]]:
@@ -135,9 +150,9 @@ class _AttentionGroup:
             position[row, :len(path) - start] = np.arange(start, len(path))
             real.append(row * queries + np.arange(len(path) - start))
             owned.append(path[start:])
-        self.queries = torch.from_numpy(query_index.reshape(-1)).to(device)
-        self.keys = torch.from_numpy(key_index.reshape(-1)).to(device)
-        self.real = torch.from_numpy(np.concatenate(real)).to(device)
+        self.queries = _run(torch.from_numpy(query_index.reshape(-1)).to(device))
+        self.keys = _run(torch.from_numpy(key_index.reshape(-1)).to(device))
+        self.real = _run(torch.from_numpy(np.concatenate(real)).to(device))
         self.owned = np.concatenate(owned)
         # Rows that own their whole path (nothing shared before them) and no window shorter than them: the
         # plain causal call. Otherwise a mask: a query sees the keys at or before its place, within the window.
