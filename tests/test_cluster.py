@@ -18,7 +18,8 @@ import importlib.util
 import os
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -28,12 +29,18 @@ import torch
 from tinker import types
 
 from helpers import forward_logprobs, new_id, sft_datum
-from kernel_backend.execution.cluster import shard_bounds
+from kernel_backend.config import Settings
+from kernel_backend.execution.cluster import Cluster, Worker, shard_bounds
+from kernel_backend.execution.cluster_worker import Outcome
+from kernel_backend.execution.engine_work import Op
+from kernel_backend.execution.scheduler import Job
 from kernel_backend.types import AdamParams, LoraConfig
 from servers import Server, start_server
 from tiny_model import stand_in_env
 
-# Not imported here: Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when first imported (see kill_worker).
+# Ray is not imported here: this process, a Ray driver in kill_worker, needs these set when it first is. The backend's
+# head is on loopback (kernel_backend/execution/cluster.py) and asks for the token Ray keeps in ~/.ray/auth_token.
+RAY_DRIVER_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
 if importlib.util.find_spec("ray") is None:
     pytest.skip("the cluster tests need Ray: pip install -e '.[cluster]' (make install does)", allow_module_level=True)
 
@@ -107,6 +114,60 @@ def train_steps(tc, data, steps: int) -> None:
         fb = tc.forward_backward(data, "cross_entropy")
         tc.optim_step(types.AdamParams(learning_rate=LR)).result()
         fb.result()
+
+
+class HeldCalls:
+    """A worker actor as the gateway calls it (`actor.run.remote(job, ordered)`) that answers only when told: which
+    calls reached it, and in what order, is what the test reads."""
+
+    def __init__(self):
+        self.sent: list[tuple[Job, Future]] = []
+        self.run = self
+
+    def remote(self, job: Job, ordered: bool):
+        answer = Future()
+        self.sent.append((job, answer))
+        return SimpleNamespace(future=lambda: answer)
+
+    def answer(self, index: int, result=None) -> None:
+        self.sent[index][1].set_result(Outcome({} if result is None else result, None, {}, 0.0, None))
+
+    def names(self) -> list[str]:
+        return [job.request_id for job, _ in self.sent]
+
+
+def test_a_runs_first_calls_reach_its_worker_one_at_a_time(tmp_path, monkeypatch):
+    """Ray does not keep an async actor's calls in the order they were sent. A rebuilt run's journal replayed after
+    its snapshot's load once overtook it on the worker (CI: 'unknown adapter'); an optim_step that overtook its
+    run's first forward_backward on a fresh lane would train on no gradients. So the gateway sends a run's making
+    call, then its first sequenced call, each alone; after that the worker's lane orders calls by seq_id, and they
+    go together."""
+    # The gateway's code imports Ray when a call is answered (cluster._is_actor_error): perhaps this process's first
+    # import of Ray, which must read what kill_worker's driver needs.
+    for name, value in RAY_DRIVER_ENV.items():
+        monkeypatch.setenv(name, value)
+    done = []
+    cluster = Cluster(Settings(home=tmp_path), storage=None, on_done=lambda job, outcome: done.append(job.request_id))
+    actor = HeldCalls()
+    cluster.workers["w0"] = Worker("w0", actor, "w0", "cpu", state="live", report={"models": {BASE: {}}})
+
+    def call(name: str, seq: int | None, op: str) -> None:
+        cluster.submit(Job(name, "run-1", BASE, seq=seq, op=Op(op, {"model_id": "run-1"})), ordered=True)
+
+    call("load", None, "load_state")  # the snapshot's load (service/recovery.replay), then the journal since
+    call("fb-9", 9, "forward_backward")
+    call("optim-10", 10, "optim_step")
+    assert actor.names() == ["load"]  # the journal waits for the load
+    actor.answer(0)
+    assert actor.names() == ["load", "fb-9"]  # the first sequenced call alone: the lane has no seq_id yet
+    actor.answer(1)
+    assert actor.names() == ["load", "fb-9", "optim-10"]
+    call("fb-11", 11, "forward_backward")  # from now on the lane orders them: sent at once, pipelined
+    call("optim-12", 12, "optim_step")
+    assert actor.names()[3:] == ["fb-11", "optim-12"]
+    for index in (2, 3, 4):
+        actor.answer(index)
+    assert done == ["load", "fb-9", "optim-10", "fb-11", "optim-12"]
 
 
 def test_runs_spread_over_the_workers_and_match_the_in_process_engine(client, cluster, engine, tokenizer):
@@ -233,8 +294,7 @@ def test_a_killed_worker_s_run_comes_back_bit_identical_and_trained(client, clus
 
 def kill_worker(server: Server, name: str, restart: bool = True) -> None:
     """ray.kill the worker's actor, from a second Ray driver on the backend's cluster; Ray restarts it if `restart`."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # the head is on loopback (kernel_backend/execution/cluster.py)
-    os.environ["RAY_AUTH_MODE"] = "token"  # a local head asks for the token Ray keeps in ~/.ray/auth_token
+    os.environ.update(RAY_DRIVER_ENV)
     import ray
 
     report = cluster_report(server)

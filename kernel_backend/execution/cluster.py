@@ -131,10 +131,13 @@ class Run:
     estimate: int  # bytes it takes on a worker
     snapshot: dict | None = None  # its newest automatic snapshot: {"step", "location"}
     gone: str | None = None  # the error its requests get when it could not be restored
-    # Its calls held here while a data-parallel backward pass is out (held_by: that request's id), or while it
-    # is restored after its worker died (held_by: RESTORING).
+    # Its calls held here while one of them must be answered before the next is sent (held_by: that request's id;
+    # see Cluster._holds), or while it is restored after its worker died (held_by: RESTORING).
     held: list | None = None
     held_by: str | None = None
+    # Its workers' lanes have run none of its sequenced calls yet (it was just made or restored there): nothing
+    # orders its first calls on the worker but the order they arrive in (Cluster._holds).
+    new_lanes: bool = True
     epoch: int = 0  # its process group's generation
     # Its requests in flight when its worker was lost (request id -> job), for the journal's replay to answer: those
     # the replay does not send again, or all of them if the run cannot be restored, fail (none is left pending).
@@ -507,8 +510,8 @@ class Cluster:
             return
         dispatch = _Dispatch(job, run, parts)
         with self._lock:
-            if run is not None and len(run.workers) > 1 and job.fb_pass is not None and not job.fb_pass.forward_only:
-                run.held, run.held_by = [], job.request_id  # the run's next calls wait until every shard has answered
+            if run is not None and self._holds(job, run):
+                run.held, run.held_by = [], job.request_id  # the run's next calls wait until this one has answered
             for part in parts:
                 part.dispatch = dispatch
                 self.workers[part.worker].parts[id(part)] = part
@@ -519,6 +522,22 @@ class Cluster:
                 self._answered(part, e)
                 continue
             ref.future().add_done_callback(lambda f, part=part: self._answered(part, _result_of(f)))
+
+    def _holds(self, job: Job, run: Run) -> bool:
+        """Whether the run's next calls wait here until `job` has answered. Lock held.
+
+        A data-parallel backward pass: until every shard is in (a failed shard's gradients are put back first).
+        A call to lanes that have run none of the run's sequenced calls (its making, then its first sequenced call;
+        after a restore, the first call replayed): Ray does not keep an async actor's calls in the order they were
+        sent, and such a lane has no seq_id yet to put them back in order by. A replayed forward_backward that
+        overtook the load of the run's snapshot would fail with 'unknown adapter'; an optim_step that overtook the
+        forward_backward before it would silently train on the wrong gradients."""
+        if len(run.workers) > 1 and job.fb_pass is not None and not job.fb_pass.forward_only:
+            return True
+        if run.new_lanes:
+            run.new_lanes = job.seq is None  # once a sequenced call is through, the lanes order the rest by seq_id
+            return True
+        return False
 
     def _answered(self, part: _Part, outcome) -> None:
         """A worker answered one part, or the call failed (`outcome` is Ray's error); when every part is in, the
@@ -550,7 +569,7 @@ class Cluster:
         if errors:
             lost = [e for e in errors if isinstance(e, WorkerLost)]
             result = lost[0] if lost else errors[0]
-            if holder and not lost:  # put back the gradients of the shards that ran
+            if holder and not lost and len(parts) > 1:  # put back the gradients of the shards that ran
                 self._undo_shards(job, parts, run)
         else:
             first = outcomes[0]
@@ -788,7 +807,7 @@ class Cluster:
             if isinstance(answer.result, Exception):
                 raise answer.result
         with self._lock:
-            run.workers = workers
+            run.workers, run.new_lanes = workers, True  # (a survivor's lane was reset: reset_run)
             for name in workers:
                 self.workers[name].placed[run.id] = run.estimate
 

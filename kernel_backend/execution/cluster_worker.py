@@ -208,7 +208,7 @@ class EngineWorker:
     async def reset_run(self, run_id: str, base_model: str) -> Outcome:
         """Before a run is restored here from a snapshot: what waits in its lane was meant for the state being
         replaced (it fails); then its adapter and group go."""
-        self.scheduler.drop_lane(run_id, WorkerLost(f"training run {run_id} is being restored from a snapshot"))
+        self.scheduler.reset_lane(run_id, WorkerLost(f"training run {run_id} is being restored from a snapshot"))
         for held in (self._groups, self._stores, self._undo):
             held.pop(run_id, None)
         free = Job(uuid.uuid4().hex, run_id, base_model, seq=None, op=Op("free_adapters", {"adapter_ids": [run_id]}))

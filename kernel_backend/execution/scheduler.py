@@ -177,17 +177,16 @@ class Scheduler:
             lane = self._lanes.get(lane_id)
             return len(lane.jobs) if lane else 0
 
-    def drop_lane(self, lane_id: str, error: Exception) -> None:
-        """Fail the jobs waiting in a lane (a run about to be restored from a snapshot: they were meant for
-        the state it leaves behind). A job running now finishes."""
+    def reset_lane(self, lane_id: str, error: Exception) -> None:
+        """Fail the jobs waiting in a lane and forget its place in seq_id order (a run about to be restored from
+        a snapshot: they were meant for the state it leaves behind, and its journal is replayed from the
+        snapshot's seq_id, before the ones this lane ran). A job running now finishes."""
         with self._cv:
             lane = self._lanes.get(lane_id)
             dropped = list(lane.jobs) if lane else []
             if lane:
                 lane.jobs.clear()
-                seqs = [job.seq for job in dropped if job.seq is not None]
-                if seqs:  # the next request need not wait for the dropped ones' sequence numbers
-                    lane.last_seq = max(seqs + ([lane.last_seq] if lane.last_seq is not None else []))
+                lane.last_seq = None
         for job in dropped:
             self._on_done(job, error)
 
