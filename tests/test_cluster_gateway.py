@@ -167,12 +167,15 @@ def _children(process: psutil.Process) -> list[psutil.Process]:
 def test_the_gateway_joins_a_ray_cluster_and_spreads_its_workers_over_its_nodes(tmp_path, stepwise_home, tiny_model,
                                                                                  engine, tokenizer):
     """`serve` with STEPWISE_RAY_ADDRESS and STEPWISE_WORKERS=2 joins a cluster of two nodes: one worker on each, a
-    run trains as on one process (1e-5), and the cluster outlives the gateway (it is not the gateway's to stop)."""
+    run trains as on one process (1e-5); the gateway killed (kill -9) and started again joins the same cluster and
+    rebuilds its runs, which train on as if nothing happened; and the cluster outlives the gateway (it is not the
+    gateway's to stop)."""
     (tmp_path / "models").symlink_to(stepwise_home / "models")
     with two_node_cluster() as address:
-        server = start_server(tmp_path, timeout=600, env={
-            "STEPWISE_RAY_ADDRESS": address, "STEPWISE_WORKERS": "2", "STEPWISE_WORKER_THREADS": "1",
-            "STEPWISE_HEARTBEAT_S": "0.5", "STEPWISE_EMBEDDED": "0", "RAY_AUTH_MODE": "token", **stand_in_env(tiny_model)})
+        env = {"STEPWISE_RAY_ADDRESS": address, "STEPWISE_WORKERS": "2", "STEPWISE_WORKER_THREADS": "1",
+               "STEPWISE_HEARTBEAT_S": "0.5", "STEPWISE_EMBEDDED": "0", "RAY_AUTH_MODE": "token",
+               **stand_in_env(tiny_model)}
+        server = start_server(tmp_path, timeout=600, env=env)
         try:
             report = cluster_report(server)
             assert report["ray_address"] == address
@@ -191,6 +194,19 @@ def test_the_gateway_joins_a_ray_cluster_and_spreads_its_workers_over_its_nodes(
                 got = tc.forward(data, "cross_entropy").result().loss_fn_outputs
                 expected = in_process_logprobs(engine, 61 + i, 4, datums, steps=2)
                 assert abs(got[0]["logprobs"].to_numpy() - expected[0]).max() <= 1e-5
+
+            # Its workers die with it (Ray ends a dead driver's actors); started again on its home and port, it starts
+            # two of its own on the cluster and rebuilds both runs from their journals before it serves.
+            port = int(server.base_url.rsplit(":", 1)[1])
+            server.stop(kill=True)
+            server = start_server(tmp_path, timeout=600, env=env, port=port)
+            assert [w["state"] for w in cluster_report(server)["workers"]] == ["live", "live"]
+            for i, tc in enumerate(runs):
+                train_steps(tc, data, steps=1)
+                got = tc.forward(data, "cross_entropy").result().loss_fn_outputs
+                expected = in_process_logprobs(engine, 61 + i, 4, datums, steps=3)
+                assert abs(got[0]["logprobs"].to_numpy() - expected[0]).max() <= 1e-5
+            assert "rebuilt 2 training runs" in server.log_path.read_text()
         finally:
             server.stop()
         # The gateway stopped its workers, not the cluster: both raylets still run.
