@@ -32,7 +32,8 @@ from helpers import forward_logprobs, new_id, sft_datum
 from kernel_backend.config import Settings
 from kernel_backend.execution.cluster import Cluster, Worker, shard_bounds
 from kernel_backend.execution.cluster_worker import Outcome
-from kernel_backend.execution.engine_work import Op
+from kernel_backend.engine.core import Pass
+from kernel_backend.execution.engine_work import LoadState, OptimStep
 from kernel_backend.execution.scheduler import Job
 from kernel_backend.types import AdamParams, LoraConfig
 from servers import Server, start_server
@@ -151,8 +152,11 @@ def test_a_runs_first_calls_reach_its_worker_one_at_a_time(tmp_path, monkeypatch
     actor = HeldCalls()
     cluster.workers["w0"] = Worker("w0", actor, "w0", "cpu", state="live", report={"models": {BASE: {}}})
 
-    def call(name: str, seq: int | None, op: str) -> None:
-        cluster.submit(Job(name, "run-1", BASE, seq=seq, op=Op(op, {"model_id": "run-1"})), ordered=True)
+    def call(name: str, seq: int | None, what: str) -> None:
+        work = {"load_state": {"op": LoadState("run-1", "snapshot-key", "snapshot of run-1", with_optimizer=True)},
+                "forward_backward": {"fb_pass": Pass("run-1", [])},
+                "optim_step": {"op": OptimStep("run-1", AdamParams(learning_rate=1e-4))}}[what]
+        cluster.submit(Job(name, "run-1", BASE, seq=seq, **work), ordered=True)
 
     call("load", None, "load_state")  # the snapshot's load (service/recovery.replay), then the journal since
     call("fb-9", 9, "forward_backward")

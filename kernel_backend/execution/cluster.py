@@ -69,12 +69,13 @@ from dataclasses import dataclass, field
 
 from kernel_backend.execution import engine_work
 from kernel_backend.engine.adapter_cache import TRAINING_COPIES
-from kernel_backend.execution.cluster_worker import GROUP_TIMEOUT_S, EngineWorker, Outcome, WorkerLost, WorkerRestarted
+from kernel_backend.execution.cluster_worker import (GROUP_TIMEOUT_S, EngineWorker, Outcome, RestoreGrads, WorkerLost,
+                                                     WorkerRestarted)
 from kernel_backend.config import Settings
 from kernel_backend.engine.losses import merge_metrics
 from kernel_backend.errors import UserError
 from kernel_backend.metering import COMPUTED, Usage
-from kernel_backend.execution.engine_work import Op
+from kernel_backend.execution.engine_work import CreateAdapter, LoadState, Noop, OptimStep, Snapshot
 from kernel_backend.execution.scheduler import Job
 from kernel_backend.persistence.checkpoint_storage import CheckpointStorage
 from kernel_backend.types import ForwardResult
@@ -126,7 +127,7 @@ class Run:
     id: str
     tenant: str
     base_model: str
-    origin: Op  # how it was made (create_adapter or load_state): made again so when it has no snapshot
+    origin: CreateAdapter | LoadState  # how it was made: made again so when it has no snapshot
     workers: list[str]  # its replicas' workers, replica 0 first
     estimate: int  # bytes it takes on a worker
     snapshot: dict | None = None  # its newest automatic snapshot: {"step", "location"}
@@ -391,7 +392,7 @@ class Cluster:
     def _run_of(self, job: Job) -> Run | None:
         """The job's training run, registered (and placed) when the job makes it. Lock held."""
         run = self.runs.get(job.lane)
-        makes = job.op is not None and job.seq is None and job.op.name in ("create_adapter", "load_state")
+        makes = isinstance(job.op, (CreateAdapter, LoadState)) and job.seq is None
         if run is None and makes:
             run = self._new_run(job)
         if run is not None and run.gone:
@@ -406,8 +407,8 @@ class Cluster:
         if not workers:
             raise RuntimeError(f"no live engine worker for {job.base_model}; GET /api/v1/cluster shows why")
         self._admit_run(job, workers)
-        # (A run rebuilt after a crash is made by the service's own load_state job, whose op names the owner.)
-        run = Run(job.lane, job.tenant or origin.args.get("owner", ""), job.base_model, origin, workers, estimate)
+        # (A run rebuilt after a crash is made by the service's own LoadState job, which names the owner.)
+        run = Run(job.lane, job.tenant or origin.owner, job.base_model, origin, workers, estimate)
         self.runs[run.id] = run
         for name in workers:
             self.workers[name].placed[run.id] = estimate
@@ -415,22 +416,21 @@ class Cluster:
             self._form_group(run)
         return run
 
-    def _estimate(self, base_model: str, origin: Op) -> int:
+    def _estimate(self, base_model: str, origin: CreateAdapter | LoadState) -> int:
         facts = self.facts().get(base_model)
-        config = origin.args.get("config")
-        if facts is None or config is None:
+        if facts is None or not isinstance(origin, CreateAdapter):
             return UNKNOWN_ADAPTER_BYTES
-        return engine_work.adapter_bytes(facts, config) * TRAINING_COPIES
+        return engine_work.adapter_bytes(facts, origin.config) * TRAINING_COPIES
 
     def _admit_run(self, job: Job, workers: list[str]) -> None:
         """Refuse a new run whose state (weights, gradients, optimizer) could not fit on the workers it was placed on
         even with every other adapter spilled (their `adapter_room`), rather than let it grow a worker past its
         memory until the OS or Ray's memory monitor kills it. (The workers with the most room were chosen.) A run
         loaded from a checkpoint, whose size is not known here, is not checked. Lock held."""
-        config = job.op.args.get("config")
         facts = self.facts().get(job.base_model)
-        if config is None or facts is None:
+        if not isinstance(job.op, CreateAdapter) or facts is None:
             return
+        config = job.op.config
         need = engine_work.adapter_bytes(facts, config) * TRAINING_COPIES
         short = [name for name in workers if need > self.workers[name].report.get("memory", {}).get("adapter_room", need)]
         if not short:
@@ -462,20 +462,19 @@ class Cluster:
         if run is None:
             return [_Part(name, _wire(job)) for name in self._lane_workers(job)]
         wire = _wire(job)
-        if job.op is not None and job.op.name == "optim_step":
+        if isinstance(job.op, OptimStep):
             key = f"{run.tenant}/{run.id.replace(':', '_')}/snapshot"
-            wire.op = Op("optim_step", {**job.op.args, "snapshot_key": key, "snapshot_every": self.settings.snapshot_every})
+            wire.op = dataclasses.replace(job.op, snapshot_key=key, snapshot_every=self.settings.snapshot_every)
         if len(run.workers) == 1:
             return [_Part(run.workers[0], wire)]
         if job.fb_pass is not None:
             return [_Part(name, shard) for name, shard in zip(run.workers, _shards(wire, len(run.workers)))]
-        everywhere = job.op is not None and job.op.name in ("create_adapter", "load_state", "optim_step")
-        if everywhere:
+        if isinstance(job.op, (CreateAdapter, LoadState, OptimStep)):  # done on every replica
             parts = [_Part(run.workers[0], wire)]
-            if wire.op.name == "optim_step":  # one replica snapshots
+            if isinstance(wire.op, OptimStep):  # one replica snapshots
                 wire = dataclasses.replace(wire, op=job.op)
             return parts + [_Part(name, dataclasses.replace(wire)) for name in run.workers[1:]]
-        noop = dataclasses.replace(wire, op=Op("noop"), fb_pass=None, sample=None)
+        noop = dataclasses.replace(wire, op=Noop(), fb_pass=None, sample=None)
         return [_Part(run.workers[0], wire)] + [_Part(name, dataclasses.replace(noop)) for name in run.workers[1:]]
 
     def _lane_workers(self, job: Job) -> list[str]:
@@ -586,14 +585,14 @@ class Cluster:
 
     def _observe(self, job: Job, run: Run | None, result) -> None:
         """What the gateway learns from a job done: snapshots and their places, a run's new origin."""
-        if job.op is None:
+        if run is None:
             return
         with self._lock:
-            if job.op.name == "optim_step" and run is not None and result.get("snapshot"):
+            if isinstance(job.op, OptimStep) and result.get("snapshot"):
                 run.snapshot = result["snapshot"]
-            elif job.op.name == "snapshot" and run is not None:
-                self.lanes[job.op.args["sampler_id"]] = run.workers[0]
-            elif job.op.name == "load_state" and run is not None and job.seq is not None:
+            elif isinstance(job.op, Snapshot):
+                self.lanes[job.op.sampler_id] = run.workers[0]
+            elif isinstance(job.op, LoadState) and job.seq is not None:
                 run.origin, run.snapshot = job.op, None  # its state is that checkpoint's now
 
     # ---- data parallel --------------------------------------------------------------------------------
@@ -612,7 +611,7 @@ class Cluster:
         """A shard failed: the replicas whose shard ran put their gradients back before the run goes on."""
         import ray
 
-        restore = Op("restore_grads", {"request_id": job.request_id})
+        restore = RestoreGrads(job.request_id)
         refs = [self.workers[p.worker].actor.run.remote(
             Job(f"{job.request_id}:undo", run.id, run.base_model, seq=None, op=restore), True)
             for p in parts if isinstance(p.outcome, Outcome) and not isinstance(p.outcome.result, Exception)]
@@ -797,9 +796,9 @@ class Cluster:
         if len(workers) > 1:
             run.workers = workers
             self._form_group(run)
-        op = run.origin if run.snapshot is None else Op("load_state", {
-            "model_id": run.id, "location": run.snapshot["location"], "with_optimizer": True,
-            "path": f"the automatic snapshot of {run.id} at step {run.snapshot['step']}"})
+        op = run.origin if run.snapshot is None else LoadState(
+            run.id, run.snapshot["location"], f"the automatic snapshot of {run.id} at step {run.snapshot['step']}",
+            with_optimizer=True)
         refs = {name: self.workers[name].actor.run.remote(Job(uuid.uuid4().hex, run.id, run.base_model, seq=None, op=op),
                                                           True) for name in workers}
         for name, ref in refs.items():
@@ -930,7 +929,7 @@ def _shards(job: Job, count: int) -> list[Job]:
             shards.append(dataclasses.replace(job, fb_pass=dataclasses.replace(job.fb_pass, data=piece),
                                               tokens=sum(len(d.tokens) for d in piece)))
         else:
-            shards.append(dataclasses.replace(job, fb_pass=None, op=Op("noop"), tokens=0))
+            shards.append(dataclasses.replace(job, fb_pass=None, op=Noop(), tokens=0))
     return shards
 
 

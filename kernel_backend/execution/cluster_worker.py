@@ -22,7 +22,7 @@ from kernel_backend.execution import engine_work
 from kernel_backend.config import Settings
 from kernel_backend.engine.core import Engine
 from kernel_backend.errors import UserError
-from kernel_backend.execution.engine_work import Op
+from kernel_backend.execution.engine_work import FreeAdapters, Noop, Op, OptimStep
 from kernel_backend.execution.scheduler import Job, Scheduler
 
 log = logging.getLogger("stepwise.cluster")
@@ -38,6 +38,14 @@ class WorkerLost(RuntimeError):
 class WorkerRestarted(RuntimeError):
     """A call reached a worker process that Ray restarted before the gateway noticed (it has not started it again):
     the state the call was meant for died with the old process, so the gateway takes the worker for lost."""
+
+
+@dataclass
+class RestoreGrads(Op):
+    """A data-parallel replica puts back the gradients it kept before request `request_id`'s backward pass (another
+    shard of it failed: Cluster._undo_shards). The worker does it (it keeps them), not engine_work.run."""
+
+    request_id: str
 
 
 @dataclass
@@ -150,7 +158,7 @@ class EngineWorker:
         def refuse(engine):
             raise UserError(message)
 
-        job.fb_pass, job.op, job.call = None, Op("noop"), refuse
+        job.fb_pass, job.op, job.call = None, Noop(), refuse
 
     async def run(self, job: Job, ordered: bool) -> Outcome:
         """Queue a job on this worker's scheduler and answer its outcome when it is done."""
@@ -211,13 +219,13 @@ class EngineWorker:
         self.scheduler.reset_lane(run_id, WorkerLost(f"training run {run_id} is being restored from a snapshot"))
         for held in (self._groups, self._stores, self._undo):
             held.pop(run_id, None)
-        free = Job(uuid.uuid4().hex, run_id, base_model, seq=None, op=Op("free_adapters", {"adapter_ids": [run_id]}))
+        free = Job(uuid.uuid4().hex, run_id, base_model, seq=None, op=FreeAdapters([run_id]))
         return await self.run(free, True)
 
     def _prepare(self, job: Job) -> None:
         """This worker's part of a data-parallel run's job: gates and local steps around the plain work."""
-        if job.op is not None and job.op.name == "free_adapters":
-            for adapter_id in job.op.args["adapter_ids"]:
+        if isinstance(job.op, FreeAdapters):
+            for adapter_id in job.op.adapter_ids:
                 for held in (self._groups, self._stores, self._undo):
                     held.pop(adapter_id, None)
         group = self._groups.get(job.lane)
@@ -225,10 +233,10 @@ class EngineWorker:
             return
         if job.fb_pass is not None and not job.fb_pass.forward_only:
             job.gate = lambda: self._keep_undo(job)
-        elif job.op is not None and job.op.name == "optim_step":
+        elif isinstance(job.op, OptimStep):
             job.gate = lambda: self._reduced(job, group)
             job.call = lambda engine: self._reduced_step(engine, job)
-        elif job.op is not None and job.op.name == "restore_grads":
+        elif isinstance(job.op, RestoreGrads):
             job.call = lambda engine: self._restore_grads(engine, job)
 
     def _params(self, job: Job) -> list:
@@ -243,7 +251,7 @@ class EngineWorker:
 
     def _restore_grads(self, engine, job: Job) -> dict:
         request_id, grads = self._undo.pop(job.lane, (None, None))
-        if request_id == job.op.args["request_id"]:
+        if request_id == job.op.request_id:
             for p, g in zip(self._params(job), grads):
                 p.grad = g
         return {}

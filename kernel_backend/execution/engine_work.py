@@ -1,18 +1,21 @@
 """What a job asks of an engine, as plain data: the seam between the service and whoever runs the engine.
 
 The service (the gateway: store, ledger, replies) describes each job's engine-side work as one of
-    Op        a name and keyword arguments: create an adapter, an optim_step, save, load, ...
+    an Op     a work item, one dataclass per kind: CreateAdapter, OptimStep, LoadState, FreeAdapters, Save,
+              Snapshot, Noop; `run` below does one, by its type (the one place that dispatches)
     Pass      a forward or forward_backward pass (engine/core.py), batched with other runs'
     SampleOp  a sample request, which joins the model's decode batch
 plain dataclasses of numbers, strings, lists and numpy arrays, which pickle. So one job runs on
 the scheduler thread of this process, or travels as it is to an `EngineWorker` on Ray
-(kernel_backend/execution/cluster.py), whose own scheduler runs it the same way.
+(kernel_backend/execution/cluster.py), whose own scheduler runs it the same way. A misspelt or
+missing argument fails where the item is made, in the service, not on the scheduler thread.
 
-The functions below do the work. Each touches only the engine and a `Context`: the settings and
-the checkpoint store, which every worker reaches (a local folder on one machine, an fsspec URL
-across machines). They return plain data; the service turns it into the reply and writes the rows
-(`Job.encode`, always on the gateway). The gateway locates checkpoints (their store location, from
-its database); the engine side reads and writes their files through the store.
+The functions below do the work, an item's fields their keyword arguments. Each touches only the
+engine and a `Context`: the settings and the checkpoint store, which every worker reaches (a local
+folder on one machine, an fsspec URL across machines). They return plain data; the service turns
+it into the reply and writes the rows (`Job.encode`, always on the gateway). The gateway locates
+checkpoints (their store location, from its database); the engine side reads and writes their
+files through the store.
 
 The Context also holds the sampler: what answers sample requests, and what the service asks of it (which
 options it refuses at admission, its stats). By default a `BuiltinSampler`: the engines' own decoders sample,
@@ -36,10 +39,79 @@ from kernel_backend.types import AdamParams, DimuonParams, LoraConfig, SampleOpt
 from kernel_backend.errors import UserError
 
 
-@dataclass
 class Op:
-    name: str  # a function of this module, in OPS
-    args: dict = field(default_factory=dict)
+    """Engine-side work other than a pass or a sample: one of the dataclasses below (and a data-parallel worker's
+    own RestoreGrads, execution/cluster_worker.py). Its fields are the keyword arguments of its function here."""
+
+
+@dataclass
+class CreateAdapter(Op):
+    """A new run's adapter (create_model)."""
+
+    model_id: str
+    config: LoraConfig
+    optimizer: str
+    owner: str = ""
+
+
+@dataclass
+class OptimStep(Op):
+    """One optimizer step, and the run's recovery snapshot when one is due."""
+
+    model_id: str
+    params: AdamParams | DimuonParams
+    snapshot_key: str | None = None  # with snapshot_every: where (and how often) the step snapshots the run
+    snapshot_every: int = 0
+
+
+@dataclass
+class LoadState(Op):
+    """A checkpoint's or a snapshot's state into a run (load_weights; a run rebuilt)."""
+
+    model_id: str
+    location: str  # in the checkpoint store
+    path: str  # what errors call it: a tinker:// path, or which snapshot
+    with_optimizer: bool
+    optimizer: str | None = None
+    owner: str = ""
+
+
+@dataclass
+class FreeAdapters(Op):
+    """Forget adapters and their snapshots (a session ended)."""
+
+    adapter_ids: list[str]
+
+
+@dataclass
+class Save(Op):
+    """A checkpoint into the store (save_state, save_weights_for_sampler, save_weights_external)."""
+
+    model_id: str
+    kind: str  # "training", "sampler" or "external"
+    key: str  # in the checkpoint store
+    path: str  # its tinker:// path
+    overwrite: bool
+    base_model: str
+    age_recipients: list[str] | None = None
+    step: int | None = None
+    snapshot_location: str | None = None
+
+
+@dataclass
+class Snapshot(Op):
+    """An in-memory copy of a run's weights to sample from (save_weights_and_get_sampling_client)."""
+
+    model_id: str
+    sampler_id: str
+    base_model: str
+    keep: int
+    owner: str = ""
+
+
+@dataclass
+class Noop(Op):
+    """Nothing: a replica's place in its run's seq_id order when another replica does the work."""
 
 
 @dataclass
@@ -102,7 +174,8 @@ class Context:
 
 
 def run(engine, ctx: Context, op: Op):
-    return OPS[op.name](engine, ctx, **op.args)
+    """Do a work item: the function of its type (WORK, at the end), with its fields."""
+    return WORK[type(op)](engine, ctx, **vars(op))
 
 
 # ---- training runs -------------------------------------------------------------------------------
@@ -249,4 +322,5 @@ def noop(engine, ctx: Context) -> dict:
     return {}
 
 
-OPS = {f.__name__: f for f in (create_adapter, optim_step, load_state, free_adapters, save, snapshot, noop)}
+WORK = {CreateAdapter: create_adapter, OptimStep: optim_step, LoadState: load_state, FreeAdapters: free_adapters,
+        Save: save, Snapshot: snapshot, Noop: noop}

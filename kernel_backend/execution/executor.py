@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 from kernel_backend.engine.core import Engine
+from kernel_backend.execution.engine_work import FreeAdapters
 from kernel_backend.execution.scheduler import Job, Scheduler
 from kernel_backend.execution.vllm_sampler import VllmSampling
 
@@ -91,7 +92,7 @@ class InProcess:
     def submit(self, job: Job, ordered: bool) -> None:
         if isinstance(self.sampler, VllmSampling) and job.request_type in SAMPLER_REQUESTS:
             self.sampler.submit(job)
-        elif job.op is not None and job.op.name == "free_adapters" and job.base_model not in self.engines:
+        elif isinstance(job.op, FreeAdapters) and job.base_model not in self.engines:
             return  # a model never loaded holds no adapter (and is not loaded to free none)
         else:
             self.scheduler.submit(job, ordered=ordered)

@@ -57,7 +57,8 @@ class Job:
     base_model: str
     # Ordering within a training lane; None for samplers and for a run's creation job.
     seq: int | None
-    # The engine-side work, plain data (kernel_backend/execution/engine_work.py), one of: an op (engine_work.run does it)...
+    # The engine-side work, plain data (kernel_backend/execution/engine_work.py), one of: an Op, a work item of its own
+    # type (CreateAdapter, OptimStep, Save, ...; engine_work.run does it)...
     op: Op | None = None
     # ...or a forward(_backward) pass, batched with other lanes'...
     fb_pass: Pass | None = None

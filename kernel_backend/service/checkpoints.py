@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from kernel_backend.persistence import crypto
 from kernel_backend.engine import optimizers
-from kernel_backend.execution.engine_work import Op
+from kernel_backend.execution.engine_work import LoadState, Save, Snapshot
 from kernel_backend.service import recovery
 from kernel_backend.service.core import Service, audit, iso, json_result, new_id, train_key
 from kernel_backend.errors import NotFound, UserError
@@ -80,9 +80,8 @@ def save_weights(svc: Service, tenant: str, model_id: str, seq_id: int | None, n
         answer = {"path": path, "type": answer_type, **({"step": step} if step is not None else {})}
         return json_result({**answer, "size_bytes": saved["size"]} if kind == "external" else answer)
 
-    op = Op("save", {"model_id": model_id, "kind": kind, "key": key, "path": path, "overwrite": overwrite,
-                     "base_model": run.base_model, "age_recipients": age_recipients, "step": step,
-                     "snapshot_location": None if step is None else recovery.snapshot_at(svc, model_id, step)})
+    op = Save(model_id, kind, key, path, overwrite, run.base_model, age_recipients=age_recipients, step=step,
+              snapshot_location=None if step is None else recovery.snapshot_at(svc, model_id, step))
     job = Job(new_id(), model_id, run.base_model, seq=seq_id, op=op, encode=record)
     return svc.submit(tenant, request_type, dedupe, job, ordered=True, session_id=run.session_id)
 
@@ -99,8 +98,7 @@ def snapshot_for_sampler(svc: Service, tenant: str, model_id: str, seq_id: int, 
                                      base_model=run.base_model, source_model_id=model_id))
         return json_result({"path": None, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
 
-    op = Op("snapshot", {"model_id": model_id, "sampler_id": sampler_id, "base_model": run.base_model,
-                         "keep": SNAPSHOTS_PER_RUN, "owner": tenant})
+    op = Snapshot(model_id, sampler_id, run.base_model, keep=SNAPSHOTS_PER_RUN, owner=tenant)
     job = Job(new_id(), model_id, run.base_model, seq=seq_id, op=op, encode=record)
     return svc.submit(tenant, "SaveWeightsForSampler", train_key(model_id, seq_id), job, ordered=True,
                       session_id=run.session_id)
@@ -140,9 +138,8 @@ def load_weights(svc: Service, tenant: str, path: str, with_optimizer: bool, mod
             raise UserError(f"checkpoint {path} is for {source.base_model}, but {model_id} trains {run.base_model}")
         dedupe, seq = train_key(model_id, seq_id), seq_id
     target = model_id
-    op = Op("load_state", {"model_id": target, "location": checkpoint.directory, "path": path,
-                           "with_optimizer": with_optimizer and checkpoint.kind == "training", "optimizer": optimizer_type,
-                           "owner": tenant})
+    op = LoadState(target, checkpoint.directory, path, with_optimizer=with_optimizer and checkpoint.kind == "training",
+                   optimizer=optimizer_type, owner=tenant)
     job = Job(new_id(), target, source.base_model, seq=seq, op=op,
               encode=lambda _: json_result({"path": path, "model_id": target, "type": "load_weights"}))
     session = svc.store.get(ModelRow, target).session_id

@@ -230,7 +230,7 @@ class Service:
         lanes += self.store.list(SamplerRow, SamplerRow.session_id == session_id)
         for lane in lanes:
             free = Job(new_id(), f"free:{lane.id}", lane.base_model, seq=None,
-                       op=engine_work.Op("free_adapters", {"adapter_ids": [lane.id]}))
+                       op=engine_work.FreeAdapters([lane.id]))
             self.executor.submit(free, ordered=False)
         log.info("session %s %s; freed %d adapters", session_id, status, len(lanes))
 

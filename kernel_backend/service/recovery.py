@@ -7,7 +7,7 @@ every request the client was told about survives a crash of the process, with th
 
 Snapshots. Every STEPWISE_SNAPSHOT_EVERY optim steps (sooner once a run's journal passes
 STEPWISE_JOURNAL_MB) the optim_step also writes the run's state (weights and optimizer, no gradients:
-they were just used) to the checkpoint store under a key of its own (ops.optim_step). When that step is
+they were just used) to the checkpoint store under a key of its own (engine_work.optim_step). When that step is
 recorded, the run's journal up to its seq_id is deleted, and so are its snapshots past the newest
 STEPWISE_SNAPSHOTS_KEPT: what is durable per run is its newest snapshot and the requests since (the older
 snapshots kept are steps a fork can start from, service/past_steps.py).
@@ -33,7 +33,7 @@ import pickle
 
 from sqlalchemy import delete, func, select
 
-from kernel_backend.execution.engine_work import Op
+from kernel_backend.execution.engine_work import LoadState
 from kernel_backend.execution.scheduler import Job
 from kernel_backend.persistence.database import FutureRow, JournalRow, ModelRow, RunSnapshotRow, SessionRow, now
 
@@ -69,7 +69,7 @@ def entry(job: Job) -> JournalRow | None:
 
 
 def snapshot_args(svc, tenant: str, model_id: str) -> dict:
-    """What an optim_step op needs to snapshot the run (ops.optim_step): the key its state goes to, and when."""
+    """What an OptimStep needs to snapshot the run (engine_work.optim_step): the key its state goes to, and when."""
     every = svc.settings.snapshot_every
     with svc.store.session() as s:
         journal_bytes = s.scalar(select(func.coalesce(func.sum(func.length(JournalRow.call)), 0))
@@ -143,8 +143,7 @@ def replay(svc) -> int:
         snapshot = svc.store.list(RunSnapshotRow, RunSnapshotRow.model_id == run.id, order=RunSnapshotRow.seq.desc(),
                                   limit=1)
         if snapshot:
-            load = Op("load_state", {"model_id": run.id, "location": snapshot[0].location, "path": f"snapshot of {run.id}",
-                                     "with_optimizer": True, "owner": run.tenant})
+            load = LoadState(run.id, snapshot[0].location, f"snapshot of {run.id}", with_optimizer=True, owner=run.tenant)
             svc.executor.submit(Job(f"replay-load:{run.id}", run.id, run.base_model, seq=None, op=load), ordered=True)
         count = replay_run(svc, run.id, after_seq=snapshot[0].seq if snapshot else None, creation=not snapshot)
         if snapshot or count:

@@ -15,7 +15,7 @@ from kernel_backend.service import admission, budgets, recovery, sessions, stabi
 from kernel_backend.engine import base_models, optimizers
 from kernel_backend.engine.core import Pass
 from kernel_backend.metering import LOSS_TOKENS, Usage, loss_tokens
-from kernel_backend.execution.engine_work import Op
+from kernel_backend.execution.engine_work import CreateAdapter, OptimStep
 from kernel_backend.service.checkpoints import checkpoint_json
 from kernel_backend.service.core import PROTO_TYPE, Service, audit, iso, json_result, new_id, train_key
 from kernel_backend.execution.scheduler import Job
@@ -51,8 +51,7 @@ def create_model(svc: Service, tenant: str, session_id: str, model_seq_id: int, 
                       audit(tenant, "training_run_created", tenant, model_id=model_id, base_model=base,
                             lora_rank=config.rank))
 
-    job = Job(new_id(), model_id, base, seq=None, op=Op("create_adapter", {"model_id": model_id, "config": config,
-                                                                           "optimizer": optimizer_type, "owner": tenant}),
+    job = Job(new_id(), model_id, base, seq=None, op=CreateAdapter(model_id, config, optimizer_type, owner=tenant),
               encode=lambda _: json_result({"model_id": model_id, "type": "create_model"}),
               replicas=replicas_asked(user_metadata))
     return svc.submit(tenant, "CreateModel", f"create_model:{session_id}:{model_seq_id}", job, ordered=True,
@@ -131,8 +130,7 @@ def optim_step(svc: Service, tenant: str, model_id: str, seq_id: int | None, par
 
     # Every STEPWISE_SNAPSHOT_EVERY steps the step also snapshots the run (with Ray workers the cluster decides).
     snapshot = {} if svc.executor.restores_runs else recovery.snapshot_args(svc, tenant, model_id)
-    op = Op("optim_step", {"model_id": model_id, "params": params, **snapshot})
-    job = Job(new_id(), model_id, run.base_model, seq=seq_id, op=op, encode=reply)
+    job = Job(new_id(), model_id, run.base_model, seq=seq_id, op=OptimStep(model_id, params, **snapshot), encode=reply)
     return svc.submit(tenant, "OptimStep", train_key(model_id, seq_id), job, ordered=True, session_id=run.session_id)
 
 
