@@ -68,6 +68,8 @@ test:
 	@status=0; \
 	echo "ruff check: unused and undefined names ([tool.ruff] in pyproject.toml)"; \
 	$(VENV)/bin/ruff check . || status=1; \
+	echo "mypy: types of the files [tool.mypy] in pyproject.toml lists"; \
+	$(VENV)/bin/mypy || status=1; \
 	echo "pytest: every test, on both cores"; \
 	$(PYTEST) -n 2 --dist loadfile --no-loadscope-reorder --durations=25 --junitxml=$(REPORT)/main.xml tests || status=1; \
 	echo "pytest: the official-SDK service tests once more, unchanged, their server's engines on two Ray workers"; \

@@ -47,6 +47,7 @@ from kernel_backend.errors import UserError
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL_END = re.compile(r"\s*(?:" + re.escape(CALL_CLOSE) + r"|$)")  # after a call's JSON: its close, or the end
 _JSON = json.JSONDecoder()
+_SPACE = re.compile(r"\s*")
 
 FALLBACK_INSTRUCTIONS = (
     "You may call one or more functions to assist with the user query. The functions you can call are "
@@ -262,7 +263,8 @@ def parse(text: str, only_first: bool = False) -> Reply:
     """A reply's text and its tool calls (<tool_call> blocks that are JSON with a name; an unclosed last
     block counts, as a reply cut at a stop token ends one). A block's JSON is read whole, so a `</tool_call>`
     inside one of its strings does not cut it short."""
-    calls, kept = [], []
+    calls: list[dict] = []
+    kept: list[str] = []
     at = search = 0
     while (start := text.find(CALL_OPEN, search)) >= 0:
         search = start + len(CALL_OPEN)
@@ -280,12 +282,13 @@ def parse(text: str, only_first: bool = False) -> Reply:
 def _call_at(text: str, at: int) -> tuple[dict, int] | None:
     """The call whose JSON starts at `at` (after whitespace), and where its block ends; None if it is not one."""
     try:
-        value, end = _JSON.raw_decode(text, re.compile(r"\s*").match(text, at).end())
+        space = _SPACE.match(text, at)  # (always a match, perhaps empty)
+        value, end = _JSON.raw_decode(text, space.end() if space else at)
     except json.JSONDecodeError:
         return None
     close = _CALL_END.match(text, end)
     call = _parsed_call(value) if close is not None else None
-    return (call, close.end()) if call is not None else None
+    return (call, close.end()) if call is not None and close is not None else None
 
 
 def _parsed_call(value) -> dict | None:

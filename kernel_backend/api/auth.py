@@ -48,8 +48,8 @@ def caller_of(request: Request) -> Caller:
         raise HTTPException(401, "missing API key: send X-API-Key: tml-... (or Authorization: Bearer tml-...)")
     service = request.app.state.service
     if key.startswith("eyJ"):
-        claims = signing.verify(service.signing_key, key, "auth")
-        key_id = claims.get("key_id") if claims else None
+        claims = signing.verify(service.signing_key, key, "auth") or {}
+        key_id = claims.get("key_id")
         row = api_keys.live_key(service.store, key_id=key_id) if isinstance(key_id, int) else None
         if row is None or row.tenant != claims.get("org_id"):
             raise HTTPException(401, "invalid or expired token: exchange your API key for a new one at "

@@ -31,7 +31,7 @@ import json
 import re
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Header
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -193,7 +193,8 @@ def _as_openai(e: Exception) -> OpenAIError:
 
 def _response_schema(response_format: dict | None) -> dict | None:
     """The JSON schema response_format asks the reply to match; None for free text."""
-    kind = (response_format or {}).get("type", "text")
+    response_format = response_format or {}
+    kind = response_format.get("type", "text")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -211,7 +212,7 @@ def _response_schema(response_format: dict | None) -> dict | None:
 
 def _message(message: ChatMessage) -> dict:
     """A chat message in the shape tool_calls.render takes."""
-    out = {"role": message.role, "content": _text(message.content)}
+    out: dict[str, Any] = {"role": message.role, "content": _text(message.content)}
     if message.tool_calls:
         out["tool_calls"] = [call.model_dump() for call in message.tool_calls]
     if message.tool_call_id is not None:
@@ -253,7 +254,8 @@ async def _complete(svc: Service, tenant: str, session_id: str, body: SamplingFi
     tokenizer = sampling.tokenizer(svc, base)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     echo, max_tokens = getattr(body, "echo", False), _max_tokens(body, chat)
-    wants_logprobs = (body.logprobs is not None) if not chat else body.logprobs
+    asked = getattr(body, "logprobs", None)  # a chat request's is a flag, a completion's a count (or None)
+    wants_logprobs = bool(asked) if chat else asked is not None
     if max_tokens == 0 and not echo:
         raise OpenAIError(400, "max_tokens 0 generates nothing: set echo to true to score the prompt", param="max_tokens")
     if body.stream and echo:
@@ -264,7 +266,7 @@ async def _complete(svc: Service, tenant: str, session_id: str, body: SamplingFi
                             seed=body.seed, stop=stop or None, top_k=body.top_k or -1, min_p=body.min_p,
                             repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
                             presence_penalty=body.presence_penalty, logit_bias={token_id(t, "logit_bias"): bias for t, bias in (body.logit_bias or {}).items()} or None)
-    options = SampleOptions(topk_sample_logprobs=top_logprobs, prompt_logprobs=echo and wants_logprobs,
+    options = SampleOptions(topk_sample_logprobs=top_logprobs, prompt_logprobs=bool(echo) and wants_logprobs,
                             topk_prompt_logprobs=top_logprobs if echo and wants_logprobs else 0, grammar=grammar)
     request_type = "ChatCompletion" if chat else "Completion"
     completion_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -284,7 +286,7 @@ async def _complete(svc: Service, tenant: str, session_id: str, body: SamplingFi
     results = await sampling.generate(svc, tenant, request_type, base, path, prompts, body.n, params, options,
                                       session_id=session_id)
     eos = sampling.eos_ids(svc, base)
-    choices = []
+    choices: list[dict[str, Any]] = []
     for prompt, result in zip(prompts, results):
         for seq in result.sequences:
             visible, finish = visible_tokens(seq, tokenizer, stop or [], eos) if max_tokens else ([], "length")
@@ -292,7 +294,7 @@ async def _complete(svc: Service, tenant: str, session_id: str, body: SamplingFi
             choice_out = {"index": len(choices), "finish_reason": finish}  # OpenAI's: prompt by prompt, n each
             if chat:
                 logprobs = _chat_logprobs(seq, visible, tokenizer, top_logprobs) if wants_logprobs else None
-                message = {"role": "assistant", "content": text}
+                message: dict[str, Any] = {"role": "assistant", "content": text}
                 if choice is not None and choice.parse:
                     reply = tool_calls.parse(choice.prefill + text, choice.only_first)
                     if reply.calls:

@@ -281,6 +281,6 @@ async def retrieve_future(body: T.FutureRetrieveRequest, request: Request, tenan
         return Response(content=row.result, media_type=row.content_type, status_code=410)
     # Content negotiation: a reply stored as protobuf goes as JSON to a client that did not ask for protobuf
     # (tinker before 0.24 for ForwardBackwardOutput, before 0.18 for SampleResponse).
-    if row.content_type == PROTO_TYPE and not wire.accepts_protobuf(request.headers.get("accept")):
+    if row.content_type == PROTO_TYPE and row.result is not None and not wire.accepts_protobuf(request.headers.get("accept")):
         return wire.proto_reply_as_json(row.result, row.request_type)
     return Response(content=row.result, media_type=row.content_type)

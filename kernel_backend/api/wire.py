@@ -21,6 +21,7 @@ densifies at most MAX_DENSE_CELLS; a zstd body may not expand past the server's 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +54,7 @@ _SUPPORTED_CHUNK = "send text tokens as 'encoded_text' chunks (ModelInput.from_i
 _STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 # proto DType -> (little-endian wire dtype, dtype the engine gets). Only float32 and
 # int64 are public; int32 and bfloat16 are widened the way the SDK's decoder does.
-_PROTO_DTYPES = {
+_PROTO_DTYPES: dict[pb.DType.ValueType, tuple[np.dtype, type]] = {
     pb.DTYPE_FLOAT32: (np.dtype("<f4"), np.float32),
     pb.DTYPE_INT64: (np.dtype("<i8"), np.int64),
     pb.DTYPE_INT32: (np.dtype("<i4"), np.int64),
@@ -509,7 +510,7 @@ def encode_forward_backward_output(result: ForwardResult) -> bytes:
     return msg.SerializeToString()
 
 
-def _proto_dtype(arr: np.ndarray, name: str) -> int:
+def _proto_dtype(arr: np.ndarray, name: str) -> pb.DType.ValueType:
     if arr.dtype.kind == "f":
         return pb.DTYPE_FLOAT32
     if arr.dtype.kind in "iub":
@@ -559,6 +560,7 @@ def encode_sample_response(result: SampleResult) -> bytes:
         msg.target_prompt_logprobs.CopyFrom(tensor)
     if result.prompt_alt_tokens is not None:
         tokens, logprobs = result.prompt_alt_tokens, result.prompt_alt_logprobs
+        assert logprobs is not None, "prompt_alt_tokens come with their logprobs"
         msg.prompt_alt_tokens.CopyFrom(pb.PromptAltTokens(
             tokens=pb.Tensor(dtype=pb.DTYPE_INT64, shape=tokens.shape, dense=tokens.astype("<i8").tobytes()),
             logprobs=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=logprobs.shape, dense=logprobs.astype("<f4").tobytes()),
@@ -566,7 +568,7 @@ def encode_sample_response(result: SampleResult) -> bytes:
     return msg.SerializeToString()
 
 
-def _topk_matrix(rows: list[list[tuple[int, float]] | None]) -> pb.TopkLogprobs:
+def _topk_matrix(rows: Sequence[list[tuple[int, float]] | None]) -> pb.TopkLogprobs:
     """Per position, up to k (token, logprob) pairs (None: nothing there) as the SDK's TopkLogprobs."""
     n, k = len(rows), max((len(r) for r in rows if r), default=0)
     ids = np.zeros((n, k), dtype="<i4")
@@ -601,21 +603,22 @@ def proto_reply_as_json(body: bytes, request_type: str) -> dict:
     """A stored protobuf reply (a Sample future's SampleResponse, a Forward or ForwardBackward future's
     ForwardBackwardOutput) as the JSON object tinker SDKs before protobuf replies validate."""
     if request_type == "Sample":
-        reply = response_conv.deserialize_sample_response(body)
+        sample = response_conv.deserialize_sample_response(body)
         return {
             "type": "sample",
-            "sequences": [{"stop_reason": seq.stop_reason, "tokens": list(seq.tokens), "logprobs": list(seq.logprobs)}
-                          for seq in reply.sequences],
-            "prompt_logprobs": reply.prompt_logprobs,
-            "topk_prompt_logprobs": reply.topk_prompt_logprobs,
+            "sequences": [{"stop_reason": seq.stop_reason, "tokens": list(seq.tokens),
+                           "logprobs": None if seq.logprobs is None else list(seq.logprobs)}
+                          for seq in sample.sequences],
+            "prompt_logprobs": sample.prompt_logprobs,
+            "topk_prompt_logprobs": sample.topk_prompt_logprobs,
         }
     if request_type in ("Forward", "ForwardBackward"):
-        reply = response_conv.deserialize_forward_backward_output(body)
+        output = response_conv.deserialize_forward_backward_output(body)
         return {
-            "loss_fn_output_type": reply.loss_fn_output_type,
+            "loss_fn_output_type": output.loss_fn_output_type,
             "loss_fn_outputs": [{name: {"data": np.asarray(t.to_numpy()).ravel().tolist(), "dtype": t.dtype,
                                         "shape": list(t.shape) if t.shape is not None else None}
-                                 for name, t in out.items()} for out in reply.loss_fn_outputs],
-            "metrics": dict(reply.metrics),
+                                 for name, t in out.items()} for out in output.loss_fn_outputs],
+            "metrics": dict(output.metrics),
         }
     raise ValueError(f"a {request_type} future has no protobuf reply")

@@ -49,8 +49,10 @@ def live_key(store: Store, key: str | None = None, key_id: int | None = None) ->
     with store.session() as s:
         if key_id is not None:
             row = s.get(ApiKeyRow, key_id)
-        else:
+        elif key is not None:
             row = s.scalars(select(ApiKeyRow).where(ApiKeyRow.key_hash == key_hash(key))).first()
+        else:
+            return None
     return row if row is not None and row.revoked_at is None else None
 
 

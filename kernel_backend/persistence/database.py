@@ -15,6 +15,7 @@ import datetime as dt
 import os
 import re
 from pathlib import Path
+from typing import cast
 
 from sqlalchemy import (
     JSON,
@@ -32,6 +33,7 @@ from sqlalchemy import (
     text,
     UniqueConstraint,
 )
+from sqlalchemy.engine import CursorResult
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
@@ -327,7 +329,7 @@ class Store:
         from sqlalchemy import func
 
         with self.session() as s:
-            return s.scalar(select(func.count()).select_from(cls).where(*where))
+            return s.scalar(select(func.count()).select_from(cls).where(*where)) or 0
 
     # ---- futures --------------------------------------------------------------------------------
 
@@ -350,7 +352,10 @@ class Store:
             self.add(row, *([journal] if journal is not None else []))
             return row, True
         except IntegrityError:  # a concurrent duplicate won the race
-            return self.future_by_key(row.dedupe_key), False
+            winner = self.future_by_key(row.dedupe_key)
+            if winner is None:  # (and was deleted since: no reaper deletes a future that young)
+                raise
+            return winner, False
 
     def future_by_key(self, dedupe_key: str) -> FutureRow | None:
         with self.session() as s:
@@ -362,6 +367,8 @@ class Store:
         The row expires `keep_s` seconds from now (never if None)."""
         with self.session.begin() as s:
             row = s.get(FutureRow, request_id)
+            if row is None:
+                raise KeyError(f"no future {request_id} to finish")
             row.status, row.result, row.content_type, row.completed_at = status, result, content_type, now()
             row.expires_at = None if keep_s is None else now() + dt.timedelta(seconds=keep_s)
             if usage is not None:
@@ -378,7 +385,8 @@ class Store:
         from sqlalchemy import delete
 
         with self.session.begin() as s:
-            return s.execute(delete(FutureRow).where(FutureRow.status != "pending", FutureRow.expires_at < now())).rowcount
+            done = delete(FutureRow).where(FutureRow.status != "pending", FutureRow.expires_at < now())
+            return cast(CursorResult, s.execute(done)).rowcount
 
     # ---- stability info (stable_reinforce) ------------------------------------------------------
 
@@ -408,7 +416,7 @@ class Store:
         from sqlalchemy import delete
 
         with self.session.begin() as s:
-            return s.execute(delete(StabilityRow).where(*where)).rowcount
+            return cast(CursorResult, s.execute(delete(StabilityRow).where(*where))).rowcount
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
