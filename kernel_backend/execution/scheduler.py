@@ -32,7 +32,7 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from kernel_backend.execution import engine_work
 from kernel_backend.engine.core import Engine, Pass
@@ -69,7 +69,7 @@ class Job:
     call: Callable[[Engine], object] | None = None
     # The service's side, never sent to a worker: the outcome into the reply (bytes, content type), rows
     # written on the way; a streaming sample's per-token callback and its cancel event.
-    encode: Callable[[object], tuple[bytes, str]] | None = None
+    encode: Callable[[Any], tuple[bytes, str]] | None = None
     on_token: Callable | None = None
     cancel: object | None = None
     # A worker's own condition for running the job once it heads its lane (a data-parallel optim_step

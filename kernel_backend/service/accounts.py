@@ -153,7 +153,7 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
         newest = (select(UsageRow.model_id, func.max(UsageRow.id)).where(
             UsageRow.model_id.in_(run_ids), UsageRow.request_type == "ForwardBackward").group_by(UsageRow.model_id))
         for run_id, row_id in s.execute(newest).all():
-            row = s.get(UsageRow, row_id)
+            row = s.get_one(UsageRow, row_id)  # (just found by its id, in this transaction)
             last_fb[run_id] = (row.metrics or {})
             last_loss[run_id] = _step_loss(s, row)
         # Optimizer steps with no forward_backward before them (an RL step whose groups all tied): a forward_backward's
@@ -179,7 +179,7 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
         return svc.budgets.report(limits.get((scope, target)))
 
     runs_of = {i: [r for r in runs if r.session_id == i] for i in ids}
-    session_of_run = {r.id: r.session_id for r in runs}
+    session_of_run: dict[str | None, str] = {r.id: r.session_id for r in runs}  # (a checkpoint's run may be None)
     moment = now()
     rows = []
     for session in sessions:
@@ -188,7 +188,7 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
         first = mine[0] if mine else None
         # Each run on its own: a session's runs are separate models, their steps are not one count.
         # Its user_metadata carries its name; a fork's lineage is in fields of its own (checkpoints.lineage).
-        runs = [{"training_run_id": r.id, "base_model": r.base_model, "lora_rank": r.lora_config["rank"],
+        run_rows = [{"training_run_id": r.id, "base_model": r.base_model, "lora_rank": r.lora_config["rank"],
                  **lineage(r), "steps": int(steps.get(r.id, 0)), "last_loss": last_fb.get(r.id, {}).get("loss:sum"),
                  **last_loss.get(r.id, {"loss_step": None, "loss_per_token": None}),
                  "skipped_steps": skipped.get(r.id, 0),
@@ -212,10 +212,10 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
             "lora_rank": first.lora_config["rank"] if first else None,
             "worker": svc.executor.worker_of(first.id) if first else None,  # with Ray workers: where its first run lives
             "training_run_ids": [r.id for r in mine],
-            "runs": runs,
-            "steps": sum(run["steps"] for run in runs),
+            "runs": run_rows,
+            "steps": sum(run["steps"] for run in run_rows),
             # the newest run's that has one (what a single-number summary shows)
-            "last_loss": next((run["last_loss"] for run in reversed(runs) if run["last_loss"] is not None), None),
+            "last_loss": next((run["last_loss"] for run in reversed(run_rows) if run["last_loss"] is not None), None),
             "prefill_tokens": int(prefill or 0),
             "sample_tokens": int(sample or 0),
             "train_tokens": int(train or 0),
@@ -255,7 +255,8 @@ def _kept_snapshots(samplers: list[SamplerRow]) -> list[dict]:
     """The in-memory sampler snapshots (save_weights_and_get_sampling_client) a session's runs still
     hold, newest first: each run keeps its newest SNAPSHOTS_PER_RUN (ops.snapshot drops older ones),
     while the backend runs. They have no tinker:// path; save_weights_for_sampler(name) makes one."""
-    kept, per_run = [], {}
+    kept: list[dict] = []
+    per_run: dict[str | None, int] = {}
     for row in samplers:  # newest first
         per_run[row.source_model_id] = per_run.get(row.source_model_id, 0) + 1
         if per_run[row.source_model_id] <= SNAPSHOTS_PER_RUN:
@@ -281,7 +282,7 @@ def budget_owner(svc: Service, tenant: str, scope: str, target: str) -> str:
     return tenant
 
 
-def set_budget(svc: Service, tenant: str, scope: str, target: str, usd, tokens) -> dict:
+def set_budget(svc: Service, tenant: str, scope: str, target: str, usd, tokens) -> dict | None:
     """Set or change a budget; from the next request on, admission counts against the new one."""
     owner = budget_owner(svc, tenant, scope, target)
     row = svc.budgets.set(owner, scope, target, usd, tokens)
@@ -332,8 +333,8 @@ def billing_usage(svc: Service, tenant: str, starting_on: dt.datetime, ending_be
             AuditRow.created_at >= start, AuditRow.created_at < end)).all()
     checkpoints: dict[tuple, int] = {}  # (hour, session) -> checkpoints saved
     for created, details in saved:
-        key = (utc(created).replace(minute=0, second=0, microsecond=0), str(details.get("model_id", "")).split(":")[0])
-        checkpoints[key] = checkpoints.get(key, 0) + 1
+        slot = (utc(created).replace(minute=0, second=0, microsecond=0), str(details.get("model_id", "")).split(":")[0])
+        checkpoints[slot] = checkpoints.get(slot, 0) + 1
     session_rows = {r.id: r for r in svc.store.list(SessionRow, SessionRow.tenant == tenant, SessionRow.id.in_(
         sorted({k[2] for k in tokens if k[2]} | {k[1] for k in checkpoints if k[1]})))}
 

@@ -117,6 +117,7 @@ def load_weights(svc: Service, tenant: str, path: str, with_optimizer: bool, mod
         optimizers.check_kind(optimizer_type)
     checkpoint = loadable(svc, tenant, path, "load_weights")
     source = svc.store.get(ModelRow, checkpoint.model_id)
+    dedupe: str | None  # (None: a load without a seq_id, never deduplicated)
     if model_id is None:  # create-via-load
         if session_id is None or model_seq_id is None:
             raise UserError("load_weights needs either model_id, or session_id and model_seq_id")

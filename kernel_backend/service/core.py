@@ -26,6 +26,7 @@ import json
 import logging
 import threading
 import uuid
+from typing import cast
 
 from kernel_backend.service import budgets, recovery, stability
 from kernel_backend.persistence import api_keys, signing
@@ -42,6 +43,7 @@ from kernel_backend.execution.scheduler import Job, log_failure
 from kernel_backend.persistence.database import (
     CheckpointRow,
     FutureRow,
+    JournalRow,
     ModelRow,
     AuditRow,
     SamplerRow,
@@ -261,8 +263,9 @@ class Service:
         submission is new work."""
         job.tenant, job.request_type, job.session_id = tenant, request_type, session_id
         job.api_key = budgets.request_key()
-        if recovery.replaying() is not None:
-            return self._resubmit(job, ordered)
+        if (replayed := recovery.replaying()) is not None:
+            # (recovery.replay_run, the caller of a replayed call, does not read what it returns)
+            return cast(FutureRow, self._resubmit(job, ordered, replayed))
         dedupe_key = dedupe_key or f"once:{job.request_id}"
         existing = self.store.future_by_key(dedupe_key)
         if existing is not None and existing.status != "interrupted":
@@ -285,10 +288,10 @@ class Service:
             self.executor.submit(job, ordered=ordered)
         return row
 
-    def _resubmit(self, job: Job, ordered: bool) -> FutureRow | None:
+    def _resubmit(self, job: Job, ordered: bool, replayed: JournalRow) -> FutureRow | None:
         """A journaled request run again at start-up: as itself when its future was pending at the crash (the
         client's poll gets its answer), else silently (no reply, no ledger row: the client has its answer)."""
-        original = self.store.get(FutureRow, recovery.replaying().request_id)
+        original = self.store.get(FutureRow, replayed.request_id)
         if original is not None and original.status == "pending":
             job.request_id = original.request_id
         else:

@@ -19,7 +19,7 @@ from sqlalchemy import select
 
 from kernel_backend.service import checkpoints, sessions
 from kernel_backend.service.core import Service, audit, new_id
-from kernel_backend.persistence.database import CheckpointRow, ModelRow, SessionRow, expiry, tinker_path
+from kernel_backend.persistence.database import Base, CheckpointRow, ModelRow, SessionRow, expiry, tinker_path
 from kernel_backend.errors import UserError
 
 MAX_IDEMPOTENCY_KEY = 128
@@ -63,7 +63,7 @@ def copy_weights(svc: Service, tenant: str, source_path: str, destination_projec
             return {"tinker_path": done}
     source = checkpoints.loadable(svc, tenant, source_path)
     expires = expiry(ttl_seconds, min_s=3600)
-    rows = []
+    rows: list[Base] = []
     if session_id is not None or model_seq_id is not None:
         if session_id is None or model_seq_id is None or destination_project_id is not None:
             raise UserError("copy_weights takes either destination_project_id, or session_id and model_seq_id")

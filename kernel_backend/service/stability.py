@@ -140,8 +140,8 @@ def _check_runs(spans: list[Span], tokens: list[int], where: str, rows: dict[str
     position = 0
     for j, span in enumerate(spans):
         row = rows[span.sequence_id]
-        kind, source = ("sampled tokens", row.tokens) if span.sampled else ("prompt", row.prompt)
-        source = np.frombuffer(source, dtype="<i4")
+        kind, stored = ("sampled tokens", row.tokens) if span.sampled else ("prompt", row.prompt)
+        source = np.frombuffer(stored, dtype="<i4")
         if span.offset + span.length > len(source):
             raise UserError(f"{where}[{j}] names positions {span.offset}..{span.offset + span.length - 1} of sequence "
                             f"{span.sequence_id!r}'s {kind}, which has {len(source)} tokens")
