@@ -29,9 +29,16 @@ Two phases, in one run, on the real default model (SmolLM2-135M-Instruct, float3
            model's FLOPs (base products and attention; LoRA counted apart), the time they take at the large-shape rate
            (the bound), the time the base products alone would take at their own shapes' rates, and what they took
            in the step. In training also: what a fresh logits-sized tensor costs beyond writing it (the step makes two).
+- rl:      (not in the default phases) training after sampling in one process, as the server runs an RL step: the
+           training step of `train` after the `--prompts` long prompts sampled with its adapter (`--rl-tokens` tokens
+           each), after the same with the decoder's caches dropped, or alone, in turns; each step's time, its target
+           logprobs' time and its page faults, against the step alone in the same round. With `--ab VARIABLE`: the rl
+           phase in two processes, VARIABLE=0 and =1 in their environment, taking turns a step at a time (e.g.
+           THP_MEM_ALLOC_ENABLE, torch's large buffers on transparent huge pages).
 
     .venv/bin/python bench/step_profile.py [--phases prefill,train] [--rounds 3] [--prompts 2] [--prompt-tokens 1024]
                                            [--prefill-rank 8] [--batch 8] [--seq 128] [--rank 32]
+    .venv/bin/python bench/step_profile.py --phases rl [--rounds 5] [--rl-tokens 16] [--ab THP_MEM_ALLOC_ENABLE]
 """
 
 from __future__ import annotations
@@ -241,9 +248,9 @@ def profile_prefill(engine, prompts: list[list[int]], rank: int, rounds: int) ->
                     (timed if use else plain).extend(records)
         results[side] = (plain, timed)
     engine.delete_adapter("prefill")
+    # The decoders' caches dropped before the next phase, so that it starts as a fresh process would. Kept, they do
+    # not slow a training step (the rl phase measures it: docs/performance.md, "Training after sampling").
     engine.reset_decoder()
-    # The decoders' caches dropped and collected before the next phase: kept, they slowed a training step after this
-    # phase (its target logprobs 100-370 ms instead of ~55; 52-72 after these two lines; docs/performance.md).
     gc.collect()
     return results
 
@@ -446,6 +453,142 @@ def report_train(engine, results: dict, args, rates: dict) -> None:
           f"({base / products_in_step / 1e9:.0f} GFLOP/s); everything else in the step {step - products_in_step:.2f} s")
 
 
+# ---- an RL step: sampling, then training, in one process -----------------------------------------------------------
+
+# What precedes each training step of the rl phase, taking turns: the rollouts (the long prompts sampled), as the
+# server runs an RL step; the rollouts, then the decoder's caches dropped and collected; or nothing.
+RL_CONDITIONS = ("sampled", "sampled, caches dropped", "not sampled")
+
+
+def rl_iterations(engine, args, wait=lambda: None):
+    """`--rounds` rounds after one warm-up (round 0) of the rl phase: in each, one training step (forward_backward +
+    optim_step, `--batch` x `--seq`) after each of RL_CONDITIONS, in turns (the order reversed every other round).
+    Yields a record per step: round, condition, seconds of the sampling, the step and its target logprobs, the step's
+    minor page faults (a fresh tensor of 32 MB or more is a block glibc maps anew, faulted in a page at a time), the
+    torch threads at the step's start, and the loss. `wait()` is called before each step's sampling (--ab's
+    sides wait there for their turn)."""
+    import resource
+
+    from train_step import Ours, make_batch
+
+    from kernel_backend.engine import losses
+    from kernel_backend.types import AdamParams, SamplingParams
+
+    prompts = long_prompts(engine, args.prompts, args.prompt_tokens)
+    ours = Ours(engine, args.rank, make_batch(engine.vocab_size, args.batch, args.seq, seed=0), [args.seq] * args.batch,
+                AdamParams(learning_rate=1e-4))
+    timers = Timers()
+    original, losses.target_logprobs = losses.target_logprobs, timers.wrap(losses.target_logprobs, "logprobs")
+    try:
+        for r in range(1 + args.rounds):
+            for condition in RL_CONDITIONS if r % 2 == 0 else RL_CONDITIONS[::-1]:
+                wait()
+                start = time.perf_counter()
+                if condition != "not sampled":
+                    # With the run's own adapter, as RL samples: its weights change every step, so the prefix
+                    # cache never serves these prompts and every rollout prefills them whole.
+                    engine.run_requests([engine.sample_request(ours.adapter, p, 1, SamplingParams(
+                        max_tokens=args.rl_tokens, seed=r)) for p in prompts])
+                if condition == "sampled, caches dropped":
+                    engine.reset_decoder()
+                    gc.collect()
+                sampled, threads = time.perf_counter(), torch.get_num_threads()
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                timers.seconds.clear()
+                timers.on = True
+                loss = ours.step()
+                timers.on = False
+                yield {"round": r, "condition": condition, "sample": sampled - start,
+                       "step": time.perf_counter() - sampled, "logprobs": timers.seconds["logprobs"],
+                       "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults, "threads": threads,
+                       "loss": loss}
+    finally:
+        losses.target_logprobs = original
+        engine.delete_adapter(ours.adapter)
+
+
+def report_rl(records: list[dict], label, against: str, pair) -> None:
+    """Median ms (faults: count) of each `label(record)` group, and the median of the ratios of each record to the
+    `against` group's record with the same `pair(record)` (> 1: higher than `against`). Round 0, the warm-up, left out."""
+    records = [rec for rec in records if rec["round"]]
+    groups = collections.defaultdict(list)
+    for rec in records:
+        groups[label(rec)].append(rec)
+    base = {pair(rec): rec for rec in groups[against]}
+    for key in ("step", "logprobs", "faults"):
+        cells = []
+        for name, recs in groups.items():
+            scale = 1 if key == "faults" else 1e3
+            cell = f"{name}: {scale * statistics.median(rec[key] for rec in recs):.0f}"
+            if name != against:
+                ratios = [rec[key] / base[pair(rec)][key] for rec in recs if pair(rec) in base]
+                cell += f" (x{statistics.median(ratios):.2f}, {sum(x > 1 for x in ratios)} of {len(ratios)} higher)"
+            cells.append(cell)
+        print(f"  {key + (' (count)' if key == 'faults' else ' (ms)'):<16} " + "; ".join(cells))
+
+
+def profile_rl(engine, args) -> None:
+    """The rl phase in this process: each step's record as it comes, then each condition against the step alone in
+    the same round. With --turns (--ab's sides), each step waits for a line on stdin and its record goes to stdout as
+    a JSON line, for the parent to compare."""
+    import json
+    import sys
+
+    if args.turns:
+        for rec in rl_iterations(engine, args, wait=sys.stdin.readline):
+            print(json.dumps(rec), flush=True)
+        return
+    records = []
+    for rec in rl_iterations(engine, args):
+        records.append(rec)
+        print(f"  round {rec['round']} {rec['condition']:<24} sampling {rec['sample']:5.2f} s, step {rec['step']:5.2f} s, "
+              f"target logprobs {1e3 * rec['logprobs']:4.0f} ms, {rec['faults']} page faults, {rec['threads']} threads "
+              f"| {load_line()}", flush=True)
+    if records:
+        print(f"\n[rl] {args.rounds} rounds after one warm-up: a rank-{args.rank} step on {args.batch} x {args.seq} after "
+              f"{args.prompts} prompts of {args.prompt_tokens}+ tokens sampled ({args.rl_tokens} tokens each), after "
+              "the same with the decoder's caches dropped, or alone; medians, and the median ratio to the step alone "
+              "in the same round")
+        report_rl(records, lambda rec: rec["condition"], "not sampled", lambda rec: rec["round"])
+        print(f"  torch threads at a step's start: {sorted({rec['threads'] for rec in records})}")
+
+
+def ab(args) -> None:
+    """The rl phase in two processes of this script, `--ab`=0 (before) and =1 (after) in their environment (e.g.
+    THP_MEM_ALLOC_ENABLE: torch's buffers of 2 MB and more on transparent huge pages), taking turns a step at a time,
+    so that both see the machine's load alike: medians, the median of the pairs' ratios, and whether the losses are
+    bit-identical (the sides run the same steps: they must be)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    command = [sys.executable, __file__, "--phases", "rl", "--turns", *(f"--{k.replace('_', '-')}={v}" for k, v in
+               vars(args).items() if k in ("rounds", "prompts", "prompt_tokens", "batch", "seq", "rank", "rl_tokens"))]
+    sides = {name: subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                    env={**os.environ, args.ab: value})
+             for name, value in (("before", "0"), ("after", "1"))}
+    records = []
+    for step in tqdm(range((1 + args.rounds) * len(RL_CONDITIONS)), desc=f"steps, {args.ab}=0 and =1 in turns"):
+        for name in ("before", "after") if step % 2 else ("after", "before"):
+            side = sides[name]
+            side.stdin.write("go\n")
+            side.stdin.flush()
+            while not (line := side.stdout.readline()).startswith("{"):  # the engine's own output passes through
+                if not line:
+                    raise SystemExit(f"the {name} side ended early")
+                print(f"  [{name}] {line.rstrip()}")
+            records.append({**json.loads(line), "side": name})
+    for side in sides.values():
+        side.stdin.close()
+        side.wait()
+    print(f"\n[rl --ab] {args.ab}=0 (before) against =1 (after), {args.rounds} rounds of {len(RL_CONDITIONS)} steps a "
+          "side after one warm-up; medians, and the median ratio after / before (< 1: after is faster)")
+    report_rl(records, lambda rec: rec["side"], "before", lambda rec: (rec["round"], rec["condition"]))
+    losses = {side: [rec["loss"] for rec in records if rec["side"] == side] for side in ("before", "after")}
+    print(f"  losses bit-identical on both sides, every step: {losses['before'] == losses['after']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--phases", default="prefill,train")
@@ -456,7 +599,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rank", type=int, default=32, help="the training step's LoRA rank (bench/train_step.py's)")
+    parser.add_argument("--rl-tokens", type=int, default=16, help="the rl phase: tokens sampled per prompt")
+    parser.add_argument("--ab", metavar="VARIABLE", help="the rl phase with VARIABLE=0 against =1 in the environment, "
+                        "in two processes taking turns (e.g. THP_MEM_ALLOC_ENABLE; see `ab`)")
+    parser.add_argument("--turns", action="store_true", help=argparse.SUPPRESS)  # --ab's sides: wait for stdin
     args = parser.parse_args()
+    if args.ab:
+        return ab(args)
     phases = args.phases.split(",")
 
     from kernel_backend.engine.core import Engine
@@ -477,6 +626,8 @@ def main() -> None:
         results = profile_train(engine, args)
         report_train(engine, results, args, product_rates(engine, args.batch * args.seq, backward=True))
         print(load_line())
+    if "rl" in phases:
+        profile_rl(engine, args)
 
 
 if __name__ == "__main__":
