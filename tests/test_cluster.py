@@ -14,6 +14,7 @@ fixture is: placement, data parallelism and recovery are about behaviour, not wh
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -137,16 +138,12 @@ class HeldCalls:
         return [job.request_id for job, _ in self.sent]
 
 
-def test_a_runs_first_calls_reach_its_worker_one_at_a_time(tmp_path, monkeypatch):
+def test_a_runs_first_calls_reach_its_worker_one_at_a_time(tmp_path):
     """Ray does not keep an async actor's calls in the order they were sent. A rebuilt run's journal replayed after
     its snapshot's load once overtook it on the worker (CI: 'unknown adapter'); an optim_step that overtook its
     run's first forward_backward on a fresh lane would train on no gradients. So the gateway sends a run's making
     call, then its first sequenced call, each alone; after that the worker's lane orders calls by seq_id, and they
     go together."""
-    # The gateway's code imports Ray when a call is answered (cluster._is_actor_error): perhaps this process's first
-    # import of Ray, which must read what kill_worker's driver needs.
-    for name, value in RAY_DRIVER_ENV.items():
-        monkeypatch.setenv(name, value)
     done = []
     cluster = Cluster(Settings(home=tmp_path), storage=None, on_done=lambda job, outcome: done.append(job.request_id))
     actor = HeldCalls()
@@ -158,19 +155,22 @@ def test_a_runs_first_calls_reach_its_worker_one_at_a_time(tmp_path, monkeypatch
                 "optim_step": {"op": OptimStep("run-1", AdamParams(learning_rate=1e-4))}}[what]
         cluster.submit(Job(name, "run-1", BASE, seq=seq, **work), ordered=True)
 
-    call("load", None, "load_state")  # the snapshot's load (service/recovery.replay), then the journal since
-    call("fb-9", 9, "forward_backward")
-    call("optim-10", 10, "optim_step")
-    assert actor.names() == ["load"]  # the journal waits for the load
-    actor.answer(0)
-    assert actor.names() == ["load", "fb-9"]  # the first sequenced call alone: the lane has no seq_id yet
-    actor.answer(1)
-    assert actor.names() == ["load", "fb-9", "optim-10"]
-    call("fb-11", 11, "forward_backward")  # from now on the lane orders them: sent at once, pipelined
-    call("optim-12", 12, "optim_step")
-    assert actor.names()[3:] == ["fb-11", "optim-12"]
-    for index in (2, 3, 4):
-        actor.answer(index)
+    # The gateway's code imports Ray when a call is answered (cluster._is_actor_error): perhaps this process's first
+    # import of Ray, which must read what kill_worker's driver needs.
+    with ray_driver_env():
+        call("load", None, "load_state")  # the snapshot's load (service/recovery.replay), then the journal since
+        call("fb-9", 9, "forward_backward")
+        call("optim-10", 10, "optim_step")
+        assert actor.names() == ["load"]  # the journal waits for the load
+        actor.answer(0)
+        assert actor.names() == ["load", "fb-9"]  # the first sequenced call alone: the lane has no seq_id yet
+        actor.answer(1)
+        assert actor.names() == ["load", "fb-9", "optim-10"]
+        call("fb-11", 11, "forward_backward")  # from now on the lane orders them: sent at once, pipelined
+        call("optim-12", 12, "optim_step")
+        assert actor.names()[3:] == ["fb-11", "optim-12"]
+        for index in (2, 3, 4):
+            actor.answer(index)
     assert done == ["load", "fb-9", "optim-10", "fb-11", "optim-12"]
 
 
@@ -296,18 +296,34 @@ def test_a_killed_worker_s_run_comes_back_bit_identical_and_trained(client, clus
     assert cluster_report(cluster)["runs"][fresh.model_id]["workers"] == [home]
 
 
+@contextlib.contextmanager
+def ray_driver_env():
+    """RAY_DRIVER_ENV set while this process is a Ray driver, and put back after: a process a later test starts (the
+    `ray start` of tests/test_cluster_gateway.py, which may run in this process) must not inherit it."""
+    saved = {name: os.environ.get(name) for name in RAY_DRIVER_ENV}
+    os.environ.update(RAY_DRIVER_ENV)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def kill_worker(server: Server, name: str, restart: bool = True) -> None:
     """ray.kill the worker's actor, from a second Ray driver on the backend's cluster; Ray restarts it if `restart`."""
-    os.environ.update(RAY_DRIVER_ENV)
-    import ray
+    with ray_driver_env():
+        import ray
 
-    report = cluster_report(server)
-    actor_name = next(w["actor"] for w in report["workers"] if w["name"] == name)
-    ray.init(address=report["ray_address"], namespace=report["namespace"], log_to_driver=False)
-    try:
-        ray.kill(ray.get_actor(actor_name), no_restart=not restart)
-    finally:
-        ray.shutdown()
+        report = cluster_report(server)
+        actor_name = next(w["actor"] for w in report["workers"] if w["name"] == name)
+        ray.init(address=report["ray_address"], namespace=report["namespace"], log_to_driver=False)
+        try:
+            ray.kill(ray.get_actor(actor_name), no_restart=not restart)
+        finally:
+            ray.shutdown()
 
 
 LIVE = ["worker-0", "worker-1"]  # the workers that load the model (worker-2 cannot: see the module's docstring)
