@@ -1007,6 +1007,33 @@ def test_target_logprobs_gradient_matches_autograd():
         torch.testing.assert_close(fused_grad, logits.grad, rtol=0, atol=1e-12)
 
 
+
+def test_target_logprobs_overwrite_is_bit_identical_and_fails_loudly_where_unsafe():
+    """overwrite=True (the trainer's: log_softmax written over the logits, no fresh vocabulary-wide tensor) gives the
+    same logprobs and input gradient, bit for bit, as a fresh output; over logits that a node kept for its backward
+    (tanh keeps its output), the backward fails instead of computing a wrong gradient."""
+    from kernel_backend.engine.losses import target_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    x0, weight = torch.randn(6, 8, generator=g), torch.randn(13, 8, generator=g)
+    targets, index = torch.randint(0, 13, (9, 2), generator=g), torch.tensor([0, 1, 2, 0, 1, 3, 4, 5, 5])
+    results = []
+    for overwrite in (False, True):
+        x = x0.clone().requires_grad_()
+        logits = x @ weight.T  # a product's output: its backward keeps x and the weight, not the logits
+        raw = logits.detach().clone()
+        logprobs = target_logprobs(logits, targets, index, overwrite=overwrite)
+        after_forward = logits.detach().clone()
+        logprobs.sum().backward()
+        results.append((logprobs.detach(), x.grad))
+    assert torch.equal(after_forward, raw.log_softmax(-1))  # the logits' memory took their log_softmax
+    (fresh, fresh_grad), (overwritten, grad) = results
+    assert torch.equal(fresh, overwritten) and torch.equal(fresh_grad, grad)
+
+    x = x0.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        target_logprobs(torch.tanh(x @ weight.T), targets, index, overwrite=True).sum().backward()
+
 def test_rows_that_share_a_prefix_are_computed_once_and_train_as_if_apart(engine, two_adapters, monkeypatch):
     """engine/prefix_tree.py: a GRPO group (one prompt, three answers, one of them twice) and an episode's per-turn
     datums (each the one before it plus a turn), under the importance-sampling loss, in one batch with

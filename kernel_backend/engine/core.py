@@ -438,8 +438,9 @@ class Engine:
         if len({1 if r.targets.dim() == 1 else r.targets.shape[1] for r in rows}) == 1:  # the usual case: one op
             targets = torch.cat([r.targets.reshape(len(r.tokens), -1) for r in rows]).to(device)
             index = torch.from_numpy(np.concatenate(tree.paths)).to(device)
-            return [lp.reshape(r.targets.shape)
-                    for lp, r in zip(losses.target_logprobs(logits, targets, index).split(lengths), rows)], computed, tops
+            # The logits are read no more (the top-k above were taken first): their log_softmax goes over them.
+            logprobs = losses.target_logprobs(logits, targets, index, overwrite=True)
+            return [lp.reshape(r.targets.shape) for lp, r in zip(logprobs.split(lengths), rows)], computed, tops
         return [losses.target_logprobs(logits, r.targets.to(device).reshape(len(r.tokens), -1),
                                 torch.from_numpy(path).to(device)).reshape(r.targets.shape)
                 for path, r in zip(tree.paths, rows)], computed, tops

@@ -357,11 +357,13 @@ class _TargetLogprobs(torch.autograd.Function):
     batch x length x vocab floats, plus the zero fill of one).
     With `index` (flat logits, N x V), target row i is read at logits row index[i]: rows that share a
     prefix share its logits (engine/prefix_tree.py), each with its own targets, and their gradients add up.
+    With `overwrite`, log_softmax is written over the logits themselves (bit-identical to a fresh output).
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-        logprobs = torch.log_softmax(logits, dim=-1)
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, index: torch.Tensor | None,
+                overwrite: bool) -> torch.Tensor:
+        logprobs = torch.log_softmax(logits, dim=-1, out=logits) if overwrite else torch.log_softmax(logits, dim=-1)
         ctx.save_for_backward(logprobs, targets, index)
         if index is None:
             return logprobs.gather(-1, targets)
@@ -379,7 +381,7 @@ class _TargetLogprobs(torch.autograd.Function):
             total = torch.zeros(len(grad_logits), dtype=grad.dtype, device=grad.device).index_add_(0, index, grad.sum(-1))
             grad_logits.mul_(-total[:, None])
             grad_logits.index_put_((index[:, None].expand_as(targets), targets), grad, accumulate=True)
-        return grad_logits, None, None
+        return grad_logits, None, None, None
 
 
 def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -389,10 +391,17 @@ def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
         return best.indices, best.values
 
 
-def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, index: torch.Tensor | None = None,
+                    overwrite: bool = False) -> torch.Tensor:
     """logits (..., V), targets (..., K) int64 -> the targets' logprobs, shape (..., K).
-    With `index`: logits (N, V), targets (M, K), target row i read at logits row index[i]."""
-    return _TargetLogprobs.apply(logits, targets, index)
+    With `index`: logits (N, V), targets (M, K), target row i read at logits row index[i].
+
+    `overwrite=True`: the logits' memory takes their log_softmax, for a caller that reads them no more (autograd's
+    version check fails the backward loudly if a node saved them). A training step's logits are vocabulary-wide
+    (8 x 128 tokens: 201 MB); a fresh tensor that large is memory glibc maps anew, and the kernel faults it in a page
+    at a time: 49,153 faults, about as long as the log_softmax itself (docs/performance.md, "Training after
+    sampling")."""
+    return _TargetLogprobs.apply(logits, targets, index, overwrite)
 
 
 def merge_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
