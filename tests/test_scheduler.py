@@ -10,10 +10,13 @@ and decoder is in tests/test_engine.py (test_a_training_job_finishes_while_a_lon
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import threading
 
 from helpers import wait_until
 from kernel_backend.engine.core import Pass
+from kernel_backend.execution import engine_work
 from kernel_backend.execution.engine_work import SampleOp
 from kernel_backend.engine.sampler import SampleRequest
 from kernel_backend.execution.scheduler import GAP_WAIT_S, Job, Scheduler
@@ -214,3 +217,12 @@ def test_a_long_decode_and_training_jobs_take_turns():
     # Decode steps ran between training jobs, not only after all of them.
     between = log[log.index("done:t0") : log.index("done:t5")]
     assert sum(entry.startswith("step") for entry in between) >= 5, log
+
+
+def test_every_work_item_s_fields_are_its_functions_arguments():
+    """engine_work.run calls an item's function with the item's fields as keyword arguments: a field renamed on
+    one side only would fail on the scheduler thread, at the first such job. Checked here for every kind."""
+    for item, work in engine_work.WORK.items():
+        fields = [f.name for f in dataclasses.fields(item)]
+        arguments = list(inspect.signature(work).parameters)[2:]  # after (engine, ctx)
+        assert fields == arguments, (item.__name__, fields, arguments)
