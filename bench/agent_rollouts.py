@@ -52,8 +52,8 @@ def main() -> None:
     from tinker import types
 
     from servers import start_server
-    from workbench import episodes
-    from workbench.connect import quiet_long_polls
+    from workbench.recipes import episodes
+    from workbench.client.connect import quiet_long_polls
     from workbench.recipes import common
 
     quiet_long_polls()  # the SDK's "Retrying request ... because of try_again": a long poll's normal end on 2 cores

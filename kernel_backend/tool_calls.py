@@ -154,7 +154,7 @@ def text_or_call(tools: list[dict], what: str = "tools") -> str:
     """The grammar of a reply that is plain text, or text and then one call (Hermes' block) whose arguments
     validate against its tool's parameters: once the reply opens `<tool_call>`, the call is valid and closes.
     What a strict tool promises under "auto", and what the rl recipe's `constrain_tool_calls` holds each
-    policy turn to (workbench/episodes.py)."""
+    policy turn to (workbench/recipes/episodes.py)."""
     close = grammars.literal("\n" + CALL_CLOSE)
     return grammars.check(_TEXT_OR_CALL.format(close=close) + _call_rules(tools), what)
 

@@ -18,8 +18,8 @@ import pytest
 import tinker
 from tinker import types
 
-from workbench import sdk_hooks
-from workbench.dpo import completion_datum, encode_pair
+from workbench.client import sdk_hooks
+from workbench.recipes.dpo import completion_datum, encode_pair
 from workbench.widgets.compare import Compare
 from workbench.widgets.probes import Probes, first_divergence
 

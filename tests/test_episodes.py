@@ -1,4 +1,4 @@
-"""Multi-turn episodes (workbench/episodes.py): tools as Python functions, their errors and timeouts as
+"""Multi-turn episodes (workbench/recipes/episodes.py): tools as Python functions, their errors and timeouts as
 observations, episodes played through the official SDK's sampler, and an episode's datum that trains the
 policy's tokens only.
 
@@ -24,9 +24,9 @@ from tinker import types
 from kernel_backend import tool_calls
 from kernel_backend.engine.losses import compute_loss
 from test_service import BASE
-from workbench import episodes
+from workbench.recipes import episodes
 from workbench.recipes import estimates, rl, rl_hacks
-from workbench.episodes import Episode, Segment, Step, Tool, ToolEnv
+from workbench.recipes.episodes import Episode, Segment, Step, Tool, ToolEnv
 
 
 def calc(expression: str) -> float:
@@ -316,7 +316,7 @@ def test_the_rl_recipe_trains_on_episodes(tinker_server, tokenizer, browser, tmp
         assert row["graded"] == row["reward"]  # the environment's grade (Step.parts), logged per step
     trained = [r for r in steps if "kl_sampler" in r]
     assert trained and all(abs(r["kl_sampler"]) < 1e-2 and r["train_tokens"] > 0 for r in trained), trained
-    from workbench.rollout_log import RolloutLog
+    from workbench.recipes.rollout_log import RolloutLog
 
     (answer, *_) = RolloutLog(summary.extra["rollouts"]).samples(1)
     assert set(answer["roles"]) == {"policy", "observation"} and len(answer["roles"]) == len(answer["tokens"])

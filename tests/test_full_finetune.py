@@ -200,7 +200,7 @@ def test_a_recipe_trains_a_full_run_when_its_config_says_rank_0(tinker_server):
 def test_full_finetuning_through_the_sdk_learns_faster_than_rank_8_and_loads_in_transformers(tmp_path, stepwise_home):
     """Each at the learning rate its kind trains at (LoRA's about 10x full fine-tuning's: Thinking Machines'
     "LoRA Without Regret"), the same 4 steps on the same facts. The server's adapter cache is what a notebook's
-    backend sets (workbench/local_backend.py, a quarter of the machine's memory): a full run of the default model
+    backend sets (workbench/client/local_backend.py, a quarter of the machine's memory): a full run of the default model
     is admitted there with no setting of the user's (tests/test_workbench.py checks the backend gets it)."""
     import tinker
     from tinker import types
@@ -210,7 +210,7 @@ def test_full_finetuning_through_the_sdk_learns_faster_than_rank_8_and_loads_in_
     from servers import start_server
 
     (tmp_path / "models").symlink_to(stepwise_home / "models")
-    from workbench.local_backend import single_user_adapter_cache_mb
+    from workbench.client.local_backend import single_user_adapter_cache_mb
 
     server = start_server(tmp_path, env={**REAL_MODEL_ENV, "STEPWISE_ADAPTER_CACHE_MB": str(single_user_adapter_cache_mb())},
                           timeout=300)

@@ -1,5 +1,6 @@
-"""The layout holds: kernel_backend's packages import only the layers below them, and no module imports
-another that (at import time) imports it back (docs/architecture.md, "The map").
+"""The layout holds: kernel_backend's packages import only the layers below them, workbench's packages likewise
+(the client below the recipes, the recipes below the widgets), and no module imports another that (at import time)
+imports it back (docs/architecture.md, "The map").
 
 Read from the source with `ast`, nothing imported: module-level imports only (an import inside a function is
 lazy, and a `TYPE_CHECKING` block never runs), for kernel_backend/ and workbench/.
@@ -92,6 +93,67 @@ def test_workbench_imports_only_what_the_map_allows():
     assert not beyond, "\n".join(beyond)
 
 
+# workbench/'s packages, lowest first (docs/architecture.md, "The map"): the client (reaching a backend), the recipes
+# and their training pieces, the widgets that show them. The lab extension's server part sits beside the recipes and
+# needs only the client. The top level (workbench/__init__.py, the public API, and cli.py, the `stepwise` command) may
+# import anything. A package may import itself and the packages below it, never one beside it.
+WORKBENCH_LAYERS = {"client": 0, "recipes": 1, "lab": 1, "widgets": 2}
+WORKBENCH_TOP = {"workbench", "workbench.cli"}
+
+# Imports inside a function that run up a layer, each for a reason; any other upward import fails, and so does an
+# entry here once its import is gone.
+WORKBENCH_LAZY_UPWARD = {
+    # connect() turns on the HTML reprs of the SDK's results in a notebook, once connected
+    ("workbench.client.connect", "workbench.widgets.reprs"),
+    # the recipes' tokenizer is the one the widgets load from this machine's model store
+    ("workbench.recipes.common", "workbench.widgets.tokens"),
+}
+
+
+def workbench_layer(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "workbench" or module in WORKBENCH_TOP:
+        return None
+    return parts[1]
+
+
+def workbench_upward_imports(known: dict[str, Path]) -> list[tuple[str, str, bool]]:
+    """(module, target, lazy) for each import in workbench/ of a package above or beside the module's own."""
+    found = []
+    for module, path in known.items():
+        here = workbench_layer(module)
+        if here is None:
+            continue
+        at_module_level = imports(path, known)
+        for target in imports(path, known, everywhere=True):
+            there = workbench_layer(target)
+            if there is None or there == here or WORKBENCH_LAYERS[there] < WORKBENCH_LAYERS[here]:
+                continue
+            found.append((module, target, target not in at_module_level))
+    return sorted(found)
+
+
+def test_workbench_packages_import_only_the_layers_below():
+    known = modules()
+    upward = workbench_upward_imports(known)
+    unexplained = [f"{module} ({workbench_layer(module)}) imports {target} ({workbench_layer(target)})"
+                   + (" inside a function" if lazy else "")
+                   for module, target, lazy in upward if not (lazy and (module, target) in WORKBENCH_LAZY_UPWARD)]
+    assert not unexplained, "\n".join(unexplained)
+    stale = WORKBENCH_LAZY_UPWARD - {(module, target) for module, target, lazy in upward if lazy}
+    assert not stale, f"no longer imported lazily, remove from WORKBENCH_LAZY_UPWARD: {sorted(stale)}"
+
+
+def test_workbench_top_level_is_only_the_public_api_and_the_command():
+    """Everything else lives in a package of the map: a new module at the top is a sign it was not placed."""
+    known = modules()
+    top = {module for module in known if module.count(".") == 1 and module.split(".")[0] == "workbench"
+           and module.split(".")[1] not in WORKBENCH_LAYERS}
+    assert top == {"workbench.cli"}, sorted(top)
+    assert {module.split(".")[1] for module in known if module.count(".") >= 1 and module.startswith("workbench.")
+            } == {*WORKBENCH_LAYERS, "cli"}
+
+
 def test_no_import_circle():
     known = modules()
     graph = {module: imports(path, known) - {module} for module, path in known.items()}
@@ -119,6 +181,22 @@ def test_the_checks_see_the_packages():
                                         "process"}
     assert "kernel_backend.engine.lora" in imports(known["kernel_backend.engine.core"], known)
     assert LAYERS[layer("kernel_backend.service.core")] > LAYERS[layer("kernel_backend.execution.executor")]
+    assert {workbench_layer(m) for m in known} == {None, *WORKBENCH_LAYERS}
+    assert "workbench.client.connection" in imports(known["workbench.recipes.common"], known)
+
+
+def test_the_workbench_check_finds_a_planted_upward_import(tmp_path):
+    """A client module that imports a widget at module level, or a recipe that imports one inside a function, is
+    reported (and the allowed lazy imports are not)."""
+    planted_client = tmp_path / "planted_client.py"
+    planted_client.write_text("from workbench.widgets.dashboard import Dashboard\n")
+    planted_recipe = tmp_path / "planted_recipe.py"
+    planted_recipe.write_text("def show():\n    from workbench.widgets import runs\n")
+    known = {**modules(), "workbench.client.planted": planted_client, "workbench.recipes.planted": planted_recipe}
+    upward = workbench_upward_imports(known)
+    assert ("workbench.client.planted", "workbench.widgets.dashboard", False) in upward
+    assert ("workbench.recipes.planted", "workbench.widgets.runs", True) in upward
+    assert {(module, target) for module, target, lazy in upward if lazy} >= WORKBENCH_LAZY_UPWARD
 
 
 def test_every_import_of_our_own_names_resolves():

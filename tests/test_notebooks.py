@@ -252,7 +252,7 @@ def check_reload(page, shown: list[dict]) -> None:
     """Saved, then reloaded with the kernel still running (what a person does, or autosave): every
     widget comes back from the kernel, none broken, every plot with all its points. (No second try:
     "model not found" after a reload was the kernel's answer to the page lost to a race with the
-    threads that make widgets, fixed in workbench/widget_states.py.)"""
+    threads that make widgets, fixed in workbench/client/widget_states.py.)"""
     save(page)
     page.reload()
     wait_for_kernel(page)
@@ -297,7 +297,7 @@ def run_notebooks(lab: dict, browser, notebooks: list[tuple[str, dict]], while_r
 def reopen_while_training(browser, lab: dict, page, name: str) -> None:
     """Once the dashboard is up and training, save and open the notebook in a second tab, as a person reopening it
     does: its widgets come back from the kernel within seconds while the cell still runs (awaited on a worker
-    thread, workbench/in_thread.py: a blocking cell keeps the kernel from answering them until it ends)."""
+    thread, workbench/client/in_thread.py: a blocking cell keeps the kernel from answering them until it ends)."""
     def training():
         assert page.locator(".wb-dashboard .js-plotly-plot").count() >= 1
     eventually(training, timeout=120)
@@ -423,7 +423,7 @@ def code_cell(page, containing: str):
 
 
 # Held-out pairs for the preference notebook, written by hand: a short answer beats a long one, as the
-# test labels. The notebook imports them (preferences.import_jsonl) and never trains on them.
+# test labels. The notebook imports them (preference_labels.import_jsonl) and never trains on them.
 HELDOUT = [
     ("Describe a river.", "A river is flowing water.", "A river is a long, winding body of fresh water that flows "
      "from the mountains down through valleys and plains until it finally reaches the sea."),
@@ -1026,7 +1026,7 @@ def echoes(rollouts: Path) -> None:
     """Of the rewarded training episodes a run stored, the share whose final answer carries tool markup or is a tool's
     reply copied back must be under 10% (read from the tokens and their roles, independently of the reward)."""
     from workbench.recipes import common
-    from workbench.rollout_log import RolloutLog
+    from workbench.recipes.rollout_log import RolloutLog
 
     tokenizer, log = common.local_tokenizer(), RolloutLog(rollouts)
     rewarded, echoed = 0, []
@@ -1102,7 +1102,7 @@ def test_a_finished_runs_widgets_come_back_on_every_reload(lab, browser, tiny_ba
     """A finished SFT run's widgets (its progress bar, the dashboard's plots, a cost meter) while another
     thread in the kernel keeps making and closing progress bars (as a second run's would): the page is
     reloaded five times and each time every widget is drawn again, none "Loading widget..." or "Error
-    displaying widget: model not found". Before workbench/widget_states.py the kernel's answer to the
+    displaying widget: model not found". Before workbench/client/widget_states.py the kernel's answer to the
     reloaded page's request for its widgets raised when that thread made or closed one meanwhile, and
     the page got no answer (tests/test_workbench_widgets.py reproduces that race deterministically; here it
     shows only sometimes). Not covered: a kernel holding hundreds of widgets more, on a busy machine, still

@@ -47,7 +47,7 @@ def trained_turns(datum):
 
 CHECK = REPLAY + '''
 import numpy as np
-from workbench import episodes
+from workbench.recipes import episodes
 
 
 assert losses[-1] < losses[0], losses
@@ -111,7 +111,7 @@ QWEN25_TEMPLATE = (
 
 
 def test_a_template_with_native_tools_renders_its_own_format_and_its_episodes_match_its_demonstrations():
-    """workbench.tools on a chat template that knows tools (Qwen2.5's, on the default model's tokenizer, whose
+    """workbench.recipes.tools on a chat template that knows tools (Qwen2.5's, on the default model's tokenizer, whose
     ChatML tokens it shares): the tools are offered in the template's own words, not the Hermes fallback's; a
     demonstration's assistant turns, replayed as an episode's sampled turns, give token for token the
     demonstration's sequence, with one system turn and the tool's reply in the template's format."""
@@ -119,7 +119,7 @@ def test_a_template_with_native_tools_renders_its_own_format_and_its_episodes_ma
     import json
 
     from kernel_backend import tool_calls
-    from workbench import episodes, tools
+    from workbench.recipes import episodes, tools
     from workbench.recipes import common
 
     tok = copy.deepcopy(common.local_tokenizer())

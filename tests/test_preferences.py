@@ -1,7 +1,7 @@
 """Preference judgments without a backend: strength in the DPO loss (against a hand computation), the
 live loop's ordering, hidden repeats and self-agreement, the richer judgments' records and their bad
-input, and the prompt/chosen/rejected JSONL round trip (workbench/preferences.py, workbench/dpo.py,
-workbench/live_preference.py, workbench/widgets/labeler.py)."""
+input, and the prompt/chosen/rejected JSONL round trip (workbench/recipes/preference_labels.py,
+workbench/recipes/dpo.py, workbench/recipes/live_preference.py, workbench/widgets/labeler.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 import torch
 from tinker import types
 
-from workbench import preferences
-from workbench.dpo import completion_datum, dpo_loss, with_confidence
-from workbench.live_preference import LiveConfig, config_from, order
+from workbench.recipes import preference_labels
+from workbench.recipes.dpo import completion_datum, dpo_loss, with_confidence
+from workbench.recipes.live_preference import LiveConfig, config_from, order
 from workbench.widgets.labeler import Labeler
 
 
@@ -127,7 +127,7 @@ def test_strength_rating_and_edit_records_and_bad_input_changes_nothing(tmp_path
     lab = Labeler(items(4), path=path, seed=0, rubric="1 useless ... 5 exactly right")
     slight = lab.choose(good(lab).replace("A", "A_slightly").replace("B", "B_slightly"), rating=4)
     assert (slight["strength"], slight["rating"], slight["chosen"]) == ("slight", 4, "good 0")
-    assert preferences.confidence(slight) == 0.75
+    assert preference_labels.confidence(slight) == 0.75
     shown_a, item = lab.text_a, lab.item_id
     lines = path.read_text()
     for bad in (lambda: lab.choose("A", rating=7), lambda: lab.choose("edit"), lambda: lab.edit("C", "x"),
@@ -155,7 +155,7 @@ def test_export_and_import_round_trip_the_common_preference_format(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert all({"prompt", "chosen", "rejected"} <= set(r) and isinstance(r["chosen"], str) for r in rows)
     assert [r["confidence"] for r in rows] == [1.0, 0.75, 1.0]
-    back = preferences.import_jsonl(out)
+    back = preference_labels.import_jsonl(out)
     assert [{k: r[k] for k in ("prompt", "chosen", "rejected", "strength")} for r in back] == lab.preferences()
     assert back[1]["rationale"] == "a bit clearer"
 
@@ -164,13 +164,13 @@ def test_export_and_import_round_trip_the_common_preference_format(tmp_path):
     chat.write_text(json.dumps({"prompt": [{"role": "user", "content": "Hi?"}],
                                 "chosen": [{"role": "assistant", "content": "Hello."}],
                                 "rejected": [{"role": "assistant", "content": "Go away."}]}) + "\n\n")
-    (row,) = preferences.import_jsonl(chat)
+    (row,) = preference_labels.import_jsonl(chat)
     assert (row["prompt"], row["chosen"], row["rejected"], row["strength"]) == ("Hi?", "Hello.", "Go away.", "clear")
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps({"prompt": "p", "chosen": "c", "rejected": "r"}) + "\n" +
                       json.dumps({"prompt": "p", "chosen": "c"}) + "\n")
     with pytest.raises(ValueError, match=r"broken.jsonl:2: .* \(missing rejected\)"):
-        preferences.import_jsonl(broken)
+        preference_labels.import_jsonl(broken)
 
 
 @pytest.mark.clients

@@ -175,7 +175,7 @@ def test_stepwise_demo_teaches_an_answer_then_raises_a_reward(real_model_server,
     """`stepwise demo` as a person runs it (its defaults), against the test backend: the SFT recipe
     teaches made-up facts (held-out phrasings get them back), the RL recipe raises the held-out
     reward of a strict verifier; both runs' files, summaries and costs agree with the usage API."""
-    from workbench import demo
+    from workbench.recipes import demo
 
     result = demo.main(["--base-url", real_model_server.base_url, "--api-key", real_model_server.api_key,
                         "--progress", "false"])
@@ -415,7 +415,7 @@ def test_dynamic_sampling_draws_new_problems_for_dropped_groups_within_its_bound
     # With up to 8 more rounds, every step fills its batch (a round redraws 1 to 4 groups, half of which tie).
     assert all(r["groups_used"] == 4 for r in dynamic), dynamic
     assert sum(r["resampled"] for r in dynamic) > 0 and all(r["dropped_tied"] == r["resampled"] for r in dynamic), dynamic
-    from workbench.rollout_log import RolloutLog
+    from workbench.recipes.rollout_log import RolloutLog
 
     stored = RolloutLog(summary.extra["rollouts"])
     assert [len(stored.read(r["step"])) for r in dynamic] == [4 + r["resampled"] for r in dynamic]

@@ -130,7 +130,7 @@ import numpy as np
 import workbench
 from tinker import types
 from kernel_backend.runtime import running_backend
-from workbench.connection import stepwise_home
+from workbench.client.connection import stepwise_home
 
 service = workbench.connect(progress=False)
 client = service.create_lora_training_client(base_model="HuggingFaceTB/SmolLM2-135M-Instruct", rank=4, seed=3).result()

@@ -1,4 +1,4 @@
-"""Seeing an RL run think (workbench/recipes/rl.py, workbench/rollout_log.py): the per-step rollout
+"""Seeing an RL run think (workbench/recipes/rl.py, workbench/recipes/rollout_log.py): the per-step rollout
 store and its bounds, the triage of groups that teach nothing, the diversity / entropy / KL
 measures and the flags they raise, the KL leash folded into the advantages, the inspector over a
 run's steps, and the dashboard's flags, clicks and rollouts.
@@ -20,7 +20,7 @@ import pytest
 
 from test_workbench_widgets import FakeUsage
 from workbench.recipes import common, rl, rl_monitoring
-from workbench.rollout_log import RolloutLog
+from workbench.recipes.rollout_log import RolloutLog
 from workbench.widgets.dashboard import LOSS_PANEL, Dashboard
 from workbench.widgets.rollouts import RolloutInspector, step_summary
 
@@ -347,7 +347,7 @@ def test_a_lasting_collapse_is_one_line_and_each_runs_skips_are_its_own():
 
 def episode(answer, reward=1.0, tool_output="5695"):
     """An episode that called calc once (its output `tool_output`) and answered `answer`."""
-    from workbench.episodes import Episode
+    from workbench.recipes.episodes import Episode
 
     call = {"id": "c", "type": "function", "function": {"name": "calc", "arguments": '{"expression": "67*85"}'}}
     return Episode([], [{"role": "user", "content": "What is 67*85?"},

@@ -20,7 +20,7 @@ from tinker import types
 from test_hardening_input import refused
 from test_service_http import Api
 from test_structured_outputs import SMALL
-from workbench import sdk_hooks
+from workbench.client import sdk_hooks
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 

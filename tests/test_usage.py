@@ -14,7 +14,7 @@ from tinker import types
 from kernel_backend.metering import Prices
 from kernel_backend.service.checkpoints import SNAPSHOTS_PER_RUN
 from test_service_http import DATA, Api, datum
-from workbench.connection import Connection
+from workbench.client.connection import Connection
 from workbench.widgets.cost import CostMeter
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -32,7 +32,7 @@ from test_service import BASE, chat_datum, prompt_of, train_steps
 from test_eval_clients import ledger_cursor, ledger_rows
 from test_service_http import Api
 from test_structured_outputs import CALC, FORECAST, ROOM, _arguments_valid, json_schema_replies_validate
-from workbench import sdk_hooks
+from workbench.client import sdk_hooks
 from workbench.recipes import rl
 
 pytestmark = pytest.mark.vllm

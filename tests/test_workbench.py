@@ -30,8 +30,8 @@ import tinker
 from tinker import types
 
 import workbench
-from workbench import local_backend
-from workbench.dpo import add_reference_logprobs, dpo_loss
+from workbench.client import local_backend
+from workbench.recipes.dpo import add_reference_logprobs, dpo_loss
 from workbench.widgets.cost import format_cost
 from workbench.widgets.reprs import forward_backward_html, sample_html
 
@@ -65,8 +65,8 @@ def service(stepwise_home):
 
 
 def chat_datum(tokenizer, question: str, answer: str) -> types.Datum:
-    """A chat SFT example, weight 1 on the answer's tokens (see workbench.dpo.completion_datum)."""
-    from workbench.dpo import completion_datum, encode_pair
+    """A chat SFT example, weight 1 on the answer's tokens (see workbench.recipes.dpo.completion_datum)."""
+    from workbench.recipes.dpo import completion_datum, encode_pair
 
     return completion_datum(*encode_pair(question, answer, tokenizer))
 
@@ -189,7 +189,7 @@ def test_the_embedded_backend_dies_with_a_killed_kernel(stepwise_home):
     """A kernel killed with SIGKILL runs no atexit: the backend, which no live process uses any
     more, must still go (serve --exit-when-unused watches the runtime folder). Widgets that were
     watching it (here, in this process) then say "Backend stopped", not "[Errno 111] Connection refused"."""
-    from workbench.connection import Connection
+    from workbench.client.connection import Connection
 
     home = stepwise_home / "orphan"
     home.mkdir()
@@ -234,8 +234,8 @@ def test_a_failed_start_says_why(stepwise_home, tmp_path):
     assert "last lines of" in out.stdout  # the child's log, shown: it names the variable and what it takes
     assert "stepwise serve: STEPWISE_MAX_BATCH_TOKENS='lots' is not an integer" in out.stdout, out.stdout
 
-    from workbench.connection import Connection
-    from workbench.local_backend import failure
+    from workbench.client.connection import Connection
+    from workbench.client.local_backend import failure
 
     log = tmp_path / "backend.log"
     log.write_text("ERROR: [Errno 98] error while attempting to bind on address: address already in use\n")
@@ -362,7 +362,7 @@ def test_live_labeler_trains_from_labels_while_it_samples_ahead(service, tmp_pat
     logprobs (the sampler's own) equal compute_logprobs; 2 labels -> an update -> the next pairs come
     from v1; an update whose loss fails says so and leaves the weights and the version as they were;
     an edit trains at once on the edited tokens; an undo says whether the label already trained."""
-    from workbench.dpo import completion_datum
+    from workbench.recipes.dpo import completion_datum
 
     tc = service.create_lora_training_client(base_model=BASE, rank=4, seed=2).result()
     tokenizer = tc.get_tokenizer()
@@ -436,7 +436,7 @@ def test_live_labeler_trains_from_labels_while_it_samples_ahead(service, tmp_pat
         live.close()
 
 
-# ---- go back to any step: fork, sampler_at, undo (workbench/past_steps.py) ---------------------------------
+# ---- go back to any step: fork, sampler_at, undo (workbench/client/past_steps.py) ---------------------------------
 
 
 def step_data(tokenizer, k: int) -> list[types.Datum]:

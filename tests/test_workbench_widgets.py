@@ -26,7 +26,7 @@ import torch
 from tinker import types
 
 from helpers import wait_until
-from workbench.dpo import completion_datum, dpo_loss, make_dpo_loss
+from workbench.recipes.dpo import completion_datum, dpo_loss, make_dpo_loss
 import workbench.widgets.labeler as labeler_module
 from workbench.widgets.labeler import Labeler, read_labels
 from workbench.widgets.reprs import enable_reprs, forward_backward_html, sample_html
@@ -243,7 +243,7 @@ def test_the_cost_meter_shows_its_scopes_budget_and_none_without_one():
 
 
 def test_the_kernel_scope_shows_the_tightest_budget():
-    from workbench.connection import tightest_budget
+    from workbench.client.connection import tightest_budget
 
     ok, warning, exhausted = (budget(target=t, state=s, fraction=f)
                               for t, s, f in (("a", "ok", 0.5), ("b", "warning", 0.85), ("c", "exhausted", 0.97)))
@@ -256,7 +256,7 @@ def budget_connection(answers: dict):
     """A Connection whose backend answers `answers[(method, path)]` -> (status, json) and records requests."""
     import httpx
 
-    from workbench.connection import Connection
+    from workbench.client.connection import Connection
 
     seen = []
 
@@ -271,7 +271,7 @@ def budget_connection(answers: dict):
 
 
 def test_set_budget_puts_on_the_run_or_session_named_and_says_what_went_wrong():
-    from workbench.connection import BackendError
+    from workbench.client.connection import BackendError
 
     path = "/api/v1/budgets/run/s:train:0"
     conn, seen = budget_connection({("PUT", path): (200, budget(scope="run", target="s:train:0", budget_usd=0.2)),
@@ -299,7 +299,7 @@ def test_the_kernels_budget_rides_in_the_session_metadata_until_the_session_open
     """connect(budget_usd=...) puts it in the ServiceClient's user_metadata (the SDK sends it when it opens
     the session), as a plain decimal; a re-run with another budget, or set_budget() before the session
     opened, changes what will be sent; once open, set_budget() PUTs it."""
-    connect_module = importlib.import_module("workbench.connect")  # (workbench.connect is the function)
+    connect_module = importlib.import_module("workbench.client.connect")  # (workbench.connect is the function)
     conn, seen = budget_connection({("PUT", "/api/v1/budgets/session/s1"): (200, budget(target="s1", budget_usd=2.0))})
     monkeypatch.setenv("STEPWISE_HOME", str(tmp_path))
     monkeypatch.setattr(connect_module, "_bind", lambda base_url, api_key: conn)
@@ -563,7 +563,7 @@ def test_dpo_loss_matches_the_formula_and_pushes_chosen_up():
 
 def test_html_reprs_for_sdk_results_and_their_registration(monkeypatch):
     # Earlier tests in this process sampled through the SDK: forget those calls (the repr would find their tokenizer).
-    from workbench import sdk_hooks
+    from workbench.client import sdk_hooks
     import workbench.widgets.reprs as reprs_module
 
     monkeypatch.setattr(sdk_hooks, "_recent", type(sdk_hooks._recent)(maxlen=sdk_hooks.RECENT))
@@ -707,7 +707,7 @@ class HalfBuilt(ipywidgets.HTML):
 
 @pytest.fixture
 def page_control_comm(monkeypatch):
-    from workbench.widget_states import install
+    from workbench.client.widget_states import install
 
     assert install()  # ipywidgets 8 here: the workbench's handler is in place (workbench.widgets installed it)
     comm = ControlComm()
@@ -719,9 +719,9 @@ def test_a_reloaded_page_gets_every_widgets_state_while_other_threads_create_and
     """A page reloaded while other threads create and close widgets (a run's progress bars on in_thread's
     worker, the dashboard's pollers): ipywidgets 8.1's own handler iterates its live registry, so it raises
     and the page gets no answer at all ("model not found" after the reload). The workbench's handler
-    (workbench/widget_states.py) answers with every widget that lived through the request; one closed
+    (workbench/client/widget_states.py) answers with every widget that lived through the request; one closed
     meanwhile or not yet able to give its state is left out, not the whole answer."""
-    from workbench.widget_states import _ORIGINAL
+    from workbench.client.widget_states import _ORIGINAL
 
     ipywidgets_own = _ORIGINAL["handler"].__get__(None, ipywidgets.Widget)
     ours = ipywidgets.Widget._handle_control_comm_msg
@@ -787,7 +787,7 @@ def test_the_page_gets_its_answer_each_time_while_threads_keep_making_widgets(pa
 
 
 def test_the_fix_is_installed_once_and_other_control_messages_fail_as_before(page_control_comm):
-    from workbench.widget_states import install
+    from workbench.client.widget_states import install
 
     handler = ipywidgets.Widget.__dict__["_handle_control_comm_msg"]
     assert install() and ipywidgets.Widget.__dict__["_handle_control_comm_msg"] is handler  # not wrapped twice
@@ -798,7 +798,7 @@ def test_the_fix_is_installed_once_and_other_control_messages_fail_as_before(pag
 def test_the_answer_to_a_reload_never_refers_to_a_widget_it_leaves_out():
     """A box whose child another thread closed while the states were read is left out of the answer (and a box
     holding that box): the page builds the answer's models together, and one unresolvable child failed them all."""
-    from workbench import widget_states
+    from workbench.client import widget_states
 
     bar = ipywidgets.HBox([ipywidgets.HTML("eval"), ipywidgets.FloatProgress()])
     outer, fine = ipywidgets.VBox([bar]), ipywidgets.HTML("a finished run's bar")

@@ -7,21 +7,21 @@
     workbench.set_budget(usd=0.50)             # the backend refuses (HTTP 402) what would pass it
     summary = await workbench.in_thread(rl.run, config)  # long work; the notebook's widgets stay live
 
-The widgets and DPO helpers load lazily (PEP 562), so `stepwise serve`, which imports
-workbench.cli, does not pull in plotly, pandas and torch. connect() and the step functions (fork,
-sampler_at, undo: workbench/past_steps.py) are imported eagerly: `connect` shares its name with its
-module, and binding the function here first keeps `workbench.connect` the function (import the
-module with `from workbench.connect import ...`).
+The public names live in three packages (docs/architecture.md, "The map"): workbench.client (connecting,
+the Connection, in_thread, going back to a step), workbench.recipes (the recipes and their training pieces:
+DPO, preference labels, episodes, the rollout log) and workbench.widgets. The widgets and DPO helpers
+load lazily (PEP 562), so `stepwise serve`, which imports workbench.cli, does not pull in plotly,
+pandas and torch; connect() and the step functions (fork, sampler_at, undo) are imported eagerly.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from workbench.connect import budgets, connect, current, disconnect, remove_budget, set_budget
-from workbench.connection import BackendError, Connection
-from workbench.in_thread import Interrupted, in_thread
-from workbench.past_steps import fork, kept_steps, lineage, sampler_at, undo
+from workbench.client.connect import budgets, connect, current, disconnect, remove_budget, set_budget
+from workbench.client.connection import BackendError, Connection
+from workbench.client.in_thread import Interrupted, in_thread
+from workbench.client.past_steps import fork, kept_steps, lineage, sampler_at, undo
 
 _EXPORTS = {
     # widgets
@@ -33,8 +33,8 @@ _EXPORTS = {
     "token_html": "workbench.widgets.tokens", "Compare": "workbench.widgets.compare", "Probes": "workbench.widgets.probes",
     "Runs": "workbench.widgets.runs",
     # training helpers
-    "dpo_loss": "workbench.dpo", "make_dpo_loss": "workbench.dpo", "preference_datums": "workbench.dpo",
-    "add_reference_logprobs": "workbench.dpo",
+    "dpo_loss": "workbench.recipes.dpo", "make_dpo_loss": "workbench.recipes.dpo",
+    "preference_datums": "workbench.recipes.dpo", "add_reference_logprobs": "workbench.recipes.dpo",
 }
 
 __all__ = sorted([*_EXPORTS, "BackendError", "Connection", "Interrupted", "budgets", "connect", "current", "disconnect",

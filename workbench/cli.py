@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
         backend_main(argv)
         return 0
     if argv and argv[0] == "demo":
-        from workbench.demo import main as demo_main
+        from workbench.recipes.demo import main as demo_main
 
         demo_main(argv[1:])  # it prints its summary; Python callers get the summaries from demo.main
         return 0

@@ -2,7 +2,7 @@
 
 Every kernel that called `workbench.connect()` announces the backend it uses in
 `$STEPWISE_HOME/runtime/<kernel pid>.json` ({base_url, api_key, pid, started, embedded, ...};
-see workbench/connect.py). `find_backends()` reads those files, drops the stale ones (the kernel
+see workbench/client/connect.py). `find_backends()` reads those files, drops the stale ones (the kernel
 that wrote it is gone) and merges kernels bound to the same backend with the same key.
 `read_report()` asks each backend's `GET /api/v1/usage/sessions` with its key, concurrently, and
 merges the answers into the one report the sidebar and the status bar draw:
@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from kernel_backend.runtime import pid_alive
-from workbench.connection import stepwise_home
+from workbench.client.connection import stepwise_home
 
 SESSIONS_PATH = "/api/v1/usage/sessions"
 TIMEOUT_S = 5.0  # a poll every second or two must not pile up behind a backend that hangs

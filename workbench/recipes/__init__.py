@@ -13,6 +13,17 @@ end reads tokens and cost from the backend's usage API, and gives the cost per u
 - preference:   two samples per prompt, a scripted label, DPO via forward_backward_custom
 - distillation: on-policy distillation from the base model behind a hidden system prompt
 
+Beside them, the training pieces they use (a notebook's own loop may use them too):
+
+- dpo:               DPO's loss (soft labels from strength) and the datums of preference pairs (preference)
+- preference_labels: preference judgments as data: what each choice means, the JSONL files they travel in
+- live_preference:   the live loop behind the LiveLabeler: sample pairs from the policy, DPO updates meanwhile
+- episodes:          multi-turn episodes: tools, environments, the policy's turns as one token sequence (rl)
+- tools:             the public names for a tool-using loop of your own (episodes and common, re-exported)
+- rollout_log:       each RL step's rollouts, written by rl and read by the rollout inspector
+- rl_tasks, rl_monitoring, rl_hacks: rl's tasks, its health metrics, the reward hacks it can be shown
+- demo:              `stepwise demo`: sft then rl, headless
+
 Import the modules themselves (`from workbench.recipes import sft`); nothing heavy loads here.
 """
 

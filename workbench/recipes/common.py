@@ -27,7 +27,7 @@ from tinker import types
 
 from kernel_backend import tool_calls
 from kernel_backend.metering import KINDS
-from workbench.connection import session_id_of
+from workbench.client.connection import session_id_of
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -66,7 +66,7 @@ def training_client(service_client: tinker.ServiceClient, config: BaseConfig):
 
 
 def service_client_for(config: BaseConfig, service_client: tinker.ServiceClient | None) -> tinker.ServiceClient:
-    from workbench.connect import quiet_long_polls
+    from workbench.client.connect import quiet_long_polls
 
     quiet_long_polls()  # the SDK's routine "Retrying request ... try_again" lines, under a progress bar
     if service_client is not None:
@@ -92,7 +92,7 @@ def endpoint_of(config: BaseConfig, service_client: tinker.ServiceClient) -> tup
 def runs_dir() -> Path:
     """Where recipes and notebooks write what they record (metrics, labels): $STEPWISE_HOME/runs,
     not the current folder, which for a notebook may be a source checkout."""
-    from workbench.connection import stepwise_home
+    from workbench.client.connection import stepwise_home
 
     return stepwise_home() / "runs"
 
@@ -148,7 +148,7 @@ def chat_datum(tokenizer, messages: list[dict], train_on: str = "all_assistant",
     train_on: "all_assistant" (every assistant turn) or "last_assistant" (the final one only).
     tools: JSON schemas offered in the prompt; assistant turns may then hold `tool_calls` and the
     conversation `role: tool` messages, all written in the template's tool format (or the Hermes
-    fallback the server and workbench.episodes use), so a demonstration trains what a run samples.
+    fallback the server and workbench.recipes.episodes use), so a demonstration trains what a run samples.
     Each assistant turn's tokens are found by rendering the conversation up to it with and
     without it, so this works for any chat template whose renderings are prefixes of each other.
     """
@@ -506,9 +506,9 @@ def main(config_cls, run, argv: list[str] | None = None) -> Summary:
     config = config_cls(**options)
     if config.base_url:
         return run(config)
-    import workbench
+    from workbench.client.connect import connect, current
 
-    service_client = workbench.connect()
-    conn = workbench.current()
+    service_client = connect()
+    conn = current()
     config.base_url, config.api_key = conn.base_url, conn.api_key
     return run(config, service_client=service_client)

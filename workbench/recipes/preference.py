@@ -16,7 +16,7 @@
    `train_dpo` (notebooks/03_preference.ipynb).
 3. Reference log-likelihoods: one forward of every datum through the training client before the
    first step (its weights are still the initial ones), kept in loss_fn_inputs["ref_logprobs"].
-4. DPO (workbench.dpo.dpo_loss, beta `beta`) with forward_backward_custom on batches of pairs,
+4. DPO (workbench.recipes.dpo.dpo_loss, beta `beta`) with forward_backward_custom on batches of pairs,
    optim_step after each.
 Headline metric: the logprob margin, the mean over all pairs of log pi(chosen) - log pi(rejected)
 under the policy, before training (step 0) and after (one forward over all pairs at the end,
@@ -42,7 +42,7 @@ import tinker
 import torch
 from tinker import types
 
-from workbench.dpo import add_reference_logprobs, completion_datum, dpo_loss
+from workbench.recipes.dpo import add_reference_logprobs, completion_datum, dpo_loss
 from workbench.recipes import common, estimates
 from workbench.recipes.common import BaseConfig, Summary
 
@@ -163,7 +163,7 @@ def answer_logprobs(data: list[types.Datum], logprobs_list) -> np.ndarray:
 
 
 def make_loss(beta: float):
-    """workbench.dpo.dpo_loss plus the raw logprob margin among its metrics."""
+    """workbench.recipes.dpo.dpo_loss plus the raw logprob margin among its metrics."""
 
     def loss_fn(data, logprobs_list):
         loss, metrics = dpo_loss(data, logprobs_list, beta=beta)

@@ -39,7 +39,7 @@ With `eval_prompts` > 0, a held-out set of prompts is scored before and after tr
 Seeing the run think (docs/cookbook.md, "Watching an RL run", shows it in a notebook):
 - Rollouts of every step. Each step's groups (prompt, answers, rewards, advantages, reward parts,
   tokens and logprobs, tied or not, dropped or not) are stored under `rollouts_dir` (default: the
-  metrics file's name with `.rollouts`), one file a step (workbench/rollout_log.py); each row names
+  metrics file's name with `.rollouts`), one file a step (workbench/recipes/rollout_log.py); each row names
   the folder (`rollouts`), so `common.plot_to(dashboard, ..., tokenizer=)` shows them below the plots
   and a click on a point opens that step. Bounded: at most 64 training groups a step, and
   `rollouts_max_mb` (64 MB) for the run, past which the oldest steps but the first are deleted.
@@ -101,7 +101,7 @@ import tinker
 from tinker import types
 
 from kernel_backend.engine import losses
-from workbench import episodes, rollout_log
+from workbench.recipes import episodes, rollout_log
 from workbench.recipes import common, estimates, rl_hacks
 from workbench.recipes.rl_monitoring import against_base, group_metrics, sampler_vs_learner
 from workbench.recipes.rl_tasks import TASKS, AdditionTask, Problem, Task, task_for  # noqa: F401 - rl.Task etc. (rl_tasks.py)

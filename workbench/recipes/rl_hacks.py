@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from workbench import episodes as episodes_lib
+from workbench.recipes import episodes as episodes_lib
 
 
 def final_answer(episode) -> str | None:

@@ -40,7 +40,7 @@ class Task:
     - `eval_metric`: what the held-out eval averages, "reward" or one of grade's parts.
 
     A multi-turn task (tools, a game, a simulated user) has `env(problem)` instead of render, reward and
-    grade: a fresh environment per answer (workbench/episodes.py: `reset()`, `step(history, reply)`),
+    grade: a fresh environment per answer (workbench/recipes/episodes.py: `reset()`, `step(history, reply)`),
     and `tools`, the episodes.Tool list offered in every episode. Each answer is then an episode of up to
     `max_turns` policy turns, rewarded by its environment, trained as one datum in which only the
     policy's tokens carry the advantage; its turns, tool calls and tool errors are logged as reward parts,

@@ -3,7 +3,7 @@ overlaid), runs (a session's runs as a tree of forks), compare (checkpoints side
 (what one step changed), cost (the cost meter and estimate_cost), rollouts (the rollout table),
 labeler (preference judgments), live_labeler (the labeler fed by a training run, DPO updates meanwhile), reprs (HTML for the SDK's results), tokens (per-token colouring);
 throttle and polling are the shared plumbing that keeps updates to a few per second (on threads of their
-own: workbench/widget_states.py keeps the kernel's answer to a reloaded page safe from them)."""
+own: workbench/client/widget_states.py keeps the kernel's answer to a reloaded page safe from them)."""
 
 from workbench.widgets.compare import Compare
 from workbench.widgets.cost import CostMeter, estimate_cost
@@ -15,7 +15,7 @@ from workbench.widgets.reprs import enable_reprs, forward_backward_html, sample_
 from workbench.widgets.rollouts import RolloutInspector, rollouts_frame
 from workbench.widgets.runs import Runs
 from workbench.widgets.tokens import token_color, token_html, token_pieces
-from workbench import widget_states
+from workbench.client import widget_states
 
 widget_states.install()  # before any of these widgets is made off the shell thread (see widget_states)
 

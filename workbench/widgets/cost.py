@@ -22,7 +22,7 @@ from pathlib import Path
 import anywidget
 import traitlets as t
 
-from workbench.connection import run_id_of, session_id_of  # noqa: F401 - here too, where the widgets import them
+from workbench.client.connection import run_id_of, session_id_of  # noqa: F401 - here too, where the widgets import them
 from workbench.widgets.polling import Poller
 
 KINDS = ("prefill", "sample", "train")
@@ -93,7 +93,7 @@ class CostMeter(anywidget.AnyWidget):
 
     def __init__(self, session=None, training_run_id=None, *, connection=None, poll_interval: float | None = 2.0):
         super().__init__()
-        from workbench.connect import current
+        from workbench.client.connect import current
 
         self.connection = connection or current()
         self.scope, self._fetch = usage_scope(self.connection, session, training_run_id)
@@ -148,7 +148,7 @@ def estimate_cost(datums=None, prompts=None, *, num_samples: int = 1, max_tokens
     `prompts` with `num_samples` and `max_tokens`: a sample call (an upper bound: every sample is
     assumed to run to max_tokens). Or give token counts directly. Returns tokens by kind and `cost`.
     """
-    from workbench.connect import current
+    from workbench.client.connect import current
 
     body = {"prefill_tokens": prefill_tokens, "sample_tokens": sample_tokens, "train_tokens": train_tokens,
             "datums": [_token_list(d) for d in datums or []], "prompts": [_token_list(p) for p in prompts or []],

@@ -28,7 +28,7 @@ Several runs. A session-scoped dashboard overlays the session's runs: the loss h
 run, named by the run's name (its user_metadata "name", which `workbench.fork(..., name=)` sets)
 or its number, and `log(step, run=tc, **values)` gives each logged metric one trace per run too
 (`run=` may also be a run's name). `Dashboard(training_run_id=[tc1, tc2])` overlays just those
-runs, their rollouts' cost included. A fork's steps count on from its fork step (workbench/past_steps.py),
+runs, their rollouts' cost included. A fork's steps count on from its fork step (workbench/client/past_steps.py),
 so its traces start there, on its parent's x axis. `smoothing=0.6` draws each trace as an
 exponential moving average (the state keeps the raw values). After `workbench.undo(tc)` the steps
 the run takes again replace the undone ones' losses (a forward_backward at a step the run had
@@ -46,7 +46,7 @@ jumping: workbench/recipes/rl.py) is marked with `flag(step, kind, detail)`: a r
 top of every panel, named "flag: kind", whose hover gives the detail, and a line above the plots
 that says it in words ("step 9 · collapse: 8 of 8 held-out answers identical: 'The benevolent one'").
 
-An RL run's stored rollouts (rl.Config's rollouts_dir, workbench/rollout_log.py) are shown with
+An RL run's stored rollouts (rl.Config's rollouts_dir, workbench/recipes/rollout_log.py) are shown with
 `rollouts(path, tokenizer)`: a RolloutInspector below the plots, on the newest step while the run
 goes on, and clicking a point of any panel opens that step's groups (workbench/widgets/plot_clicks.py).
 
@@ -75,7 +75,7 @@ import ipywidgets as w
 import plotly.graph_objects as go
 import traitlets as t
 
-from workbench import sdk_hooks
+from workbench.client import sdk_hooks
 from workbench.widgets.cost import format_cost, run_id_of, session_id_of
 from workbench.widgets.polling import Poller
 from workbench.widgets.runs import run_label
@@ -248,7 +248,7 @@ class Dashboard(w.VBox):
     def __init__(self, training_run_id=None, session=None, *, panels: dict[str, list[str]] | None = None,
                  labels: dict[str, str] | None = None, smoothing: float = 0.0, x: str = "step", connection=None,
                  poll_interval: float | None = 1.0, redraw_interval: float = 0.3):
-        from workbench.connect import current
+        from workbench.client.connect import current
 
         if x not in ("step", "cost"):
             raise ValueError(f'x is "step" or "cost" (each metric against the run\'s cumulative cost), not {x!r}')
@@ -441,7 +441,7 @@ class Dashboard(w.VBox):
         plots, on the newest step until a step is chosen; clicking a point opens its step (of the run
         whose trace it is, when several runs' rollouts were given with `run=`, a name or id). Called
         again (common.plot_to does, every step), it picks up the steps written since."""
-        from workbench.rollout_log import RolloutLog
+        from workbench.recipes.rollout_log import RolloutLog
         from workbench.widgets.rollouts import RolloutInspector
 
         store = path if isinstance(path, RolloutLog) else RolloutLog(path)

@@ -4,10 +4,10 @@
     display(lab)                                           # click, or press the keys shown on it
     lab.labels                  # a DataFrame of the current labels (lab.records: the same as dicts)
     lab.preferences()           # [{prompt, chosen, rejected, strength}] for DPO / TRL
-    lab.export("prefs.jsonl")   # the same as prompt/chosen/rejected JSONL (workbench.preferences)
-    lab.dpo_datums(tokenizer)   # tinker Datums for workbench.dpo.dpo_loss
+    lab.export("prefs.jsonl")   # the same as prompt/chosen/rejected JSONL (workbench.recipes.preference_labels)
+    lab.dpo_datums(tokenizer)   # tinker Datums for workbench.recipes.dpo.dpo_loss
 
-Judgments (workbench/preferences.py says what each means for training): A or B better, clearly or
+Judgments (workbench/recipes/preference_labels.py says what each means for training): A or B better, clearly or
 slightly; tie; both bad; skip; an optional 1-5 rating under a rubric the notebook sets (`rubric=`);
 a rationale; and an edit, where the person rewrites one answer and "edited beats the original"
 becomes a pair. The default keys (`KEYS`) follow Chatbot Arena and Argilla: 1 / <- A, 2 / -> B,
@@ -47,8 +47,8 @@ import anywidget
 import pandas as pd
 import traitlets as t
 
-from workbench import preferences
-from workbench.preferences import CHOICES, REPEAT_SUFFIX, VERDICTS
+from workbench.recipes import preference_labels
+from workbench.recipes.preference_labels import CHOICES, REPEAT_SUFFIX, VERDICTS
 
 # key (as KeyboardEvent.key, "Shift+" for a shifted non-character key) -> action
 KEYS = {
@@ -271,22 +271,22 @@ class Labeler(anywidget.AnyWidget):
         B, clearly or slightly, and edits); ties, both-bad, skips and hidden repeats carry none."""
         return [{"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"],
                  "strength": r.get("strength") or "clear"}
-                for r in self._labels if preferences.is_training_pair(r)]
+                for r in self._labels if preference_labels.is_training_pair(r)]
 
     def export(self, path: str | Path) -> int:
         """The preferences as prompt/chosen/rejected JSONL (TRL, Hugging Face datasets, Argilla);
-        returns how many pairs were written. workbench.preferences.import_jsonl reads it back."""
-        return preferences.export_jsonl(self._labels, path)
+        returns how many pairs were written. workbench.recipes.preference_labels.import_jsonl reads it back."""
+        return preference_labels.export_jsonl(self._labels, path)
 
     def dpo_datums(self, tokenizer, **kwargs) -> list:
-        """The preferences as DPO inputs: see workbench.dpo.preference_datums."""
-        from workbench.dpo import preference_datums
+        """The preferences as DPO inputs: see workbench.recipes.dpo.preference_datums."""
+        from workbench.recipes.dpo import preference_datums
 
         return preference_datums(self.preferences(), tokenizer, **kwargs)
 
     def summary(self) -> dict:
         """Counts per choice, how often each model won among A/B labels (when models are known), and
-        the person's self-agreement on hidden repeats (workbench.preferences.self_agreement)."""
+        the person's self-agreement on hidden repeats (workbench.recipes.preference_labels.self_agreement)."""
         counts = {choice: 0 for choice in CHOICES}
         wins: dict[str, int] = {}
         for r in self._labels:
@@ -296,7 +296,7 @@ class Labeler(anywidget.AnyWidget):
                 winner = r["model_a"] if side == "A" else r["model_b"]
                 wins[str(winner)] = wins.get(str(winner), 0) + 1
         return {"counts": counts, "done": self.done, "total": self.total, "wins": wins,
-                "self_agreement": preferences.self_agreement(self._labels)}
+                "self_agreement": preference_labels.self_agreement(self._labels)}
 
     # ---- what a subclass changes (workbench.LiveLabeler) -------------------------------------------
 
@@ -325,7 +325,7 @@ class Labeler(anywidget.AnyWidget):
 
     def _maybe_repeat(self, record: dict) -> None:
         """Maybe schedule a repeat of the pair just judged (not of a repeat, an edit or a skip)."""
-        if record.get("repeat_of") or preferences.verdict(record) is None or not self.repeat_share:
+        if record.get("repeat_of") or preference_labels.verdict(record) is None or not self.repeat_share:
             return
         if self._repeat_rng.random() < self.repeat_share:
             self._repeats.append((len(self._labels) + self.repeat_gap, record["item_id"] + REPEAT_SUFFIX))
@@ -363,7 +363,7 @@ class Labeler(anywidget.AnyWidget):
 
     def _show(self, item_id: str | None, rationale: str = "") -> None:
         labelled = self._labelled()
-        agreement = preferences.self_agreement(self._labels)
+        agreement = preference_labels.self_agreement(self._labels)
         with self.hold_sync():  # the browser sees the new item in one message
             self.done = sum(1 for item in self.items if item["id"] in labelled)
             self.can_undo = bool(self._labels)

@@ -6,7 +6,7 @@
     live.export("prefs.jsonl")  # prompt/chosen/rejected JSONL for TRL or Argilla
 
 The Labeler widget (labeler.py: the judgments, keys, undo, the labels file), fed one pair at a time
-by workbench.live_preference.LiveLoop: pairs are sampled ahead from the run's latest weights and
+by workbench.recipes.live_preference.LiveLoop: pairs are sampled ahead from the run's latest weights and
 shown most informative first; every `update_every` labels, and at once after an edit, a DPO update
 runs on a background thread while the person goes on labelling; then the next pairs come from the
 new weights. The widget's state is plain traitlets: `item_id` (the pair shown), `policy_version`
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import traitlets as t
 
-from workbench.live_preference import LiveLoop, config_from, informativeness
-from workbench.preferences import REPEAT_SUFFIX, VERDICTS, is_training_pair
+from workbench.recipes.live_preference import LiveLoop, config_from, informativeness
+from workbench.recipes.preference_labels import REPEAT_SUFFIX, VERDICTS, is_training_pair
 from workbench.recipes import common
 from workbench.widgets.labeler import Labeler
 
@@ -51,7 +51,7 @@ class LiveLabeler(Labeler):
                  path: str | Path | None = None, heldout: list[dict] = (), on_update=None,
                  metrics_path: str | Path | None = None, labeler: str | None = None, rubric: str = "",
                  keys: dict[str, str] | None = None, repeat_share: float = 0.1, repeat_gap: int = 3, **settings):
-        """`settings` are workbench.live_preference.LiveConfig's fields (ordering, queue_size, max_tokens,
+        """`settings` are workbench.recipes.live_preference.LiveConfig's fields (ordering, queue_size, max_tokens,
         learning_rate, beta, ...). `on_update(row)` sees each update's metrics row (common.plot_to for a
         Dashboard); the rows are also appended to `metrics_path`."""
         self.config = config_from(update_every=update_every, objective=objective, **settings)

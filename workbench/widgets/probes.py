@@ -7,7 +7,7 @@
         tc.forward_backward(batch, "cross_entropy"); tc.optim_step(adam)   # each step is measured
 
 Registering measures the current weights (the "before"). After each `optim_step` call on
-`training_client` (workbench/sdk_hooks.py's listener, on the caller's thread, as soon as the step is
+`training_client` (workbench/client/sdk_hooks.py's listener, on the caller's thread, as soon as the step is
 submitted) it measures again, and shows per probe:
 
 - a reference probe: the change of each reference token's logprob over that step (after minus
@@ -51,9 +51,9 @@ import ipywidgets as w
 import traitlets as t
 from tinker import TrainingClient, types
 
-from workbench import sdk_hooks
-from workbench.connect import connection_of
-from workbench.dpo import completion_datum, encode_pair
+from workbench.client import sdk_hooks
+from workbench.client.connect import connection_of
+from workbench.recipes.dpo import completion_datum, encode_pair
 from workbench.widgets.compare import prompt_tokens
 from workbench.recipes.common import as_numpy
 from workbench.widgets.tokens import token_html, token_pieces
@@ -140,7 +140,7 @@ class Probes(w.VBox):
         self.measure(self._step, wait=False)  # the "before"
 
     def _start_step(self, connection) -> int:
-        from workbench.past_steps import current_step
+        from workbench.client.past_steps import current_step
 
         connection = connection or connection_of(self.training_client)
         if connection is None:

@@ -7,7 +7,7 @@ After `workbench.enable_reprs()` (connect() calls it) a cell ending in
 
 shows the loss and, per datum, each target token's text shaded by its logprob (prompt tokens, whose
 weight is 0, dimmed) with the weighted sum that makes `loss:sum`; or each sample's text, tokens and
-logprobs. The results carry no tokens or tokenizer: workbench/sdk_hooks.py remembers the calls that
+logprobs. The results carry no tokens or tokenizer: workbench/client/sdk_hooks.py remembers the calls that
 produced them, so the datums come from there, and the tokenizer from the training client, or the
 base model's local tokenizer for a sampler. `enable_reprs(tokenizer=...)` sets one explicitly.
 The HTML builders are plain functions (tested directly).
@@ -20,7 +20,7 @@ import html
 
 import numpy as np
 
-from workbench import sdk_hooks
+from workbench.client import sdk_hooks
 from workbench.widgets.tokens import legend_html, local_tokenizer, token_html, token_pieces
 
 MAX_ROWS = 8  # datums / sequences shown; the rest are counted

@@ -12,7 +12,7 @@ by the frame's index label. State is traitlets: the browser sets query / sort_co
 selected / color_by and Python recomputes `rows` and `tokens_html` (so tests drive it the same way).
 
 A run's steps. `RolloutInspector.from_log(path)` reads the rollouts an RL run stored per step
-(workbench/rollout_log.py): `steps` lists the steps kept, `step` is the one shown (the browser's
+(workbench/recipes/rollout_log.py): `steps` lists the steps kept, `step` is the one shown (the browser's
 ◀ ▶ and its step menu set it; `show_step(k)` too), and the rows are grouped by prompt, a group whose
 rewards all tie marked (it teaches nothing: its centred advantages are 0) with why it was dropped.
 `across_steps(prompt)` shows one prompt's answers at every step kept (the browser's "this prompt
@@ -35,7 +35,7 @@ import numpy as np
 import pandas as pd
 import traitlets as t
 
-from workbench.rollout_log import RolloutLog
+from workbench.recipes.rollout_log import RolloutLog
 from workbench.widgets.tokens import legend_html, token_html, token_pieces
 
 PER_TOKEN = ("tokens", "logprobs", "token_advantages", "roles")  # list columns: shown in the detail, not the table

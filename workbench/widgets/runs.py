@@ -57,7 +57,7 @@ class Runs(w.VBox):
     error = t.Unicode("")
 
     def __init__(self, session, *, dashboard=None, connection=None, poll_interval: float | None = 3.0):
-        from workbench.connect import current
+        from workbench.client.connect import current
 
         self.connection = connection or current()
         self.session_id = session_id_of(session)

@@ -43,8 +43,9 @@ from pathlib import Path
 
 
 
-from workbench import local_backend
-from workbench.connection import HEALTH_PATH, BackendError, Connection, budget_amounts, metadata_amount, stepwise_home
+from workbench.client import local_backend
+from workbench.client.connection import (HEALTH_PATH, BackendError, Connection, budget_amounts, metadata_amount,
+                                         stepwise_home)
 
 START_TIMEOUT_S = 600  # the first start converts the default model (about 20-30 s); slow machines need more
 
@@ -109,7 +110,7 @@ def connect(base_url: str | None = None, api_key: str | None = None, *, name: st
         _current = conn
         _write_registry(conn)
 
-    from workbench import sdk_hooks
+    from workbench.client import sdk_hooks
     from workbench.widgets.reprs import enable_reprs
 
     quiet_long_polls()

@@ -23,7 +23,7 @@ Ordering (`LiveConfig.ordering`), which pair of the queue is shown next:
   "random"        a seeded coin.
 
 Updates. Every `update_every` labels (an edit at once) an update runs `steps_per_update` DPO
-steps (workbench.dpo.dpo_loss, or `objective`: any forward_backward_custom loss over
+steps (workbench.recipes.dpo.dpo_loss, or `objective`: any forward_backward_custom loss over
 [chosen0, rejected0, chosen1, ...] datums carrying loss_fn_inputs "ref_logprobs" and, for slight
 preferences, "confidence") on at most `pairs_per_update` pairs: the ones not trained yet first,
 then the most recent trained ones again. The reference is v0 (DPO's starting policy); its
@@ -53,8 +53,8 @@ from typing import Callable
 import numpy as np
 from tinker import types
 
-from workbench.dpo import answer_ids, completion_datum, with_confidence
-from workbench.preferences import confidence, is_training_pair
+from workbench.recipes.dpo import answer_ids, completion_datum, with_confidence
+from workbench.recipes.preference_labels import confidence, is_training_pair
 from workbench.recipes import common
 from workbench.recipes.preference import answer_logprobs, make_loss, margin_of, sample_candidates
 

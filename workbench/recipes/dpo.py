@@ -14,7 +14,7 @@ The reference log-likelihoods ride along in loss_fn_inputs["ref_logprobs"] (the 
 loss_fn_inputs field to a custom loss but sends only target_tokens and weights to the server), and
 so does a pair's confidence p (loss_fn_inputs["confidence"] of its chosen datum; 1 when absent),
 which makes the label soft: loss = -(p log sigmoid(m) + (1 - p) log sigmoid(-m)) with m the
-pair's beta-scaled margin, plain DPO at p = 1 (workbench/preferences.py says why strength maps to p).
+pair's beta-scaled margin, plain DPO at p = 1 (workbench/recipes/preference_labels.py says why strength maps to p).
 Without them the reference terms are zero: a reference-free variant, fine for a first step from
 the base model, where policy and reference coincide.
 """
@@ -70,8 +70,8 @@ def completion_datum(prompt_tokens: list[int], full_tokens: list[int]) -> types.
 
 def preference_datums(records, tokenizer, chat: bool = True) -> list[types.Datum]:
     """{prompt, chosen, rejected} records -> [chosen0, rejected0, chosen1, rejected1, ...]; a record's
-    strength (workbench.preferences) rides on its chosen datum as its confidence."""
-    from workbench.preferences import confidence
+    strength (workbench.recipes.preference_labels) rides on its chosen datum as its confidence."""
+    from workbench.recipes.preference_labels import confidence
 
     data = []
     for record in records:

@@ -1,6 +1,6 @@
 """Starting the local backend of $STEPWISE_HOME, or joining the one that runs.
 
-One backend per home (see workbench/connect.py): under an exclusive lock on runtime/start.lock, join the
+One backend per home (see workbench/client/connect.py): under an exclusive lock on runtime/start.lock, join the
 backend runtime/backend.json names if it answers, else spawn `python -m kernel_backend serve
 --exit-when-unused` on a free loopback port in a process group of its own, and wait for it to be healthy
 while showing its start-up stages (a progress line in a notebook, lines on a terminal). A start that
@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 
-from workbench.connection import HEALTH_PATH, BackendError, Connection, stepwise_home
+from workbench.client.connection import HEALTH_PATH, BackendError, Connection, stepwise_home
 
 class start_lock:
     """An exclusive flock on runtime/start.lock while this process finds or starts the backend, so

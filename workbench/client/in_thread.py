@@ -11,7 +11,7 @@ reopens notebook 02 in a second tab mid-run; tests/test_workbench.py asks a kern
 cell's context), and other cells still wait their turn.
 
 The worker makes widgets off the kernel's shell thread (a recipe's progress bar, the dashboard's plots), so
-in_thread first makes the kernel's answer to a reloaded page safe from that (workbench/widget_states.py).
+in_thread first makes the kernel's answer to a reloaded page safe from that (workbench/client/widget_states.py).
 
 Kernel > Interrupt stops the work too: while the cell awaits, SIGINT raises KeyboardInterrupt in the worker (at
 its next line of Python: after the request it is waiting on returns), not in the kernel's event loop, and the cell
@@ -27,7 +27,7 @@ import functools
 import signal
 import threading
 
-from workbench import widget_states
+from workbench.client import widget_states
 
 
 class Interrupted(Exception):

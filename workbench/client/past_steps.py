@@ -29,8 +29,8 @@ from __future__ import annotations
 import secrets
 import warnings
 
-from workbench.connect import current
-from workbench.connection import BackendError, Connection
+from workbench.client.connect import current
+from workbench.client.connection import BackendError, Connection
 
 
 def kept_steps(training_client, *, connection: Connection | None = None) -> list[int]:

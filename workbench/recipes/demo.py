@@ -32,10 +32,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--progress", type=lambda s: s.lower() in ("1", "true", "yes"), default=True, metavar="BOOL")
     args = parser.parse_args(argv)
 
-    import workbench
+    from workbench.client.connect import connect, current
 
-    service_client = workbench.connect(args.base_url, args.api_key, name="stepwise demo", progress=args.progress)
-    conn = workbench.current()
+    service_client = connect(args.base_url, args.api_key, name="stepwise demo", progress=args.progress)
+    conn = current()
     out = Path(args.out or tempfile.mkdtemp(prefix="stepwise-demo-"))
     out.mkdir(parents=True, exist_ok=True)
     endpoint = {"base_url": conn.base_url, "api_key": conn.api_key, "progress": args.progress}

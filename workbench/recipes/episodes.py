@@ -21,7 +21,7 @@ and Anthropic routes use). A tool's exception or timeout becomes the observation
 a crash: a policy that calls a tool badly learns from the error.
 
 With `constrain_calls`, each policy turn is sampled under a grammar (tool_calls.text_or_call, sent as the
-sampler's `constraint` through workbench/sdk_hooks.py): plain text, or text and one call whose arguments validate
+sampler's `constraint` through workbench/client/sdk_hooks.py): plain text, or text and one call whose arguments validate
 against its tool's schema. Once the model opens `<tool_call>` it writes a valid call, every time; what it writes
 is still its choice, and its logprobs are its own (docs/tinker-surface.md, "Constrained sampling", says what that
 means for RL).
@@ -46,7 +46,7 @@ import numpy as np
 from tinker import types
 
 from kernel_backend import tool_calls
-from workbench import sdk_hooks
+from workbench.client import sdk_hooks
 
 TOOL_MARKUP = (tool_calls.CALL_OPEN, tool_calls.CALL_CLOSE, "<tool_response>", "</tool_response>")
 LONG_OUTPUT = 20  # characters: a tool output this long, found whole in an answer, was copied (copied_output)

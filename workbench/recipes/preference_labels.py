@@ -7,7 +7,7 @@ A judgment is one label record of the Labeler (workbench/widgets/labeler.py). It
 
 Strength becomes the pair's *confidence* p, the probability the person gives to "chosen beats
 rejected": 1.0 for a clear win (A, B) and for an edit (the person wrote the better answer
-themselves), 0.75 for a slight one. DPO reads p as a soft label (workbench.dpo.dpo_loss):
+themselves), 0.75 for a slight one. DPO reads p as a soft label (workbench.recipes.dpo.dpo_loss):
 
     loss = -(p * log sigmoid(m) + (1 - p) * log sigmoid(-m)),   m = beta * (implicit reward margin)
 
@@ -113,7 +113,7 @@ def _text(value, role: str) -> str:
 def import_jsonl(path: str | Path) -> list[dict]:
     """Read a prompt/chosen/rejected JSONL (ours, TRL's, a Hugging Face preference dataset's) as
     records: {prompt, chosen, rejected, strength, ...}, ready for a Labeler's `heldout=` or for
-    workbench.dpo. A line without the three keys is an error that names its line."""
+    workbench.recipes.dpo. A line without the three keys is an error that names its line."""
     records = []
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():

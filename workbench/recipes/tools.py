@@ -1,7 +1,7 @@
 """Tool-using conversations for a training loop of your own (docs/workbench.md, "A tool-using loop of your own"):
 the public names for rendering tools, calls and tool replies in the model's chat template, parsing a sampled reply,
 and building the datums, so a plain tinker loop renders exactly what the rl recipe and the server's OpenAI and
-Anthropic routes render. It owns no logic: each name is the recipe's own function (workbench/episodes.py,
+Anthropic routes render. It owns no logic: each name is the recipe's own function (workbench/recipes/episodes.py,
 workbench/recipes/common.py, kernel_backend/tool_calls.py), re-exported or given tools as `Tool`s.
 
     prompt(tokenizer, messages, tools)       the first prompt's tokens: the tools offered, the assistant's turn opened
@@ -22,9 +22,9 @@ from tinker import types
 
 from kernel_backend import tool_calls
 from kernel_backend.tool_calls import Reply, parse  # noqa: F401 - public here
-from workbench import episodes
-from workbench.episodes import Episode, Segment, Tool, call_tools  # noqa: F401 - public here
-from workbench.episodes import reply_message as reply  # noqa: F401 - public here
+from workbench.recipes import episodes
+from workbench.recipes.episodes import Episode, Segment, Tool, call_tools  # noqa: F401 - public here
+from workbench.recipes.episodes import reply_message as reply  # noqa: F401 - public here
 from workbench.recipes import common
 
 

@@ -1,8 +1,8 @@
 """A backend this process talks to: its URL and key, the tinker ServiceClients handed out for it, and
 small httpx helpers for the usage and budget APIs (what the widgets read).
 
-workbench/connect.py decides which backend that is (and keeps the kernel's current one); a Connection only
-talks to it, and stops the process it started (the local backend, workbench/local_backend.py) when asked.
+workbench/client/connect.py decides which backend that is (and keeps the kernel's current one); a Connection only
+talks to it, and stops the process it started (the local backend, workbench/client/local_backend.py) when asked.
 """
 
 from __future__ import annotations
