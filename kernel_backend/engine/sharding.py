@@ -1,0 +1,195 @@
+"""A sharded base model: each of N processes holds about 1/N of the frozen base weights (issue 55).
+
+This module owns the sharding of one loaded model over a torch.distributed process group (gloo on CPU, NCCL on
+GPU): `shard_model(model, group)` replaces every base linear layer's weight (the layers lora.attach wrapped) and
+the input embedding (with a head tied to it) by this process's rows of it, and `resident_bytes` measures what a
+process holds. The semantics are FSDP's (torch.distributed.fsdp.fully_shard, reshard_after_forward=True): a layer's
+whole weight is all-gathered just before its product and freed right after; backward gathers it again for the
+input gradient, so no gathered weight lives from forward to backward. Norms, biases, rotary tables and anything
+lora.attach does not wrap (a mixture of experts' 3-D experts, its router) stay whole on every process: they are
+small, or not yet sharded.
+
+Why not fully_shard itself: its hooks sit on a module's forward and need one root module whose forward runs first
+("FSDP requires a single root module"); our packed forward (engine/packed_forward.py) and the decoder call the
+layers one by one, never the model's forward, and a full fine-tuning run swaps the model's parameters
+(engine/full_weights.py) where FSDP2 swaps them too. So the gather is a product (`lora.MultiLoraLinear.product`)
+and an embedding module of our own, each an autograd Function that saves the shard, never the gathered weight.
+
+Every process must run the same passes in the same order, on the same data: each gather is a collective, and
+the processes meet at each one. So LoRA adapters are replicated and every process computes the same gradients
+and takes the same optimizer step, bit for bit: nothing is reduced, and the adapters never drift apart. That is
+the memory half of FSDP (weights 1/N a process); the throughput half (each process on its own part of the batch,
+gradients reduced) is the data-parallel replicas' (docs/architecture.md, "Scale-out on Ray"), run over groups.
+
+A full fine-tuning run's weights are this process's shards too (`full_weights.new` copies the model's parameters,
+which are now the shards): its gradients are the gathered weight's, cut to this process's rows, and its AdamW
+state 1/N as well. Its global gradient norm (grad_clip_norm) and its checkpoint need the other shards; not built.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from transformers import PreTrainedModel
+
+from kernel_backend.engine import lora
+
+
+class ShardedWeight(nn.Module):
+    """One frozen weight, this process's rows of it: rows [rank * rows, (rank + 1) * rows) of dim 0, the last
+    process's padded with zero rows so that every shard has one shape (all_gather needs it). Dim 0 is the
+    output features of a linear layer and the vocabulary of an embedding, as FSDP2 shards (Shard(0)).
+
+    `weight` is what the layer and its readers see in the weight's place: the full shape, dtype and device (an
+    adapter's A and B are shaped by it, lm_head.weight.shape is the vocabulary) and no values, a one-element
+    tensor expanded; the products never read it. The bias, small, stays whole."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group) -> None:
+        super().__init__()
+        self.group = group
+        self.world, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.full_shape = tuple(weight.shape)
+        self.rows = -(-self.full_shape[0] // self.world)  # ceil: the last shard is the one padded
+        shard = weight.new_zeros((self.rows, *self.full_shape[1:]))
+        mine = weight.detach()[rank * self.rows:(rank + 1) * self.rows]
+        shard[:len(mine)] = mine
+        self.rank = rank
+        self.shard = nn.Parameter(shard, requires_grad=False)
+        self.bias = bias
+        self.weight = weight.new_zeros(()).expand(self.full_shape)
+        self.gathers = 0  # all-gathers made (the tests count them: forward and backward each gather once a use)
+
+    def gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """The whole weight from every process's `shard` (this one's: the parameter now in its place, which a full
+        fine-tuning run's swap may have replaced). A collective: every process of the group must call it."""
+        self.gathers += 1
+        full = shard.new_empty((self.world * self.rows, *self.full_shape[1:]))
+        dist.all_gather_single(full, shard.detach().contiguous(), group=self.group)
+        return full[:self.full_shape[0]]
+
+    def my_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This process's rows of a tensor shaped like the whole weight (its gradient), padded like the shard."""
+        out = full.new_zeros((self.rows, *self.full_shape[1:]))
+        mine = full[self.rank * self.rows:(self.rank + 1) * self.rows]
+        out[:len(mine)] = mine
+        return out
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """inner(x, W, b) with W gathered from its shards for the product and freed after it; backward gathers W again
+    for x's gradient. Only the shard is saved (and x where the shard trains: a full fine-tuning run)."""
+
+    @staticmethod
+    def forward(ctx, x, shard, bias, owner: ShardedWeight, inner):
+        weight = owner.gather(shard)
+        ctx.save_for_backward(x if shard.requires_grad else None, shard)
+        ctx.owner, ctx.inner, ctx.has_bias = owner, inner, bias is not None
+        return inner(x, weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, shard = ctx.saved_tensors
+        grad_x = grad_shard = grad_bias = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            weight = ctx.owner.gather(shard)  # gathered again, not kept from forward: FSDP's memory saving
+            if ctx.needs_input_grad[0]:
+                grad_x = ctx.inner(grad, weight.t(), None)  # grad W, by the same product as the unsharded layer's
+            del weight
+        if ctx.needs_input_grad[1]:  # every process ran the same rows: the whole gradient is the same everywhere
+            grad_shard = ctx.owner.my_rows(grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return grad_x, grad_shard, grad_bias, None, None
+
+
+def gathered_product(owner: ShardedWeight, inner):
+    """A MultiLoraLinear's product (F.linear's signature) over `owner`'s shards: the `weight` it is handed is the
+    layer's stand-in (ShardedWeight.weight); the values come from the shard in owner's place at the call."""
+
+    def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return _GatheredLinear.apply(x, owner.shard, bias, owner, inner)
+    return product
+
+
+class _GatheredEmbedding(torch.autograd.Function):
+    """F.embedding over a weight gathered from its shards; a gradient (a full run's) is the whole table's, cut."""
+
+    @staticmethod
+    def forward(ctx, ids, shard, owner: ShardedWeight, padding_idx):
+        ctx.save_for_backward(ids if shard.requires_grad else None)
+        ctx.owner, ctx.padding_idx = owner, padding_idx
+        return F.embedding(ids, owner.gather(shard), padding_idx)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        owner = ctx.owner
+        padding = -1 if ctx.padding_idx is None else ctx.padding_idx
+        full = torch.ops.aten.embedding_dense_backward(grad, ids, owner.full_shape[0], padding, False)
+        return None, owner.my_rows(full), None, None
+
+
+class ShardedEmbedding(nn.Module):
+    """An input embedding over a ShardedWeight (shared with lm_head where the model ties them). Keeps the
+    original's padding index and, for Gemma's scaled embedding, its scale."""
+
+    def __init__(self, original: nn.Embedding, owner: ShardedWeight) -> None:
+        super().__init__()
+        self.sharded = owner
+        self.padding_idx = original.padding_idx
+        self.embed_scale = getattr(original, "embed_scale", None)
+
+    @property
+    def weight(self) -> torch.Tensor:  # what model.get_input_embeddings().weight reads: the full shape, no values
+        return self.sharded.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = _GatheredEmbedding.apply(ids, self.sharded.shard, self.sharded, self.padding_idx)
+        return out if self.embed_scale is None else out * self.embed_scale.to(out.dtype)
+
+
+def shard_model(model: PreTrainedModel, group=None) -> None:
+    """Shard `model`'s base linear layers (lora.attach's, lm_head included) and its input embedding over `group`:
+    afterwards this process holds its rows of each, and the whole weights are freed (nothing else may hold them).
+    Every process of the group must call it on the same model, and from then on run the same passes in order.
+
+    The model must not have the sampler's bf16 copies (STEPWISE_SAMPLE_DTYPE=bfloat16): they are whole weights."""
+    layers = lora.lora_layers(model)
+    if not layers:
+        raise ValueError("shard_model shards the layers lora.attach made: attach first")
+    if any(layer.sample_weight is not None or layer.shared_copy is not None for layer in layers.values()):
+        raise ValueError("a sharded model samples on its own weights: STEPWISE_SAMPLE_DTYPE must be float32")
+    owners: dict[int, ShardedWeight] = {}  # by the original weight's id: a tied head and embedding share one shard
+
+    def owner_of(weight: torch.Tensor, bias: torch.Tensor | None) -> ShardedWeight:
+        if id(weight) not in owners:
+            owners[id(weight)] = ShardedWeight(weight, bias, group)
+        return owners[id(weight)]
+
+    for layer in layers.values():
+        owner = owner_of(layer.base.weight, layer.base.bias)
+        layer.product = gathered_product(owner, layer.product)
+        layer.base = owner  # type: ignore[assignment]  # in the nn.Linear's place: .weight, .bias
+    embedding = model.get_input_embeddings()
+    if not isinstance(embedding, nn.Embedding):  # Gemma's scaled embedding is one
+        raise ValueError(f"cannot shard an input embedding of type {type(embedding).__name__}")
+    model.set_input_embeddings(ShardedEmbedding(embedding, owner_of(embedding.weight, None)))
+
+
+def sharded_weights(model: nn.Module) -> list[ShardedWeight]:
+    """The model's sharded weights, each once."""
+    return list({id(m): m for m in model.modules() if isinstance(m, ShardedWeight)}.values())
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """The bytes of the model's parameters and buffers this process holds, each storage once (a tied weight is
+    one; a stand-in `weight` is no parameter): a sharded model's shards and its whole small tensors."""
+    storages = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())

@@ -1,0 +1,169 @@
+"""A base model sharded over 2 processes (kernel_backend/engine/sharding.py) computes what the unsharded model
+computes, and each process holds about half of it.
+
+Two processes joined by gloo on loopback (torch.multiprocessing, spawn) each load the tiny stand-in model, shard
+it, and run the same engine calls; this process runs them on the unsharded model. The calls: LoRA forward, a
+forward_backward of two adapters in one batch (the multi-tenant batch), their optim_steps, forward and the
+sampler's logprobs and greedy tokens after the step, and the same for a full fine-tuning run.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kernel_backend.engine import lora, sharding
+from kernel_backend.engine.core import Engine, Pass
+from kernel_backend.types import AdamParams, Datum, LoraConfig, SamplingParams
+from tiny_model import stand_in_settings
+
+WORLD = 2
+TOLERANCE = 1e-5
+
+
+def _datum(tokens: list[int]) -> Datum:
+    return Datum(tokens=tokens[:-1], loss_fn_inputs={"target_tokens": np.asarray(tokens[1:], dtype=np.int64)})
+
+
+def _calls(engine: Engine) -> dict:
+    """The engine calls both sides run, in the same order, and what they answered."""
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, engine.vocab_size, n).tolist() for n in (22, 14)]  # 21 and 13 input tokens
+    data = [_datum(r) for r in rows]
+    engine.create_adapter("a", LoraConfig(rank=4, seed=1))
+    engine.create_adapter("b", LoraConfig(rank=8, seed=2, train_unembed=False))
+    out: dict = {"forward": _logprobs(engine.forward("a", data))}
+    fb = engine.run_passes([Pass("a", data), Pass("b", data[::-1])])  # two runs' rows in one batch
+    out["forward_backward"] = [_logprobs(r) for r in fb]
+    out["loss"] = [r.metrics["loss:sum"] for r in fb]
+    for adapter in ("a", "b"):
+        engine.optim_step(adapter, AdamParams(learning_rate=1e-2))
+    out["after_step"] = [_logprobs(engine.forward(a, data)) for a in ("a", "b")]
+    out["adapter_a"] = {n: p.detach().clone() for n, p in engine._slot("a").adapter.named_parameters()}
+    out["prompt_logprobs"] = engine.compute_logprobs("a", rows[0])[1:]
+    out["greedy"] = [s.tokens for s in engine.sample("a", rows[1], 2, SamplingParams(max_tokens=6, temperature=0.0)).sequences]
+    # A full fine-tuning run: on a sharded model its weights are this process's shards (engine/sharding.py).
+    engine.create_adapter("full", LoraConfig(rank=0))
+    out["full_forward_backward"] = _logprobs(engine.forward_backward("full", data))
+    engine.optim_step("full", AdamParams(learning_rate=1e-3))
+    out["full_after_step"] = _logprobs(engine.forward("full", data))
+    out["full_prompt_logprobs"] = engine.compute_logprobs("full", rows[0])[1:]
+    return out
+
+
+def _logprobs(result) -> np.ndarray:
+    return np.concatenate([o["logprobs"] for o in result.loss_fn_outputs])
+
+
+def _gathers_in_one_step(engine: Engine) -> dict:
+    """How often a LoRA forward and its backward gather weights, and the shapes autograd saved between them."""
+    model = engine.model
+    owners = sharding.sharded_weights(model)
+    shard_storages = {o.shard.untyped_storage().data_ptr() for o in owners}
+    saved = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in shard_storages:
+            saved.append(tuple(t.shape))
+        return t
+
+    adapter = engine._slot("a").adapter
+    ids = torch.arange(100, 121)[None]  # 21 tokens: no activation is shaped like a weight
+    start = sum(o.gathers for o in owners)
+    with lora.route(model, [adapter]), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(input_ids=ids).logits
+    forward = sum(o.gathers for o in owners) - start
+    logits.logsumexp(-1).sum().backward()
+    backward = sum(o.gathers for o in owners) - start - forward
+    for p in adapter.parameters():
+        p.grad = None
+    return {"forward": forward, "backward": backward, "saved_shapes": saved,
+            "weight_shapes": [o.full_shape for o in owners], "linear_layers": len(lora.lora_layers(model))}
+
+
+def _rank(rank: int, folder: str, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # two processes on the suite's two cores
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        engine = Engine(settings=stand_in_settings(Path(folder)))
+        whole = sharding.resident_bytes(engine.model)
+        embedding = weakref.ref(engine.model.get_input_embeddings().weight)
+        sharding.shard_model(engine.model)
+        gc.collect()
+        out = _calls(engine)
+        out.update(whole_bytes=whole, held_bytes=sharding.resident_bytes(engine.model),
+                   shard_bytes=sum(o.shard.nbytes for o in sharding.sharded_weights(engine.model)),
+                   whole_embedding_freed=embedding() is None, gathers=_gathers_in_one_step(engine))
+        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tmp_path_factory):
+    """{"whole": this process's answers on the unsharded model, 0 and 1: each sharded process's}."""
+    out_dir = tmp_path_factory.mktemp("sharding")
+    mp.start_processes(_rank, args=(str(tiny_model), _free_port(), str(out_dir)), nprocs=WORLD, start_method="spawn")
+    answers = {rank: torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)}
+    answers["whole"] = _calls(Engine(settings=stand_in_settings(tiny_model)))
+    return answers
+
+
+def _max_difference(a, b) -> float:
+    if isinstance(a, dict):
+        return max(_max_difference(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and a and not isinstance(a[0], (int, float)):
+        return max(_max_difference(x, y) for x, y in zip(a, b, strict=True))
+    return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))))
+
+
+@pytest.mark.parametrize("key", ["forward", "forward_backward", "loss", "after_step", "adapter_a", "prompt_logprobs",
+                                 "full_forward_backward", "full_after_step", "full_prompt_logprobs"])
+def test_sharded_equals_unsharded(runs, key):
+    for rank in range(WORLD):
+        difference = _max_difference(runs["whole"][key], runs[rank][key])
+        print(f"{key} rank {rank}: max |sharded - unsharded| = {difference:.3g}")
+        assert difference <= TOLERANCE, (key, rank, difference)
+    # The step changed something: the comparison after it is not of two untouched models.
+    assert _max_difference(runs["whole"]["forward"], runs["whole"]["after_step"][0]) > 1e-3
+    assert _max_difference(runs["whole"]["full_forward_backward"], runs["whole"]["full_after_step"]) > 1e-3
+
+
+def test_sharded_greedy_tokens_are_the_unsharded_ones(runs):
+    assert runs[0]["greedy"] == runs[1]["greedy"] == runs["whole"]["greedy"]
+
+
+def test_each_process_holds_about_half(runs):
+    for rank in range(WORLD):
+        whole, held = runs[rank]["whole_bytes"], runs[rank]["held_bytes"]
+        print(f"rank {rank}: {held:,} of {whole:,} bytes ({held / whole:.3f})")
+        assert 0.45 < held / whole < 0.55
+        assert runs[rank]["shard_bytes"] <= held
+        assert runs[rank]["whole_embedding_freed"]  # the memory is gone, not only uncounted
+
+
+def test_a_weight_is_gathered_on_use_and_again_in_backward(runs):
+    for rank in range(WORLD):
+        g = runs[rank]["gathers"]
+        # Forward: the embedding and each linear layer once (lm_head's weight is the embedding's: gathered again).
+        assert g["forward"] == 1 + g["linear_layers"]
+        # Backward: each linear layer whose input has a gradient (not the first layer's q, k, v: the embedding is
+        # frozen), gathered again rather than kept from forward.
+        assert g["backward"] == g["linear_layers"] - 3
+        assert not set(g["saved_shapes"]) & set(g["weight_shapes"]), "a whole weight was kept for backward"
