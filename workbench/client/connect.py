@@ -5,31 +5,11 @@ Two ways in:
     service = workbench.connect()                      # the local backend of $STEPWISE_HOME
     service = workbench.connect(base_url, api_key)     # a backend that is already running
 
-The local backend: one per STEPWISE_HOME (default ~/.cache/stepwise), shared by every notebook
-kernel, `stepwise demo` and script of that home. connect() finds the running one through
-`$STEPWISE_HOME/runtime/backend.json` (kernel_backend/runtime.py), or starts
-`python -m kernel_backend serve --exit-when-unused` on a free loopback port, in a process group of
-its own (so interrupting or restarting a kernel does not signal it), with a fresh
-`tml-local-<random>` key that it registers for its "local" tenant (STEPWISE_LOCAL_KEY) and keeps in
-backend.json (mode 0600) for the next process. A start shows its stages (starting Python,
-converting the model on the very first start, loading it, ready) as one line replaced in place.
-It stops when the last process using it is gone.
+It finds or starts the local backend (one per STEPWISE_HOME, shared by the home's kernels and scripts),
+announces the backend it uses in $STEPWISE_HOME/runtime/<pid>.json, and puts budgets on the kernel's sessions.
+It owns the kernel's connection state (`current()`: the active Connection); widgets only read it.
 
-Every process announces the backend it uses in `$STEPWISE_HOME/runtime/<pid>.json` ({base_url,
-api_key, pid, started, embedded, backend_pid, log}), for the JupyterLab server extension and for
-the backend's own exit-when-unused; the file is removed at exit (a killed process leaves it; its
-dead `pid` marks it stale). Sessions are named after the notebook (Jupyter tells the kernel its
-path in $JPY_SESSION_NAME) or `connect(name=...)`, and, on a backend of this machine, carry the
-process id, so the backend ends them when the process is gone.
-
-`current()` returns the active `Connection`: base_url, api_key, and small httpx helpers for the
-usage API that the widgets use. This module owns the connection state of the kernel; widgets
-only read it.
-
-Budgets (the backend's kernel_backend/service/budgets.py refuses, with HTTP 402, a request that would pass
-one): `connect(budget_usd=0.5)` puts one on the kernel's session through its user_metadata, so it
-holds from the session's first request; `set_budget(...)` / `remove_budget(...)` change one later
-(PUT / DELETE /api/v1/budgets/{scope}/{target}); `budgets()` lists the tenant's.
+How it works, and why: docs/workbench.md, "Inside the workbench, module by module", workbench/client/connect.py.
 """
 
 from __future__ import annotations

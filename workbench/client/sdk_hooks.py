@@ -1,32 +1,13 @@
 """What connect() adds to the official tinker SDK's clients, all in this file.
 
-The SDK's results carry numbers, not what produced them, and a custom loss never reaches the server:
-
-1. A ForwardBackwardOutput has one logprob per target position, but neither the tokens nor the
-   weights; a SampleResponse has token ids but no tokenizer. So `forward`, `forward_backward` and
-   `sample` are wrapped to remember what each call was given (the datums, the client), in a short
-   list of recent calls. The step-through reprs (widgets/reprs.py) find the call a result came from
-   by its shape and show token text, the weights, and the weighted sum that makes `loss:sum`.
-2. `forward_backward_custom` computes the user's loss in this process and sends the server a
-   linear surrogate whose gradient matches; the server's ledger, and so the sidebar and the
-   dashboard, would show the surrogate (about 0). The wrapper reports the loss the user's
-   function returned (POST /api/v1/usage/custom_loss) once the result is in, and keeps it here for
-   this process's dashboards (`user_loss`), which may have read the row before the report.
-3. A widget that measures the weights after every step (widgets/probes.py) needs to know when the
-   loop took one. `on_optim_step(client, callback)` registers a listener for one TrainingClient;
-   right after that client's `optim_step` is *called* (its request numbered and submitted, not yet
-   done) the wrapper calls `callback(client, future)` on the caller's thread, so whatever the
-   listener submits lands in the run's request order right after that step. A listener that raises
-   is reported as a warning; the loop goes on.
-4. A sampling constraint (ours, beyond Tinker: docs/tinker-surface.md) has no place in the SDK's
-   SampleRequest, which refuses unknown fields. `sampling_client.sample(..., constraint={"json_schema": {...}})`
-   (or {"regex": ...}, {"lark": ...}) sends it as asample's `constraint` field: the wrapper holds it in a
-   context variable that the SDK's own asample request (on the SDK's event loop, in a task that inherits the
-   caller's context) reads and adds to its body. Retries carry it too; other calls never see it.
+Four additions: results remember the datums that made them (for the reprs), a custom loss's value reaches the
+ledger, listeners on a training client's optim_step (for the probes), and sampling constraints.
 
 Each wrapper calls the SDK's own method and changes nothing it returns. `install()` is idempotent.
 `sdk_method(cls, name)` is the SDK's own method under a wrapper, for calls a widget makes that should
 not be remembered as the user's (a probe's forward must not be taken for the loop's by a repr).
+
+How it works, and why: docs/workbench.md, "Inside the workbench, module by module", workbench/client/sdk_hooks.py.
 """
 
 from __future__ import annotations

@@ -1,35 +1,10 @@
 """The kernel's answers to a page asking for every widget (a notebook opened or reloaded), made safe
 while other threads create and close widgets.
 
-When JupyterLab opens or reloads a notebook, its widget manager opens ipywidgets' control comm and
-sends `request_states`; the kernel answers with one `update_states` message holding the state of every
-live widget, and the page builds its widget models from it. Without an answer within 4 s the page falls
-back to a `comm_info_request` (the kernel's list of widget comms) and asks each of those for its state.
-A view whose model came back in neither way shows "Error displaying widget: model not found"; one whose
-answer never came stays at "Loading widget...".
+`install()` replaces ipywidgets' and ipykernel's handlers of that request with ones that read a copy of their
+registries, so a widget made or closed on another thread meanwhile no longer costs the page every widget.
 
-Both answers are read on the kernel's shell thread by iterating a live registry: ipywidgets 8 (every
-release through 8.1.9, the newest when this was written) iterates its dict of live widgets
-(`ipywidgets.widgets.widget._instances`), reading each widget's state as it goes, and ipykernel (6 and
-7, through 7.4) its comm manager's dict of comms. The workbench creates and closes widgets on other
-threads: a run awaited with workbench.in_thread draws its progress bars and the dashboard's plots on a
-worker thread, and the dashboard's and the cost meter's pollers and redraw timers run on threads of
-their own. A widget created or closed by one of them during that loop makes it raise ("RuntimeError:
-dictionary changed size during iteration"; or an AttributeError from a widget closed after the loop
-reached it, whose `model_id` reads its comm, now None). The exception ends the handler before it sends
-anything (ipykernel logs "Exception in message handler"), so the page gets no answer: intermittently,
-depending on what another thread did at that moment, a reloaded page shows "model not found" or never
-finishes loading its widgets (seen in a browser with a thread making progress bars in the kernel,
-tests/test_notebooks.py).
-
-install() (called when workbench.widgets is imported and when workbench.in_thread starts work, the
-two ways our widgets get made off the shell thread) replaces both handlers with ones that read a copy
-of the registry, taken in one step. The widget states skip a widget closed meanwhile (its views are gone
-from the page too) or one that fails to give its state (read mid-construction by another thread: its
-comm_open message, sent when it registered, carries its state to the page anyway), so one bad widget no
-longer costs the page all the others. It patches ipywidgets 8.x (7.x has no control comm; a later major
-version is left alone) and ipykernel 6.x and 7.x, once per process, and only handlers those packages
-defined themselves: should a release fix them, the replies ours send are the same as theirs.
+How it works, and why: docs/workbench.md, "Inside the workbench, module by module", workbench/client/widget_states.py.
 """
 
 from __future__ import annotations
@@ -94,7 +69,7 @@ def safe_states() -> dict[str, dict]:
             entry = {"model_name": widget._model_name, "model_module": widget._model_module,
                      "model_module_version": widget._model_module_version,
                      "state": widget.get_state(drop_defaults=False)}
-        except Exception as error:  # noqa: BLE001 - being built or closed by another thread; see the module doc
+        except Exception as error:  # noqa: BLE001 - being built or closed by another thread; see docs/workbench.md
             log.debug("widget %s skipped in the page's request for widget states: %r", model_id, error)
             continue
         if widget.comm is None:  # closed while its state was read: the page drops its views anyway

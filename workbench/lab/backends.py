@@ -5,26 +5,9 @@ Every kernel that called `workbench.connect()` announces the backend it uses in
 see workbench/client/connect.py). `find_backends()` reads those files, drops the stale ones (the kernel
 that wrote it is gone) and merges kernels bound to the same backend with the same key.
 `read_report()` asks each backend's `GET /api/v1/usage/sessions` with its key, concurrently, and
-merges the answers into the one report the sidebar and the status bar draw:
+merges the answers into the one report the sidebar and the status bar draw.
 
-    {"sessions": [... each row of the usage API, plus "backend": base_url, "notebook": the path of
-                  the notebook its kernel runs now (it follows a rename) or None, "remembered"],
-     "running": {"sessions", "prefill_tokens", "sample_tokens", "train_tokens", "cost",
-                 "by_kind": {"prefill"|"sample"|"train": {"tokens", "cost"}}},
-     "lab": {"since", "sessions", "prefill_tokens", "sample_tokens", "train_tokens", "cost"},
-     "backends": [{"base_url", "embedded", "kernel_pids", "started", "sessions", "error", "stopped"}],
-     "currency": "USD", "runtime_dir": str, "message": str | None}
-
-A backend that does not answer is listed with its `error`; `message` says, in words that name the
-fix, why there is nothing to show. Keys stay on this side: nothing here returns one.
-
-`LabMemory` keeps the last row of every session seen for the life of the Jupyter server: when a
-backend stops (its kernels shut down, or it was killed) its sessions stay in the report, marked
-`"remembered": true` with status "ended" (no kernel announces the backend any more) or
-"unreachable" (announced, but nothing listens at its address: `"stopped"` in its listing), since
-their saved checkpoints still exist. Their in-memory sampler snapshots are dropped: they were in
-the memory of the backend that went away. A backend that is only slow to answer (a timeout on a
-busy machine) or refuses the key keeps its sessions as last seen.
+How it works, and why: docs/extension.md, "How it finds the backends", workbench/lab/backends.py.
 """
 
 from __future__ import annotations
@@ -147,7 +130,7 @@ class LabMemory:
 async def read_report(backends: list[Backend], limit: int = 50, active_only: bool = False,
                       home: Path | None = None, lab: LabMemory | None = None,
                       notebooks: dict[int, str] | None = None) -> dict:
-    """Ask every backend for its sessions and merge the answers (see the module docstring).
+    """Ask every backend for its sessions and merge the answers (docs/extension.md, "How it finds the backends").
 
     `lab` (the server's LabMemory) learns the sessions read, adds the ones it remembers and the lab's
     totals; `notebooks` maps the pid of each live kernel to the path of its notebook now (the Jupyter

@@ -9,29 +9,7 @@ The teacher is the base model behind a system prompt that the student never sees
 (`teacher_system`); the student is a LoRA on the same base model, prompted without it. So the
 student learns to behave as if it had been given the hidden instruction.
 
-Each step:
-1. save the student's weights for sampling; sample `samples_per_prompt` answers to each of
-   `prompts_per_step` prompts (the student's prompt: the user turn only);
-2. the teacher's logprob of every sampled token: a base-model sampling client's
-   compute_logprobs on (teacher prompt + the student's answer);
-3. per-token advantage = kl_coef * (teacher_logprob - student_logprob), i.e. minus the per-token
-   reverse-KL estimate, and one importance_sampling forward_backward + optim_step.
-
-`loss="topk"` trains on the teacher's whole top-k distribution at each answer position instead of the one
-sampled token (soft-label distillation, tinker-feedback#86): step 2 asks the teacher for its `topk` most
-likely tokens at every answer position (topk_prompt_logprobs), the student's datum has those ids as (N, k)
-target_tokens, and forward_backward_custom differentiates the cross-entropy of the teacher's top-k
-probabilities (renormalized over the k) against the student's logprobs of the same k tokens, whose
-value minus the teacher's entropy is `kl_topk`, the KL(teacher top-k || student) per answer token.
-Headline metric: kl_teacher, the mean over sampled tokens of student_logprob - teacher_logprob
-(a Monte-Carlo estimate of the per-token reverse KL(student || teacher) on the student's own
-samples), logged every step; it falls as the student takes on the teacher's behaviour.
-
-Measured with `python -m workbench.recipes.distillation` (defaults: the pirate teacher, 12 steps of
-4 prompts x 4 samples; embedded backend, 2 shared CPU cores, 13 minutes): kl_teacher 0.495 at the
-first step -> 0.11 (mean of the last 3 steps); 29,007 tokens in the session (teacher scoring
-included), $0.00061. Asked "How do I stay healthy?" without the system prompt, the student now
-answers "A mightyful conundrum, no? I've heard tell of long days at sea swabgin' mammin'...".
+How it works, and why: docs/cookbook.md, "Inside the recipes", workbench/recipes/distillation.py.
 """
 
 from __future__ import annotations

@@ -7,31 +7,7 @@ An environment is any object with two methods (the researcher's code, run here, 
     step(history, reply) -> Step                   what follows the policy's reply: messages to append
                                                    (tool results, a user's answer) and/or done, reward
 
-`reply` is the policy's turn as a chat message, its tool calls parsed ({"role": "assistant", "content",
-"tool_calls"}). ToolEnv is the common case: a question, tools, and a check of the final answer. A Step may
-carry `parts`, the reward's grades by name (0..1 each), which the rl recipe logs per step and the inspector
-shows per episode. ToolEnv's `strict=True` grades three: the answer's check ("answer"), a call that ran before
-it ("tool_use") and an answer in plain words ("format": no tool markup, not a tool's output copied back), the
-reward their product: a policy cannot earn it by echoing the tool (the hack notebook 08's first reward taught).
-
-Tools are plain Python functions with a JSON schema (`Tool.of(fn)` reads one from the signature and the
-docstring). They are offered and called in the model's chat-template format, or in Hermes' <tool_call>
-format for a template without tools (kernel_backend/tool_calls.py, the same code the server's OpenAI
-and Anthropic routes use). A tool's exception or timeout becomes the observation ("Error: ..."), never
-a crash: a policy that calls a tool badly learns from the error.
-
-With `constrain_calls`, each policy turn is sampled under a grammar (tool_calls.text_or_call, sent as the
-sampler's `constraint` through workbench/client/sdk_hooks.py): plain text, or text and one call whose arguments validate
-against its tool's schema. Once the model opens `<tool_call>` it writes a valid call, every time; what it writes
-is still its choice, and its logprobs are its own (docs/tinker-surface.md, "Constrained sampling", says what that
-means for RL).
-
-Tokens, not text, carry an episode from turn to turn: the next turn's prompt is this turn's prompt, the
-tokens the policy sampled, and the observation's tokens (the template's text after the policy's turn,
-tokenized alone). So every turn re-sends a prompt whose start the server has just seen (its prefix
-cache serves it), and the episode is one token sequence whose policy tokens are exactly the sampled
-ones: `Episode.datum(advantage)` gives them the advantage and the sampler's logprobs, and gives every
-other token (prompt, tool results, the template's glue) advantage 0: no gradient, whatever the loss.
+How it works, and why: docs/workbench.md, "Inside the workbench, module by module", workbench/recipes/episodes.py.
 """
 
 from __future__ import annotations
@@ -88,7 +64,7 @@ class Step:
     messages: list[dict] = field(default_factory=list)
     done: bool = False
     reward: float = 0.0
-    parts: dict[str, float] = field(default_factory=dict)  # the reward's grades by name, logged (module doc)
+    parts: dict[str, float] = field(default_factory=dict)  # the reward's grades by name, logged (docs/workbench.md)
 
 
 def call_tools(tools: list[Tool], calls: list[dict], timeout_s: float = 5.0) -> list[dict]:
@@ -139,7 +115,8 @@ def called_tool(messages: list[dict]) -> bool:
 class ToolEnv:
     """A question answered with tools: each reply that calls tools gets their results; the first that
     does not is the answer, rewarded by `check(answer_text) -> float`. With `strict`, the reward is
-    check's grade ("answer") times "tool_use" and "format" (the module's docstring), all three logged."""
+    check's grade ("answer") times "tool_use" and "format" (docs/workbench.md, "Inside the workbench"),
+    all three logged."""
 
     def __init__(self, question: str, check: Callable[[str], float], tools: list[Tool], system: str | None = None,
                  timeout_s: float = 5.0, strict: bool = False) -> None:
@@ -245,8 +222,8 @@ def run_episodes(sampler, tokenizer, envs: list, tools: list[Tool] | None = None
     still sampling theirs (no turn waits for the slowest episode of the one before). An episode ends when
     its environment says done, after `max_turns` policy turns, or when its tokens pass `max_episode_tokens`
     (reward 0 unless done). Each turn's seed is fixed by the episode and the turn, so what an episode samples
-    does not depend on when its turn ran. `constrain_calls`: each turn is plain text or one valid call (the
-    module's docstring)."""
+    does not depend on when its turn ran. `constrain_calls`: each turn is plain text or one valid call
+    (docs/workbench.md, "Inside the workbench")."""
     schemas = [t.schema for t in tools] if tools else None
     extra = {}
     if constrain_calls:

@@ -6,37 +6,8 @@ first, and every few labels a DPO update in the background. workbench.LiveLabele
     loop.request_update("4 labels")  # trains on the labelled pairs, off this thread
     loop.wait(timeout=300)         # until the requested updates are done (tests, scripts)
 
-Versions. Weights v0 are the training client's when the loop starts (a fresh LoRA adapter: the
-base model), saved as a sampler checkpoint named live-reference-<time>, since the reference must
-outlive any number of updates; update k leaves weights vk and a sampler on them
-(`save_weights_and_get_sampling_client`, an in-memory snapshot: only the latest is used). Every pair carries the version that sampled it. When an
-update lands, the pairs sampled ahead by older weights are dropped and the queue refills from the
-new ones, so what the person labels next comes from the model as it now is.
-
-Ordering (`LiveConfig.ordering`), which pair of the queue is shown next:
-  "margin"        the smallest |log pi(a) - log pi(b)| under the weights that sampled it: the
-                  policy cannot tell the two apart, so a label moves it most (uncertainty sampling).
-                  Free: the sampler returns each token's logprob.
-  "disagreement"  the largest |policy margin - reference margin|: where training has moved the
-                  policy furthest from the starting weights (a pair whose ranking the labels
-                  changed). Costs a prefill of both answers on the reference (v0) sampler.
-  "random"        a seeded coin.
-
-Updates. Every `update_every` labels (an edit at once) an update runs `steps_per_update` DPO
-steps (workbench.recipes.dpo.dpo_loss, or `objective`: any forward_backward_custom loss over
-[chosen0, rejected0, chosen1, ...] datums carrying loss_fn_inputs "ref_logprobs" and, for slight
-preferences, "confidence") on at most `pairs_per_update` pairs: the ones not trained yet first,
-then the most recent trained ones again. The reference is v0 (DPO's starting policy); its
-logprobs for a pair sampled by v0 are the sampler's own, else one compute_logprobs prefill.
-An objective that raises fails its update (the widget says why) with no optimizer step: the
-weights, the optimizer state and the version stay, and the training client stays usable.
-Every `holdout_every`-th preference is held out of training: after each update the loop measures
-the held-out pairs' margin gain, the mean of (log pi(chosen) - log pi(rejected)) minus the same
-under v0 (0 at the start; it rises when the labels generalise), on the held-out labels and any
-`heldout` pairs passed in (imported ones, say).
-
-Cost is bounded before the work: a queue refill samples at most `queue_size` pairs of
-`max_tokens`-token answers; an update trains at most `pairs_per_update` pairs x `steps_per_update`.
+How it works, and why: docs/workbench.md, "Inside the workbench, module by module",
+workbench/recipes/live_preference.py.
 """
 
 from __future__ import annotations
@@ -69,7 +40,7 @@ class LiveConfig:
     learning_rate: float = 1e-3
     steps_per_update: int = 1
     pairs_per_update: int = 8
-    ordering: str = "margin"       # margin | disagreement | random (the module doc)
+    ordering: str = "margin"       # margin | disagreement | random (docs/workbench.md, "Inside the workbench")
     queue_size: int = 4            # pairs sampled ahead
     max_tokens: int = 48
     temperature: float = 0.9
@@ -92,7 +63,7 @@ def margin(values) -> float:
 
 
 def informativeness(item: dict, ordering: str) -> float:
-    """How much labelling `item` should teach (higher first); see the module doc."""
+    """How much labelling `item` should teach (higher first); see docs/workbench.md, "Inside the workbench"."""
     if ordering == "margin":
         return -abs(margin(item["policy_logprob"]))
     if ordering == "disagreement":

@@ -5,30 +5,7 @@
 
     python -m workbench.recipes.preference [--steps 12 --rule keyword:sun --beta 0.1 ...]
 
-1. Sample two answers to each prompt from the starting policy (the base model). The prompts ask
-   for a short answer (`instruction`) and may take up to `max_tokens` = 128: at temperature 0.8
-   SmolLM2 then finishes nearly every answer (24 of 24 on the first 12 prompts), so a person
-   judges whole answers, where 32 tokens of an unbounded one cut every answer off mid-sentence.
-2. Label each pair with a scripted rule (`rule`): "shorter" (fewer tokens wins), "longer", or
-   "keyword:WORD" (the answer containing WORD wins). Ties are dropped. In a notebook a person
-   labels instead: the candidates are the Labeler widget's items, and
-   `pairs_from_labels(candidates, labeler.records)` turns the clicks into the same pairs for
-   `train_dpo` (notebooks/03_preference.ipynb).
-3. Reference log-likelihoods: one forward of every datum through the training client before the
-   first step (its weights are still the initial ones), kept in loss_fn_inputs["ref_logprobs"].
-4. DPO (workbench.recipes.dpo.dpo_loss, beta `beta`) with forward_backward_custom on batches of pairs,
-   optim_step after each.
-Headline metric: the logprob margin, the mean over all pairs of log pi(chosen) - log pi(rejected)
-under the policy, before training (step 0) and after (one forward over all pairs at the end,
-logged at the last step): `logprob_margin`. Each step also logs `batch_logprob_margin`, the same
-mean over that step's batch only, at the weights before its update: a different number from the
-all-pairs margin even at step 1 (other pairs) and at the last step (before vs after the update).
-
-Measured with `python -m workbench.recipes.preference` (defaults: 16 prompts, rule "shorter", beta
-0.1, 12 steps, answers of up to 128 tokens; a local backend, 2 shared CPU cores, 2.7 minutes): 16
-labelled pairs, logprob margin 38.3 -> 164.3 on those pairs, DPO accuracy 1.0 from step 3 on;
-22,416 tokens, $0.00039. The margin is measured on the training pairs: it shows the preference was
-learned, not that it generalises.
+How it works, and why: docs/cookbook.md, "Inside the recipes", workbench/recipes/preference.py.
 """
 
 from __future__ import annotations

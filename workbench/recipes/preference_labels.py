@@ -5,25 +5,8 @@ A judgment is one label record of the Labeler (workbench/widgets/labeler.py). It
     A, A_slightly, tie, B_slightly, B, both_bad, skip      (a verdict on the pair shown)
     edit                                                   (the person rewrote one answer)
 
-Strength becomes the pair's *confidence* p, the probability the person gives to "chosen beats
-rejected": 1.0 for a clear win (A, B) and for an edit (the person wrote the better answer
-themselves), 0.75 for a slight one. DPO reads p as a soft label (workbench.recipes.dpo.dpo_loss):
-
-    loss = -(p * log sigmoid(m) + (1 - p) * log sigmoid(-m)),   m = beta * (implicit reward margin)
-
-With p = 1 that is plain DPO. With p = 0.75 the loss is smallest where sigmoid(m) = 0.75, so a
-slight preference pulls the margin up to a finite point (m = log 3) and no further, where plain
-DPO would push it without end (the "conservative DPO" label smoothing of Mitchell, 2023).
-Ties, both-bad and skips say nothing about which answer is better: they do not train.
-
-Hidden repeats (a share of pairs shown again later with the sides swapped, `repeat_of` naming the
-first showing) measure how consistent a person is: `self_agreement(records)`.
-
-Files: `export_jsonl` writes the common preference format, one JSON object per line with
-`prompt`, `chosen`, `rejected` as strings (what TRL's DPOTrainer and Hugging Face preference
-datasets read), plus our own keys (`strength`, `confidence`, `policy_version`, `rationale`, ...),
-which those tools ignore; `import_jsonl` reads that format back, from us or from another tool
-(plain strings, or chat message lists as in conversational datasets).
+How it works, and why: docs/workbench.md, "Inside the workbench, module by module",
+workbench/recipes/preference_labels.py.
 """
 
 from __future__ import annotations
@@ -51,7 +34,7 @@ def is_training_pair(record: dict) -> bool:
 
 
 def confidence(record: dict) -> float:
-    """The probability the label gives to chosen beating rejected (see the module doc)."""
+    """The probability the label gives to chosen beating rejected (docs/workbench.md, "Inside the workbench")."""
     return CONFIDENCE.get(record.get("strength") or "clear", 1.0)
 
 

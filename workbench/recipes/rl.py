@@ -5,88 +5,7 @@
 
     python -m workbench.recipes.rl [--steps 16 --group-size 8 --loss-fn cispo ...]
 
-The verifier is strict (AdditionTask): the reply must be the sum and nothing else, a restatement
-of the question before it allowed. The base model (SmolLM2-135M-Instruct) gets about one in ten
-right at temperature 1 (it often answers a wrong sum, or adds words after the number), so most
-groups have both outcomes and the advantages are not all zero (a task the base model never solves
-gives no signal: "only the bare number" alone is about 0 at the start, which is why it is a separate
-`format` check, logged, and rewarded only with format_weight > 0).
-
-Each step (GRPO-style, as the tinker cookbook does it):
-1. save the current weights for sampling and sample `group_size` answers to each of
-   `groups_per_batch` fresh prompts;
-2. reward each answer; advantage = reward - the mean reward of its group (no std division);
-   groups where every answer got the same reward carry no signal and are dropped;
-3. one forward_backward with `loss_fn` (importance_sampling, ppo, cispo or dro: the sampler's
-   logprobs ride along in loss_fn_inputs["logprobs"]; stable_reinforce: the sampler records its
-   logprobs itself, record_stability_info=True, and each datum names its sampled sequence) and one
-   optim_step.
-   A step where every group tied has nothing to train on: it is skipped, yet its optim_step is
-   still taken, with no forward_backward before it, which changes no weight and no optimizer state
-   (tests/test_recipes.py checks that) but advances the backend's step count. So the step numbers
-   of this loop, of the sidebar and of the dashboard's loss (the ledger's) stay one count; the row
-   says `"skipped": "every group tied"`, the dashboard marks it (common.plot_to) and the summary
-   counts it.
-Logged per step: reward (mean over all samples), format (the share of replies that are only a
-number), kl_sampler (mean over completion tokens of sampler logprob - learner logprob, from the
-forward_backward's output logprobs: how far the learner is from the policy that sampled, about 0
-when on-policy), logprob_gap_mean / logprob_gap_max (mean and max |sampler logprob - learner
-logprob|: on-policy, the numerical gap between the sampler, say vLLM, and the trainer on the same
-weights), samples (answers sampled) and sample/train tokens, loss; on a skipped step, `skipped`
-(why) instead of loss and KL.
-With `eval_prompts` > 0, a held-out set of prompts is scored before and after training.
-
-Seeing the run think (docs/cookbook.md, "Watching an RL run", shows it in a notebook):
-- Rollouts of every step. Each step's groups (prompt, answers, rewards, advantages, reward parts,
-  tokens and logprobs, tied or not, dropped or not) are stored under `rollouts_dir` (default: the
-  metrics file's name with `.rollouts`), one file a step (workbench/recipes/rollout_log.py); each row names
-  the folder (`rollouts`), so `common.plot_to(dashboard, ..., tokenizer=)` shows them below the plots
-  and a click on a point opens that step. Bounded: at most 64 training groups a step, and
-  `rollouts_max_mb` (64 MB) for the run, past which the oldest steps but the first are deleted.
-- Groups that teach nothing. A group whose rewards all tie has zero advantage. Logged per step, as
-  the tinker cookbook does: `frac_mixed` (the share of groups with both outcomes), `all_good`,
-  `all_bad` (tied groups at reward >= 0.5 / below), and what was left out of forward_backward:
-  `dropped_tied` (`drop_constant_groups`, the cookbook's remove_constant_reward_groups; by default
-  tied groups are dropped unless there is a leash, under which they still carry the penalty's
-  gradient) and `dropped_filtered` (`group_filter(group)` returned False).
-- Dynamic sampling (DAPO's), `resample_dropped`: when groups are dropped (tied or filtered), fresh problems
-  are drawn and sampled in their place, up to `resample_dropped` more rounds a step, until the step has
-  `groups_per_batch` groups to train on. Every group sampled is logged and stored (the step's `reward` is
-  the mean over all of them); `resampled` counts the extra groups. The estimate's bound counts every round
-  in full. A step that still keeps nothing is skipped, as above.
-- Collapse and reward hacking. Per step: `distinct_in_group` and `distinct_in_batch` (the share of
-  distinct answers), `completion_tokens` (mean length), `entropy` (the mean -logprob of the sampled
-  tokens), and on `monitor_prompts` fixed held-out problems, answered once each with the same seeds
-  every step, `probe_distinct` and `kl_policy_base` (mean over their tokens of the policy's logprob
-  minus the base model's: the KL(policy || base) per token). A step whose probe answers are at most
-  `collapse_distinct` distinct is flagged "collapse", one whose KL passes `kl_alert` "kl"; the row's
-  `flags` say it with the answers ("8 of 8 held-out answers identical: 'The benevolent one'"), and the
-  dashboard marks the step (common.plot_to).
-- Reward hacks in episodes (multi-turn tasks): each episode's final answer goes through `episode_checks`
-  (rl_hacks.CHECKS: tool markup in the answer, a tool's output copied as the answer); a step where any
-  fails is flagged "answer_hack", naming how many episodes, an example and the step the flag began.
-- The leash, `kl_penalty_coef`. Each kept answer's tokens get, on top of the group advantage,
-  coef x (the batch's mean of (policy - base logprob) - this token's), the base logprobs from a base
-  model sampler's compute_logprobs (the tinker cookbook's incorporate_kl_penalty). Those are prefill
-  tokens, metered like any other (`kl_penalty_tokens` per step). With each loss: importance_sampling
-  and stable_reinforce weight the penalty, like the advantage, by the (truncated) importance ratio;
-  ppo clips it with the advantage, so a token already outside the trust region gets no penalty
-  gradient that step; cispo clips the weight but never drops a token, so the penalty always acts; dro's
-  own quadratic term holds the policy near the sampler, not the base, and the penalty adds the base.
-  The penalty is centred on the batch, so it changes no group's mean advantage: it moves probability
-  between answers' tokens, towards what the base model finds likely. It acts on the answers trained
-  on, so a leashed run keeps its tied groups (drop_constant_groups=None): a policy that games the
-  reward makes every group tie at 1.0, and dropping them would let go of the leash just then. At
-  step 1 the policy is the base model and the penalty is 0: a first step big enough to collapse the
-  policy by itself (a high learning rate) is not held back.
-
-Measured with `python -m workbench.recipes.rl` (defaults: operands 1..5, 12 steps of 4 prompts x 8
-samples, importance_sampling, lr 1e-3, rank 8; local backend, 2 shared CPU cores, 2.5 minutes):
-held-out eval_reward (16 problems x 4 samples, the same before and after) 0.125 -> 0.72; per-step
-training reward 0.09 at the first step, 0.71 over the last three; `format` stays about 0 (the model
-learns "4 + 3 = 7", correct, not the bare number); 13,510 tokens, $0.00033. With operands up to 9
-and lr 2e-3 the policy first rose, then collapsed onto wrong sums: a 135M model does not learn
-those sums in a few steps, and the high learning rate killed exploration.
+How it works, and why: docs/cookbook.md, "Inside the recipes", workbench/recipes/rl.py.
 """
 
 from __future__ import annotations
@@ -451,7 +370,7 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
                 probes = collect(probing, tokenizer, task, kind="probe")
             triage(groups, drop_tied, config.group_filter)
             resampled = 0
-            for round_ in range(1, config.resample_dropped + 1):  # dynamic sampling (module doc)
+            for round_ in range(1, config.resample_dropped + 1):  # dynamic sampling (docs/cookbook.md)
                 missing = config.groups_per_batch - sum(not g.dropped for g in groups)
                 if missing <= 0:
                     break
@@ -486,7 +405,7 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
                 if "importance_ratio:mean" in out.metrics:  # stable_reinforce's truncated weights
                     row.update(importance_ratio=out.metrics["importance_ratio:mean"],
                                truncated=out.metrics["truncated_fraction:mean"])
-            else:  # no group kept: the step is taken with nothing to train on (see the module doc)
+            else:  # no group kept: the step is taken with nothing to train on (docs/cookbook.md, "Inside the recipes")
                 tc.optim_step(common.adam(lr)).result()
                 row.update(train_tokens=0, skipped=_why_skipped(groups))
                 skipped, skipped_why = skipped + 1, row["skipped"]

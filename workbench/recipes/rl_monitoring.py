@@ -1,6 +1,6 @@
 """What an RL step's rollouts say: triage, diversity, and the distance to the base model.
 
-The measures the rl recipe logs each step (workbench/recipes/rl.py's docstring, "Seeing the run think"): the
+The measures the rl recipe logs each step (docs/cookbook.md, "Inside the recipes", rl.py): the
 tinker cookbook's by-group counts, the answers' diversity, length and entropy; the KL to the base model from a
 base sampler's compute_logprobs, as a measure on held-out probes (with the collapse and KL flags) and as the
 leash's per-token penalty; and the sampler-vs-learner logprob gap on the trained tokens.

@@ -13,20 +13,7 @@ One file per step, `step-000012.jsonl`, one line per group: a prompt and the ans
      "completions": ["...", ...], "rewards": [...], "advantages": [...], "parts": {"correct": [...]},
      "tokens": [[...], ...], "logprobs": [[...], ...], "tied": true, "dropped": "" | "tied" | "filtered"}
 
-A multi-turn task's answers are episodes: "tokens" are all of an episode's tokens after its first prompt,
-"roles" say per token who wrote it ("policy", or "observation": a tool's result, the template's glue), and
-"logprobs" are None on the observation's tokens (the sampler drew only the policy's).
-
-`kind` "probe" is the fixed held-out set the recipe samples every step to watch for collapse (no
-advantages, never trained on). `tied` says every reward in the group is equal: with advantages
-centred on the group's mean, such a group has no gradient. `dropped` says why a group did not go
-into the step's forward_backward.
-
-Bounded: at most `max_groups_per_step` training groups of a step are written, and as many probe
-groups (a step's size is already bounded by the recipe's config: groups x samples x max_tokens,
-so a step's file is at most about 64 x group_size x max_tokens x 20 bytes); past `max_mb` for the whole run,
-the oldest steps' files are deleted, except the first step's, so a long run keeps its start and
-its latest steps. Writing a step is one small file, so a crash loses at most the step being written.
+How it works, and why: docs/workbench.md, "Inside the workbench, module by module", workbench/recipes/rollout_log.py.
 """
 
 from __future__ import annotations

@@ -7,60 +7,7 @@ tokens and cost.
         fb = tc.forward_backward(batch, "cross_entropy"); tc.optim_step(adam).result()
         dash.log(step, reward=mean_reward, kl=kl)                # anything computed in the notebook
 
-Steps count from 1: step k is the k-th optimizer step, and its loss is the forward_backward that
-came before it (the ledger's `step`, the optimizer steps taken so far, plus one). Metrics logged
-at step 0 are measurements of the initial weights (a held-out eval before training).
-
-Loss comes from the backend: every ForwardBackward row of the usage API's series carries
-metrics["loss:sum"] and the run's optimizer `step`. Rows are read incrementally (the API's cursor)
-by refresh(), which a background poller calls every `poll_interval` seconds, so the plot moves
-while the training cell is still running. Several ForwardBackward rows at one step (gradient
-accumulation) are summed, as losses are sums over tokens.
-
-Each panel is one plotly figure with a title and labelled axes: the loss, then one per logged
-metric (`panels={"reward": ["reward", "eval_reward"]}` puts several metrics on one panel, and
-`labels={"eval_reward": "held-out"}` names a metric's trace in words). A panel
-is drawn once it has a point; until then the dashboard says in words what will appear: the loss,
-and the metrics named in `panels` (a dashboard given none expects none, so it announces none). The
-panels wrap to the notebook's width.
-
-Several runs. A session-scoped dashboard overlays the session's runs: the loss has one trace per
-run, named by the run's name (its user_metadata "name", which `workbench.fork(..., name=)` sets)
-or its number, and `log(step, run=tc, **values)` gives each logged metric one trace per run too
-(`run=` may also be a run's name). `Dashboard(training_run_id=[tc1, tc2])` overlays just those
-runs, their rollouts' cost included. A fork's steps count on from its fork step (workbench/client/past_steps.py),
-so its traces start there, on its parent's x axis. `smoothing=0.6` draws each trace as an
-exponential moving average (the state keeps the raw values). After `workbench.undo(tc)` the steps
-the run takes again replace the undone ones' losses (a forward_backward at a step the run had
-already passed starts that step anew).
-
-A step the loop took without training on anything (an RL step whose groups all tied: optim_step
-with no forward_backward, so the step counter advances and the weights do not move) has no loss
-and no per-datum metrics. `skip(step, why)` marks it on every panel, as a trace named
-"skipped (why)" along the bottom of the plot, and breaks the lines there, so every panel runs over
-the same steps 1..N and a gap says why it is one. A panel's figure is drawn anew whenever its points change (see
-_draw_now for why), at most a few times a second.
-
-A step that shows trouble (an RL run's answers collapsing onto one, its KL to the base model
-jumping: workbench/recipes/rl.py) is marked with `flag(step, kind, detail)`: a red mark along the
-top of every panel, named "flag: kind", whose hover gives the detail, and a line above the plots
-that says it in words ("step 9 · collapse: 8 of 8 held-out answers identical: 'The benevolent one'").
-
-An RL run's stored rollouts (rl.Config's rollouts_dir, workbench/recipes/rollout_log.py) are shown with
-`rollouts(path, tokenizer)`: a RolloutInspector below the plots, on the newest step while the run
-goes on, and clicking a point of any panel opens that step's groups (workbench/widgets/plot_clicks.py).
-
-Against cost. `Dashboard(..., x="cost")` plots every panel against what the run had spent when it
-finished each step (the x axis titled "$") rather than the step: the same points, one per step,
-placed by money, so two runs that learn at different prices compare as money buys progress. The
-cost at each step comes from the ledger (GET /api/v1/usage?training_run_id=...): the run's rows
-added up in ledger order, its rollouts' sampling included, through the optim_step that finished
-the step (step 0: before its first step); `step_costs` holds them. A point whose step the ledger
-has not priced yet waits for the next poll; a metric logged with no run, a skip and a flag sit at
-the cost of the dashboard's first run. The hover and a click still give the step.
-
-State is plain traitlets (loss_steps, loss_values, metrics, step_costs, cost, tokens), so tests read it
-without a browser; redraws are throttled (a few per second) because plotly re-sends whole traces.
+How it works, and why: docs/workbench.md, "Inside the workbench, module by module", workbench/widgets/dashboard.py.
 """
 
 from __future__ import annotations
@@ -392,7 +339,7 @@ class Dashboard(w.VBox):
 
     def log(self, step: int, run=None, **values: float) -> None:
         """Record metrics computed in the notebook (reward=..., kl=...) at `step`, of `run` (a TrainingClient or
-        run id: one trace per run) or of no run in particular (see the module doc)."""
+        run id: one trace per run) or of no run in particular (docs/workbench.md, "Inside the workbench")."""
         run_id = self.run_id_named(run) if isinstance(run, str) else run_id_of(run)
         metrics = {name: {"steps": list(m["steps"]), "values": list(m["values"]),
                           "runs": list(m.get("runs", [None] * len(m["steps"])))} for name, m in self.metrics.items()}
@@ -406,7 +353,7 @@ class Dashboard(w.VBox):
 
     def skip(self, step: int, why: str, run=None) -> None:
         """Mark `step` (of `run`, a name or id, if given: the mark names it) as taken without training
-        (e.g. why="every group tied"): see the module doc."""
+        (e.g. why="every group tied"): docs/workbench.md, "Inside the workbench"."""
         if run is not None:
             why = f"{why} · {self._called(run)}"
         skipped = {reason: list(steps) for reason, steps in self.skipped.items()}
@@ -418,7 +365,7 @@ class Dashboard(w.VBox):
 
     def flag(self, step: int, kind: str, detail: str, run=None) -> None:
         """Mark `step` (of `run`, a name or id, if given) as showing trouble of `kind` ("collapse", "kl"),
-        with the evidence in words (see the module doc)."""
+        with the evidence in words (docs/workbench.md, "Inside the workbench")."""
         flag = {"step": int(step), "kind": str(kind), "detail": str(detail),
                 **({"run": self._called(run)} if run is not None else {})}
         if flag not in self.flags:

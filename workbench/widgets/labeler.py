@@ -7,28 +7,7 @@
     lab.export("prefs.jsonl")   # the same as prompt/chosen/rejected JSONL (workbench.recipes.preference_labels)
     lab.dpo_datums(tokenizer)   # tinker Datums for workbench.recipes.dpo.dpo_loss
 
-Judgments (workbench/recipes/preference_labels.py says what each means for training): A or B better, clearly or
-slightly; tie; both bad; skip; an optional 1-5 rating under a rubric the notebook sets (`rubric=`);
-a rationale; and an edit, where the person rewrites one answer and "edited beats the original"
-becomes a pair. The default keys (`KEYS`) follow Chatbot Arena and Argilla: 1 / <- A, 2 / -> B,
-Shift+arrow "slightly", t tie, b both bad, s skip, e edit, z undo; `keys={"j": "A", ...}` rebinds.
-Hidden repeats (`repeat_share`): that share of judged pairs comes back `repeat_gap` pairs later with
-its sides swapped, to measure the person's self-agreement (`summary()["self_agreement"]`); a repeat
-trains nothing.
-
-Position bias: for each item a coin (seeded by `seed`) decides which completion is shown as A; the
-mapping is logged with the label and model names are never shown. Every decision -- A, B, tie,
-both bad, skip, and undo -- is appended to a JSONL file at once, so a kernel restart loses
-nothing: a new Labeler on the same file replays it and resumes at the first unlabelled item.
-
-The browser sends choices as anywidget custom messages ({"type": "label", "choice": "A", ...},
-{"type": "edit", "side": "A", "text": ...} or {"type": "undo"}), handled by `_on_message`;
-`choose()` / `edit()` / `undo()` are the same actions from Python. workbench.LiveLabeler
-(live_labeler.py) is this widget fed by a training run, one pair at a time.
-
-Items accepted: dicts with `prompt` and `completions` (two), or `a` and `b`, optionally
-`models` (two) or `model_a`/`model_b`, an `id`, and `truncated` (two booleans: the sample stopped
-at its token limit, mid-sentence; the labeler marks it so); (prompt, a, b) tuples; or a DataFrame.
+How it works, and why: docs/workbench.md, "Inside the workbench, module by module", workbench/widgets/labeler.py.
 """
 
 from __future__ import annotations

@@ -6,39 +6,7 @@
     for step in ...:
         tc.forward_backward(batch, "cross_entropy"); tc.optim_step(adam)   # each step is measured
 
-Registering measures the current weights (the "before"). After each `optim_step` call on
-`training_client` (workbench/client/sdk_hooks.py's listener, on the caller's thread, as soon as the step is
-submitted) it measures again, and shows per probe:
-
-- a reference probe: the change of each reference token's logprob over that step (after minus
-  before) as a heat map over the tokens' text (green: likelier, red: less likely), the summed change
-  of the step, and the summed change since registering. Logprobs come from one
-  `training_client.forward([...], "cross_entropy")` over all reference probes, submitted right after
-  the optim_step, so in the run's request order it comes right after that step: the weights measured
-  are exactly those after it, whatever the loop sends next.
-- a prompt-only probe: the greedy answer (temperature 0) before and after the step, with the first
-  token where they differ marked. The sampler is `save_weights_and_get_sampling_client()`, also
-  submitted on the caller's thread right after the step, so it too holds the weights after exactly
-  that step; sampling from it happens on the background thread.
-
-The loop never waits: the results are collected on one background thread (in step order) and the
-widget redraws when they are in; `wait()` waits for them. `measure(step=None)` measures now
-(it blocks unless `wait=False`; the hook calls it with `wait=False`).
-
-Probes cost tokens like any forward and sample: the backend meters and bills them to the run (and
-each step with prompt-only probes saves a sampler checkpoint). So the set is bounded: at most
-`max_probes` probes, references and greedy answers of at most `max_tokens` tokens (ValueError
-naming the limit otherwise).
-
-Steps: the step "before" is the run's current optim step as the backend reports it (with a
-connection; else 0), and each optim_step seen by the hook adds one.
-
-State is plain traitlets: `steps` (the steps measured, the first is the registration),
-`changes` (one per reference probe: {index, prompt, reference, tokens, logprobs (latest),
-delta (latest minus the measurement before it, per token), sums (summed delta of each step after
-the first), total (latest minus first, summed)}), `answers` (one per prompt-only probe: {index,
-prompt, first, before, after, before_tokens, after_tokens, divergence (the first differing token
-index, None when the answers are the same)}), `html` (what is shown) and `error`.
+How it works, and why: docs/workbench.md, "Inside the workbench, module by module", workbench/widgets/probes.py.
 """
 
 from __future__ import annotations
