@@ -101,6 +101,10 @@ def _rank(rank: int, folder: str, port: int, out_dir: str) -> None:
         sharding.shard_model(engine.model)
         gc.collect()
         out = _calls(engine)
+        # A full run's checkpoint: gathered whole on every process, written by one.
+        checkpoint = sharding.whole_weights(engine.model, engine._slot("full").adapter)
+        if rank == 0:
+            checkpoint.save(Path(out_dir) / "full-sharded", engine.base.path)
         out.update(whole_bytes=whole, held_bytes=sharding.resident_bytes(engine.model),
                    shard_bytes=sum(o.shard.nbytes for o in sharding.sharded_weights(engine.model)),
                    whole_embedding_freed=embedding() is None, gathers=_gathers_in_one_step(engine))
@@ -121,7 +125,10 @@ def runs(tiny_model, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("sharding")
     mp.start_processes(_rank, args=(str(tiny_model), _free_port(), str(out_dir)), nprocs=WORLD, start_method="spawn")
     answers = {rank: torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)}
-    answers["whole"] = _calls(Engine(settings=stand_in_settings(tiny_model)))
+    engine = Engine(settings=stand_in_settings(tiny_model))
+    answers["whole"] = _calls(engine)
+    engine.save_weights_for_sampler("full", out_dir / "full-whole")
+    answers["checkpoints"] = out_dir
     return answers
 
 
@@ -167,3 +174,17 @@ def test_a_weight_is_gathered_on_use_and_again_in_backward(runs):
         # frozen), gathered again rather than kept from forward.
         assert g["backward"] == g["linear_layers"] - 3
         assert not set(g["saved_shapes"]) & set(g["weight_shapes"]), "a whole weight was kept for backward"
+
+
+def test_a_sharded_full_run_saves_a_model_transformers_loads(runs, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    sharded, info = AutoModelForCausalLM.from_pretrained(runs["checkpoints"] / "full-sharded", output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched weights
+    whole = AutoModelForCausalLM.from_pretrained(runs["checkpoints"] / "full-whole").state_dict()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    assert sharded.state_dict().keys() == whole.keys()
+    difference = max(float((t - whole[n]).abs().max()) for n, t in sharded.state_dict().items())
+    print(f"full checkpoint: max |sharded - unsharded| = {difference:.3g}")
+    assert difference <= TOLERANCE
+    assert max(float((t - base[n]).abs().max()) for n, t in sharded.state_dict().items()) > 1e-4  # it trained

@@ -23,7 +23,8 @@ gradients reduced) is the data-parallel replicas' (docs/architecture.md, "Scale-
 
 A full fine-tuning run's weights are this process's shards too (`full_weights.new` copies the model's parameters,
 which are now the shards): its gradients are the gathered weight's, cut to this process's rows, and its AdamW
-state 1/N as well. Its global gradient norm (grad_clip_norm) and its checkpoint need the other shards; not built.
+state 1/N as well. Its checkpoint is written whole (`whole_weights`, then FullWeights.save: the model folder
+transformers loads); its global gradient norm (grad_clip_norm) needs the other shards too: not built.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 
-from kernel_backend.engine import lora
+from kernel_backend.engine import full_weights, lora
 
 
 class ShardedWeight(nn.Module):
@@ -193,3 +194,19 @@ def resident_bytes(model: nn.Module) -> int:
         storage = t.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
+
+
+def whole_weights(model: nn.Module, run: full_weights.FullWeights) -> full_weights.FullWeights:
+    """A full fine-tuning run's weights on a sharded model, each whole and under the unsharded model's name, so that
+    FullWeights.save writes the model folder transformers loads. A collective: every process calls it, and every
+    process gets the whole weights (one of them writes them)."""
+    owners = {f"{name}.shard": (name, module) for name, module in model.named_modules() if isinstance(module, ShardedWeight)}
+    whole = {}
+    for name, tensor in run.tensors.items():
+        if name not in owners:  # a norm, a bias: whole already
+            whole[name] = nn.Parameter(tensor.detach(), requires_grad=False)
+            continue
+        module_name, owner = owners[name]
+        # The shard's module stands where the nn.Linear stood (`layer.base`) or inside the embedding (`.sharded`).
+        whole[module_name.removesuffix(".sharded") + ".weight"] = nn.Parameter(owner.gather(tensor), requires_grad=False)
+    return full_weights.FullWeights(run.config, whole)
