@@ -408,7 +408,7 @@ class Cluster:
             raise RuntimeError(f"no live engine worker for {job.base_model}; GET /api/v1/cluster shows why")
         self._admit_run(job, workers)
         # (A run rebuilt after a crash is made by the service's own LoadState job, which names the owner.)
-        run = Run(job.lane, job.tenant or origin.owner, job.base_model, origin, workers, estimate)
+        run = Run(job.lane, origin.owner, job.base_model, origin, workers, estimate)
         self.runs[run.id] = run
         for name in workers:
             self.workers[name].placed[run.id] = estimate
@@ -714,7 +714,7 @@ class Cluster:
             unanswered = list(worker.parts.values())
             # A request of a run that is being restored waits for the journal's replay, which answers it.
             for part in unanswered:
-                if self._replay is not None and part.dispatch.run in runs and part.dispatch.job.request_type:
+                if self._replay is not None and part.dispatch.run in runs and part.dispatch.job.request is not None:
                     part.dispatch.abandoned = True
                     part.dispatch.run.replayed[part.dispatch.job.request_id] = part.dispatch.job
         for run in runs:
@@ -903,7 +903,7 @@ def _spread(device: str, index: int, nodes: list[str]):
 
 def _wire(job: Job) -> Job:
     """The job as it travels to a worker: its plain fields only (no gateway callbacks)."""
-    return dataclasses.replace(job, encode=None, on_token=None, cancel=None, gate=None, call=None)
+    return dataclasses.replace(job, request=None, on_token=None, cancel=None, gate=None, call=None)
 
 
 def shard_bounds(lengths: list[int], count: int) -> list[int]:

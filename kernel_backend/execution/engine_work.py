@@ -13,7 +13,7 @@ missing argument fails where the item is made, in the service, not on the schedu
 The functions below do the work, an item's fields their keyword arguments. Each touches only the
 engine and a `Context`: the settings and the checkpoint store, which every worker reaches (a local
 folder on one machine, an fsspec URL across machines). They return plain data; the service turns
-it into the reply and writes the rows (`Job.encode`, always on the gateway). The gateway locates
+it into the reply and writes the rows (the `Request` it keeps on `Job.request`, always on the gateway). The gateway locates
 checkpoints (their store location, from its database); the engine side reads and writes their
 files through the store.
 

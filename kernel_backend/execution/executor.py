@@ -23,10 +23,6 @@ from kernel_backend.execution.engine_work import FreeAdapters
 from kernel_backend.execution.scheduler import Job, Scheduler
 from kernel_backend.execution.vllm_sampler import VllmSampling
 
-# Request types that sample: a vLLM sampler answers them instead of the engines, and their ledger rows are a sampler's.
-SAMPLER_REQUESTS = ("Sample", "ChatCompletion", "Completion", "Message")
-
-
 class Executor(Protocol):
     # True: it decides when a run snapshots and restores the runs a lost worker held by itself (the cluster); False:
     # the service asks for each run's snapshot on its optim_steps. Either way the service replays the runs a crash
@@ -90,7 +86,7 @@ class InProcess:
         self.sampler.stop()
 
     def submit(self, job: Job, ordered: bool) -> None:
-        if isinstance(self.sampler, VllmSampling) and job.request_type in SAMPLER_REQUESTS:
+        if isinstance(self.sampler, VllmSampling) and job.sample is not None:
             self.sampler.submit(job)
         elif isinstance(job.op, FreeAdapters) and job.base_model not in self.engines:
             return  # a model never loaded holds no adapter (and is not loaded to free none)

@@ -19,7 +19,7 @@ A job's engine-side work is plain data (kernel_backend/execution/engine_work.py:
 the same scheduler runs in this process or inside an `EngineWorker` on Ray (kernel_backend/execution/cluster.py).
 Its outcome, the op's plain result or the exception it raised, is handed to `on_done(job, outcome)`
 with the job's usage, metrics, duration and the run's step filled in; the service turns it into the
-reply and the ledger row (`Job.encode`) and wakes whoever is polling.
+reply and the ledger row (`Job.request`) and wakes whoever is polling.
 """
 
 from __future__ import annotations
@@ -67,9 +67,7 @@ class Job:
     # Never sent to a worker: a function of the engine, made where it runs (the vLLM sampler's own calls; a
     # worker's data-parallel steps around the op).
     call: Callable[[Engine], object] | None = None
-    # The service's side, never sent to a worker: the outcome into the reply (bytes, content type), rows
-    # written on the way; a streaming sample's per-token callback and its cancel event.
-    encode: Callable[[Any], tuple[bytes, str]] | None = None
+    # A streaming sample's per-token callback and its cancel event; never sent to a worker.
     on_token: Callable | None = None
     cancel: object | None = None
     # A worker's own condition for running the job once it heads its lane (a data-parallel optim_step
@@ -78,11 +76,10 @@ class Job:
     tokens: int = 0
     # Data-parallel replicas a run's first job asks for (kernel_backend/execution/cluster.py; None: the server's setting).
     replicas: int | None = None
-    # Who and what, for the ledger.
-    tenant: str = ""
-    session_id: str | None = None
-    request_type: str = ""
-    api_key: str | None = None  # the prefix of the key that sent it (service/budgets.py)
+    # The service's record of the request (service/core.py's `Request`: who asked, what the ledger calls it, how the
+    # outcome becomes the reply). Execution hands it back in on_done untouched and never sends it to a worker;
+    # None marks the service's own housekeeping (freeing adapters, a replayed load), which has no future and no bill.
+    request: Any = None
     arrived: float = field(default_factory=time.monotonic)
     # Filled in while it runs, for the ledger: tokens processed, metrics, seconds of compute, and the
     # optim steps its training run has taken when it is done.

@@ -514,7 +514,7 @@ class VllmSampling:
                 done.set_exception(e)
             return {}
 
-        # No request_type: the service keeps no future and no ledger row for it.
+        # No request: the service keeps no future and no ledger row for it.
         self.scheduler.submit(Job(uuid.uuid4().hex, f"vllm:{base_model}", base_model, seq=None, call=run), ordered=False)
         return done.result(timeout=self.settings.vllm_startup_timeout_s)
 

@@ -82,8 +82,8 @@ def save_weights(svc: Service, tenant: str, model_id: str, seq_id: int | None, n
 
     op = Save(model_id, kind, key, path, overwrite, run.base_model, age_recipients=age_recipients, step=step,
               snapshot_location=None if step is None else recovery.snapshot_at(svc, model_id, step))
-    job = Job(new_id(), model_id, run.base_model, seq=seq_id, op=op, encode=record)
-    return svc.submit(tenant, request_type, dedupe, job, ordered=True, session_id=run.session_id)
+    job = Job(new_id(), model_id, run.base_model, seq=seq_id, op=op)
+    return svc.submit(tenant, request_type, dedupe, job, ordered=True, session_id=run.session_id, encode=record)
 
 
 @recovery.journaled
@@ -99,9 +99,9 @@ def snapshot_for_sampler(svc: Service, tenant: str, model_id: str, seq_id: int, 
         return json_result({"path": None, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
 
     op = Snapshot(model_id, sampler_id, run.base_model, keep=SNAPSHOTS_PER_RUN, owner=tenant)
-    job = Job(new_id(), model_id, run.base_model, seq=seq_id, op=op, encode=record)
+    job = Job(new_id(), model_id, run.base_model, seq=seq_id, op=op)
     return svc.submit(tenant, "SaveWeightsForSampler", train_key(model_id, seq_id), job, ordered=True,
-                      session_id=run.session_id)
+                      session_id=run.session_id, encode=record)
 
 
 @recovery.journaled
@@ -141,10 +141,10 @@ def load_weights(svc: Service, tenant: str, path: str, with_optimizer: bool, mod
     target = model_id
     op = LoadState(target, checkpoint.directory, path, with_optimizer=with_optimizer and checkpoint.kind == "training",
                    optimizer=optimizer_type, owner=tenant)
-    job = Job(new_id(), target, source.base_model, seq=seq, op=op,
-              encode=lambda _: json_result({"path": path, "model_id": target, "type": "load_weights"}))
+    job = Job(new_id(), target, source.base_model, seq=seq, op=op)
     session = svc.store.get(ModelRow, target).session_id
-    return svc.submit(tenant, "LoadWeights", dedupe, job, ordered=True, session_id=session)
+    return svc.submit(tenant, "LoadWeights", dedupe, job, ordered=True, session_id=session,
+                      encode=lambda _: json_result({"path": path, "model_id": target, "type": "load_weights"}))
 
 
 def own_metadata(source: ModelRow, user_metadata: dict | None) -> dict:

@@ -26,7 +26,8 @@ import json
 import logging
 import threading
 import uuid
-from typing import cast
+from dataclasses import dataclass
+from typing import Any, Callable, cast
 
 from kernel_backend.service import budgets, recovery, stability
 from kernel_backend.persistence import api_keys, signing
@@ -36,7 +37,7 @@ from kernel_backend import runtime
 from kernel_backend.service.admission import Admission
 from kernel_backend.config import Settings
 from kernel_backend.errors import Gone, HomeInUse, NotFound, UserError, error_payload, failure_category
-from kernel_backend.execution.executor import SAMPLER_REQUESTS, Executor, InProcess
+from kernel_backend.execution.executor import Executor, InProcess
 from kernel_backend.persistence.api_keys import LOCAL_TENANT
 from kernel_backend.metering import Prices, Usage
 from kernel_backend.execution.scheduler import Job, log_failure
@@ -65,6 +66,21 @@ PROTO_TYPE = "application/x-protobuf"
 POLL_HOLD_S = 20.0
 # The project of a session created without one.
 DEFAULT_PROJECT = "default"
+# Request types that sample: their ledger rows name a sampler, not a training run.
+SAMPLER_REQUESTS = ("Sample", "ChatCompletion", "Completion", "Message")
+
+
+@dataclass
+class Request:
+    """The service's side of a job (`Job.request`): who asked, what the ledger calls it, and how the outcome becomes
+    the reply (`encode(outcome) -> (bytes, content type)`, which may write rows on the way; None: the outcome as
+    JSON). It stays on this process; execution hands it back with the outcome."""
+
+    tenant: str
+    request_type: str
+    session_id: str | None
+    api_key: str | None  # the prefix of the key that sent it (service/budgets.py)
+    encode: Callable[[Any], tuple[bytes, str]] | None = None
 
 
 def json_result(obj: dict) -> tuple[bytes, str]:
@@ -255,14 +271,15 @@ class Service:
             raise
 
     def submit(self, tenant: str, request_type: str, dedupe_key: str | None, job: Job, ordered: bool, extra=None,
-               session_id: str | None = None, bound: Usage | None = None, run_id: str | None = None) -> FutureRow:
+               session_id: str | None = None, bound: Usage | None = None, run_id: str | None = None,
+               encode: Callable[[Any], tuple[bytes, str]] | None = None) -> FutureRow:
         """Admit the job's most work (`bound`; None: free work, or admitted already as part of a batch) and queue
-        it, or return the original future of a retry. `run_id`: the training run whose budget it counts against.
+        it, or return the original future of a retry. `run_id`: the training run whose budget it counts against;
+        `encode`: how its outcome becomes the reply (Request).
 
         `dedupe_key` names the work by the client's sequence numbers; without one (no seq_id) every
         submission is new work."""
-        job.tenant, job.request_type, job.session_id = tenant, request_type, session_id
-        job.api_key = budgets.request_key()
+        job.request = Request(tenant, request_type, session_id, budgets.request_key(), encode)
         if (replayed := recovery.replaying()) is not None:
             # (recovery.replay_run, the caller of a replayed call, does not read what it returns)
             return cast(FutureRow, self._resubmit(job, ordered, replayed))
@@ -295,23 +312,24 @@ class Service:
         if original is not None and original.status == "pending":
             job.request_id = original.request_id
         else:
-            job.request_type = ""
+            job.request = None
         self.executor.submit(job, ordered=ordered)
         return original
 
     def on_done(self, job: Job, outcome) -> None:
-        """Record a job's outcome (its op's result, or the exception it raised) as the reply `job.encode`
+        """Record a job's outcome (its op's result, or the exception it raised) as the reply its Request's `encode`
         makes of it and, for a completed request, its ledger row (failures bill nothing)."""
         if isinstance(outcome, dict) and "kept_steps" in outcome:  # what a run can go back to (service/past_steps.py)
             self.kept_steps[job.lane] = outcome["kept_steps"]
-        if not job.request_type:  # the service's own housekeeping (freeing adapters): no future, no bill
+        request: Request | None = job.request
+        if request is None:  # the service's own housekeeping (freeing adapters): no future, no bill
             return
         status, content_type = "done", JSON_TYPE
         if isinstance(outcome, Exception):  # the op failed (and was logged where it ran)
             status, payload = "failed", error_payload(str(outcome), failure_category(outcome))
         else:
             try:
-                payload, content_type = job.encode(outcome) if job.encode is not None else json_result(outcome)
+                payload, content_type = request.encode(outcome) if request.encode is not None else json_result(outcome)
             except Exception as e:  # writing its rows failed
                 log_failure(job.request_id, e)
                 status, payload, content_type = "failed", error_payload(str(e), failure_category(e)), JSON_TYPE
@@ -321,15 +339,15 @@ class Service:
         self.stability.settle(job.request_id)
         ledger = None
         if status == "done":
-            is_sampler = job.request_type in SAMPLER_REQUESTS
+            is_sampler = request.request_type in SAMPLER_REQUESTS
             ledger = UsageRow(
-                request_id=job.request_id, tenant=job.tenant, session_id=job.session_id,
+                request_id=job.request_id, tenant=request.tenant, session_id=request.session_id,
                 model_id=None if is_sampler else job.lane, sampler_id=job.lane if is_sampler else None,
-                base_model=job.base_model, request_type=job.request_type,
+                base_model=job.base_model, request_type=request.request_type,
                 step=None if is_sampler else job.step,
                 prefill_tokens=usage.prefill_tokens, sample_tokens=usage.sample_tokens, train_tokens=usage.train_tokens,
                 cost=self.prices.cost(job.base_model, usage), duration_s=job.duration_s, metrics=job.metrics,
-                api_key=job.api_key,
+                api_key=request.api_key,
             )
         self.store.finish_future(job.request_id, status, payload, content_type, ledger, keep_s=self.settings.result_ttl_s)
         self.budgets.release(job.request_id)  # only now: its cost is in the ledger

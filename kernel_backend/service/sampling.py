@@ -66,7 +66,7 @@ def sample(svc: Service, tenant: str, sampler_id: str, seq_id: int, prompt: list
             stability.record(svc.store, tenant, sampler.session_id, ids, prompt, result)
         return encode(result), PROTO_TYPE
 
-    job = Job(request_id, sampler_id, sampler.base_model, seq=None, sample=op, encode=reply, tokens=len(prompt))
+    job = Job(request_id, sampler_id, sampler.base_model, seq=None, sample=op, tokens=len(prompt))
     key = f"sample:{sampler_id}:{seq_id}"
     recording = record_stability_info and svc.store.future_by_key(key) is None  # a retry was admitted when first sent
     if recording:
@@ -75,7 +75,7 @@ def sample(svc: Service, tenant: str, sampler_id: str, seq_id: int, prompt: list
     try:
         return svc.submit(tenant, "Sample", key, job, ordered=False, extra={"sample_sequence_ids": ids},
                           session_id=sampler.session_id, bound=bound,
-                          run_id=sampler.source_model_id or run_of(sampler.model_path))
+                          run_id=sampler.source_model_id or run_of(sampler.model_path), encode=reply)
     except Exception:
         svc.stability.settle(request_id)
         raise
@@ -210,11 +210,11 @@ def generate(svc: Service, tenant: str, request_type: str, base_model: str, path
             output["result"] = result
             return json_result({"sequences": len(result.sequences)})
 
-        jobs.append(Job(new_id(), lane, base_model, seq=None, sample=op, encode=keep, on_token=on_token, cancel=cancel,
-                        tokens=len(prompt)))
+        jobs.append((Job(new_id(), lane, base_model, seq=None, sample=op, on_token=on_token, cancel=cancel,
+                         tokens=len(prompt)), keep))
     try:
-        for job in jobs:
-            svc.submit(tenant, request_type, None, job, ordered=False, session_id=session_id)
+        for job, keep in jobs:
+            svc.submit(tenant, request_type, None, job, ordered=False, session_id=session_id, encode=keep)
     except Exception:
         svc.admission.settle(batch, 0)
         svc.budgets.release(batch)
@@ -222,7 +222,7 @@ def generate(svc: Service, tenant: str, request_type: str, base_model: str, path
 
     async def results() -> list:
         try:
-            rows = [await _finished(svc, tenant, job.request_id) for job in jobs]
+            rows = [await _finished(svc, tenant, job.request_id) for job, _ in jobs]
         except asyncio.CancelledError:
             cancel.set()
             raise

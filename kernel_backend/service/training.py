@@ -52,10 +52,9 @@ def create_model(svc: Service, tenant: str, session_id: str, model_seq_id: int, 
                             lora_rank=config.rank))
 
     job = Job(new_id(), model_id, base, seq=None, op=CreateAdapter(model_id, config, optimizer_type, owner=tenant),
-              encode=lambda _: json_result({"model_id": model_id, "type": "create_model"}),
               replicas=replicas_asked(user_metadata))
     return svc.submit(tenant, "CreateModel", f"create_model:{session_id}:{model_seq_id}", job, ordered=True,
-                      session_id=session_id)
+                      session_id=session_id, encode=lambda _: json_result({"model_id": model_id, "type": "create_model"}))
 
 
 def replicas_asked(user_metadata: dict | None) -> int | None:
@@ -110,11 +109,11 @@ def forward_backward(svc: Service, tenant: str, model_id: str, seq_id: int | Non
         job.metrics = {**(job.metrics or {}), LOSS_TOKENS: counted}
         return encode(result), PROTO_TYPE
 
-    job = Job(new_id(), model_id, run.base_model, seq=seq_id, fb_pass=fb, encode=reply, tokens=tokens)
+    job = Job(new_id(), model_id, run.base_model, seq=seq_id, fb_pass=fb, tokens=tokens)
     kind = "Forward" if forward_only else "ForwardBackward"
     bound = Usage(prefill_tokens=tokens) if forward_only else Usage(train_tokens=tokens)  # exact: what it will bill
     return svc.submit(tenant, kind, train_key(model_id, seq_id), job, ordered=True, session_id=run.session_id,
-                      bound=bound, run_id=model_id)
+                      bound=bound, run_id=model_id, encode=reply)
 
 
 @recovery.journaled
@@ -130,8 +129,9 @@ def optim_step(svc: Service, tenant: str, model_id: str, seq_id: int | None, par
 
     # Every STEPWISE_SNAPSHOT_EVERY steps the step also snapshots the run (with Ray workers the cluster decides).
     snapshot = {} if svc.executor.restores_runs else recovery.snapshot_args(svc, tenant, model_id)
-    job = Job(new_id(), model_id, run.base_model, seq=seq_id, op=OptimStep(model_id, params, **snapshot), encode=reply)
-    return svc.submit(tenant, "OptimStep", train_key(model_id, seq_id), job, ordered=True, session_id=run.session_id)
+    job = Job(new_id(), model_id, run.base_model, seq=seq_id, op=OptimStep(model_id, params, **snapshot))
+    return svc.submit(tenant, "OptimStep", train_key(model_id, seq_id), job, ordered=True, session_id=run.session_id,
+                      encode=reply)
 
 
 # ---- REST: runs and the models they can use ---------------------------------------------------------
