@@ -34,6 +34,11 @@ import os
 import sys
 import time
 import traceback
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for annotations only: vLLM is imported where it is used, in the vLLM venv
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.engine.async_llm import AsyncLLM
 
 
 def sampling_params(request: dict):
@@ -148,14 +153,14 @@ class Gate:
 
 
 class Worker:
-    def __init__(self, engine_args: dict) -> None:
+    def __init__(self, engine_args: dict, out: asyncio.StreamWriter) -> None:
         self.engine_args = engine_args
-        self.engine = None
+        self.engine: AsyncLLM | None = None  # set by start(), which serve() awaits before it reads a request
         self.gate = Gate()
-        self.adapters: dict[str, object] = {}  # name -> LoRARequest
+        self.adapters: dict[str, LoRARequest] = {}  # name -> its request
         self.next_lora_id = 1
         self.next_request = 0
-        self.out: asyncio.StreamWriter | None = None
+        self.out = out  # the protocol's pipe to the backend
 
     async def start(self) -> None:
         from vllm import AsyncEngineArgs
@@ -167,6 +172,11 @@ class Worker:
         if isinstance(args.get("structured_outputs_config"), dict):
             args["structured_outputs_config"] = StructuredOutputsConfig(**args["structured_outputs_config"])
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+
+    def started(self) -> AsyncLLM:
+        """The engine, for a request: serve() starts it before it reads the first one."""
+        assert self.engine is not None, "the engine is not started"
+        return self.engine
 
     def send(self, message: dict) -> None:
         self.out.write((json.dumps(message) + "\n").encode())
@@ -199,7 +209,7 @@ class Worker:
         request = LoRARequest(name, self.next_lora_id, path)
         self.next_lora_id += 1
         try:
-            await self.engine.add_lora(request)  # loads and checks it now, not at the first sample
+            await self.started().add_lora(request)  # loads and checks it now, not at the first sample
         except Exception as e:
             raise UserFacing(f"vLLM could not load the adapter: {e}") from e
         self.adapters[name] = request
@@ -208,7 +218,7 @@ class Worker:
     async def op_remove_adapter(self, message: dict) -> dict:
         request = self.adapters.pop(message["name"], None)
         if request is not None:
-            await self.engine.remove_lora(request.lora_int_id)
+            await self.started().remove_lora(request.lora_int_id)
         return {"removed": request is not None}
 
     async def op_sample(self, message: dict) -> dict:
@@ -228,11 +238,12 @@ class Worker:
             raise UserFacing(f"adapter {adapter!r} is not loaded in the vLLM worker")
         self.next_request += 1
         n, k = message["n"], message["topk_sample_logprobs"]
-        rows = [{"tokens": [], "logprobs": [], "top": [], "stop_reason": None} for _ in range(n)]
+        rows: list[dict[str, Any]] = [{"tokens": [], "logprobs": [], "top": [], "stop_reason": None} for _ in range(n)]
         prompt_logprobs, cached = None, 0
         stream = message.get("stream", False)
-        async for output in self.engine.generate(TokensPrompt(prompt_token_ids=message["prompt"]), sampling_params(message),
-                                                 f"stepwise-{self.next_request}", lora_request=self.adapters.get(adapter)):
+        lora_request = self.adapters[adapter] if adapter is not None else None
+        async for output in self.started().generate(TokensPrompt(prompt_token_ids=message["prompt"]), sampling_params(message),
+                                                    f"stepwise-{self.next_request}", lora_request=lora_request):
             if output.prompt_logprobs is not None and prompt_logprobs is None:
                 prompt_logprobs = output.prompt_logprobs
             cached = getattr(output, "num_cached_tokens", None) or cached  # vLLM's own prefix cache
@@ -275,8 +286,7 @@ class UserFacing(Exception):
 async def serve(engine_args: dict, protocol_fd: int) -> None:
     loop = asyncio.get_running_loop()
     transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, os.fdopen(protocol_fd, "wb"))
-    worker = Worker(engine_args)
-    worker.out = asyncio.StreamWriter(transport, protocol, None, loop)
+    worker = Worker(engine_args, asyncio.StreamWriter(transport, protocol, None, loop))
     start = time.monotonic()
     await worker.start()
     from vllm import __version__
@@ -290,7 +300,7 @@ async def serve(engine_args: dict, protocol_fd: int) -> None:
         task = asyncio.create_task(worker.handle(json.loads(line)))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
-    worker.engine.shutdown()
+    worker.started().shutdown()
     worker.engine = None  # its __del__ shuts down again, which fails once the interpreter is exiting
 
 
