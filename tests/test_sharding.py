@@ -21,8 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kernel_backend.engine import lora, sharding
-from kernel_backend.engine.core import Engine, Pass
+from safetensors.torch import load_file
+
+from kernel_backend.engine import lora, optimizers, sharding
+from kernel_backend.engine.core import Engine, Pass, _Slot
+from kernel_backend.engine.step_history import write_state
 from kernel_backend.types import AdamParams, Datum, LoraConfig, SamplingParams
 from tiny_model import stand_in_settings
 
@@ -34,10 +37,14 @@ def _datum(tokens: list[int]) -> Datum:
     return Datum(tokens=tokens[:-1], loss_fn_inputs={"target_tokens": np.asarray(tokens[1:], dtype=np.int64)})
 
 
+def _rows(engine: Engine) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, engine.vocab_size, n).tolist() for n in (22, 14)]  # 21 and 13 input tokens
+
+
 def _calls(engine: Engine) -> dict:
     """The engine calls both sides run, in the same order, and what they answered."""
-    rng = np.random.default_rng(0)
-    rows = [rng.integers(0, engine.vocab_size, n).tolist() for n in (22, 14)]  # 21 and 13 input tokens
+    rows = _rows(engine)
     data = [_datum(r) for r in rows]
     engine.create_adapter("a", LoraConfig(rank=4, seed=1))
     engine.create_adapter("b", LoraConfig(rank=8, seed=2, train_unembed=False))
@@ -58,6 +65,32 @@ def _calls(engine: Engine) -> dict:
     out["full_after_step"] = _logprobs(engine.forward("full", data))
     out["full_prompt_logprobs"] = engine.compute_logprobs("full", rows[0])[1:]
     return out
+
+
+def _step(engine: Engine, adapter_id: str) -> np.ndarray:
+    """One more training step of a run, and its logprobs after it."""
+    data = [_datum(r) for r in _rows(engine)]
+    engine.forward_backward(adapter_id, data)
+    engine.optim_step(adapter_id, AdamParams(learning_rate=1e-3))
+    return _logprobs(engine.forward(adapter_id, data))
+
+
+def _save_whole(engine: Engine, adapter_id: str, folder: Path, write: bool) -> None:
+    """A sharded full run's save_state folder, written whole (weights and AdamW state) by one process."""
+    slot = engine._slot(adapter_id)
+    run = sharding.whole_weights(engine.model, slot.adapter)
+    state = sharding.whole_tensors(engine.model, optimizers.state_tensors(slot.optimizer, slot.adapter.named_parameters()))
+    if write:
+        write_state(folder, run, state, "adamw", slot.steps, engine.base)
+
+
+def _resume_sharded(engine: Engine, adapter_id: str, folder: Path) -> None:
+    """Engine.load_state of a full run's folder, on a sharded model: resharded onto this group."""
+    run = sharding.load_full(engine.model, folder, LoraConfig(rank=0))
+    optimizer = optimizers.create("adamw", run.parameters(), 0)
+    state = sharding.shard_tensors(engine.model, load_file(folder / "optimizer.safetensors"))
+    optimizers.load_state_tensors(optimizer, run.named_parameters(), state)
+    engine.adapters.add(adapter_id, _Slot(run, optimizer, 1))
 
 
 def _logprobs(result) -> np.ndarray:
@@ -101,10 +134,12 @@ def _rank(rank: int, folder: str, port: int, out_dir: str) -> None:
         sharding.shard_model(engine.model)
         gc.collect()
         out = _calls(engine)
-        # A full run's checkpoint: gathered whole on every process, written by one.
-        checkpoint = sharding.whole_weights(engine.model, engine._slot("full").adapter)
-        if rank == 0:
-            checkpoint.save(Path(out_dir) / "full-sharded", engine.base.path)
+        # A full run's snapshot: gathered whole on every process, written by one, resharded from the files.
+        snapshot = Path(out_dir) / "full-sharded"
+        _save_whole(engine, "full", snapshot, write=rank == 0)
+        dist.barrier()
+        _resume_sharded(engine, "resumed", snapshot)
+        out["resumed_step"] = _step(engine, "resumed")
         out.update(whole_bytes=whole, held_bytes=sharding.resident_bytes(engine.model),
                    shard_bytes=sum(o.shard.nbytes for o in sharding.sharded_weights(engine.model)),
                    whole_embedding_freed=embedding() is None, gathers=_gathers_in_one_step(engine))
@@ -128,6 +163,10 @@ def runs(tiny_model, tmp_path_factory):
     engine = Engine(settings=stand_in_settings(tiny_model))
     answers["whole"] = _calls(engine)
     engine.save_weights_for_sampler("full", out_dir / "full-whole")
+    # The sharded run's snapshot loads unsharded (2 processes -> 1), and goes on as the run that wrote it would.
+    engine.load_state("resumed", out_dir / "full-sharded")
+    answers["whole"]["resumed_step"] = _step(engine, "resumed")
+    answers["whole"]["full_step"] = _step(engine, "full")
     answers["checkpoints"] = out_dir
     return answers
 
@@ -141,7 +180,8 @@ def _max_difference(a, b) -> float:
 
 
 @pytest.mark.parametrize("key", ["forward", "forward_backward", "loss", "after_step", "adapter_a", "prompt_logprobs",
-                                 "full_forward_backward", "full_after_step", "full_prompt_logprobs"])
+                                 "full_forward_backward", "full_after_step", "full_prompt_logprobs",
+                                 "resumed_step"])
 def test_sharded_equals_unsharded(runs, key):
     for rank in range(WORLD):
         difference = _max_difference(runs["whole"][key], runs[rank][key])
@@ -150,6 +190,14 @@ def test_sharded_equals_unsharded(runs, key):
     # The step changed something: the comparison after it is not of two untouched models.
     assert _max_difference(runs["whole"]["forward"], runs["whole"]["after_step"][0]) > 1e-3
     assert _max_difference(runs["whole"]["full_forward_backward"], runs["whole"]["full_after_step"]) > 1e-3
+
+
+def test_a_full_run_resumes_from_its_whole_snapshot_on_any_number_of_processes(runs):
+    """The snapshot the 2 processes wrote, loaded on 1 (and on 2, test_sharded_equals_unsharded's "resumed_step"),
+    goes on as the run that wrote it: its AdamW moments came back with its weights."""
+    difference = _max_difference(runs["whole"]["full_step"], runs["whole"]["resumed_step"])
+    print(f"resumed from the sharded snapshot vs the run going on: {difference:.3g}")
+    assert difference <= TOLERANCE
 
 
 def test_sharded_greedy_tokens_are_the_unsharded_ones(runs):

@@ -23,19 +23,25 @@ gradients reduced) is the data-parallel replicas' (docs/architecture.md, "Scale-
 
 A full fine-tuning run's weights are this process's shards too (`full_weights.new` copies the model's parameters,
 which are now the shards): its gradients are the gathered weight's, cut to this process's rows, and its AdamW
-state 1/N as well. Its checkpoint is written whole (`whole_weights`, then FullWeights.save: the model folder
-transformers loads); its global gradient norm (grad_clip_norm) needs the other shards too: not built.
+state 1/N as well. Its checkpoint is written whole (`whole_weights`, `whole_tensors` for its optimizer state: the
+model folder transformers loads, which any number of processes can load again: `load_full`, `shard_tensors`); its
+global gradient norm (grad_clip_norm) needs the other shards too: not built.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from torch import nn
+from safetensors.torch import load_file
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 
 from kernel_backend.engine import full_weights, lora
+from kernel_backend.errors import UserError
+from kernel_backend.types import LoraConfig
 
 
 class ShardedWeight(nn.Module):
@@ -196,17 +202,90 @@ def resident_bytes(model: nn.Module) -> int:
     return sum(storages.values())
 
 
-def whole_weights(model: nn.Module, run: full_weights.FullWeights) -> full_weights.FullWeights:
-    """A full fine-tuning run's weights on a sharded model, each whole and under the unsharded model's name, so that
-    FullWeights.save writes the model folder transformers loads. A collective: every process calls it, and every
-    process gets the whole weights (one of them writes them)."""
-    owners = {f"{name}.shard": (name, module) for name, module in model.named_modules() if isinstance(module, ShardedWeight)}
-    whole = {}
-    for name, tensor in run.tensors.items():
-        if name not in owners:  # a norm, a bias: whole already
-            whole[name] = nn.Parameter(tensor.detach(), requires_grad=False)
+# ---- a full run's checkpoint: written whole, so that it loads on any number of processes -----------------------
+
+
+def _shard_names(model: nn.Module) -> dict[str, tuple[str, ShardedWeight]]:
+    """{a shard's parameter name: (the whole weight's name in the unsharded model, its ShardedWeight)}. The shard's
+    module stands where the nn.Linear stood (`layer.base`) or inside the embedding (`.sharded`)."""
+    return {f"{name}.shard": (name.removesuffix(".sharded") + ".weight", module)
+            for name, module in model.named_modules() if isinstance(module, ShardedWeight)}
+
+
+def _parameter_and_key(name: str, params) -> tuple[str | None, str]:
+    """A tensor's parameter and what of it the tensor is: ("p", "") for parameter p itself, ("p", "exp_avg") for its
+    optimizer state "p.exp_avg" (optimizers.state_tensors' names), (None, "") for neither of `params`."""
+    if name in params:
+        return name, ""
+    head, _, key = name.rpartition(".")
+    return (head, key) if head in params else (None, "")
+
+
+def whole_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A sharded full run's tensors (its weights, or its optimizer state: flat moments and a step each), each
+    whole and under the unsharded model's names. A collective: every process calls it, and gets them all."""
+    names = _shard_names(model)
+    out = {}
+    for name, tensor in tensors.items():
+        param, key = _parameter_and_key(name, names)
+        if param is None:  # a norm, a bias: whole already
+            out[name] = tensor.detach()
             continue
-        module_name, owner = owners[name]
-        # The shard's module stands where the nn.Linear stood (`layer.base`) or inside the embedding (`.sharded`).
-        whole[module_name.removesuffix(".sharded") + ".weight"] = nn.Parameter(owner.gather(tensor), requires_grad=False)
-    return full_weights.FullWeights(run.config, whole)
+        whole_name, owner = names[param]
+        if key == "step":
+            out[f"{whole_name}.step"] = tensor.detach()
+            continue
+        whole = owner.gather(tensor.detach().reshape(owner.rows, *owner.full_shape[1:]))  # a moment is saved flat
+        out[f"{whole_name}.{key}" if key else whole_name] = whole.reshape(-1) if key else whole
+    return out
+
+
+def shard_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """whole_tensors' inverse: whole tensors under the unsharded names, as this process's rows under the shards'
+    names (a whole checkpoint, written from any number of processes, resharded onto this group)."""
+    names = {whole_name: (shard_name, owner) for shard_name, (whole_name, owner) in _shard_names(model).items()}
+    out = {}
+    for name, tensor in tensors.items():
+        param, key = _parameter_and_key(name, names)
+        if param is None:
+            out[name] = tensor
+            continue
+        shard_name, owner = names[param]
+        if key == "step":
+            out[f"{shard_name}.step"] = tensor
+            continue
+        mine = owner.my_rows(tensor.reshape(owner.full_shape))
+        out[f"{shard_name}.{key}" if key else shard_name] = mine.reshape(-1) if key else mine
+    return out
+
+
+def whole_weights(model: nn.Module, run: full_weights.FullWeights) -> full_weights.FullWeights:
+    """A full run's weights on a sharded model, whole and under the unsharded model's names, so that FullWeights.save
+    writes the model folder transformers loads (one process writes it). A collective, as whole_tensors."""
+    whole = whole_tensors(model, dict(run.named_parameters()))
+    return full_weights.FullWeights(run.config, {n: nn.Parameter(t, requires_grad=False) for n, t in whole.items()})
+
+
+def load_full(model: nn.Module, directory: Path, config: LoraConfig, trainable: bool = True) -> full_weights.FullWeights:
+    """full_weights.load for a sharded model: a full run's checkpoint (whole, from any number of processes, or any
+    transformers folder of this architecture) as this process's shards. UserError when a weight is missing or has
+    another shape."""
+    saved = load_file(Path(directory) / full_weights.WEIGHTS_FILE)
+    names = _shard_names(model)
+    whole = {}
+    for name, [(module, attribute), *_] in full_weights._places_of(model).items():
+        whole_name, owner = names.get(name, (name, None))
+        current = module._parameters[attribute]
+        assert current is not None  # _places lists the parameters a module holds
+        hf_name = full_weights._hf_name(whole_name)
+        tensor = saved.get(hf_name)
+        if tensor is None and hf_name == "lm_head.weight":  # a tied head saved once, as the embedding
+            tensor = saved.get("model.embed_tokens.weight")
+        shape = owner.full_shape if owner is not None else tuple(current.shape)
+        if tensor is None or tuple(tensor.shape) != shape:
+            found = "missing" if tensor is None else f"shape {tuple(tensor.shape)}"
+            raise UserError(f"{directory} does not hold this base model's weights: {hf_name} is {found}, "
+                            f"expected shape {shape}")
+        whole[whole_name] = tensor.to(current.dtype)
+    return full_weights.FullWeights(config, {n: nn.Parameter(t, trainable)
+                                             for n, t in shard_tensors(model, whole).items()})
