@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import shutil
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kernel_backend.persistence import crypto
 from kernel_backend.engine import lora
@@ -173,7 +174,7 @@ class Context:
         return cls(settings, CheckpointStorage(settings.checkpoints_dir, settings.storage_url))
 
 
-def run(engine, ctx: Context, op: Op):
+def run(engine, ctx: Context, op: Op) -> dict:
     """Do a work item: the function of its type (WORK, at the end), with its fields."""
     return WORK[type(op)](engine, ctx, **vars(op))
 
@@ -322,5 +323,5 @@ def noop(engine, ctx: Context) -> dict:
     return {}
 
 
-WORK = {CreateAdapter: create_adapter, OptimStep: optim_step, LoadState: load_state, FreeAdapters: free_adapters,
+WORK: dict[type[Op], Callable[..., dict]] = {CreateAdapter: create_adapter, OptimStep: optim_step, LoadState: load_state, FreeAdapters: free_adapters,
         Save: save, Snapshot: snapshot, Noop: noop}

@@ -32,7 +32,7 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from kernel_backend.execution import engine_work
 from kernel_backend.engine.core import Engine, Pass
@@ -144,6 +144,11 @@ class Scheduler:
             self._stopping = True
             self._cv.notify_all()
         self._thread.join(timeout=30)
+
+    def _context(self) -> engine_work.Context:
+        """The context for the work. A scheduler without one (tests/test_scheduler.py, tests/test_engine.py) runs only
+        work that never reaches it (engines holding their adapters, no store), so it is handed on as it is."""
+        return cast(engine_work.Context, self.ctx)
 
     def engine(self, base_model: str) -> Engine:
         """The engine for a base model, loaded on first use. Call from the scheduler thread only."""
@@ -293,9 +298,11 @@ class Scheduler:
 
     def _admit(self, job: Job) -> None:
         """Validate a sample job on its engine and hand it to the engine's decoder."""
+        sample = job.sample
+        assert sample is not None  # _take_samples takes only sample jobs
         try:
             engine = self.engine(job.base_model)
-            request = engine_work.sample_request(engine, self.ctx, job.sample, job.on_token, job.cancel)
+            request = engine_work.sample_request(engine, self._context(), sample, job.on_token, job.cancel)
         except Exception as e:  # bad input, an unknown sampler, a model that cannot load
             self._fail(job, e)
             return
@@ -324,6 +331,7 @@ class Scheduler:
             self._fail(job, request.error)
             return
         result = request.result
+        assert result is not None  # a request leaves the decoder with a result or an error
         job.usage = Usage(prefill_tokens=len(request.prompt), sample_tokens=sum(len(s.tokens) for s in result.sequences))
         job.duration_s = request.compute_s
         self._on_done(job, result)
@@ -352,12 +360,14 @@ class Scheduler:
                 self._fail(job, e)
             return
         if batch[0].fb_pass is not None:
+            passes = [j.fb_pass for j in batch if j.fb_pass is not None]
+            assert len(passes) == len(batch)  # a pass is batched with passes only (_batch_partners)
             try:
-                results = engine.run_passes([j.fb_pass for j in batch])
+                results = engine.run_passes(passes)
             except Exception as e:
                 results = [e] * len(batch)
             elapsed = time.perf_counter() - start
-            for job, result in zip(batch, results):
+            for job, fb_pass, result in zip(batch, passes, results):
                 if isinstance(result, Exception):
                     self._fail(job, result)
                     continue
@@ -366,20 +376,24 @@ class Scheduler:
                 # The ledger shows what the model ran beside what is billed (every token sent, Tinker's price):
                 # rows that share a prefix run it once (engine/prefix_tree.py).
                 job.metrics = {**result.metrics, COMPUTED: result.computed_tokens}
-                kind = "prefill_tokens" if job.fb_pass.forward_only else "train_tokens"
+                kind = "prefill_tokens" if fb_pass.forward_only else "train_tokens"
                 job.usage = Usage(**{kind: job.tokens})
                 job.step = _steps(engine, job.lane)
                 self._on_done(job, result)
             return
         job = batch[0]
         try:
-            result = job.call(engine) if job.call is not None else engine_work.run(engine, self.ctx, job.op)
+            if job.call is not None:
+                outcome = job.call(engine)
+            else:
+                assert job.op is not None  # a job is an op, a pass, a sample or a call, and passes and samples ran above
+                outcome = engine_work.run(engine, self._context(), job.op)
         except Exception as e:
             self._fail(job, e)
             return
         job.duration_s = time.perf_counter() - start
         job.step = _steps(engine, job.lane)
-        self._on_done(job, result)
+        self._on_done(job, outcome)
 
     def _fail(self, job: Job, error: Exception) -> None:
         log_failure(job.request_id, error)
