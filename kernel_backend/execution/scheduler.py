@@ -145,7 +145,7 @@ class Scheduler:
             self._cv.notify_all()
         self._thread.join(timeout=30)
 
-    def _context(self) -> engine_work.Context:
+    def context(self) -> engine_work.Context:
         """The context for the work. A scheduler without one (tests/test_scheduler.py, tests/test_engine.py) runs only
         work that never reaches it (engines holding their adapters, no store), so it is handed on as it is."""
         return cast(engine_work.Context, self.ctx)
@@ -302,7 +302,7 @@ class Scheduler:
         assert sample is not None  # _take_samples takes only sample jobs
         try:
             engine = self.engine(job.base_model)
-            request = engine_work.sample_request(engine, self._context(), sample, job.on_token, job.cancel)
+            request = engine_work.sample_request(engine, self.context(), sample, job.on_token, job.cancel)
         except Exception as e:  # bad input, an unknown sampler, a model that cannot load
             self._fail(job, e)
             return
@@ -387,7 +387,7 @@ class Scheduler:
                 outcome = job.call(engine)
             else:
                 assert job.op is not None  # a job is an op, a pass, a sample or a call, and passes and samples ran above
-                outcome = engine_work.run(engine, self._context(), job.op)
+                outcome = engine_work.run(engine, self.context(), job.op)
         except Exception as e:
             self._fail(job, e)
             return

@@ -59,13 +59,14 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from kernel_backend.engine import base_models, core as engine_module
 from kernel_backend.execution import engine_work
 from kernel_backend.vllm import venv as vllm_venv
 from kernel_backend.config import Settings
 from kernel_backend.metering import Usage
-from kernel_backend.execution.scheduler import Job, log_failure
+from kernel_backend.execution.scheduler import Job, Scheduler, log_failure
 from kernel_backend.types import SampledSequence, SampleOptions, SampleResult, SamplingParams
 from kernel_backend.errors import UserError
 
@@ -103,15 +104,20 @@ class WorkerProcess:
 
     def __init__(self, python: Path, args: dict, env: dict, log_path: Path) -> None:
         self.python, self.args, self.env, self.log_path = python, args, env, log_path
-        self.process: subprocess.Popen | None = None
-        self._pending: dict[int, tuple[concurrent.futures.Future, object]] = {}
+        self.process: subprocess.Popen[bytes] | None = None  # start() makes it, with pipes for stdin and stdout
+        # id -> (its reply's future, its streamed tokens' callback)
+        self._pending: dict[int, tuple[concurrent.futures.Future[dict], Callable[[list], object] | None]] = {}
         self._lock = threading.Lock()
         self._next_id = 0
-        self._ready = concurrent.futures.Future()
+        self._ready: concurrent.futures.Future[dict] = concurrent.futures.Future()
         self.ready: dict = {}  # its ready message, once started
 
+    def live(self) -> subprocess.Popen[bytes] | None:
+        """The process while it runs; None before it starts and once it has exited."""
+        return self.process if self.process is not None and self.process.poll() is None else None
+
     def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        return self.live() is not None
 
     def start(self, timeout_s: float) -> dict:
         """Start the worker and wait until its engine is up; returns its ready message."""
@@ -132,21 +138,25 @@ class WorkerProcess:
             self.stop()
             raise WorkerError(f"the vLLM worker did not start within {timeout_s:.0f} s; its log: {self.log_path}") from None
 
-    def call(self, op: str, on_tokens=None, **fields) -> concurrent.futures.Future:
+    def call(self, op: str, on_tokens: Callable[[list], object] | None = None, **fields) -> concurrent.futures.Future[dict]:
         """Send one request; the future gets its result (or WorkerError / UserError).
         `on_tokens(list of [row, token, logprob])` sees streamed tokens as they come."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        future: concurrent.futures.Future[dict] = concurrent.futures.Future()
         with self._lock:
-            if not self.running():
+            process = self.live()
+            if process is None:
                 raise WorkerError(f"the vLLM worker is not running; its log: {self.log_path}")
+            assert process.stdin is not None  # a pipe (start)
             self._next_id += 1
             self._pending[self._next_id] = (future, on_tokens)
-            self.process.stdin.write((json.dumps({"id": self._next_id, "op": op, **fields}) + "\n").encode())
-            self.process.stdin.flush()
+            process.stdin.write((json.dumps({"id": self._next_id, "op": op, **fields}) + "\n").encode())
+            process.stdin.flush()
         return future
 
     def _read(self) -> None:
-        for line in self.process.stdout:
+        process = self.process  # start() made it, with a pipe for stdout, before it started this thread
+        assert process is not None and process.stdout is not None
+        for line in process.stdout:
             message = json.loads(line)
             if message.get("ready"):
                 self._ready.set_result(message)
@@ -164,7 +174,7 @@ class WorkerProcess:
                 future.set_exception((UserError if message["user"] else WorkerError)(message["error"]))
         # The pipe closed: the worker exited. Whatever waits on it fails, with the end of its log.
         last_lines = self.log_path.read_text(errors="replace").splitlines()[-12:]
-        error = WorkerError(f"the vLLM worker exited (code {self.process.wait()}); the end of its log "
+        error = WorkerError(f"the vLLM worker exited (code {process.wait()}); the end of its log "
                             f"({self.log_path}):\n" + "\n".join(last_lines))
         if not self._ready.done():
             self._ready.set_exception(error)
@@ -174,14 +184,16 @@ class WorkerProcess:
             future.set_exception(error)
 
     def stop(self) -> None:
-        if not self.running():
+        process = self.live()
+        if process is None:
             return
+        assert process.stdin is not None  # a pipe (start)
         try:
-            self.process.stdin.close()  # the worker shuts its engine down and exits
-            self.process.wait(timeout=30)
+            process.stdin.close()  # the worker shuts its engine down and exits
+            process.wait(timeout=30)
         except (OSError, subprocess.TimeoutExpired):
-            os.killpg(self.process.pid, 9)  # its engine process too (same session)
-            self.process.wait()
+            os.killpg(process.pid, 9)  # its engine process too (same session)
+            process.wait()
 
 
 @dataclass
@@ -411,7 +423,7 @@ class VllmSampling:
     check (STEPWISE_VLLM_CHECK_LOGPROBS) runs there, on the scheduler thread that owns it.
     """
 
-    def __init__(self, settings: Settings, scheduler, on_done) -> None:
+    def __init__(self, settings: Settings, scheduler: Scheduler, on_done) -> None:
         self.settings = settings
         self.scheduler = scheduler
         self._on_done = on_done
@@ -443,7 +455,7 @@ class VllmSampling:
 
     def stats(self) -> dict:
         return {name: {"startup_s": s.startup_s, "adapters": s.loaded_versions(), "restarts": s.restarts,
-                       "pid": s.worker.process.pid if s.worker.running() else None}
+                       "pid": process.pid if (process := s.worker.live()) is not None else None}
                 for name, s in self.samplers.items()}
 
     @staticmethod
@@ -488,7 +500,8 @@ class VllmSampling:
         try:
             view = _EngineView(self, self._engine(job.base_model), job.base_model)
             # The job's usual function, with the view as its engine: its sample_request samples with vLLM right away.
-            result = engine_work.sample_request(view, self.scheduler.ctx, job.sample, job.on_token, job.cancel)
+            assert job.sample is not None  # the executor sends sample jobs only here (InProcess.submit)
+            result = engine_work.sample_request(view, self.scheduler.context(), job.sample, job.on_token, job.cancel)
             job.usage = Usage(prefill_tokens=job.tokens, sample_tokens=sum(len(s.tokens) for s in result.sequences))
         except Exception as e:  # as the scheduler does: bad input is the user's, anything else is logged
             log_failure(job.request_id, e)
