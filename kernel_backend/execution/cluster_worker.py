@@ -22,6 +22,7 @@ from kernel_backend.execution import engine_work
 from kernel_backend.config import Settings
 from kernel_backend.engine.core import Engine
 from kernel_backend.errors import UserError
+from kernel_backend.metering import Usage
 from kernel_backend.execution.engine_work import FreeAdapters, Noop, Op, OptimStep
 from kernel_backend.execution.scheduler import Job, Scheduler
 
@@ -53,7 +54,7 @@ class Outcome:
     """A worker's answer for one job: the op's result or the exception it raised, and the ledger's facts."""
 
     result: object
-    usage: object = None
+    usage: Usage | None = None
     metrics: dict = field(default_factory=dict)
     duration_s: float = 0.0
     step: int | None = None
@@ -71,9 +72,10 @@ class EngineWorker:
         self.incarnation = uuid.uuid4().hex  # a process Ray restarted is a new incarnation: its state is gone
         self.ctx = engine_work.Context.of(settings)
         self.scheduler = Scheduler(lambda base: Engine(base, settings), self._done, settings.max_batch_tokens, self.ctx)
-        self.state, self.error = "starting", None
+        self.state = "starting"
+        self.error: str | None = None  # why it failed to start
         self._waiting: dict[str, asyncio.Future] = {}
-        self._stores: dict[str, object] = {}  # run id -> the TCPStore its group meets at (rank 0 keeps it)
+        self._stores: dict[str, torch.distributed.TCPStore] = {}  # run id -> the TCPStore its group meets at (rank 0 keeps it)
         self._groups: dict[str, object] = {}  # run id -> its data-parallel process group
         self._undo: dict[str, tuple[str, list]] = {}  # run id -> (its last backward pass, the gradients before it)
         self._reduce: dict[str, tuple] = {}  # request id -> (all-reduce work, flat gradients), for an optim_step
@@ -250,9 +252,11 @@ class EngineWorker:
         return True
 
     def _restore_grads(self, engine, job: Job) -> dict:
-        request_id, grads = self._undo.pop(job.lane, (None, None))
-        if request_id == job.op.request_id:
-            for p, g in zip(self._params(job), grads):
+        op = job.op
+        assert isinstance(op, RestoreGrads)  # _prepare makes this the call of a RestoreGrads job only
+        kept = self._undo.pop(job.lane, None)
+        if kept is not None and kept[0] == op.request_id:
+            for p, g in zip(self._params(job), kept[1]):
                 p.grad = g
         return {}
 
@@ -272,9 +276,11 @@ class EngineWorker:
 
     def _reduced_step(self, engine, job: Job):
         """The step on the summed gradients; on failure the replica's own gradients are put back."""
+        op = job.op
+        assert isinstance(op, OptimStep)  # _prepare makes this the call of an OptimStep job only
         work, flat = self._reduce.pop(job.request_id, (None, None))
         if work is None:
-            return engine_work.run(engine, self.ctx, job.op)
+            return engine_work.run(engine, self.ctx, op)
         work.wait()  # raises if the all-reduce failed (a peer stopped)
         params = self._params(job)
         own = [p.grad for p in params]
@@ -284,7 +290,7 @@ class EngineWorker:
             p.grad = flat[offset:offset + p.numel()].view_as(p).clone() if count > 0 else None
             offset += p.numel()
         try:
-            return engine_work.run(engine, self.ctx, job.op)
+            return engine_work.run(engine, self.ctx, op)
         except Exception:
             for p, g in zip(params, own):
                 p.grad = g
