@@ -65,7 +65,9 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kernel_backend.execution import engine_work
 from kernel_backend.engine.adapter_cache import TRAINING_COPIES
@@ -102,7 +104,7 @@ class Worker:
     """The gateway's view of one worker."""
 
     name: str
-    actor: object
+    actor: Any  # Ray's handle of its EngineWorker actor (methods called as .remote()), which Ray types only as Any
     actor_name: str  # Ray's name for it (ray.get_actor(actor_name, namespace=NAMESPACE))
     device: str
     state: str = "starting"  # starting | live | failed (cannot load its models) | dead (stopped answering)
@@ -151,9 +153,9 @@ class _Part:
 
     worker: str
     wire: Job
-    outcome: object = None
+    outcome: Outcome | Exception | None = None  # the worker's answer, or the error of the call
     done: bool = False
-    dispatch: "_Dispatch | None" = None
+    dispatch: "_Dispatch | None" = None  # set by Cluster._send before the part is sent
 
 
 @dataclass
@@ -392,15 +394,15 @@ class Cluster:
     def _run_of(self, job: Job) -> Run | None:
         """The job's training run, registered (and placed) when the job makes it. Lock held."""
         run = self.runs.get(job.lane)
-        makes = isinstance(job.op, (CreateAdapter, LoadState)) and job.seq is None
-        if run is None and makes:
-            run = self._new_run(job)
+        op = job.op
+        if run is None and isinstance(op, (CreateAdapter, LoadState)) and job.seq is None:  # the job makes the run
+            run = self._new_run(job, op)
         if run is not None and run.gone:
             raise WorkerLost(run.gone)
         return run
 
-    def _new_run(self, job: Job) -> Run:
-        origin = job.op  # a create_adapter always has a seed (training.create_model): replicas start alike
+    def _new_run(self, job: Job, origin: CreateAdapter | LoadState) -> Run:
+        """`origin`: the job's op (a create_adapter always has a seed, training.create_model: replicas start alike)."""
         replicas = max(1, job.replicas or self.settings.replicas_per_run)
         estimate = self._estimate(job.base_model, origin)
         workers = self._place(job.base_model, replicas, estimate)
@@ -450,7 +452,7 @@ class Cluster:
                               "server), or ")
             + ("train a LoRA adapter instead (rank 1 or more)" if full else "use a smaller LoRA rank"))
 
-    def _place(self, base_model: str, count: int, estimate: int, keep: list[str] = ()) -> list[str]:
+    def _place(self, base_model: str, count: int, estimate: int, keep: Sequence[str] = ()) -> list[str]:
         """`keep` plus the live workers with the most free memory, up to `count`, preferring those holding the model."""
         live = [w for w in self.workers.values() if w.state == "live" and w.name not in keep]
         holding = [w for w in live if base_model in w.report.get("models", {})] or live
@@ -542,6 +544,7 @@ class Cluster:
         """A worker answered one part, or the call failed (`outcome` is Ray's error); when every part is in, the
         job is done."""
         worker, dispatch = self.workers[part.worker], part.dispatch
+        assert dispatch is not None  # answered only once _send has sent it
         if _is_actor_error(outcome):
             self._lost(worker, f"{type(outcome).__name__}: {outcome}")
             outcome = WorkerLost(self._lost_message(dispatch.run, worker.name))
@@ -564,23 +567,24 @@ class Cluster:
         outcomes = [p.outcome for p in parts]
         errors = [o.result if isinstance(o, Outcome) else o for o in outcomes
                   if not isinstance(o, Outcome) or isinstance(o.result, Exception)]
-        holder = run is not None and run.held_by == job.request_id
+        holder = run if run is not None and run.held_by == job.request_id else None  # the run this job holds
         if errors:
             lost = [e for e in errors if isinstance(e, WorkerLost)]
             result = lost[0] if lost else errors[0]
-            if holder and not lost and len(parts) > 1:  # put back the gradients of the shards that ran
-                self._undo_shards(job, parts, run)
+            if holder is not None and not lost and len(parts) > 1:  # put back the gradients of the shards that ran
+                self._undo_shards(job, parts, holder)
         else:
-            first = outcomes[0]
+            answers = [o for o in outcomes if isinstance(o, Outcome)]  # all of them: no part failed
+            first = answers[0]
             job.usage, job.metrics, job.duration_s, job.step = first.usage, first.metrics, first.duration_s, first.step
             result = first.result
             if job.fb_pass is not None and len(parts) > 1:
-                result = _merge_shards(job, parts, outcomes)
+                result = _merge_shards(job, parts, answers)
             self._observe(job, run, result)
-        if holder:
-            self._release(run)
+        if holder is not None:
+            self._release(holder)
         if job.on_token is not None and not isinstance(result, Exception):
-            _replay_tokens(job, result)
+            _replay_tokens(job.on_token, result)
         self._on_done(job, result)
 
     def _observe(self, job: Job, run: Run | None, result) -> None:
@@ -623,6 +627,7 @@ class Cluster:
     def _release(self, run: Run) -> None:
         with self._lock:
             held, run.held, run.held_by = run.held, None, None
+        assert held is not None  # a release ends a hold (_send's or _lost's), which made the list
         # In seq_id order: a restore's replayed requests were held after newer ones that came meanwhile, and a
         # worker's lane runs the first it is sent when it has nothing to wait for.
         for job, ordered in sorted(held, key=lambda held_job: (held_job[0].seq is not None, held_job[0].seq or 0)):
@@ -714,12 +719,15 @@ class Cluster:
             unanswered = list(worker.parts.values())
             # A request of a run that is being restored waits for the journal's replay, which answers it.
             for part in unanswered:
-                if self._replay is not None and part.dispatch.run in runs and part.dispatch.job.request is not None:
-                    part.dispatch.abandoned = True
-                    part.dispatch.run.replayed[part.dispatch.job.request_id] = part.dispatch.job
+                dispatch = part.dispatch
+                assert dispatch is not None  # a worker's parts are listed by _send, which set it
+                if self._replay is not None and dispatch.run in runs and dispatch.job.request is not None:
+                    dispatch.abandoned = True
+                    dispatch.run.replayed[dispatch.job.request_id] = dispatch.job
         for run in runs:
             threading.Thread(target=self._restore, args=(run, worker.name), daemon=True).start()
         for part in unanswered:  # a hung worker never answers them (a dead one's errors come too: ignored)
+            assert part.dispatch is not None  # (as above)
             self._answered(part, WorkerLost(self._lost_message(part.dispatch.run, worker.name)))
 
     def _lost_message(self, run: Run | None, worker: str) -> str:
@@ -920,13 +928,15 @@ def shard_bounds(lengths: list[int], count: int) -> list[int]:
 def _shards(job: Job, count: int) -> list[Job]:
     """A forward(_backward) job split into `count` shards (a replica whose shard is empty gets a no-op, keeping
     its seq_id order whole)."""
-    data = job.fb_pass.data
+    fb_pass = job.fb_pass
+    assert fb_pass is not None  # _parts shards forward(_backward) jobs only
+    data = fb_pass.data
     bounds = shard_bounds([len(d.tokens) for d in data], count)
     shards = []
     for start, end in zip(bounds, bounds[1:]):
         piece = data[start:end]
         if piece:
-            shards.append(dataclasses.replace(job, fb_pass=dataclasses.replace(job.fb_pass, data=piece),
+            shards.append(dataclasses.replace(job, fb_pass=dataclasses.replace(fb_pass, data=piece),
                                               tokens=sum(len(d.tokens) for d in piece)))
         else:
             shards.append(dataclasses.replace(job, fb_pass=None, op=Noop(), tokens=0))
@@ -936,21 +946,28 @@ def _shards(job: Job, count: int) -> list[Job]:
 def _merge_shards(job: Job, parts: list[_Part], outcomes: list[Outcome]) -> ForwardResult:
     """The shards' results as one: outputs in datum order, metrics combined (sums add, means by tokens)."""
     results = [(p, o) for p, o in zip(parts, outcomes) if p.wire.fb_pass is not None]
+    passes: list[ForwardResult] = []  # theirs, in order
+    computed = 0  # the tokens the model ran, summed
+    for _, o in results:
+        # A pass's answer (none failed: _complete), whose computed tokens Engine.run_passes counts.
+        assert isinstance(o.result, ForwardResult) and o.result.computed_tokens is not None
+        passes.append(o.result)
+        computed += o.result.computed_tokens
     job.duration_s = max(o.duration_s for _, o in results)
     job.usage = Usage(**{kind: sum(getattr(o.usage, kind) for _, o in results)
                          for kind in ("prefill_tokens", "sample_tokens", "train_tokens")})
-    outputs = [out for _, o in results for out in o.result.loss_fn_outputs]
-    metrics = merge_metrics([(o.result.metrics, p.wire.tokens) for p, o in results])
-    computed = sum(o.result.computed_tokens for _, o in results)
+    outputs = [out for result in passes for out in result.loss_fn_outputs]
+    metrics = merge_metrics([(result.metrics, p.wire.tokens) for (p, _), result in zip(results, passes)])
     job.metrics = {**metrics, COMPUTED: computed}
     return ForwardResult(loss_fn_outputs=outputs, metrics=metrics, computed_tokens=computed)
 
 
-def _replay_tokens(job: Job, result) -> None:
-    """A streaming request's tokens, all at once: a worker's decoder cannot call back into this process."""
+def _replay_tokens(on_token: Callable, result) -> None:
+    """A streaming request's tokens (`on_token`: its job's), all at once: a worker's decoder cannot call back into this
+    process."""
     for row, sequence in enumerate(result.sequences):
         for token, logprob in zip(sequence.tokens, sequence.logprobs):
-            job.on_token(row, token, logprob)
+            on_token(row, token, logprob)
 
 
 def _result_of(future):
