@@ -61,7 +61,8 @@ def _calls(engine: Engine) -> dict:
     # A full fine-tuning run: on a sharded model its weights are this process's shards (engine/sharding.py).
     engine.create_adapter("full", LoraConfig(rank=0))
     out["full_forward_backward"] = _logprobs(engine.forward_backward("full", data))
-    engine.optim_step("full", AdamParams(learning_rate=1e-3))
+    out["full_grad_norm"] = sharding.grad_norm(engine.model, engine._slot("full").adapter)
+    out["full_grad_norm_reported"] = engine.optim_step("full", AdamParams(learning_rate=1e-3))["grad_norm:mean"]
     out["full_after_step"] = _logprobs(engine.forward("full", data))
     out["full_prompt_logprobs"] = engine.compute_logprobs("full", rows[0])[1:]
     return out
@@ -140,6 +141,8 @@ def _rank(rank: int, folder: str, port: int, out_dir: str) -> None:
         dist.barrier()
         _resume_sharded(engine, "resumed", snapshot)
         out["resumed_step"] = _step(engine, "resumed")
+        # One process's unusable step is every process's (rank 1 alone finds it).
+        out["agreed"] = [sharding.on_any_process(rank == 1, engine.model), sharding.on_any_process(False, engine.model)]
         out.update(whole_bytes=whole, held_bytes=sharding.resident_bytes(engine.model),
                    shard_bytes=sum(o.shard.nbytes for o in sharding.sharded_weights(engine.model)),
                    whole_embedding_freed=embedding() is None, gathers=_gathers_in_one_step(engine))
@@ -198,6 +201,17 @@ def test_a_full_run_resumes_from_its_whole_snapshot_on_any_number_of_processes(r
     difference = _max_difference(runs["whole"]["full_step"], runs["whole"]["resumed_step"])
     print(f"resumed from the sharded snapshot vs the run going on: {difference:.3g}")
     assert difference <= TOLERANCE
+
+
+def test_a_full_runs_gradient_norm_is_summed_over_the_shards(runs):
+    whole = runs["whole"]["full_grad_norm"]
+    # optim_step's, unsharded: the whole gradient's norm, summed in float32 over 3M squares (grad_norm in float64)
+    assert runs["whole"]["full_grad_norm_reported"] == pytest.approx(whole, rel=1e-4)
+    for rank in range(WORLD):
+        assert runs[rank]["full_grad_norm"] == pytest.approx(whole, rel=1e-6)
+        # What the Engine's optim_step reports on a sharded model today: its own shards' norm (a hook to come).
+        assert runs[rank]["full_grad_norm_reported"] < 0.99 * runs["whole"]["full_grad_norm_reported"]
+        assert runs[rank]["agreed"] == [True, False]
 
 
 def test_sharded_greedy_tokens_are_the_unsharded_ones(runs):

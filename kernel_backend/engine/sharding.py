@@ -25,7 +25,8 @@ A full fine-tuning run's weights are this process's shards too (`full_weights.ne
 which are now the shards): its gradients are the gathered weight's, cut to this process's rows, and its AdamW
 state 1/N as well. Its checkpoint is written whole (`whole_weights`, `whole_tensors` for its optimizer state: the
 model folder transformers loads, which any number of processes can load again: `load_full`, `shard_tensors`); its
-global gradient norm (grad_clip_norm) needs the other shards too: not built.
+global gradient norm (grad_clip_norm) sums the shards' over the group (`grad_norm`), and a step one process finds
+unusable is undone on all (`on_any_process`): the Engine does not call these three yet (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -200,6 +201,35 @@ def resident_bytes(model: nn.Module) -> int:
         storage = t.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
+
+
+# ---- what a full run's optim_step must agree on across the group ----------------------------------------------
+
+
+def grad_norm(model: nn.Module, run) -> float:
+    """The run's global gradient norm (what grad_clip_norm clips to, and optim_step reports): on a sharded model a
+    full run's shards hold a part of each weight's gradient each, so their squares are summed over the group; its
+    whole tensors (norms, biases) and a LoRA adapter's, alike on every process, are counted once."""
+    shard_names = _shard_names(model)
+    parts = [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)]  # squares of [this process's shards, the tensors every process holds]
+    for name, p in run.named_parameters():
+        if p.grad is not None:
+            parts[name not in shard_names] += p.grad.detach().double().pow(2).sum()  # float64: millions of squares
+    owners = sharded_weights(model)
+    if owners:
+        dist.all_reduce(parts[0], group=owners[0].group)
+    return float((parts[0] + parts[1]).sqrt())
+
+
+def on_any_process(flag: bool, model: nn.Module) -> bool:
+    """Whether `flag` holds on any process of the model's group: a step one process finds unusable (a non-finite
+    shard) must be undone on every one, or the processes' weights part ways."""
+    owners = sharded_weights(model)
+    if not owners:
+        return flag
+    t = torch.tensor(float(flag))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=owners[0].group)
+    return bool(t)
 
 
 # ---- a full run's checkpoint: written whole, so that it loads on any number of processes -----------------------
