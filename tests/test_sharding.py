@@ -134,6 +134,13 @@ def _rank(rank: int, folder: str, port: int, out_dir: str) -> None:
         embedding = weakref.ref(engine.model.get_input_embeddings().weight)
         sharding.shard_model(engine.model)
         gc.collect()
+        # The same shards read straight from the files, the whole model never made (a model bigger than a worker).
+        loaded = sharding.load_sharded(Path(folder))
+        made_alike = _same_tensors(loaded, engine.model)
+        with torch.no_grad():
+            logits = [m(input_ids=torch.arange(100, 121)[None]).logits for m in (loaded, engine.model)]
+        loaded_logits_difference = float((logits[0] - logits[1]).abs().max())
+        del loaded, logits
         out = _calls(engine)
         # A full run's snapshot: gathered whole on every process, written by one, resharded from the files.
         snapshot = Path(out_dir) / "full-sharded"
@@ -143,12 +150,20 @@ def _rank(rank: int, folder: str, port: int, out_dir: str) -> None:
         out["resumed_step"] = _step(engine, "resumed")
         # One process's unusable step is every process's (rank 1 alone finds it).
         out["agreed"] = [sharding.on_any_process(rank == 1, engine.model), sharding.on_any_process(False, engine.model)]
+        out.update(made_alike=made_alike, loaded_logits_difference=loaded_logits_difference)
         out.update(whole_bytes=whole, held_bytes=sharding.resident_bytes(engine.model),
                    shard_bytes=sum(o.shard.nbytes for o in sharding.sharded_weights(engine.model)),
                    whole_embedding_freed=embedding() is None, gathers=_gathers_in_one_step(engine))
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _same_tensors(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Both modules hold the same parameters and buffers, by name, bit for bit."""
+    ta = {**dict(a.named_parameters()), **dict(a.named_buffers())}
+    tb = {**dict(b.named_parameters()), **dict(b.named_buffers())}
+    return ta.keys() == tb.keys() and all(torch.equal(ta[n], tb[n]) for n in ta)
 
 
 def _free_port() -> int:
@@ -225,6 +240,14 @@ def test_each_process_holds_about_half(runs):
         assert 0.45 < held / whole < 0.55
         assert runs[rank]["shard_bytes"] <= held
         assert runs[rank]["whole_embedding_freed"]  # the memory is gone, not only uncounted
+
+
+def test_loading_straight_into_shards_gives_the_same_model(runs):
+    """load_sharded reads each process's rows from the files: the same shards, norms and rotary tables as loading
+    the whole model and sharding it, and the same logits."""
+    for rank in range(WORLD):
+        assert runs[rank]["made_alike"]
+        assert runs[rank]["loaded_logits_difference"] == 0
 
 
 def test_a_weight_is_gathered_on_use_and_again_in_backward(runs):

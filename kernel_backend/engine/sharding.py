@@ -54,19 +54,21 @@ class ShardedWeight(nn.Module):
     adapter's A and B are shaped by it, lm_head.weight.shape is the vocabulary) and no values, a one-element
     tensor expanded; the products never read it. The bias, small, stays whole."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, read_rows=None) -> None:
+        """`read_rows(start, stop)`: those rows of the weight, read from its files where `weight` has no values (a
+        meta tensor: load_sharded); by default `weight`'s own."""
         super().__init__()
         self.group = group
-        self.world, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.full_shape = tuple(weight.shape)
         self.rows = -(-self.full_shape[0] // self.world)  # ceil: the last shard is the one padded
-        shard = weight.new_zeros((self.rows, *self.full_shape[1:]))
-        mine = weight.detach()[rank * self.rows:(rank + 1) * self.rows]
+        read_rows = read_rows or (lambda start, stop: weight.detach()[start:stop])
+        mine = read_rows(self.rank * self.rows, (self.rank + 1) * self.rows)
+        shard = mine.new_zeros((self.rows, *self.full_shape[1:]))
         shard[:len(mine)] = mine
-        self.rank = rank
         self.shard = nn.Parameter(shard, requires_grad=False)
         self.bias = bias
-        self.weight = weight.new_zeros(()).expand(self.full_shape)
+        self.weight = shard.new_zeros(()).expand(self.full_shape)
         self.gathers = 0  # all-gathers made (the tests count them: forward and backward each gather once a use)
 
     def gather(self, shard: torch.Tensor) -> torch.Tensor:
@@ -160,10 +162,12 @@ class ShardedEmbedding(nn.Module):
         return out if self.embed_scale is None else out * self.embed_scale.to(out.dtype)
 
 
-def shard_model(model: PreTrainedModel, group=None) -> None:
+def shard_model(model: PreTrainedModel, group=None, read_rows=None) -> None:
     """Shard `model`'s base linear layers (lora.attach's, lm_head included) and its input embedding over `group`:
     afterwards this process holds its rows of each, and the whole weights are freed (nothing else may hold them).
     Every process of the group must call it on the same model, and from then on run the same passes in order.
+    `read_rows(name, start, stop)` reads rows of the weight `name` (transformers' name) from the model's files,
+    for a model made without values (load_sharded); by default each weight's own rows are kept.
 
     The model must not have the sampler's bf16 copies (STEPWISE_SAMPLE_DTYPE=bfloat16): they are whole weights."""
     layers = lora.lora_layers(model)
@@ -173,19 +177,64 @@ def shard_model(model: PreTrainedModel, group=None) -> None:
         raise ValueError("a sharded model samples on its own weights: STEPWISE_SAMPLE_DTYPE must be float32")
     owners: dict[int, ShardedWeight] = {}  # by the original weight's id: a tied head and embedding share one shard
 
-    def owner_of(weight: torch.Tensor, bias: torch.Tensor | None) -> ShardedWeight:
+    def owner_of(weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> ShardedWeight:
         if id(weight) not in owners:
-            owners[id(weight)] = ShardedWeight(weight, bias, group)
+            rows = (lambda start, stop: read_rows(name, start, stop)) if read_rows else None
+            owners[id(weight)] = ShardedWeight(weight, bias, group, rows)
         return owners[id(weight)]
 
-    for layer in layers.values():
-        owner = owner_of(layer.base.weight, layer.base.bias)
-        layer.product = gathered_product(owner, layer.product)
-        layer.base = owner  # type: ignore[assignment]  # in the nn.Linear's place: .weight, .bias
     embedding = model.get_input_embeddings()
     if not isinstance(embedding, nn.Embedding):  # Gemma's scaled embedding is one
         raise ValueError(f"cannot shard an input embedding of type {type(embedding).__name__}")
-    model.set_input_embeddings(ShardedEmbedding(embedding, owner_of(embedding.weight, None)))
+    embedding_name = next(name for name, module in model.named_modules() if module is embedding)
+    # The embedding first: a head tied to it is read from the embedding's name, the one its files hold.
+    sharded = ShardedEmbedding(embedding, owner_of(embedding.weight, None, f"{embedding_name}.weight"))
+    for layer in layers.values():
+        owner = owner_of(layer.base.weight, layer.base.bias, f"{layer.name}.weight")
+        layer.product = gathered_product(owner, layer.product)
+        layer.base = owner  # type: ignore[assignment]  # in the nn.Linear's place: .weight, .bias
+    model.set_input_embeddings(sharded)
+
+
+def load_sharded(folder: Path, group=None, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 product=F.linear) -> PreTrainedModel:
+    """The model in `folder` (a transformers folder of safetensors files), frozen, with lora.attach's layers (their
+    products `product`) and sharded over `group`, each process reading from the files only its rows of the sharded
+    weights and the small tensors whole: no process ever holds the whole model, as one bigger than a worker needs.
+    What base_models.load and shard_model give together, without the whole model in between."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):  # shapes, no values
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+    lora.attach(model, product)
+    files = {}  # weight name -> its open safetensors file
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        handle = safe_open(file, "pt", device="cpu")
+        files.update(dict.fromkeys(handle.keys(), handle))
+
+    def read_rows(name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        if name not in files:
+            raise UserError(f"{folder} does not hold the weight {name}")
+        return files[name].get_slice(name)[start:stop].to(device, dtype)
+
+    shard_model(model, group, read_rows)
+    for module_name, module in model.named_modules():  # the rest, whole: norms, biases
+        for attribute, param in module.named_parameters(recurse=False):
+            if param.is_meta:
+                name = full_weights._hf_name(f"{module_name}.{attribute}")
+                module._parameters[attribute] = nn.Parameter(read_rows(name), requires_grad=False)
+        if any(buffer.is_meta for buffer in module.buffers(recurse=False)):  # rotary tables: made, not stored
+            for attribute, buffer in list(module.named_buffers(recurse=False)):
+                module._buffers[attribute] = torch.empty_like(buffer, device=device)
+            model._init_weights(module)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"load_sharded cannot make {', '.join(left)} of {type(model).__name__}")
+    return model
 
 
 def sharded_weights(model: nn.Module) -> list[ShardedWeight]:
