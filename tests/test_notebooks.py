@@ -765,14 +765,30 @@ def click_point(page, title: str, trace: str) -> int:
     plot = page.locator(".jp-Notebook .js-plotly-plot").filter(has=page.locator(".gtitle", has_text=title)).first
     others = [e for e in plot.locator(".legend .traces").all() if e.locator(".legendtext").text_content() != trace]
     for entry in others:
-        entry.locator(".legendtoggle").click()
-        page.wait_for_timeout(500)
+        toggle_legend_entry(page, title, entry, hidden=True)
     step = click_point(page, title, trace) if others else None
     assert step is not None, f"no point of {trace} in {title} can be clicked on its own"
     for entry in others:
-        entry.locator(".legendtoggle").click()
-        page.wait_for_timeout(500)
+        toggle_legend_entry(page, title, entry, hidden=False)
     return step
+
+
+HIDDEN_JS = """([title, name]) => {
+        const gd = [...document.querySelectorAll('.jp-Notebook .js-plotly-plot')]
+            .find(el => ((el.layout.title || {}).text ?? el.layout.title) === title);
+        return gd.data.filter(t => t.name === name).every(t => t.visible === 'legendonly');
+    }"""
+
+
+def toggle_legend_entry(page, title: str, entry, hidden: bool) -> None:
+    """Click a legend entry of the plot titled `title`, and wait until plotly has hidden (or shown) its trace.
+    plotly waits out its double-click time (300 ms) before it acts on a single click, so once the trace has
+    changed the next click on the legend cannot be read as the second click of a double click (which would
+    show that entry alone)."""
+    name = entry.locator(".legendtext").text_content()
+    entry.locator(".legendtoggle").click()
+    until(lambda: page.evaluate(HIDDEN_JS, [title, name]) == hidden, timeout=10,
+          what=f"the trace {name!r} of {title!r} {'hidden' if hidden else 'shown'} by a click on its legend entry")
 
 
 def test_rl_insight_notebook(lab, browser):
