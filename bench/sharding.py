@@ -7,7 +7,12 @@ process, so the two runs compute alike and the ratio is what the gathers cost. P
 sharded run learns, as the whole one does), its step time (the first step, a warm-up, left out), the ratio, and
 the base model's bytes each process holds.
 
-    .venv/bin/python bench/sharding.py [--steps 4]
+The `load` part measures what a process holds once the model is loaded and its weights read once (a sum over each):
+its anonymous memory and the model file's pages it maps, above the interpreter's after its imports, loading the
+model whole (transformers' from_pretrained, as base_models.load: its weights are the file's pages, mapped) in one
+process, then sharded straight from the files (sharding.load_sharded: copies of its rows) in two.
+
+    .venv/bin/python bench/sharding.py [--parts train,load] [--steps 4]
 """
 
 from __future__ import annotations
@@ -69,6 +74,50 @@ def _rank(rank: int, steps: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+def _memory() -> dict[str, int]:
+    """This process's resident bytes now: anonymous (its own allocations) and file-backed (mapped files' pages)."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return {key: int(fields[key].split()[0]) * 1024 for key in ("RssAnon", "RssFile")}
+
+
+def _load_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Load the default model (whole when world is 1, else sharded from its files), read each weight once, and note
+    the memory it takes."""
+    import gc
+
+    from transformers import AutoModelForCausalLM
+
+    from kernel_backend.config import Settings
+    from kernel_backend.engine import base_models, sharding
+
+    folder = base_models.resolve(base_models.DEFAULT_MODEL, Settings().models_dir)[1]
+    before = _memory()
+    if world == 1:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    else:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        model = sharding.load_sharded(folder)
+    gc.collect()
+    sum(float(p.detach().sum()) for p in model.parameters())  # every weight read, as a forward pass would
+    after = _memory()
+    torch.save({key: after[key] - before[key] for key in after} | {"held": sharding.resident_bytes(model)},
+               Path(out_dir) / f"load{world}-{rank}.pt")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def load_part() -> None:
+    with tempfile.TemporaryDirectory() as out_dir:
+        for world in (1, WORLD):
+            mp.start_processes(_load_rank, args=(world, _free_port(), out_dir), nprocs=world, start_method="spawn")
+            for rank in range(world):
+                run = torch.load(Path(out_dir) / f"load{world}-{rank}.pt")
+                name = "whole" if world == 1 else f"sharded, rank {rank}"
+                print(f"{name:>17}: loaded, {run['RssAnon'] / 2**20:.0f} MiB anonymous and {run['RssFile'] / 2**20:.0f} "
+                      f"MiB of mapped file pages above the imports; weights {run['held'] / 2**20:.0f} MiB")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -84,12 +133,20 @@ def report(name: str, run: dict) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default="train,load")
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
     print(load_line())
-    whole = train(args.steps, shard=False)
+    if "load" in args.parts:
+        load_part()
+    if "train" in args.parts:
+        train_part(args.steps)
+
+
+def train_part(steps: int) -> None:
+    whole = train(steps, shard=False)
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank, args=(args.steps, _free_port(), out_dir), nprocs=WORLD, start_method="spawn")
+        mp.start_processes(_rank, args=(steps, _free_port(), out_dir), nprocs=WORLD, start_method="spawn")
         ranks = [torch.load(Path(out_dir) / f"rank{rank}.pt") for rank in range(WORLD)]
     step = report("whole", whole)
     sharded = [report(f"sharded, rank {rank}", run) for rank, run in enumerate(ranks)]

@@ -219,6 +219,7 @@ def load_sharded(folder: Path, group=None, dtype: torch.dtype = torch.float32, d
     def read_rows(name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         if name not in files:
             raise UserError(f"{folder} does not hold the weight {name}")
+        # The mapped file's rows: ShardedWeight copies them; a view kept would keep the mapping alive, and its pages.
         return files[name].get_slice(name)[start:stop].to(device, dtype)
 
     shard_model(model, group, read_rows)
@@ -226,7 +227,7 @@ def load_sharded(folder: Path, group=None, dtype: torch.dtype = torch.float32, d
         for attribute, param in module.named_parameters(recurse=False):
             if param.is_meta:
                 name = full_weights._hf_name(f"{module_name}.{attribute}")
-                module._parameters[attribute] = nn.Parameter(read_rows(name), requires_grad=False)
+                module._parameters[attribute] = nn.Parameter(read_rows(name).clone(), requires_grad=False)
         if any(buffer.is_meta for buffer in module.buffers(recurse=False)):  # rotary tables: made, not stored
             for attribute, buffer in list(module.named_buffers(recurse=False)):
                 module._buffers[attribute] = torch.empty_like(buffer, device=device)
