@@ -154,19 +154,32 @@ def wait_for_kernel(page) -> None:
 
 
 def run_all(page) -> None:
-    """Run > Run All Cells, until the first code cell shows that it runs (a click on a page that is
-    still settling can go nowhere)."""
-    for _ in range(5):
+    """Run > Run All Cells, then until the first code cell shows that it runs.
+
+    JupyterLab enables the command only while the notebook is the shell's current widget, which it becomes a moment
+    after the focus lands in it; a click on a disabled item closes the menu and does nothing (Lumino logs "Command
+    ... is disabled"). So the menu is opened until it shows the item enabled, and the item is clicked once."""
+    item = page.get_by_role("menuitem", name="Run All Cells", exact=True)
+    console: list[str] = []  # what the page logged meanwhile, for the failure's message
+    page.on("console", lambda message: console.append(message.text))
+    deadline = time.monotonic() + 30
+    while True:
         page.locator(".jp-Notebook").first.click(position={"x": 5, "y": 5})  # the notebook has the focus
         page.get_by_role("menuitem", name="Run", exact=True).click()
-        page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            prompts = run_state(page)["prompts"]
-            if prompts and not re.fullmatch(r"\[ ?\]:", prompts[0].strip()):
-                return
-            page.wait_for_timeout(250)
-    raise AssertionError(f"Run All Cells did not start the notebook: {run_state(page)}")
+        if "lm-mod-disabled" not in (item.get_attribute("class") or ""):
+            break
+        page.keyboard.press("Escape")
+        assert time.monotonic() < deadline, "Run All Cells stayed disabled: the notebook never became the current widget"
+        page.wait_for_timeout(250)
+    item.click()
+    deadline = time.monotonic() + 60
+    while True:
+        prompts = run_state(page)["prompts"]
+        if prompts and not re.fullmatch(r"\[ ?\]:", prompts[0].strip()):
+            return
+        assert time.monotonic() < deadline, (f"Run All Cells did not start the notebook: {run_state(page)}; the page "
+                                             f"logged: {console[-10:]}")
+        page.wait_for_timeout(250)
 
 
 def save(page) -> None:
