@@ -106,6 +106,8 @@ def test_bfloat16_sampling_samples_and_is_counted(engine, stepwise_home, tiny_mo
     bf16 = Engine(settings=dataclasses.replace(engine.settings, sample_dtype="bfloat16"))
     layers = lora.lora_layers(bf16.model).values()
     assert bf16.memory()["sampler_weights_bytes"] == sum(2 * layer.base.weight.numel() for layer in layers) > 0
+    # The KV cache is bf16 too (attention over it in bf16); float32 keeps the model's dtype.
+    assert bf16.decoder.cache_dtype == torch.bfloat16 and engine.decoder.cache_dtype == torch.float32
     prompt = [1, 2, 3, 4, 5]
     first, again = _samples(bf16, None, prompt), _samples(bf16, None, prompt)
     assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]
@@ -155,21 +157,70 @@ def test_the_sampler_trainer_gap_on_the_real_model(real_engine):
         real_engine.delete_adapter("dtype-gap")
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_layers_read_together_share_one_copy_and_give_each_layer_s_own_products(bias):
-    """q, k, v (and gate, up) share one stacked bf16 copy: one product through `lora.products`, each layer's part
-    with its LoRA deltas equal to the layer's own bf16 product plus deltas; a layer called alone gets its part too;
-    the stacked copy costs the bytes the separate ones would; float32 leaves none."""
+def _qkv_model(bias: bool = False):
+    """Three frozen layers read from one input, named as q, k, v are (so they share a copy), wrapped for LoRA."""
     torch.manual_seed(0)
     model = torch.nn.Module()
     for name, out in (("q_proj", 48), ("k_proj", 16), ("v_proj", 16)):
         model.add_module(name, torch.nn.Linear(64, out, bias=bias))
     model.requires_grad_(False)
+    model.device = torch.device("cpu")  # lora.route's scattered rows go there
     lora.attach(model)
-    adapter = lora.new_adapter(model, LoraConfig(rank=4, seed=1))
+    return model, (model.q_proj, model.k_proj, model.v_proj)
+
+
+def _adapter(model, seed: int, rank: int = 4, only: tuple[str, ...] | None = None) -> lora.Adapter:
+    """A LoRA adapter whose B is not zero (so its deltas count), on every layer or on those named `only`."""
+    adapter = lora.new_adapter(model, LoraConfig(rank=rank, seed=seed))
+    if only is not None:
+        adapter.weights = {name: pair for name, pair in adapter.weights.items() if name in only}
     for _, b in adapter.weights.values():
         b.data.normal_(0, 0.1)
-    layers = (model.q_proj, model.k_proj, model.v_proj)
+    return adapter
+
+
+def test_the_adapters_deltas_on_a_stacked_product_are_each_layer_s_own(monkeypatch):
+    """In the sampler's passes, layers that share a copy take each adapter's LoRA deltas as one pair of products on
+    the stacked output (A's stacked, B's block-diagonal): the same outputs, to float32 rounding, as each layer adding
+    its own, for rows routed as a run and as scattered rows, a rank of their own, and rows with no adapter. An adapter
+    that trains only some of the layers makes every layer add its own; a stack whose adapter changed is built again."""
+    model, layers = _qkv_model()
+    lora.sample_weights(model, "bfloat16")
+    shared, x = layers[0].shared_copy, torch.randn(7, 64)
+    first, second, partial = _adapter(model, 1), _adapter(model, 2, rank=8), _adapter(model, 3, only=("q_proj",))
+
+    def outputs(adapters, stacked: bool):
+        if not stacked:
+            monkeypatch.setattr(lora.SharedCopy, "plus_deltas", lambda self, x, out: False)
+        with torch.no_grad(), lora.route(model, adapters), lora.sampling(model):
+            got = [t.clone() for t in lora.products(layers, x)]
+        monkeypatch.undo()
+        return got
+
+    for adapters in ([first] * 7, [first] * 3 + [second] * 2 + [None] * 2, [first, second, None, first, second, first, None]):
+        for got, expected in zip(outputs(adapters, True), outputs(adapters, False)):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert set(shared.lora) == {first, second}  # both stacked, once each
+    with torch.no_grad(), lora.route(model, [partial] * 7), lora.sampling(model):
+        assert shared.plus_deltas(x, shared.product(x)) is False
+    for got, expected in zip(outputs([first, partial] * 3 + [None], True), outputs([first, partial] * 3 + [None], False)):
+        assert torch.equal(got, expected)  # every layer its own: exactly the per-layer path
+    before = outputs([first] * 7, True)
+    with torch.no_grad():
+        first.weights["k_proj"][1].mul_(2)  # trained in place, as an optimizer step does: a new version of B
+    after = outputs([first] * 7, True)
+    assert torch.equal(after[0], before[0]) and not torch.allclose(after[1], before[1])
+    for got, expected in zip(after, outputs([first] * 7, False)):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_layers_read_together_share_one_copy_and_give_each_layer_s_own_products(bias):
+    """q, k, v (and gate, up) share one stacked bf16 copy: one product through `lora.products`, each layer's part
+    with its LoRA deltas equal to the layer's own bf16 product plus deltas; a layer called alone gets its part too;
+    the stacked copy costs the bytes the separate ones would; float32 leaves none."""
+    model, layers = _qkv_model(bias)
+    adapter = _adapter(model, seed=1)
     per_byte = 2 * sum(layer.base.weight.numel() + (layer.base.bias.numel() if bias else 0) for layer in layers)
     assert lora.sample_weights(model, "bfloat16") == per_byte
     assert all(layer.shared_copy is layers[0].shared_copy is not None for layer in layers)

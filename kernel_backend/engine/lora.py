@@ -12,7 +12,7 @@ For sampling, each base layer may also hold a copy of its frozen weight in anoth
 STEPWISE_SAMPLE_DTYPE, `sample_weights`): inside `sampling(model)` (the sampler's forward passes) the
 base products run on that copy, activations and the LoRA deltas staying float32; training never sees it. On a CPU
 the copy is prepacked in oneDNN's layout, and layers read from one input (q, k, v; gate, up) share one stacked copy
-and one product (`products`).
+and one product (`products`), and each adapter's LoRA deltas for them one pair of small products (`SharedCopy`).
 
 Adapters save to and load from PEFT's format (`adapter_config.json` and
 `adapter_model.safetensors`), so `peft.PeftModel.from_pretrained` reads what we write.
@@ -24,6 +24,7 @@ import contextlib
 import itertools
 import json
 import math
+import weakref
 from pathlib import Path
 
 import torch
@@ -309,6 +310,9 @@ class SharedCopy:
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [torch.zeros(n, dtype=dtype, device=layers[0].base.weight.device) if b is None else b.detach().to(dtype)
              for b, n in zip(biases, self.sizes)])
+        # Each adapter's LoRA weights over the stacked output (`stacked_lora`), with the tensors and versions they
+        # were built from; weakly keyed, so a sampler's adapter that is gone takes its entry with it.
+        self.lora: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def in_use(self) -> bool:
         """In the sampler's passes, while every layer holds the weight the copy copies (a full run's are not it)."""
@@ -323,15 +327,66 @@ class SharedCopy:
         start = self.starts[id(layer)]
         return self.product(x2d)[:, start:start + layer.base.weight.shape[0]]
 
+    def stacked_lora(self, adapter: Adapter) -> list[torch.Tensor] | None:
+        """`adapter`'s [A, B] for the stacked output: its layers' A stacked (layers x rank, in_features) and their B
+        block-diagonal (stacked outputs, layers x rank), so that one pair of small products adds every layer's delta
+        (the zero blocks add exact zeros). [] where it trains none of these layers; None where it trains only some,
+        or its tensors keep no version counter (inference tensors: a stack built once could go stale unseen).
+        A stack is built again when a tensor changes in place (an optimizer step bumps its version) or is swapped
+        (adapter_cache's `p.data = ...` moves its memory); writes through `.data` bump no version, as for the prefix
+        cache (engine/prefix_cache.py), and are not seen: the sampler's adapters are snapshots (Engine's `copy`)."""
+        pairs = [adapter.weights.get(layer.name) for layer in self.layers]
+        if all(pair is None for pair in pairs):
+            return []
+        if any(pair is None for pair in pairs):
+            return None
+        tensors = [t for pair in pairs for t in pair]
+        try:
+            versions = [(t._version, t.data_ptr()) for t in tensors]
+        except RuntimeError:
+            return None
+        cached = self.lora.get(adapter)
+        if cached is not None and cached[1] == versions and all(t is c for t, c in zip(tensors, cached[0])):
+            return cached[2]
+        with torch.no_grad():
+            stacked = [torch.cat([a for a, _ in pairs]), torch.block_diag(*(b for _, b in pairs))]
+        self.lora[adapter] = (tensors, versions, stacked)
+        return stacked
+
+    def plus_deltas(self, x2d: torch.Tensor, out: torch.Tensor) -> bool:
+        """Every routed adapter's LoRA deltas added to `out`, the stacked product for x2d, in place, with one pair of
+        small products per adapter instead of one per layer (fewer tiny calls, each busier: bench/sample_products.py).
+        False, `out` untouched, where some adapter cannot (`stacked_lora`) or gradients are wanted: each layer then
+        adds its own (MultiLoraLinear.plus_deltas)."""
+        groups = []
+        for adapter, rows in self.layers[0].routing.groups:
+            stacked = self.stacked_lora(adapter)
+            if stacked is None:
+                return False
+            if stacked:
+                groups.append((adapter, rows, stacked))
+        if torch.is_grad_enabled() and (x2d.requires_grad or any(w.requires_grad for *_, ws in groups for w in ws)):
+            return False
+        if groups:
+            tokens = len(x2d)
+            spans = [_token_rows(rows, 1, tokens) for _, rows, _ in groups]
+            weights = [w.to(x2d.dtype) for *_, stacked in groups for w in stacked]
+            rank = max(stacked[0].shape[0] for *_, stacked in groups)
+            with small_products.small(tokens * rank * (x2d.shape[1] + out.shape[1])):
+                add_deltas(out, x2d, spans, [adapter.scale for adapter, *_ in groups], weights)
+        return True
+
 
 def products(layers, x: torch.Tensor) -> list[torch.Tensor]:
     """Each layer's output for one input x (tokens, features), as [layer(x) for layer in layers]; in the sampler's
-    passes, where the layers share a copy (READ_TOGETHER), with one base product for them all and each layer's LoRA
-    deltas added to its part."""
+    passes, where the layers share a copy (READ_TOGETHER), with one base product for them all and each adapter's LoRA
+    deltas added by one pair of products for them all (SharedCopy.plus_deltas), or else each layer's to its part."""
     shared = getattr(layers[0], "shared_copy", None)
     if shared is None or not shared.in_use():
         return [layer(x) for layer in layers]
     out = shared.product(x)
+    if shared.plus_deltas(x, out):
+        return list(out.split(shared.sizes, dim=-1))
     return [layer.plus_deltas(x, part) for layer, part in zip(layers, out.split(shared.sizes, dim=-1))]
 
 
@@ -356,6 +411,14 @@ def _copy_product(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     else:
         out = F.linear(x, weight, bias)
     return out.to(x2d.dtype)
+
+
+def sample_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of the model's sampling copies (`sample_weights`), None when it has none (float32, the default)."""
+    for layer in lora_layers(model).values():
+        if layer.sample_source is not None:
+            return (layer.sample_weight if layer.shared_copy is None else layer.shared_copy.weight).dtype
+    return None
 
 
 def sample_weights_bytes(model: nn.Module) -> int:
