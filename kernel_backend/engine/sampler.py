@@ -34,8 +34,9 @@ calling the model's own modules). Tokens travel as one flat (tokens, hidden) bat
 lengths need no padding: attention is the only step that knows which tokens belong together, and here it
 reads each row's cache up to its own length.
 Every forward pass here runs under `lora.sampling`: with STEPWISE_SAMPLE_DTYPE=bfloat16 the base products use
-the layers' bf16 copies (engine/lora.py), so sampled and `compute_logprobs` logprobs are the bf16 model's; with
-float32 (the default) there are no copies and everything above is the trainer's computation, bit for bit.
+the layers' bf16 copies (engine/lora.py) and the KV cache and attention over it are bf16 too, so sampled and
+`compute_logprobs` logprobs are the bf16 model's; with float32 (the default) there are no copies and everything above
+is the trainer's computation, bit for bit.
 Other architectures decode one request at a time with transformers' own forward (`SerialDecoder`,
 also the baseline the benchmarks compare against: it is the loop every request went through before).
 """
@@ -119,8 +120,11 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[int
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then min-p, top-k and top-p (nucleus) filtering; masked entries become -inf."""
-    logits = logits / params.temperature
+    """Temperature, then min-p, top-k and top-p (nucleus) filtering; masked entries become -inf. A new tensor, or
+    `logits` itself where nothing changes them (temperature 1 and no filter: x / 1 is x, bit for bit, and a decode
+    step's division of 32 x 49,152 logits was a pass over 6 MB for nothing)."""
+    if params.temperature != 1:
+        logits = logits / params.temperature
     if params.min_p > 0:
         # Less likely than min_p x the most likely token: log p < log p_max + log min_p.
         floor = logits.max(-1, keepdim=True).values + math.log(params.min_p)
@@ -165,7 +169,7 @@ def choose(logits: torch.Tensor, params: SamplingParams, generators: list[torch.
 
 def draw(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Tokens (rows, k) from softmax(logits) (rows, vocab), one per uniform number in u (rows, k)."""
-    cdf = logits.softmax(-1).cumsum(-1)
+    cdf = logits.softmax(-1).cumsum_(-1)  # in place: the same sums, one vocabulary-wide buffer fewer
     total = cdf[:, -1:]
     # Strictly below the total, so the pick is a token with non-zero probability.
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
@@ -383,7 +387,12 @@ class Decoder:
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.windows = families.sliding_windows(config)  # each layer's sliding window (None: all it has seen)
         self.softcap = families.attention_softcap(config)  # Gemma 2 caps attention scores
-        self.cache = KVCache(config.num_hidden_layers, self.kv_heads, self.head_dim, model.dtype, model.device, budget_tokens)
+        # Keys and values are kept in the sampling copies' dtype where there are copies (bf16: STEPWISE_SAMPLE_DTYPE), so
+        # that attention over them runs in it too: a decode step's attention reads the whole cache of every row, and
+        # bf16 halves those bytes and takes the CPU's bf16 kernels (docs/performance.md). float32: the model's dtype.
+        self.cache_dtype = lora.sample_dtype(model) or model.dtype
+        self.cache = KVCache(config.num_hidden_layers, self.kv_heads, self.head_dim, self.cache_dtype, model.device,
+                             budget_tokens)
         # Finished prompts' keys and values, for later prompts that start the same way; an 8th of the budget: room
         # for every episode of a multi-turn batch (each keeps its latest prompt, which the next turn extends; the
         # cookbook's guess_number, 16 episodes of up to ~600 tokens, thrashed a 32nd).
@@ -459,7 +468,7 @@ class Decoder:
                 if planned >= cached + prefix_cache.MIN_SHARED_TOKENS:
                     continue  # next step, from the prefix cache, once that request's prefill has stored it there
                 shape = (self.cache.shape[0], self.kv_heads, len(prompt), self.head_dim)
-                active.keys = torch.empty(shape, dtype=self.model.dtype, device=self.model.device)
+                active.keys = torch.empty(shape, dtype=self.cache_dtype, device=self.model.device)
                 active.values = torch.empty_like(active.keys)
                 if entry is not None:
                     self._reuse_prefix(active, entry, cached)
@@ -511,6 +520,7 @@ class Decoder:
 
         def attend(layer: int, q, k, v):
             out = torch.empty_like(q)
+            q = q.to(self.cache_dtype)  # attention in the cache's dtype; `out` keeps the activations'
             for (active, s, e), (lo, hi) in zip(segments, bounds):
                 active.keys[layer, :, s:e] = k[lo:hi].transpose(0, 1)
                 active.values[layer, :, s:e] = v[lo:hi].transpose(0, 1)
@@ -649,12 +659,12 @@ class Decoder:
                     if permuted:
                         q, k, v = q[cache_order], k[cache_order], v[cache_order]
                     keys, values = self.cache.keys[layer], self.cache.values[layer]
-                    keys[index, :, lengths] = k
-                    values[index, :, lengths] = v
+                    keys[index, :, lengths] = k.to(keys.dtype)
+                    values[index, :, lengths] = v.to(values.dtype)
                     out = families.attention(
-                        q[:, :, None], keys[:n, :, :longest], values[:n, :, :longest],
+                        q[:, :, None].to(keys.dtype), keys[:n, :, :longest], values[:n, :, :longest],
                         mask=visible[self.windows[layer]][:, None, None, :], scale=self.scaling, softcap=self.softcap,
-                    )[:, :, 0]
+                    )[:, :, 0].to(q.dtype)
                     return out[forward_order] if permuted else out
             return attend
         index = torch.tensor(members, device=device)
@@ -663,12 +673,12 @@ class Decoder:
         def attend_some(layer: int, q, k, v):
             with small_products.small(attention_work):
                 keys, values = self.cache.keys[layer], self.cache.values[layer]
-                keys[index, :, at] = k
-                values[index, :, at] = v
+                keys[index, :, at] = k.to(keys.dtype)
+                values[index, :, at] = v.to(values.dtype)
                 return families.attention(
-                    q[:, :, None], keys[index, :, :longest], values[index, :, :longest],
+                    q[:, :, None].to(keys.dtype), keys[index, :, :longest], values[index, :, :longest],
                     mask=visible[self.windows[layer]][index][:, None, None, :], scale=self.scaling, softcap=self.softcap,
-                )[:, :, 0]
+                )[:, :, 0].to(q.dtype)
         return attend_some
 
     def _remove(self, indices: list[int]) -> None:
