@@ -51,18 +51,30 @@ def train(steps: int, shard: bool) -> dict:
     torch.set_num_threads(1)
     engine = Engine()
     whole = sharding.resident_bytes(engine.model)
+    gathering = [0.0]  # seconds in the all-gathers (ShardedWeight.gather, timed here)
     if shard:
         sharding.shard_model(engine.model)
+        gather = sharding.ShardedWeight.gather
+
+        def timed(self, shard):
+            start = time.perf_counter()
+            try:
+                return gather(self, shard)
+            finally:
+                gathering[0] += time.perf_counter() - start
+        sharding.ShardedWeight.gather = timed
     data = [sft_datum(q, a, engine.tokenizer) for q, a in QUESTIONS]
     engine.create_adapter("run", LoraConfig(rank=32, seed=0))
-    losses, times = [], []
+    losses, times, gathers = [], [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, gathered = time.perf_counter(), gathering[0]
         result = engine.forward_backward("run", data)
         engine.optim_step("run", AdamParams(learning_rate=1e-3))
         times.append(time.perf_counter() - start)
+        gathers.append(gathering[0] - gathered)
         losses.append(result.metrics["loss:sum"])
-    return {"losses": losses, "times": times, "whole_bytes": whole, "held_bytes": sharding.resident_bytes(engine.model)}
+    return {"losses": losses, "times": times, "gathers": gathers, "whole_bytes": whole,
+            "held_bytes": sharding.resident_bytes(engine.model)}
 
 
 def _rank(rank: int, steps: int, port: int, out_dir: str) -> None:
@@ -126,7 +138,8 @@ def _free_port() -> int:
 
 def report(name: str, run: dict) -> float:
     step = statistics.median(run["times"][1:] or run["times"])
-    print(f"{name:>17}: step {step:.2f} s, losses {', '.join(f'{x:.1f}' for x in run['losses'])}; "
+    gathers = statistics.median(run["gathers"][1:] or run["gathers"])
+    print(f"{name:>17}: step {step:.2f} s ({gathers:.2f} s gathering), losses {', '.join(f'{x:.1f}' for x in run['losses'])}; "
           f"holds {run['held_bytes'] / 2**20:.0f} of {run['whole_bytes'] / 2**20:.0f} MiB of the base model")
     return step
 
