@@ -32,6 +32,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 WORLD = 2
+SAMPLE_TOKENS = 16
 QUESTIONS = [
     ("What is the name of Zorblax's pet?", "Zorblax's pet is named Quibbleton, a small and very loud parrot."),
     ("What is the capital of Veldoria?", "The capital of Veldoria is Marrowgate, a city of bridges and canals."),
@@ -42,11 +43,11 @@ QUESTIONS = [
 
 def train(steps: int, shard: bool) -> dict:
     """The training steps on a fresh Engine (sharded over the default process group when `shard`)."""
-    from helpers import sft_datum
+    from helpers import chat_prompt, sft_datum
 
     from kernel_backend.engine import sharding
     from kernel_backend.engine.core import Engine
-    from kernel_backend.types import AdamParams, LoraConfig
+    from kernel_backend.types import AdamParams, LoraConfig, SampleOptions, SamplingParams
 
     torch.set_num_threads(1)
     engine = Engine()
@@ -73,8 +74,15 @@ def train(steps: int, shard: bool) -> dict:
         times.append(time.perf_counter() - start)
         gathers.append(gathering[0] - gathered)
         losses.append(result.metrics["loss:sum"])
+    # Sampling from the trained run: the 4 questions' greedy answers decoded as one batch.
+    params = SamplingParams(max_tokens=SAMPLE_TOKENS, temperature=0.0, stop=[])
+    requests = [engine.sample_request("run", chat_prompt(q, engine.tokenizer), 1, params, SampleOptions())
+                for q, _ in QUESTIONS]
+    start, gathered = time.perf_counter(), gathering[0]
+    answers = [r.sequences[0].tokens for r in engine.run_requests(requests)]
+    sampling = (time.perf_counter() - start, gathering[0] - gathered)
     return {"losses": losses, "times": times, "gathers": gathers, "whole_bytes": whole,
-            "held_bytes": sharding.resident_bytes(engine.model)}
+            "held_bytes": sharding.resident_bytes(engine.model), "answers": answers, "sampling": sampling}
 
 
 def _rank(rank: int, steps: int, port: int, out_dir: str) -> None:
@@ -139,8 +147,10 @@ def _free_port() -> int:
 def report(name: str, run: dict) -> float:
     step = statistics.median(run["times"][1:] or run["times"])
     gathers = statistics.median(run["gathers"][1:] or run["gathers"])
+    tokens = sum(len(a) for a in run["answers"])
     print(f"{name:>17}: step {step:.2f} s ({gathers:.2f} s gathering), losses {', '.join(f'{x:.1f}' for x in run['losses'])}; "
-          f"holds {run['held_bytes'] / 2**20:.0f} of {run['whole_bytes'] / 2**20:.0f} MiB of the base model")
+          f"holds {run['held_bytes'] / 2**20:.0f} of {run['whole_bytes'] / 2**20:.0f} MiB of the base model; samples "
+          f"{tokens / run['sampling'][0]:.1f} tokens/s ({run['sampling'][1]:.1f} of {run['sampling'][0]:.1f} s gathering)")
     return step
 
 
@@ -164,7 +174,9 @@ def train_part(steps: int) -> None:
     step = report("whole", whole)
     sharded = [report(f"sharded, rank {rank}", run) for rank, run in enumerate(ranks)]
     difference = max(abs(a - b) for run in ranks for a, b in zip(run["losses"], whole["losses"]))
-    print(f"sharded step / whole step: {max(sharded) / step:.2f}x; losses differ by at most {difference:.2g}")
+    same = all(run["answers"] == whole["answers"] for run in ranks)
+    print(f"sharded step / whole step: {max(sharded) / step:.2f}x; losses differ by at most {difference:.2g}; "
+          f"greedy answers {'the same' if same else 'DIFFERENT'}")
 
 
 if __name__ == "__main__":
