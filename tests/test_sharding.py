@@ -176,15 +176,19 @@ def _free_port() -> int:
 def runs(tiny_model, tmp_path_factory):
     """{"whole": this process's answers on the unsharded model, 0 and 1: each sharded process's}."""
     out_dir = tmp_path_factory.mktemp("sharding")
-    mp.start_processes(_rank, args=(str(tiny_model), _free_port(), str(out_dir)), nprocs=WORLD, start_method="spawn")
-    answers = {rank: torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)}
-    engine = Engine(settings=stand_in_settings(tiny_model))
-    answers["whole"] = _calls(engine)
+    processes = mp.start_processes(_rank, args=(str(tiny_model), _free_port(), str(out_dir)), nprocs=WORLD,
+                                   start_method="spawn", join=False)
+    engine = Engine(settings=stand_in_settings(tiny_model))  # while the processes start (imports take most of it)
+    whole = _calls(engine)
     engine.save_weights_for_sampler("full", out_dir / "full-whole")
+    while not processes.join():  # raises if one failed
+        pass
+    answers = {rank: torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)}
+    answers["whole"] = whole
     # The sharded run's snapshot loads unsharded (2 processes -> 1), and goes on as the run that wrote it would.
     engine.load_state("resumed", out_dir / "full-sharded")
-    answers["whole"]["resumed_step"] = _step(engine, "resumed")
-    answers["whole"]["full_step"] = _step(engine, "full")
+    whole["resumed_step"] = _step(engine, "resumed")
+    whole["full_step"] = _step(engine, "full")
     answers["checkpoints"] = out_dir
     return answers
 
