@@ -120,7 +120,10 @@ def gathered_product(owner: ShardedWeight, inner):
     layer's stand-in (ShardedWeight.weight); the values come from the shard in owner's place at the call."""
 
     def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return _GatheredLinear.apply(x, owner.shard, bias, owner, inner)
+        shard = owner.shard
+        # A full run's shard, swapped in, trains: its product is F.linear's, as MultiLoraLinear.base_product gives an
+        # unsharded full run's weights (AdamW's first steps turn the products' last-bit differences into lr-sized ones).
+        return _GatheredLinear.apply(x, shard, bias, owner, F.linear if shard.requires_grad else inner)
     return product
 
 
