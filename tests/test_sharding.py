@@ -27,7 +27,7 @@ from kernel_backend.engine import lora, optimizers, sharding
 from kernel_backend.engine.core import Engine, Pass, _Slot
 from kernel_backend.engine.step_history import write_state
 from kernel_backend.types import AdamParams, Datum, LoraConfig, SamplingParams
-from tiny_model import stand_in_settings
+from tiny_model import stand_in_settings, tiny_model_folder
 
 WORLD = 2
 TOLERANCE = 1e-5
@@ -124,7 +124,30 @@ def _gathers_in_one_step(engine: Engine) -> dict:
             "weight_shapes": [o.full_shape for o in owners], "linear_layers": len(lora.lora_layers(model))}
 
 
-def _rank(rank: int, folder: str, port: int, out_dir: str) -> None:
+# Families whose layers differ from the stand-in's where sharding could notice: q, k, v biases (Qwen2); a scaled
+# embedding, two rotary tables and sandwich norms (Gemma 3).
+FAMILIES = {"qwen2": {}, "gemma3_text": {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}}
+
+
+def _families_alike(folders: list[str]) -> dict[str, list[float]]:
+    """Each family's logits, sharded (loaded straight into shards, and loaded whole then sharded), against whole."""
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    ids = torch.arange(100, 130)[None]  # longer than Gemma's 16-token window
+    for folder in folders:
+        whole = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        lora.attach(whole)
+        with torch.no_grad():
+            reference = whole(input_ids=ids).logits
+            loaded = sharding.load_sharded(Path(folder))(input_ids=ids).logits
+            sharding.shard_model(whole)
+            sharded = whole(input_ids=ids).logits
+        out[Path(folder).name] = [float((x - reference).abs().max()) for x in (loaded, sharded)]
+    return out
+
+
+def _rank(rank: int, folder: str, port: int, out_dir: str, families: list[str]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # two processes on the suite's two cores
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -150,7 +173,8 @@ def _rank(rank: int, folder: str, port: int, out_dir: str) -> None:
         out["resumed_step"] = _step(engine, "resumed")
         # One process's unusable step is every process's (rank 1 alone finds it).
         out["agreed"] = [sharding.on_any_process(rank == 1, engine.model), sharding.on_any_process(False, engine.model)]
-        out.update(made_alike=made_alike, loaded_logits_difference=loaded_logits_difference)
+        out.update(made_alike=made_alike, loaded_logits_difference=loaded_logits_difference,
+                   families=_families_alike(families))
         out.update(whole_bytes=whole, held_bytes=sharding.resident_bytes(engine.model),
                    shard_bytes=sum(o.shard.nbytes for o in sharding.sharded_weights(engine.model)),
                    whole_embedding_freed=embedding() is None, gathers=_gathers_in_one_step(engine))
@@ -173,10 +197,11 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model, tmp_path_factory):
+def runs(tiny_model, tmp_path_factory, stepwise_home):
     """{"whole": this process's answers on the unsharded model, 0 and 1: each sharded process's}."""
     out_dir = tmp_path_factory.mktemp("sharding")
-    processes = mp.start_processes(_rank, args=(str(tiny_model), _free_port(), str(out_dir)), nprocs=WORLD,
+    families = [tiny_model_folder(out_dir / name, name, stepwise_home / "models", **extra) for name, extra in FAMILIES.items()]
+    processes = mp.start_processes(_rank, args=(str(tiny_model), _free_port(), str(out_dir), families), nprocs=WORLD,
                                    start_method="spawn", join=False)
     engine = Engine(settings=stand_in_settings(tiny_model))  # while the processes start (imports take most of it)
     whole = _calls(engine)
@@ -252,6 +277,12 @@ def test_loading_straight_into_shards_gives_the_same_model(runs):
     for rank in range(WORLD):
         assert runs[rank]["made_alike"]
         assert runs[rank]["loaded_logits_difference"] == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_other_families_shard_alike(runs, family):
+    for rank in range(WORLD):
+        assert runs[rank]["families"][family] == [0, 0]  # loaded into shards, sharded after loading: the same logits
 
 
 def test_a_weight_is_gathered_on_use_and_again_in_backward(runs):

@@ -1,9 +1,9 @@
 """A sharded base model: each of N processes holds about 1/N of the frozen base weights (issue 55).
 
-This module owns the sharding of one loaded model over a torch.distributed process group (gloo on CPU, NCCL on
-GPU): `shard_model(model, group)` replaces every base linear layer's weight (the layers lora.attach wrapped) and
-the input embedding (with a head tied to it) by this process's rows of it, and `resident_bytes` measures what a
-process holds. The semantics are FSDP's (torch.distributed.fsdp.fully_shard, reshard_after_forward=True): a layer's
+This module owns the sharding of a model over a torch.distributed process group (gloo on CPU, NCCL on GPU):
+`shard_model(model, group)` replaces every base linear layer's weight (the layers lora.attach wrapped) and the
+input embedding (with a head tied to it) by this process's rows of it, `load_sharded` makes such a model straight
+from its files without ever holding it whole, and `resident_bytes` measures what a process holds. The semantics are FSDP's (torch.distributed.fsdp.fully_shard, reshard_after_forward=True): a layer's
 whole weight is all-gathered just before its product and freed right after; backward gathers it again for the
 input gradient, so no gathered weight lives from forward to backward. Norms, biases, rotary tables and anything
 lora.attach does not wrap (a mixture of experts' 3-D experts, its router) stay whole on every process: they are
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from safetensors.torch import load_file
+from torch import nn
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 
@@ -103,10 +103,9 @@ class _GatheredLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, shard = ctx.saved_tensors
         grad_x = grad_shard = grad_bias = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[0]:
             weight = ctx.owner.gather(shard)  # gathered again, not kept from forward: FSDP's memory saving
-            if ctx.needs_input_grad[0]:
-                grad_x = ctx.inner(grad, weight.t(), None)  # grad W, by the same product as the unsharded layer's
+            grad_x = ctx.inner(grad, weight.t(), None)  # grad W, by the same product as the unsharded layer's
             del weight
         if ctx.needs_input_grad[1]:  # every process ran the same rows: the whole gradient is the same everywhere
             grad_shard = ctx.owner.my_rows(grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
@@ -154,7 +153,8 @@ class ShardedEmbedding(nn.Module):
         super().__init__()
         self.sharded = owner
         self.padding_idx = original.padding_idx
-        self.embed_scale = getattr(original, "embed_scale", None)
+        scale = getattr(original, "embed_scale", None)
+        self.register_buffer("embed_scale", scale, persistent=False)  # None (no buffer) but for Gemma's
 
     @property
     def weight(self) -> torch.Tensor:  # what model.get_input_embeddings().weight reads: the full shape, no values
@@ -213,6 +213,11 @@ def load_sharded(folder: Path, group=None, dtype: torch.dtype = torch.float32, d
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval()
     model.requires_grad_(False)
+    for module in model.modules():  # what no file holds (rotary tables, Gemma's embedding scale), made as transformers does
+        if any(buffer.is_meta for buffer in module.buffers(recurse=False)):
+            for attribute, buffer in list(module.named_buffers(recurse=False)):
+                module._buffers[attribute] = torch.empty_like(buffer, device=device)
+            model._init_weights(module)
     lora.attach(model, product)
     files = {}  # weight name -> its open safetensors file
     for file in sorted(Path(folder).glob("*.safetensors")):
@@ -231,10 +236,6 @@ def load_sharded(folder: Path, group=None, dtype: torch.dtype = torch.float32, d
             if param.is_meta:
                 name = full_weights._hf_name(f"{module_name}.{attribute}")
                 module._parameters[attribute] = nn.Parameter(read_rows(name).clone(), requires_grad=False)
-        if any(buffer.is_meta for buffer in module.buffers(recurse=False)):  # rotary tables: made, not stored
-            for attribute, buffer in list(module.named_buffers(recurse=False)):
-                module._buffers[attribute] = torch.empty_like(buffer, device=device)
-            model._init_weights(module)
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ValueError(f"load_sharded cannot make {', '.join(left)} of {type(model).__name__}")
