@@ -5,15 +5,16 @@ This module owns the sharding of a model over a torch.distributed process group 
 input embedding (with a head tied to it) by this process's rows of it, `load_sharded` makes such a model straight
 from its files without ever holding it whole, and `resident_bytes` measures what a process holds. The semantics are FSDP's (torch.distributed.fsdp.fully_shard, reshard_after_forward=True): a layer's
 whole weight is all-gathered just before its product and freed right after; backward gathers it again for the
-input gradient, so no gathered weight lives from forward to backward. Norms, biases, rotary tables and anything
+input gradient, so no gathered weight lives from forward to backward. The input embedding is never gathered: each
+process looks up the ids its rows hold and an all-reduce sums the lookups. Norms, biases, rotary tables and anything
 lora.attach does not wrap (a mixture of experts' 3-D experts, its router) stay whole on every process: they are
 small, or not yet sharded.
 
 Why not fully_shard itself: its hooks sit on a module's forward and need one root module whose forward runs first
 ("FSDP requires a single root module"); our packed forward (engine/packed_forward.py) and the decoder call the
 layers one by one, never the model's forward, and a full fine-tuning run swaps the model's parameters
-(engine/full_weights.py) where FSDP2 swaps them too. So the gather is a product (`lora.MultiLoraLinear.product`)
-and an embedding module of our own, each an autograd Function that saves the shard, never the gathered weight.
+(engine/full_weights.py) where FSDP2 swaps them too. So the gather is a product (`lora.MultiLoraLinear.product`),
+an autograd Function that saves the shard, never the gathered weight, and the embedding a module of our own.
 
 Every process must run the same passes in the same order, on the same data: each gather is a collective, and
 the processes meet at each one. So LoRA adapters are replicated and every process computes the same gradients
@@ -126,28 +127,38 @@ def gathered_product(owner: ShardedWeight, inner):
     return product
 
 
-class _GatheredEmbedding(torch.autograd.Function):
-    """F.embedding over a weight gathered from its shards; a gradient (a full run's) is the whole table's, cut."""
+class _ShardedLookup(torch.autograd.Function):
+    """F.embedding over a vocabulary sharded by rows, never gathered: each process looks up the ids its rows hold
+    (zeros for the others) and an all-reduce sums them, so (tokens x hidden) crosses the group instead of the table
+    (Megatron's vocabulary-parallel embedding). Exact: each position's sum is its one row plus zeros. A gradient (a
+    full run's) is this process's rows', from its own positions."""
 
     @staticmethod
     def forward(ctx, ids, shard, owner: ShardedWeight, padding_idx):
-        ctx.save_for_backward(ids if shard.requires_grad else None)
+        local = ids - owner.rank * owner.rows
+        mine = (local >= 0) & (local < owner.rows)
+        local = local.clamp(0, owner.rows - 1)
+        out = F.embedding(local, shard).masked_fill_(~mine[..., None], 0)
+        dist.all_reduce(out, group=owner.group)
+        ctx.save_for_backward(*((local, mine) if shard.requires_grad else (None, None)))
         ctx.owner, ctx.padding_idx = owner, padding_idx
-        return F.embedding(ids, owner.gather(shard), padding_idx)
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        (ids,) = ctx.saved_tensors
+        local, mine = ctx.saved_tensors
         owner = ctx.owner
-        padding = -1 if ctx.padding_idx is None else ctx.padding_idx
-        full = torch.ops.aten.embedding_dense_backward(grad, ids, owner.full_shape[0], padding, False)
-        return None, owner.my_rows(full), None, None
+        padding = -1 if ctx.padding_idx is None else ctx.padding_idx - owner.rank * owner.rows
+        padding = padding if 0 <= padding < owner.rows else -1  # the padding row's gradient stays 0, if it is ours
+        grad = grad.masked_fill(~mine[..., None], 0)
+        return None, torch.ops.aten.embedding_dense_backward(grad, local, owner.rows, padding, False), None, None
 
 
 class ShardedEmbedding(nn.Module):
-    """An input embedding over a ShardedWeight (shared with lm_head where the model ties them). Keeps the
-    original's padding index and, for Gemma's scaled embedding, its scale."""
+    """An input embedding over a ShardedWeight (shared with lm_head where the model ties them: the head gathers it
+    for its product, the lookup needs no gather). Keeps the original's padding index and, for Gemma's scaled
+    embedding, its scale."""
 
     def __init__(self, original: nn.Embedding, owner: ShardedWeight) -> None:
         super().__init__()
@@ -161,7 +172,7 @@ class ShardedEmbedding(nn.Module):
         return self.sharded.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = _GatheredEmbedding.apply(ids, self.sharded.shard, self.sharded, self.padding_idx)
+        out = _ShardedLookup.apply(ids, self.sharded.shard, self.sharded, self.padding_idx)
         return out if self.embed_scale is None else out * self.embed_scale.to(out.dtype)
 
 
