@@ -106,8 +106,10 @@ def test_bfloat16_sampling_samples_and_is_counted(engine, stepwise_home, tiny_mo
     bf16 = Engine(settings=dataclasses.replace(engine.settings, sample_dtype="bfloat16"))
     layers = lora.lora_layers(bf16.model).values()
     assert bf16.memory()["sampler_weights_bytes"] == sum(2 * layer.base.weight.numel() for layer in layers) > 0
-    # The KV cache is bf16 too (attention over it in bf16); float32 keeps the model's dtype.
+    # The KV cache is bf16 too (attention over it in bf16), so its megabytes hold twice the tokens; float32 keeps
+    # the model's dtype.
     assert bf16.decoder.cache_dtype == torch.bfloat16 and engine.decoder.cache_dtype == torch.float32
+    assert bf16.decoder.budget_tokens == 2 * engine.decoder.budget_tokens
     prompt = [1, 2, 3, 4, 5]
     first, again = _samples(bf16, None, prompt), _samples(bf16, None, prompt)
     assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]

@@ -91,10 +91,12 @@ class SampleRequest:
 
 
 def cache_tokens(model: torch.nn.Module, megabytes: int) -> int:
-    """How many cache entries (keys and values of one token of one row, every layer) fit in `megabytes`."""
+    """How many cache entries (keys and values of one token of one row, every layer) fit in `megabytes`, in the
+    dtype the decoder keeps them in (Decoder.cache_dtype: bf16 with bf16 sampling copies, twice the entries)."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * model.dtype.itemsize
+    itemsize = (lora.sample_dtype(model) or model.dtype).itemsize
+    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * itemsize
     return megabytes * 2**20 // per_token
 
 
