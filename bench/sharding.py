@@ -134,8 +134,9 @@ def load_part() -> None:
             for rank in range(world):
                 run = torch.load(Path(out_dir) / f"load{world}-{rank}.pt")
                 name = "whole" if world == 1 else f"sharded, rank {rank}"
-                print(f"{name:>17}: loaded, {run['RssAnon'] / 2**20:.0f} MiB anonymous and {run['RssFile'] / 2**20:.0f} "
-                      f"MiB of mapped file pages above the imports; weights {run['held'] / 2**20:.0f} MiB")
+                print(f"{name:>17}: loaded, {run['RssAnon'] / 2**20:.0f} MiB anonymous and "
+                      f"{run['RssFile'] / 2**20:.0f} MiB of mapped file pages above the imports; "
+                      f"weights {run['held'] / 2**20:.0f} MiB")
 
 
 def _free_port() -> int:
@@ -147,10 +148,11 @@ def _free_port() -> int:
 def report(name: str, run: dict) -> float:
     step = statistics.median(run["times"][1:] or run["times"])
     gathers = statistics.median(run["gathers"][1:] or run["gathers"])
-    tokens = sum(len(a) for a in run["answers"])
-    print(f"{name:>17}: step {step:.2f} s ({gathers:.2f} s gathering), losses {', '.join(f'{x:.1f}' for x in run['losses'])}; "
+    tokens, (seconds, gathering) = sum(len(a) for a in run["answers"]), run["sampling"]
+    losses = ", ".join(f"{x:.1f}" for x in run["losses"])
+    print(f"{name:>17}: step {step:.2f} s ({gathers:.2f} s gathering), losses {losses}; "
           f"holds {run['held_bytes'] / 2**20:.0f} of {run['whole_bytes'] / 2**20:.0f} MiB of the base model; samples "
-          f"{tokens / run['sampling'][0]:.1f} tokens/s ({run['sampling'][1]:.1f} of {run['sampling'][0]:.1f} s gathering)")
+          f"{tokens / seconds:.1f} tokens/s ({gathering:.1f} of {seconds:.1f} s gathering)")
     return step
 
 

@@ -57,7 +57,8 @@ def _calls(engine: Engine) -> dict:
     out["after_step"] = [_logprobs(engine.forward(a, data)) for a in ("a", "b")]
     out["adapter_a"] = {n: p.detach().clone() for n, p in engine._slot("a").adapter.named_parameters()}
     out["prompt_logprobs"] = engine.compute_logprobs("a", rows[0])[1:]
-    out["greedy"] = [s.tokens for s in engine.sample("a", rows[1], 2, SamplingParams(max_tokens=6, temperature=0.0)).sequences]
+    greedy = engine.sample("a", rows[1], 2, SamplingParams(max_tokens=6, temperature=0.0))
+    out["greedy"] = [s.tokens for s in greedy.sequences]
     # A full fine-tuning run: on a sharded model its weights are this process's shards (engine/sharding.py).
     engine.create_adapter("full", LoraConfig(rank=0))
     out["full_forward_backward"] = _logprobs(engine.forward_backward("full", data))
@@ -80,7 +81,8 @@ def _save_whole(engine: Engine, adapter_id: str, folder: Path, write: bool) -> N
     """A sharded full run's save_state folder, written whole (weights and AdamW state) by one process."""
     slot = engine._slot(adapter_id)
     run = sharding.whole_weights(engine.model, slot.adapter)
-    state = sharding.whole_tensors(engine.model, optimizers.state_tensors(slot.optimizer, slot.adapter.named_parameters()))
+    state = optimizers.state_tensors(slot.optimizer, slot.adapter.named_parameters())
+    state = sharding.whole_tensors(engine.model, state)
     if write:
         write_state(folder, run, state, "adamw", slot.steps, engine.base)
 
@@ -200,7 +202,8 @@ def _free_port() -> int:
 def runs(tiny_model, tmp_path_factory, stepwise_home):
     """{"whole": this process's answers on the unsharded model, 0 and 1: each sharded process's}."""
     out_dir = tmp_path_factory.mktemp("sharding")
-    families = [tiny_model_folder(out_dir / name, name, stepwise_home / "models", **extra) for name, extra in FAMILIES.items()]
+    families = [tiny_model_folder(out_dir / name, name, stepwise_home / "models", **extra)
+                for name, extra in FAMILIES.items()]
     processes = mp.start_processes(_rank, args=(str(tiny_model), _free_port(), str(out_dir), families), nprocs=WORLD,
                                    start_method="spawn", join=False)
     engine = Engine(settings=stand_in_settings(tiny_model))  # while the processes start (imports take most of it)

@@ -3,11 +3,12 @@
 This module owns the sharding of a model over a torch.distributed process group (gloo on CPU, NCCL on GPU):
 `shard_model(model, group)` replaces every base linear layer's weight (the layers lora.attach wrapped) and the
 input embedding (with a head tied to it) by this process's rows of it, `load_sharded` makes such a model straight
-from its files without ever holding it whole, and `resident_bytes` measures what a process holds. The semantics are FSDP's (torch.distributed.fsdp.fully_shard, reshard_after_forward=True): a layer's
-whole weight is all-gathered just before its product and freed right after; backward gathers it again for the
-input gradient, so no gathered weight lives from forward to backward. The input embedding is never gathered: each
-process looks up the ids its rows hold and an all-reduce sums the lookups. Norms, biases, rotary tables and anything
-lora.attach does not wrap (a mixture of experts' 3-D experts, its router) stay whole on every process: they are
+from its files without ever holding it whole, and `resident_bytes` measures what a process holds. The semantics
+are FSDP's (torch.distributed.fsdp.fully_shard, reshard_after_forward=True): a layer's whole weight is
+all-gathered just before its product and freed right after; backward gathers it again for the input gradient, so
+no gathered weight lives from forward to backward. The input embedding is never gathered: each process looks up
+the ids its rows hold and an all-reduce sums the lookups. Norms, biases, rotary tables and anything lora.attach
+does not wrap (a mixture of experts' 3-D experts, its router) stay whole on every process: they are
 small, or not yet sharded.
 
 Why not fully_shard itself: its hooks sit on a module's forward and need one root module whose forward runs first
@@ -224,7 +225,8 @@ def load_sharded(folder: Path, group=None, dtype: torch.dtype = torch.float32, d
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval()
     model.requires_grad_(False)
-    for module in model.modules():  # what no file holds (rotary tables, Gemma's embedding scale), made as transformers does
+    # What no file holds (rotary tables, Gemma's embedding scale), made as transformers makes it.
+    for module in model.modules():
         if any(buffer.is_meta for buffer in module.buffers(recurse=False)):
             for attribute, buffer in list(module.named_buffers(recurse=False)):
                 module._buffers[attribute] = torch.empty_like(buffer, device=device)
@@ -276,10 +278,11 @@ def grad_norm(model: nn.Module, run) -> float:
     full run's shards hold a part of each weight's gradient each, so their squares are summed over the group; its
     whole tensors (norms, biases) and a LoRA adapter's, alike on every process, are counted once."""
     shard_names = _shard_names(model)
-    parts = [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)]  # squares of [this process's shards, the tensors every process holds]
+    # The squares' sums, in float64 (millions of squares): [this process's shards, the tensors every process holds].
+    parts = [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)]
     for name, p in run.named_parameters():
         if p.grad is not None:
-            parts[name not in shard_names] += p.grad.detach().double().pow(2).sum()  # float64: millions of squares
+            parts[name not in shard_names] += p.grad.detach().double().pow(2).sum()
     owners = sharded_weights(model)
     if owners:
         dist.all_reduce(parts[0], group=owners[0].group)
@@ -361,7 +364,8 @@ def whole_weights(model: nn.Module, run: full_weights.FullWeights) -> full_weigh
     return full_weights.FullWeights(run.config, {n: nn.Parameter(t, requires_grad=False) for n, t in whole.items()})
 
 
-def load_full(model: nn.Module, directory: Path, config: LoraConfig, trainable: bool = True) -> full_weights.FullWeights:
+def load_full(model: nn.Module, directory: Path, config: LoraConfig,
+              trainable: bool = True) -> full_weights.FullWeights:
     """full_weights.load for a sharded model: a full run's checkpoint (whole, from any number of processes, or any
     transformers folder of this architecture) as this process's shards. UserError when a weight is missing or has
     another shape."""
