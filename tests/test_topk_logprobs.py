@@ -48,7 +48,7 @@ def test_topk_matches_transformers_softmax_and_the_targets_own_logprobs(real_eng
         real_engine.delete_adapter("topk-check")
 
 
-@pytest.mark.parametrize("k", [21, -1, 2.5, "5", True])
+@pytest.mark.parametrize("k", [21, -1, 2.5, "5", True, float("nan"), float("inf"), 10**400])
 def test_a_bad_k_is_refused_naming_the_key_and_nothing_changes(engine, k):
     engine.create_adapter("topk-bad", LoraConfig(rank=2))
     try:

@@ -30,7 +30,7 @@ import tempfile
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -55,7 +55,7 @@ def budget_bytes(cache_mb: int, device: str) -> int:
 
 @dataclass
 class Entry:
-    slot: object  # the engine's _Slot: .adapter (lora.Adapter), .optimizer (None for a sampler), .steps
+    slot: Any  # the engine's _Slot (engine/core.py, which imports this module): .adapter (lora.Adapter), .optimizer (None for a sampler), .steps
     owner: str  # the tenant, for its share ("" when nobody in particular: tests, the engine's own checks)
     reloadable: bool  # a checkpoint's sampler: evicting drops it, the checkpoint brings it back
     nbytes: int  # what it takes while resident (a run counts TRAINING_COPIES from the start)
@@ -160,11 +160,13 @@ class AdapterCache:
         self.counts["spills"] += 1
 
     def _restore(self, entry: Entry) -> None:
-        if isinstance(entry.spilled, Path):
-            tensors = load_file(entry.spilled)
-            entry.spilled.unlink(missing_ok=True)
+        spilled = entry.spilled
+        assert spilled is not None  # (restored only while spilled)
+        if isinstance(spilled, Path):
+            tensors = load_file(spilled)
+            spilled.unlink(missing_ok=True)
         else:
-            tensors = entry.spilled
+            tensors = spilled
         _put_back(entry.slot, {name: t.to(self.device) for name, t in tensors.items()})
         entry.spilled = None
         self.counts["restores"] += 1

@@ -22,6 +22,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 
@@ -49,7 +50,8 @@ class BaseModel:
 
     @property
     def vocab_size(self) -> int:
-        return self.model.get_input_embeddings().weight.shape[0]
+        model: Any = self.model  # a transformers model (torch types a module's attributes loosely)
+        return model.get_input_embeddings().weight.shape[0]
 
 
 def available_models() -> list[str]:
@@ -66,7 +68,7 @@ def registered_models(registered: list[str]) -> dict[str, Path]:
     return out
 
 
-def resolve(name: str, models_dir: Path, registered: list[str] = ()) -> tuple[str, Path]:
+def resolve(name: str, models_dir: Path, registered: Sequence[str] = ()) -> tuple[str, Path]:
     """Map a model name to (canonical name, local HF directory), converting a GGUF on first use.
     Only registry models and the operator's `registered` entries (STEPWISE_BASE_MODELS) resolve. A
     registered entry wins over the registry's own files under the same name: an operator serves a local
@@ -191,14 +193,15 @@ def _convert_gguf(gguf_dir: Path, filename: str, target: Path) -> None:
 
 
 def load(name: str, models_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-         registered: list[str] = ()) -> BaseModel:
+         registered: Sequence[str] = ()) -> BaseModel:
     """Load a base model, frozen, in eval mode (no dropout: training and sampling agree)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     canonical, path = resolve(name, models_dir, registered)
     startup_log.info("loading %s", canonical)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = model.to(device)
     model.eval()
     model.requires_grad_(False)
     return BaseModel(name=canonical, path=path, model=model, tokenizer=tokenizer)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 
@@ -268,9 +268,13 @@ TOPK_KEY = "topk_logprobs"
 def topk_of(config: dict | None) -> int:
     """The k a loss_fn_config asks for (0: none); a UserError for anything but an integer in [0, MAX_TOPK_LOGPROBS]."""
     k = (config or {}).get(TOPK_KEY, 0)
-    if isinstance(k, bool) or not isinstance(k, numbers.Real) or k != int(k) or not 0 <= k <= MAX_TOPK_LOGPROBS:
+    # A Real converts and compares as a float does (typeshed's numbers.Real shows mypy neither); a non-finite float
+    # is refused before int() would raise on it.
+    number = cast(float, k)
+    if (isinstance(k, bool) or not isinstance(k, numbers.Real) or isinstance(k, float) and not math.isfinite(k)
+            or number != int(number) or not 0 <= number <= MAX_TOPK_LOGPROBS):
         raise UserError(f"loss_fn_config[{TOPK_KEY!r}] must be an integer from 0 to {MAX_TOPK_LOGPROBS}, got {k!r}")
-    return int(k)
+    return int(number)
 
 
 def check_config(loss_fn: str, config: dict | None) -> dict[str, float]:

@@ -89,7 +89,7 @@ def configure(optimizer: torch.optim.Optimizer, params: AdamParams | DimuonParam
             f"this training run was created with the {kind} optimizer, so optim_step takes "
             f"{PARAMS_CLASS[kind]}, not {type(params).__name__}; the optimizer is fixed when the run is created"
         )
-    if kind == "adamw":
+    if isinstance(params, AdamParams):  # (kind == "adamw": the class was checked against it above)
         _check_adam(params)
         hyper = dict(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
                      weight_decay=params.weight_decay)

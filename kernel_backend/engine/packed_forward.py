@@ -10,6 +10,8 @@ belong together, and the caller says how (`attend`): the decoder reads each row'
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -25,8 +27,10 @@ def flat_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Ten
     values (tokens, kv_heads, head_dim), stores the keys and values if it keeps a cache, and returns
     the attention output (tokens, heads, head_dim): it alone knows which tokens see which.
     """
-    inner, config = model.model, model.config
+    inner: Any = model.model  # a transformers decoder, whose modules its family names (torch types them loosely)
+    config: Any = model.config
     family = families.family_of(config)
+    assert family is not None  # called for the families it knows only (sampler.Decoder.supports)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     n = len(ids)
     hidden = inner.embed_tokens(ids)
@@ -72,7 +76,8 @@ def causal_within_paths(model: torch.nn.Module, paths: list[np.ndarray], device=
     what it sees is the same on every path through it). A path's own tokens, those no earlier path holds, are
     its end (the paths of a tree), so a path asks `owned` queries against `length` keys: the same causal mask,
     shifted. Paths of like shapes go into one padded batch for a single attention call (_attention_groups)."""
-    scale, softcap = model.model.layers[0].self_attn.scaling, families.attention_softcap(model.config)
+    inner: Any = model.model
+    scale, softcap = inner.layers[0].self_attn.scaling, families.attention_softcap(model.config)
     windows = families.sliding_windows(model.config)
     seen = np.zeros(1 + max(int(p.max()) for p in paths), dtype=bool)
     starts = []  # where each path's own tokens begin
@@ -115,7 +120,9 @@ def _attention_groups(paths: list[np.ndarray], starts: list[int], waste: float =
     """The paths as groups of like shapes (queries, keys): sorted by size, a group grows while padding its
     members to its largest costs at most `waste` times their own query x key slots."""
     shape = {n: (len(path) - start, len(path)) for n, (path, start) in enumerate(zip(paths, starts)) if start < len(path)}
-    groups, current, own, longest = [], [], 0, 0  # the group, its own slots, its most keys
+    groups: list[list[int]] = []
+    current: list[int] = []
+    own, longest = 0, 0  # the group's own slots, its most keys
     for n in sorted(shape, key=lambda n: shape[n], reverse=True):
         queries, keys = shape[n]
         if current:

@@ -51,7 +51,7 @@ class Entry:
     def matches(self, adapter, version: int) -> bool:
         if (self.adapter is None) != (adapter is None) or self.version != version:
             return False
-        return adapter is None or self.adapter() is adapter
+        return self.adapter is None or self.adapter() is adapter
 
 
 def shared_length(a: list[int], b: list[int]) -> int:
@@ -92,6 +92,7 @@ class PrefixCache:
                     best, best_length, best_key = entry, length, key
         if best_length < MIN_SHARED_TOKENS:
             return None, 0
+        assert best_key is not None  # (best_length > 0: an entry shared it)
         self.entries.move_to_end(best_key)
         return best, best_length
 

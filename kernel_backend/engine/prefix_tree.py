@@ -42,7 +42,8 @@ class Tree:
 
     def _walk(self, key, row: list[int]) -> list[int]:
         """The nodes of `row`'s path already in the tree (its longest prefix the tree has)."""
-        path, parent = [], ("root", key)
+        path: list[int] = []
+        parent: int | tuple = ("root", key)  # a node, or the routing key at the root
         for token in row:
             node = self._child.get((parent, token))
             if node is None:
@@ -68,13 +69,14 @@ class Tree:
     def add(self, key, row: list[int]) -> None:
         path = self._walk(key, row)
         self.key_slots += self._added_key_slots(path, row)
-        parent = path[-1] if path else ("root", key)
+        parent: int | tuple = path[-1] if path else ("root", key)
         for position in range(len(path), len(row)):
             node = self._child[(parent, row[position])] = len(self.tokens)
             self.tokens.append(row[position])
             self.positions.append(position)
             self.keys.append(key)
             if position:
+                assert isinstance(parent, int)  # a node: the root's key is the parent of position 0 only
                 self._parents.add(parent)
                 self._leaf_of.pop(parent, None)
             path.append(node)

@@ -115,7 +115,8 @@ class StepHistory:
             total -= self.runs[run_id].pop(step).nbytes
 
     def get(self, run_id: str, step: int) -> StepState | None:
-        return self.runs.get(run_id, {}).get(step)
+        kept = self.runs.get(run_id)
+        return kept.get(step) if kept is not None else None
 
     def steps(self, run_id: str) -> list[int]:
         return sorted(self.runs.get(run_id, {}))
