@@ -4,7 +4,7 @@
          (a training run's scope includes the sampling done with its weights: its rollouts)
     GET  /api/v1/usage/sessions?active_only=&limit=   one summary row per session (the JupyterLab sidebar)
     POST /api/v1/usage/estimate   price a batch before sending it
-    POST /api/v1/usage/custom_loss   the loss a forward_backward_custom's function returned (workbench/sdk_hooks.py)
+    POST /api/v1/usage/custom_loss   the loss a forward_backward_custom's function returned (workbench/client/sdk_hooks.py)
 
 Widgets and the JupyterLab extension poll `series` incrementally: pass the last answer's
 `cursor` as `after` to get only the new rows.
