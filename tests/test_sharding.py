@@ -178,6 +178,7 @@ def _rank(rank: int, folder: str, port: int, out_dir: str, families: list[str]) 
         out.update(made_alike=made_alike, loaded_logits_difference=loaded_logits_difference,
                    families=_families_alike(families))
         out.update(whole_bytes=whole, held_bytes=sharding.resident_bytes(engine.model),
+                   engine_memory=engine.memory()["base_model_bytes"],
                    shard_bytes=sum(o.shard.nbytes for o in sharding.sharded_weights(engine.model)),
                    whole_embedding_freed=embedding() is None, gathers=_gathers_in_one_step(engine))
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
@@ -272,6 +273,8 @@ def test_each_process_holds_about_half(runs):
         assert 0.45 < held / whole < 0.55
         assert runs[rank]["shard_bytes"] <= held
         assert runs[rank]["whole_embedding_freed"]  # the memory is gone, not only uncounted
+        # What the engine reports (GET /api/v1/cluster, a Ray worker's free memory for placement) is the shards.
+        assert runs[rank]["engine_memory"] == held
 
 
 def test_loading_straight_into_shards_gives_the_same_model(runs):
