@@ -126,9 +126,11 @@ def _gathers_in_one_step(engine: Engine) -> dict:
             "weight_shapes": [o.full_shape for o in owners], "linear_layers": len(lora.lora_layers(model))}
 
 
-# Families whose layers differ from the stand-in's where sharding could notice: q, k, v biases (Qwen2); a scaled
-# embedding, two rotary tables and sandwich norms (Gemma 3).
-FAMILIES = {"qwen2": {}, "gemma3_text": {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}}
+# Families whose layers differ from the stand-in's where sharding could notice: q, k, v biases (Qwen2, here with an
+# odd MLP width, so that the last shard of gate and up is padded); a scaled embedding, two rotary tables and
+# sandwich norms (Gemma 3).
+FAMILIES = {"qwen2": {"intermediate_size": 129},
+            "gemma3_text": {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}}
 
 
 def _families_alike(folders: list[str]) -> dict[str, list[float]]:
