@@ -27,6 +27,7 @@ architectures test_engine checks against transformers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -73,8 +74,9 @@ def sliding_windows(config) -> list[int | None]:
     return [window] * config.num_hidden_layers  # Mistral: every layer
 
 
-def norm(family: Family, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def norm(family: Family, module: Any, x: torch.Tensor) -> torch.Tensor:
     """The model's RMSNorm as torch's one fused op instead of its six."""
+    # module: the model's RMSNorm module, Any: torch types a module's attributes (weight, eps) as Tensor | Module
     if family.unit_offset_norms:  # Gemma: (x * (1 + w)) in float32, then back to x's dtype
         return F.rms_norm(x.float(), x.shape[-1:], 1.0 + module.weight.float(), module.eps).type_as(x)
     return F.rms_norm(x, x.shape[-1:], module.weight, module.variance_epsilon)
@@ -90,8 +92,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((rotated, kept), dim=-1) if kept.shape[-1] else rotated
 
 
-def projections(family: Family, attention: torch.nn.Module, x: torch.Tensor, head_dim: int):
+def projections(family: Family, attention: Any, x: torch.Tensor,
+                head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queries (tokens, heads, head_dim), keys and values (tokens, kv_heads, head_dim) of one layer."""
+    # attention: the layer's attention module, Any: torch types its submodules and config as Tensor | Module
     n = len(x)
     if family.fused_projections:
         qkv = attention.qkv_proj(x)
@@ -106,9 +110,10 @@ def projections(family: Family, attention: torch.nn.Module, x: torch.Tensor, hea
     return q, k, v
 
 
-def feed_forward(family: Family, mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def feed_forward(family: Family, mlp: Any, x: torch.Tensor) -> torch.Tensor:
     """The MLP's output for (tokens, hidden): a gated MLP written out (its LoRA layers apply), or a block
     of the model's own that is not one (a mixture of experts: its router and experts as the model runs them)."""
+    # mlp: the layer's MLP module, Any: torch types its submodules as Tensor | Module
     if family.fused_projections:
         gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
     elif hasattr(mlp, "gate_proj"):
