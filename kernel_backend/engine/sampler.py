@@ -47,7 +47,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -93,7 +93,7 @@ class SampleRequest:
 def cache_tokens(model: torch.nn.Module, megabytes: int) -> int:
     """How many cache entries (keys and values of one token of one row, every layer) fit in `megabytes`, in the
     dtype the decoder keeps them in (Decoder.cache_dtype: bf16 with bf16 sampling copies, twice the entries)."""
-    config = model.config
+    config: Any = model.config  # a transformers config (torch types a module's attributes as Tensor | Module)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     itemsize = (lora.sample_dtype(model) or model.dtype).itemsize
     per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * itemsize
@@ -208,8 +208,9 @@ class _Active:
         self.alt_generator = row_generator(request.params.seed, ALT_TOKENS_STREAM) if k else None
         # The first position whose logits are needed: `scored` (the last one, to sample from) when
         # the request asks nothing about its prompt.
-        self.logits_from = min(self.logprobs_from, 0 if k else scored,
-                               targets.first_row if targets is not None else scored)
+        first_target = targets.first_row if targets is not None else scored
+        assert first_target is not None  # SampleOptions.check rejects targets that name no token id
+        self.logits_from = min(self.logprobs_from, 0 if k else scored, first_target)
         self.generators = [row_generator(request.params.seed, i) for i in range(n)]
         self.matchers = [request.constraint.matcher.deep_copy() for _ in range(n)] if request.constraint else None
         self.sequences = [SampledSequence([], [], "length", [] if options.topk_sample_logprobs else None) for _ in range(n)]
@@ -237,7 +238,9 @@ class _Active:
             if cells.size:
                 rows = torch.from_numpy(targets.rows[cells] - start).to(logprobs.device)
                 ids = torch.from_numpy(targets.ids[cells]).to(logprobs.device)
-                self.target_logprobs[cells] = logprobs[rows, ids].cpu().numpy()
+                target_logprobs = self.target_logprobs
+                assert target_logprobs is not None  # made in __init__ for a request with targets
+                target_logprobs[cells] = logprobs[rows, ids].cpu().numpy()
         k = options.prompt_alt_tokens_k
         if k:
             # k draws at the request's temperature (no top-k / top-p), each position's from this
@@ -254,6 +257,7 @@ class _Active:
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
         if top is not None:
+            assert seq.top_logprobs is not None  # both there when the request asks topk_sample_logprobs (_choose_for)
             seq.top_logprobs.append(top)
         if request.on_token is not None:
             request.on_token(row, token, logprob)
@@ -272,9 +276,9 @@ class _Active:
         options = self.request.options
         result = SampleResult(sequences=self.sequences, cached_prompt_tokens=self.cached)
         if options.prompt_logprobs:
-            result.prompt_logprobs = [None] + self.prompt_logprobs
+            result.prompt_logprobs = [None, *self.prompt_logprobs]
         if options.topk_prompt_logprobs:
-            result.topk_prompt_logprobs = [None] + self.topk_prompt
+            result.topk_prompt_logprobs = [None, *self.topk_prompt]
         if options.target_prompt_logprobs is not None:
             result.targets, result.target_prompt_logprobs = options.target_prompt_logprobs, self.target_logprobs
         if options.prompt_alt_tokens_k:
@@ -283,7 +287,8 @@ class _Active:
         self.keys = self.values = None
 
 
-def _choose_for(actives: list[_Active], rows: list[int], logits: torch.Tensor):
+def _choose_for(actives: list[_Active], rows: list[int],
+                logits: torch.Tensor) -> tuple[list[int], list[float], list[list[tuple[int, float]] | None]]:
     """Tokens, model logprobs and top-k lists for rows (logits row i is actives[i]'s row rows[i]).
 
     Rows whose requests filter alike (temperature, top-k, top-p, min-p) draw in one call, each from its
@@ -303,13 +308,15 @@ def _choose_for(actives: list[_Active], rows: list[int], logits: torch.Tensor):
         if params.adjusts_logits:
             sampled_from = logits.clone() if sampled_from is logits else sampled_from
             sampled_from[i] = adjust_logits(logits[i], params, active.request.prompt, active.sequences[rows[i]].tokens)
-    constrained = [i for i, active in enumerate(actives) if active.matchers is not None]
-    if constrained:  # each grammar's allowed tokens, after the row's own adjustments and before its filters
+    grammars = [(i, active.matchers[rows[i]]) for i, active in enumerate(actives) if active.matchers is not None]
+    if grammars:  # each grammar's allowed tokens, after the row's own adjustments and before its filters
+        constrained = [i for i, _ in grammars]
         sampled_from = logits.clone() if sampled_from is logits else sampled_from
         index = torch.tensor(constrained, device=logits.device)
-        compiler = actives[constrained[0]].request.constraint.compiler
-        allowed = compiler.allowed([actives[i].matchers[rows[i]] for i in constrained],
-                                   [actives[i].request.stop_token_ids for i in constrained])
+        constraint = actives[constrained[0]].request.constraint
+        assert constraint is not None  # a row has matchers when its request has a grammar (_Active.__init__)
+        allowed = constraint.compiler.allowed([matcher for _, matcher in grammars],
+                                              [actives[i].request.stop_token_ids for i in constrained])
         sampled_from[index] = sampled_from[index].masked_fill(~allowed.to(logits.device), float("-inf"))
     for members in by_filter.values():
         index = torch.tensor(members, device=logits.device)
