@@ -254,11 +254,13 @@ def check_reload(page, shown: list[dict]) -> None:
     "model not found" after a reload was the kernel's answer to the page lost to a race with the
     threads that make widgets, fixed in workbench/client/widget_states.py.)"""
     save(page)
+    console: list[str] = []  # the page's errors and warnings after the reload, for a failure's message
+    page.on("console", lambda m: console.append(f"{m.type}: {m.text}") if m.type in ("error", "warning") else None)
     page.reload()
     wait_for_kernel(page)
 
     def restored():
-        assert not problems(page), problems(page)
+        assert not problems(page), (problems(page), console[-20:])
         assert page.locator(".wb-cost").count() == 1
         assert plots(page) == shown
     eventually(restored, timeout=60)
