@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -61,6 +62,13 @@ def _places(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
     return places
 
 
+def _held(module: nn.Module, attribute: str) -> nn.Parameter:
+    """The parameter `module` holds as `attribute`, one of _places' (module, attribute) pairs."""
+    param = module._parameters[attribute]
+    assert param is not None  # _places lists only the parameters named_parameters yields, never a None entry
+    return param
+
+
 class FullWeights:
     """Every weight of the base model, a run's own (rank 0). lora.Adapter's surface; it has no LoRA matrices."""
 
@@ -78,7 +86,9 @@ class FullWeights:
 
     def detached(self) -> FullWeights:
         """A view on the same tensors that autograd does not track (no copy): for forward-only rows."""
-        return FullWeights(self.config, {n: p.detach() for n, p in self.tensors.items()})
+        # Detached views stand in for the parameters (typed as such): the same data, in no autograd graph and
+        # given to no optimizer.
+        return FullWeights(self.config, {n: cast(nn.Parameter, p.detach()) for n, p in self.tensors.items()})
 
     def copy(self, trainable: bool = False, device: str | torch.device | None = None) -> FullWeights:
         """A detached copy (a sampler snapshot, a kept step): later training of self does not touch it."""
@@ -113,15 +123,16 @@ class FullWeights:
 
 def _places_of(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
     """_places, computed once per model (its modules never change after lora.attach)."""
-    cached = getattr(model, "_stepwise_places", None)
+    cached: dict[str, list[tuple[nn.Module, str]]] | None = getattr(model, "_stepwise_places", None)
     if cached is None:
-        cached = model._stepwise_places = _places(model)
+        cached = _places(model)
+        setattr(model, "_stepwise_places", cached)  # (nn.Module types an attribute set as Tensor | Module)
     return cached
 
 
 def new(model: nn.Module, config: LoraConfig) -> FullWeights:
     """A full run starting at the base model's weights: a trainable copy of each of them."""
-    return FullWeights(config, {name: nn.Parameter(module._parameters[attribute].detach().clone(), True)
+    return FullWeights(config, {name: nn.Parameter(_held(module, attribute).detach().clone(), True)
                                 for name, [(module, attribute), *_] in _places_of(model).items()})
 
 
@@ -131,7 +142,7 @@ def load(model: nn.Module, directory: Path, config: LoraConfig, trainable: bool 
     tensors = load_file(Path(directory) / WEIGHTS_FILE)
     out = {}
     for name, [(module, attribute), *_] in _places_of(model).items():
-        base = module._parameters[attribute]
+        base = _held(module, attribute)
         saved = tensors.get(_hf_name(name))
         if saved is None and _hf_name(name) == "lm_head.weight":  # a tied head saved once, as the embedding
             saved = tensors.get("model.embed_tokens.weight")
