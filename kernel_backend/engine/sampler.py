@@ -389,18 +389,20 @@ class Decoder:
 
     def __init__(self, model: torch.nn.Module, decode_text: Callable[[list[int]], str], budget_tokens: int,
                  prefill_tokens: int = 512, max_rows: int = 256) -> None:
-        config = model.config
-        self.model, self.decode_text = model, decode_text
+        lm: Any = model  # a transformers causal LM: torch types its attributes (config, device, lm_head...) loosely
+        config = lm.config
+        self.model, self.decode_text = lm, decode_text
         self.budget_tokens, self.prefill_tokens, self.max_rows = budget_tokens, prefill_tokens, max_rows
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.heads: int = config.num_attention_heads
+        self.kv_heads: int = config.num_key_value_heads
         self.windows = families.sliding_windows(config)  # each layer's sliding window (None: all it has seen)
         self.softcap = families.attention_softcap(config)  # Gemma 2 caps attention scores
         # Keys and values are kept in the sampling copies' dtype where there are copies (bf16: STEPWISE_SAMPLE_DTYPE), so
         # that attention over them runs in it too: a decode step's attention reads the whole cache of every row, and
         # bf16 halves those bytes and takes the CPU's bf16 kernels (docs/performance.md). float32: the model's dtype.
-        self.cache_dtype = lora.sample_dtype(model) or model.dtype
-        self.cache = KVCache(config.num_hidden_layers, self.kv_heads, self.head_dim, self.cache_dtype, model.device,
+        self.cache_dtype: torch.dtype = lora.sample_dtype(model) or lm.dtype
+        self.cache = KVCache(config.num_hidden_layers, self.kv_heads, self.head_dim, self.cache_dtype, lm.device,
                              budget_tokens)
         # Finished prompts' keys and values, for later prompts that start the same way; an 8th of the budget: room
         # for every episode of a multi-turn batch (each keeps its latest prompt, which the next turn extends; the
@@ -460,7 +462,8 @@ class Decoder:
         """This step's prompt chunks, (request, start, end): first come first served, within the
         prefill budget. A request starts only when every started request's rows, at their longest,
         fit the cache budget; until then it and those after it wait."""
-        segments, budget = [], self.prefill_tokens
+        segments: list[tuple[_Active, int, int]] = []
+        budget = self.prefill_tokens
         started = {id(r.active): r.active for r in self.rows}
         for active in self.waiting:
             if budget <= 0:
@@ -504,8 +507,10 @@ class Decoder:
                 start = active.logits_from
         if start < prefix_cache.MIN_SHARED_TOKENS:
             return
-        active.keys[:, :, :start] = entry.keys[:, :, :start]
-        active.values[:, :, :start] = entry.values[:, :, :start]
+        keys, values = active.keys, active.values
+        assert keys is not None and values is not None  # _plan_prefill made them before calling this
+        keys[:, :, :start] = entry.keys[:, :, :start]
+        values[:, :, :start] = entry.values[:, :, :start]
         active.prefilled = active.cached = start
         self.prefixes.hits += 1
         self.prefixes.reused_tokens += start
@@ -526,13 +531,17 @@ class Decoder:
         for _, s, e in segments:
             bounds.append((offset, offset + e - s))
             offset += e - s
+        prompts_kv = []  # each chunk's prompt keys and values (made by _plan_prefill when its prefill began)
+        for active, _, _ in segments:
+            assert active.keys is not None and active.values is not None
+            prompts_kv.append((active.keys, active.values))
 
         def attend(layer: int, q, k, v):
             out = torch.empty_like(q)
             q = q.to(self.cache_dtype)  # attention in the cache's dtype; `out` keeps the activations'
-            for (active, s, e), (lo, hi) in zip(segments, bounds):
-                active.keys[layer, :, s:e] = k[lo:hi].transpose(0, 1)
-                active.values[layer, :, s:e] = v[lo:hi].transpose(0, 1)
+            for (_, s, e), (keys, values), (lo, hi) in zip(segments, prompts_kv, bounds):
+                keys[layer, :, s:e] = k[lo:hi].transpose(0, 1)
+                values[layer, :, s:e] = v[lo:hi].transpose(0, 1)
                 # Causal within the prompt: position s + i sees positions 0 .. s + i (the last `window` of them
                 # in a sliding-window layer). A whole prompt the window does not bind takes the plain causal path.
                 window = self.windows[layer]
@@ -540,7 +549,7 @@ class Decoder:
                 mask = None if plain else families.window_mask(torch.arange(s, e, device=device),
                                                                torch.arange(e, device=device), window)
                 out[lo:hi] = families.attention(
-                    q[lo:hi].transpose(0, 1)[None], active.keys[None, layer, :, :e], active.values[None, layer, :, :e],
+                    q[lo:hi].transpose(0, 1)[None], keys[None, layer, :, :e], values[None, layer, :, :e],
                     mask=mask, causal=plain, scale=self.scaling, softcap=self.softcap,
                 )[0].transpose(0, 1)
             return out
@@ -549,23 +558,27 @@ class Decoder:
             hidden = flat_forward(self.model, torch.tensor(ids, device=device), torch.tensor(positions, device=device), attend)
         # lm_head only where logits are needed: from each request's logits_from (what it asks about
         # its prompt) to the end of its chunk; a prompt's last position always (it samples from it).
-        wanted, firsts = [], []
+        wanted: list[int] = []
+        firsts: list[int] = []
         for (active, s, e), (lo, hi) in zip(segments, bounds):
             firsts.append(len(wanted))
             wanted.extend(range(lo + max(0, active.logits_from - s), hi))
         logits = self._logits(hidden[wanted], [adapters[i] for i in wanted]) if wanted else None
         elapsed = time.perf_counter() - start_time
-        for (active, s, e), first in zip(segments, firsts):
+        for (active, s, e), first, (keys, values) in zip(segments, firsts, prompts_kv):
             active.request.compute_s += elapsed * (e - s) / len(ids)
             active.prefilled = e
             start = max(s, active.logits_from)
             if start < e:
+                assert logits is not None  # positions start..e - 1 are in `wanted`
                 active.score_prompt(logits[first : first + e - start], start)
             if e == len(active.request.prompt):
+                assert logits is not None  # a prompt's last position is always in `wanted` (logits_from <= it)
                 self.waiting.remove(active)
-                computed = None if None in active.prompt_logprobs else list(active.prompt_logprobs)
+                known = [logprob for logprob in active.prompt_logprobs if logprob is not None]
+                computed = known if len(known) == len(active.prompt_logprobs) else None  # None: some not computed
                 self.prefixes.store(active.request.adapter, active.weights_version, active.request.prompt,
-                                    active.keys, active.values, computed)
+                                    keys, values, computed)
                 self._start_rows(active, logits[first + e - start - 1], finished)
 
     def _start_rows(self, active: _Active, last_logits: torch.Tensor, finished: list[SampleRequest]) -> None:
@@ -579,12 +592,14 @@ class Decoder:
             finished.append(active.request)
             return
         if going:
+            keys, values = active.keys, active.values
+            assert keys is not None and values is not None  # the prompt's, from its prefill (_prefill_packed)
             length = len(active.request.prompt)
             first = len(self.rows)
             self.cache.ensure(first + len(going), length + 1, self._reserved([*self._actives(), active])[1])
             rows = slice(first, first + len(going))
-            self.cache.keys[:, rows, :, :length] = active.keys[:, None]
-            self.cache.values[:, rows, :, :length] = active.values[:, None]
+            self.cache.keys[:, rows, :, :length] = keys[:, None]
+            self.cache.values[:, rows, :, :length] = values[:, None]
             self.rows += [_Row(active, i, length, tokens[i]) for i in going]
             self.peak_rows = max(self.peak_rows, len(self.rows))
         active.keys = active.values = None  # the rows have their own copies
@@ -612,7 +627,9 @@ class Decoder:
         slots = torch.arange(longest, device=device)
         # Each row's query sits at its length: what it sees of the cache, (rows, length), per distinct window.
         visible = {window: families.window_mask(lengths, slots, window) for window in set(self.windows)}
-        chosen = ([], [], [])
+        chosen_tokens: list[int] = []  # in forward order
+        chosen_logprobs: list[float] = []
+        chosen_tops: list[list[tuple[int, float]] | None] = []
         for members in _by_weights(order, lambda i: rows[i].active):  # cache rows, in forward order
             group_rows = [rows[i] for i in members]
             adapters = [r.active.request.adapter for r in group_rows]
@@ -621,12 +638,16 @@ class Decoder:
             with lora.route(self.model, adapters):
                 hidden = flat_forward(self.model, ids, lengths[members], attend)
             logits = self._logits(hidden, adapters)
-            for total, part in zip(chosen, _choose_for([r.active for r in group_rows], [r.index for r in group_rows],
-                                                       logits)):
-                total.extend(part)
-        tokens, logprobs, tops = ([None] * n for _ in range(3))
-        for j, i in enumerate(order):  # back to cache order
-            tokens[i], logprobs[i], tops[i] = chosen[0][j], chosen[1][j], chosen[2][j]
+            group_tokens, group_logprobs, group_tops = _choose_for([r.active for r in group_rows],
+                                                                   [r.index for r in group_rows], logits)
+            chosen_tokens.extend(group_tokens)
+            chosen_logprobs.extend(group_logprobs)
+            chosen_tops.extend(group_tops)
+        # Back to cache order (`order` is a permutation of the rows: every placeholder is replaced).
+        tokens, logprobs = [0] * n, [0.0] * n
+        tops: list[list[tuple[int, float]] | None] = [None] * n
+        for j, i in enumerate(order):
+            tokens[i], logprobs[i], tops[i] = chosen_tokens[j], chosen_logprobs[j], chosen_tops[j]
         elapsed = time.perf_counter() - start_time
 
         leaving, failed = set(), set()  # row indices; ids of failed requests' _Active
@@ -747,7 +768,8 @@ class SerialDecoder:
     """
 
     def __init__(self, model: torch.nn.Module, decode_text: Callable[[list[int]], str], budget_tokens: int) -> None:
-        self.model, self.decode_text, self.budget_tokens = model, decode_text, budget_tokens
+        self.model: Any = model  # a transformers causal LM: torch types its attributes (device) loosely
+        self.decode_text, self.budget_tokens = decode_text, budget_tokens
         self.waiting: list[SampleRequest] = []
 
     def admit(self, request: SampleRequest) -> None:
