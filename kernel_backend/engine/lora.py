@@ -26,6 +26,7 @@ import json
 import math
 import weakref
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -73,7 +74,8 @@ class MultiLoraLinear(nn.Module):
         # The sampler's copy of the frozen weight and bias in another dtype (`sample_weights`), and the weight it
         # copies: a full run's weights swapped in (engine/full_weights.py) are not it, and run as they are.
         self.sample_source: torch.Tensor | None = None
-        self.sample_weight = self.sample_bias = None
+        self.sample_weight: torch.Tensor | None = None
+        self.sample_bias: torch.Tensor | None = None
         self.shared_copy: SharedCopy | None = None  # or one copy for the layers read together with it (`products`)
 
     @property
@@ -86,7 +88,9 @@ class MultiLoraLinear(nn.Module):
             # The sampler's copy: bf16 x bf16 products (native on CPUs with AVX-512 bf16 / AMX), output cast back.
             if self.shared_copy is not None:  # called alone (not through `products`): its part of the shared product
                 return self.shared_copy.part(self, x2d)
-            return _copy_product(x2d, self.sample_weight, self.sample_bias)
+            weight = self.sample_weight
+            assert weight is not None  # sample_weights gave this layer a copy of its own (it shares none)
+            return _copy_product(x2d, weight, self.sample_bias)
         # A full run's weights, swapped in (engine/full_weights.py), train: their product must give them gradients.
         product = F.linear if self.base.weight.requires_grad else self.product
         return product(x2d, self.base.weight, self.base.bias)
@@ -218,13 +222,17 @@ class Adapter:
 
     def detached(self) -> Adapter:
         """A view on the same tensors that autograd does not track (no copy): for forward-only rows."""
-        return Adapter(self.config, {n: (a.detach(), b.detach()) for n, (a, b) in self.weights.items()})
+        # Detached views stand in for the parameters (typed as such): the same data, in no autograd graph and
+        # given to no optimizer.
+        return Adapter(self.config, {n: (cast(nn.Parameter, a.detach()), cast(nn.Parameter, b.detach()))
+                                     for n, (a, b) in self.weights.items()})
 
     def copy(self, trainable: bool = False, device: str | torch.device | None = None) -> Adapter:
         """A detached copy (a sampler snapshot, a kept step): later training of self does not touch it."""
-        weights = {n: tuple(nn.Parameter(t.detach().to(device or t.device, copy=True), trainable) for t in pair)
-                   for n, pair in self.weights.items()}
-        return Adapter(self.config, weights)
+        def kept(t: torch.Tensor) -> nn.Parameter:
+            return nn.Parameter(t.detach().to(device or t.device, copy=True), trainable)
+
+        return Adapter(self.config, {n: (kept(a), kept(b)) for n, (a, b) in self.weights.items()})
 
 
 def weights_key(adapter) -> int:
@@ -242,7 +250,7 @@ def attach(model: nn.Module, product=F.linear) -> Routing:
             if child_name in ALL_TARGETS and isinstance(child, nn.Linear):
                 full = f"{name}.{child_name}" if name else child_name
                 setattr(module, child_name, MultiLoraLinear(child, full, routing, product))
-    model._stepwise_routing = routing
+    setattr(model, "_stepwise_routing", routing)  # (nn.Module types an attribute set as Tensor | Module)
     return routing
 
 
@@ -280,8 +288,9 @@ def _share_copies(model: nn.Module, setting: str) -> None:
     packed forward does not know) computes the whole stacked product and keeps its part: the same numbers, more work."""
     for module in model.modules():
         for names in READ_TOGETHER:
-            layers = [getattr(module, name, None) for name in names]
-            if not all(isinstance(layer, MultiLoraLinear) for layer in layers):
+            found = [getattr(module, name, None) for name in names]
+            layers = [layer for layer in found if isinstance(layer, MultiLoraLinear)]
+            if len(layers) < len(found):
                 continue
             copied = all(layer.sample_source is not None for layer in layers)
             shared = SharedCopy(layers, getattr(torch, setting)) if copied else None
@@ -335,10 +344,11 @@ class SharedCopy:
         A stack is built again when a tensor changes in place (an optimizer step bumps its version) or is swapped
         (adapter_cache's `p.data = ...` moves its memory); writes through `.data` bump no version, as for the prefix
         cache (engine/prefix_cache.py), and are not seen: the sampler's adapters are snapshots (Engine's `copy`)."""
-        pairs = [adapter.weights.get(layer.name) for layer in self.layers]
-        if all(pair is None for pair in pairs):
+        found = [adapter.weights.get(layer.name) for layer in self.layers]
+        pairs = [pair for pair in found if pair is not None]
+        if not pairs:
             return []
-        if any(pair is None for pair in pairs):
+        if len(pairs) < len(found):
             return None
         tensors = [t for pair in pairs for t in pair]
         try:
@@ -417,7 +427,9 @@ def sample_dtype(model: nn.Module) -> torch.dtype | None:
     """The dtype of the model's sampling copies (`sample_weights`), None when it has none (float32, the default)."""
     for layer in lora_layers(model).values():
         if layer.sample_source is not None:
-            return (layer.sample_weight if layer.shared_copy is None else layer.shared_copy.weight).dtype
+            weight = layer.sample_weight if layer.shared_copy is None else layer.shared_copy.weight
+            assert weight is not None  # a copied layer has a copy of its own where it shares none
+            return weight.dtype
     return None
 
 
@@ -432,7 +444,7 @@ def sample_weights_bytes(model: nn.Module) -> int:
 @contextlib.contextmanager
 def sampling(model: nn.Module):
     """The sampler's forward passes: base products run on the layers' sampling copies where they have one."""
-    routing: Routing = model._stepwise_routing
+    routing: Routing = getattr(model, "_stepwise_routing")  # attach's (nn.Module types its attributes loosely)
     previous, routing.sampling = routing.sampling, True
     try:
         yield
@@ -467,7 +479,7 @@ def new_adapter(model: nn.Module, config: LoraConfig) -> Adapter:
 def route(model: nn.Module, adapters: list):
     """Run the model with row i of the batch under adapters[i] (None: base model only). A full fine-tuning run's
     weights (engine/full_weights.py) replace the model's own for the pass, so its rows must be the whole batch."""
-    routing: Routing = model._stepwise_routing
+    routing: Routing = getattr(model, "_stepwise_routing")  # attach's (nn.Module types its attributes loosely)
     distinct = list({id(a): a for a in adapters if a is not None}.values())
     if any(a.full for a in distinct):
         if len(distinct) != 1 or any(a is None for a in adapters):
@@ -479,6 +491,7 @@ def route(model: nn.Module, adapters: list):
         finally:
             routing.groups = previous
         return
+    groups: list[tuple[Adapter, slice | torch.Tensor | None]]
     if len(distinct) == 1 and all(a is distinct[0] for a in adapters):
         groups = [(distinct[0], None)]  # the common case: the whole batch is one adapter
     else:
@@ -488,7 +501,8 @@ def route(model: nn.Module, adapters: list):
             if rows[-1] - rows[0] + 1 == len(rows):  # a contiguous run: views, no copies
                 groups.append((adapter, slice(rows[0], rows[-1] + 1)))
             else:
-                groups.append((adapter, torch.tensor(rows, device=model.device)))
+                device: Any = model.device  # a transformers model's (torch types module attributes loosely)
+                groups.append((adapter, torch.tensor(rows, device=device)))
     previous, routing.groups = routing.groups, groups
     try:
         yield
