@@ -20,6 +20,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -43,6 +44,8 @@ from kernel_backend.types import (
 )
 from kernel_backend.errors import UserError
 
+Weights = lora.Adapter | full_weights.FullWeights  # a run's weights: a LoRA adapter, or a full run's (rank 0)
+
 
 @dataclass
 class Pass:
@@ -59,7 +62,7 @@ class Pass:
 class _Slot:
     """An adapter and, when it trains, its optimizer (AdamW or Dimuon: engine/optimizers.py)."""
 
-    adapter: lora.Adapter | full_weights.FullWeights
+    adapter: Weights
     optimizer: torch.optim.Optimizer | None = None
     steps: int = 0  # optim_steps applied
 
@@ -80,8 +83,8 @@ class Engine:
         dtype = getattr(torch, self.settings.dtype)
         self.base = base_models.load(base_model, self.settings.models_dir, self.settings.device, dtype,
                                 self.settings.base_models)
-        self.model = self.base.model
-        self.tokenizer = self.base.tokenizer
+        self.model: Any = self.base.model  # a transformers model (torch types a module's attributes loosely)
+        self.tokenizer: Any = self.base.tokenizer  # a transformers tokenizer
         self.vocab_size = self.base.vocab_size
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 2048))
         lora.attach(self.model, matmul.choose(self.settings.matmul, self.settings.device, dtype))
@@ -147,7 +150,8 @@ class Engine:
         adapter = full_weights.new(self.model, config) if config.rank == 0 else lora.new_adapter(self.model, config)
         slot = _Slot(adapter, optimizers.create(optimizer, adapter.parameters(), adapter.config.rank))
         self.adapters.add(adapter_id, slot, owner)
-        self.history.record(adapter_id, slot.adapter, slot.optimizer, 0)
+        # (a full run's weights too: StepHistory.record's annotation names lora.Adapter only)
+        self.history.record(adapter_id, slot.adapter, slot.optimizer, 0)  # type: ignore[arg-type]
 
     def delete_adapter(self, adapter_id: str) -> None:
         self.adapters.drop(adapter_id)
@@ -214,7 +218,7 @@ class Engine:
             configs.append(config)
         live = [i for i, r in enumerate(results) if r is None]
         if not live:
-            return results
+            return _filled(results)
 
         needed = {passes[i].adapter_id for i in live}
         slots = {i: self._slot(passes[i].adapter_id, keep=needed) for i in live}
@@ -283,7 +287,7 @@ class Engine:
                 metrics=losses.merge_metrics(metrics_of[i]),
                 computed_tokens=computed_of[i],
             )
-        return results
+        return _filled(results)
 
     def _check_pass(self, index: int, p: Pass) -> list[_Row]:
         """Validate one request completely; return its rows as tensors. Raises UserError."""
@@ -350,19 +354,21 @@ class Engine:
             rows.append(_Row(index, tokens, torch.from_numpy(targets), inputs))
         return rows
 
-    def _tree_key(self, adapter: lora.Adapter, n: int) -> tuple[int, int]:
+    def _tree_key(self, adapter: Weights, n: int) -> tuple[int, int]:
         """Row n's key in a prefix_tree.Tree: rows of one adapter share their prefixes, unless sharing is off
         (settings.share_prefixes) or the model runs padded through transformers (not sampler.Decoder.supports)."""
         shared = self.settings.share_prefixes and sampler.Decoder.supports(self.model)
         return id(adapter), 0 if shared else n
 
-    def _micro_batches(self, rows: list[_Row], adapters: list[lora.Adapter]) -> list[list[_Row]]:
+    def _micro_batches(self, rows: list[_Row], adapters: list[Weights]) -> list[list[_Row]]:
         """Group rows so that each micro-batch stays within micro_batch_tokens: the tokens the model runs, where
         rows of one adapter that share a prefix share its tokens (engine/prefix_tree.py, _tree_key), or, padded through
         transformers (not sampler.Decoder.supports), its rows x their longest. A full run's rows are micro-batches of
         their own (lora.weights_key)."""
         packed = sampler.Decoder.supports(self.model)
-        batches, current, tree = [], [], prefix_tree.Tree()
+        batches: list[list[_Row]] = []
+        current: list[_Row] = []
+        tree = prefix_tree.Tree()
         for n, (row, adapter) in enumerate(zip(rows, adapters)):
             key = self._tree_key(adapter, n)
             cost = (tree.cost_with(key, row.tokens) if packed
@@ -377,7 +383,7 @@ class Engine:
             batches.append(current)
         return batches
 
-    def _target_logprobs(self, rows: list[_Row], adapters: list[lora.Adapter], topk: int = 0
+    def _target_logprobs(self, rows: list[_Row], adapters: list[Weights], topk: int = 0
                          ) -> tuple[list[torch.Tensor], Counter, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Each row's logprobs of its target tokens, the tokens the model ran per adapter (by id), and with
         `topk` each row's k most likely tokens per position with their logprobs (losses.top_logprobs). The
@@ -397,7 +403,7 @@ class Engine:
             # Without padding no mask at all: the attention takes its plain causal path.
             logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device) if padded else None).logits
         logits = logits.float()  # a no-op in float32
-        computed = Counter()
+        computed: Counter[int] = Counter()
         for r, adapter in zip(rows, adapters):
             computed[id(adapter)] += len(r.tokens)
         tops = [losses.top_logprobs(logits[i, : len(r.tokens)], topk) for i, r in enumerate(rows)] if topk else []
@@ -415,7 +421,7 @@ class Engine:
             out.append(losses.target_logprobs(logits[i, : len(r.tokens)], targets).reshape(r.targets.shape))
         return out, computed, tops
 
-    def _packed_target_logprobs(self, rows: list[_Row], adapters: list[lora.Adapter], topk: int = 0):
+    def _packed_target_logprobs(self, rows: list[_Row], adapters: list[Weights], topk: int = 0):
         """The rows as one flat batch of tokens, every prefix that rows of one adapter share computed once
         (engine/prefix_tree.py): no product sees a padding token or a token twice, attention stays within each row."""
         device = self.model.device
@@ -426,10 +432,11 @@ class Engine:
         ids = torch.tensor(tree.tokens, device=device)
         positions = torch.tensor(tree.positions, device=device)
         attend = packed_forward.causal_within_paths(self.model, tree.leaf_paths(), device)
-        with lora.route(self.model, [by_id[adapter] for adapter, _ in tree.keys]):
+        keys = cast(list[tuple[int, int]], tree.keys)  # the keys added above, _tree_key's (the Tree takes any)
+        with lora.route(self.model, [by_id[adapter] for adapter, _ in keys]):
             hidden = packed_forward.flat_forward(self.model, ids, positions, attend)
             logits = families.final_logits(self.model.config, self.model.lm_head(hidden).float())  # .float(): a no-op in float32
-        computed = Counter(adapter for adapter, _ in tree.keys)
+        computed = Counter(adapter for adapter, _ in keys)
         lengths = [len(r.tokens) for r in rows]
         tops = []
         if topk:  # a node's top-k once, each row reading its path's nodes
@@ -471,15 +478,18 @@ class Engine:
                 f"this optim_step would make the adapter {problem} (learning_rate {params.learning_rate:g}); it was "
                 "not applied and the adapter is unchanged: lower the learning rate (or set grad_clip_norm)"
             )
-        self.history.record(adapter_id, slot.adapter, slot.optimizer, slot.steps)
+        # (a full run's weights too: StepHistory.record's annotation names lora.Adapter only)
+        self.history.record(adapter_id, slot.adapter, slot.optimizer, slot.steps)  # type: ignore[arg-type]
         return metrics
 
     def _unusable(self, slot: _Slot) -> str | None:
         """Why an adapter can no longer be trained or sampled from, or None if it is fine."""
-        tensors = slot.adapter.parameters()
+        tensors: list[torch.Tensor] = [*slot.adapter.parameters()]  # (the foreach ops take a list of Tensors)
         if not bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all()):
             return "weights non-finite"
-        moments = [v for state in slot.optimizer.state.values() for k, v in state.items()
+        optimizer = slot.optimizer
+        assert optimizer is not None  # optim_step's: a run that trains (a sampler snapshot has no optimizer)
+        moments = [v for state in optimizer.state.values() for k, v in state.items()
                    if k != "step" and torch.is_tensor(v)]
         if moments and not bool(torch.isfinite(torch.stack(torch._foreach_norm(moments))).all()):
             return "optimizer state non-finite"
@@ -489,14 +499,16 @@ class Engine:
         return None if bool(torch.isfinite(logits).all()) else "output non-finite"
 
     def _step(self, slot: _Slot, params: AdamParams | DimuonParams) -> dict[str, float]:
-        optimizers.configure(slot.optimizer, params)  # checks params first; raises before any change
+        optimizer = slot.optimizer
+        assert optimizer is not None  # optim_step's: a run that trains (a sampler snapshot has no optimizer)
+        optimizers.configure(optimizer, params)  # checks params first; raises before any change
         trainable = slot.adapter.parameters()
         grads = [p.grad for p in trainable if p.grad is not None]
         grad_norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))) if grads else 0.0
         if params.grad_clip_norm > 0 and grads:
             torch.nn.utils.clip_grad_norm_(trainable, params.grad_clip_norm, foreach=True)
-        slot.optimizer.step()
-        slot.optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         slot.steps += 1
         return {"grad_norm:mean": grad_norm, "learning_rate:mean": params.learning_rate}
 
@@ -519,7 +531,9 @@ class Engine:
         adapter = self._slot(adapter_id).adapter if adapter_id is not None else None
         prompt = _check_tokens(prompt, self.vocab_size, "prompt")
         stop_ids, stop_strings = self._check_sampling(prompt, num_samples, params, options)
-        request = sampler.SampleRequest(adapter, prompt, num_samples, params, stop_ids, stop_strings, options, on_token)
+        request = sampler.SampleRequest(
+            adapter,  # type: ignore[arg-type]  # (a full run's too: SampleRequest's annotation names lora.Adapter only)
+            prompt, num_samples, params, stop_ids, stop_strings, options, on_token)
         if options.grammar is not None:
             request.constraint = self.grammars().compile(options.grammar)
         if cancel is not None:
@@ -546,7 +560,7 @@ class Engine:
         left = {id(r) for r in requests}
         while left:
             left -= {id(r) for r in self.decoder.step()}
-        return [r.error if r.error is not None else r.result for r in requests]
+        return [_outcome(r) for r in requests]
 
     def sample(self, adapter_id: str | None, prompt: list[int], num_samples: int = 1,
                params: SamplingParams | None = None, **options) -> SampleResult:
@@ -560,7 +574,9 @@ class Engine:
     def compute_logprobs(self, adapter_id: str | None, tokens: list[int]) -> list[float | None]:
         """Logprob of each token given the ones before it (None for the first)."""
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        return self.sample(adapter_id, tokens, 1, params, prompt_logprobs=True).prompt_logprobs
+        logprobs = self.sample(adapter_id, tokens, 1, params, prompt_logprobs=True).prompt_logprobs
+        assert logprobs is not None  # asked for (prompt_logprobs=True)
+        return logprobs
 
     def _check_sampling(self, prompt, num_samples, params: SamplingParams, options: SampleOptions):
         if not prompt:
@@ -592,7 +608,7 @@ class Engine:
         raise UserError("stop must be a list of strings or a list of token ids, not a mix")
 
     def _eos_ids(self) -> set[int]:
-        ids = set()
+        ids: set[int] = set()
         eos = self.model.generation_config.eos_token_id
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
@@ -720,11 +736,14 @@ class _Snapshot:
 
     def __init__(self, slot: _Slot) -> None:
         params = slot.adapter.parameters()
+        optimizer = slot.optimizer
+        assert optimizer is not None  # optim_step's: a run that trains (a sampler snapshot has no optimizer)
         self.weights = [p.detach().clone() for p in params]
         self.grads = [None if p.grad is None else p.grad.clone() for p in params]
-        self.state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in slot.optimizer.state[p].items()}
-                      for p in params if p in slot.optimizer.state}
-        self.groups = [dict(g, params=None) for g in slot.optimizer.param_groups]
+        self.state: dict[torch.Tensor, dict[str, Any]] = {
+            p: {k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()}
+            for p in params if p in optimizer.state}
+        self.groups = [dict(g, params=None) for g in optimizer.param_groups]
         self.steps = slot.steps
 
     def restore(self, slot: _Slot) -> None:
@@ -733,9 +752,11 @@ class _Snapshot:
             for p, w, g in zip(params, self.weights, self.grads):
                 p.copy_(w)
                 p.grad = g
-        slot.optimizer.state.clear()
-        slot.optimizer.state.update(self.state)
-        for group, saved in zip(slot.optimizer.param_groups, self.groups):
+        optimizer = slot.optimizer
+        assert optimizer is not None  # the snapshot's run (its optimizer stays)
+        optimizer.state.clear()
+        optimizer.state.update(self.state)
+        for group, saved in zip(optimizer.param_groups, self.groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
         slot.steps = self.steps
 
@@ -756,18 +777,32 @@ def _check_range(arr: np.ndarray, vocab_size: int, where: str) -> None:
         raise UserError(f"{where} has token id {bad}, outside the vocabulary [0, {vocab_size}); use this model's tokenizer")
 
 
-def _grads_finite(adapter: lora.Adapter) -> bool:
+def _filled(results: list[ForwardResult | Exception | None]) -> list[ForwardResult | Exception]:
+    """run_passes' results, once every pass has its result or its error."""
+    filled = [r for r in results if r is not None]
+    assert len(filled) == len(results)
+    return filled
+
+
+def _outcome(request: sampler.SampleRequest) -> SampleResult | Exception:
+    """A decoded request's result or error (the decoder sets one of them when the request leaves it)."""
+    outcome = request.error if request.error is not None else request.result
+    assert outcome is not None
+    return outcome
+
+
+def _grads_finite(adapter: Weights) -> bool:
     grads = [p.grad for p in adapter.parameters() if p.grad is not None]
     if not grads:
         return True
     return bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
 
 
-def _grads(adapter: lora.Adapter) -> list[torch.Tensor | None]:
+def _grads(adapter: Weights) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.clone() for p in adapter.parameters()]
 
 
-def _restore_grads(adapter: lora.Adapter, grads: list[torch.Tensor | None]) -> None:
+def _restore_grads(adapter: Weights, grads: list[torch.Tensor | None]) -> None:
     for p, g in zip(adapter.parameters(), grads):
         p.grad = g
 
