@@ -151,7 +151,7 @@ class Engine:
         slot = _Slot(adapter, optimizers.create(optimizer, adapter.parameters(), adapter.config.rank))
         self.adapters.add(adapter_id, slot, owner)
         # (a full run's weights too: StepHistory.record's annotation names lora.Adapter only)
-        self.history.record(adapter_id, slot.adapter, slot.optimizer, 0)  # type: ignore[arg-type]
+        self.history.record(adapter_id, slot.adapter, slot.optimizer, 0)
 
     def delete_adapter(self, adapter_id: str) -> None:
         self.adapters.drop(adapter_id)
@@ -479,7 +479,7 @@ class Engine:
                 "not applied and the adapter is unchanged: lower the learning rate (or set grad_clip_norm)"
             )
         # (a full run's weights too: StepHistory.record's annotation names lora.Adapter only)
-        self.history.record(adapter_id, slot.adapter, slot.optimizer, slot.steps)  # type: ignore[arg-type]
+        self.history.record(adapter_id, slot.adapter, slot.optimizer, slot.steps)
         return metrics
 
     def _unusable(self, slot: _Slot) -> str | None:
@@ -532,7 +532,7 @@ class Engine:
         prompt = _check_tokens(prompt, self.vocab_size, "prompt")
         stop_ids, stop_strings = self._check_sampling(prompt, num_samples, params, options)
         request = sampler.SampleRequest(
-            adapter,  # type: ignore[arg-type]  # (a full run's too: SampleRequest's annotation names lora.Adapter only)
+            adapter,
             prompt, num_samples, params, stop_ids, stop_strings, options, on_token)
         if options.grammar is not None:
             request.constraint = self.grammars().compile(options.grammar)

@@ -52,7 +52,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from kernel_backend.engine import constraints, families, lora, prefix_cache, small_products
+from kernel_backend.engine import constraints, families, full_weights, lora, prefix_cache, small_products
 from kernel_backend.engine.packed_forward import flat_forward
 from kernel_backend.types import SampledSequence, SampleOptions, SampleResult, SamplingParams
 from kernel_backend.errors import Cancelled
@@ -65,7 +65,7 @@ BATCHED_ARCHITECTURES = tuple(families.FAMILIES)
 class SampleRequest:
     """One `sample` call, validated by the engine: `num_samples` continuations of one prompt."""
 
-    adapter: lora.Adapter | None
+    adapter: lora.Adapter | full_weights.FullWeights | None  # (None: the base model)
     prompt: list[int]
     num_samples: int
     params: SamplingParams  # max_tokens is set

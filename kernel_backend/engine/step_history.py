@@ -30,12 +30,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kernel_backend.engine import lora, optimizers
+from kernel_backend.engine import full_weights, lora, optimizers
 
 
 @dataclass
 class StepState:
-    adapter: lora.Adapter  # a detached copy on the CPU (or full_weights.FullWeights: a full run's)
+    adapter: lora.Adapter | full_weights.FullWeights  # a detached copy on the CPU (a full run's: its whole weights)
     optimizer_state: dict[str, torch.Tensor]  # optimizers.state_tensors(): flat, float32, CPU
     optimizer_kind: str
     step: int
@@ -82,7 +82,7 @@ class StepHistory:
     def nbytes(self) -> int:
         return sum(state.nbytes for states in list(self.runs.values()) for state in list(states.values()))
 
-    def record(self, run_id: str, adapter: lora.Adapter, optimizer, steps: int) -> None:
+    def record(self, run_id: str, adapter: lora.Adapter | full_weights.FullWeights, optimizer, steps: int) -> None:
         """Keep the run's state as it is now, after `steps` optim steps (0: just created or loaded)."""
         if self.per_run <= 0:
             return
