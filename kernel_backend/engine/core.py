@@ -24,10 +24,11 @@ from typing import Any, cast
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from kernel_backend.engine import (adapter_cache, base_models, constraints, families, full_weights, lora, losses, matmul,
-                                   optimizers, packed_forward, prefix_tree, sampler)
+                                   optimizers, packed_forward, prefix_tree, sampler, sharding)
 from kernel_backend.engine.step_history import StepHistory, write_state, write_weights
 from kernel_backend.config import Settings
 from kernel_backend.types import (
@@ -78,16 +79,26 @@ class _Row:
 
 
 class Engine:
-    def __init__(self, base_model: str = base_models.DEFAULT_MODEL, settings: Settings | None = None) -> None:
+    def __init__(self, base_model: str = base_models.DEFAULT_MODEL, settings: Settings | None = None,
+                 group=None) -> None:
+        """`group`: a torch.distributed process group to shard the base model over (engine/sharding.py): this
+        process loads its rows of the weights alone, and every process of the group must make this Engine and then
+        make the same calls on it, in the same order (each product gathers its weight, a collective). Rank 0 of the
+        group writes the checkpoints."""
         self.settings = settings or Settings()
+        self.group = group
         dtype = getattr(torch, self.settings.dtype)
-        self.base = base_models.load(base_model, self.settings.models_dir, self.settings.device, dtype,
-                                self.settings.base_models)
+        product = matmul.choose(self.settings.matmul, self.settings.device, dtype)
+        if group is None:
+            self.base = base_models.load(base_model, self.settings.models_dir, self.settings.device, dtype,
+                                         self.settings.base_models)
+            lora.attach(self.base.model, product)
+        else:
+            self.base = _load_sharded(base_model, self.settings, dtype, product, group)
         self.model: Any = self.base.model  # a transformers model (torch types a module's attributes loosely)
         self.tokenizer: Any = self.base.tokenizer  # a transformers tokenizer
         self.vocab_size = self.base.vocab_size
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 2048))
-        lora.attach(self.model, matmul.choose(self.settings.matmul, self.settings.device, dtype))
         # The sampler's bf16 copy of the base weights, if asked (STEPWISE_SAMPLE_DTYPE; ~270 MB on the default model).
         lora.sample_weights(self.model, self.settings.sample_dtype)
         self.decoder = self._make_decoder()
@@ -146,6 +157,9 @@ class Engine:
         if adapter_id in self.adapters:
             raise UserError(f"adapter {adapter_id!r} already exists")
         config = config or LoraConfig()
+        if self.group is not None and config.rank > 0 and config.seed is None:
+            raise UserError("on a sharded model every process of the group makes the adapter: give it a seed "
+                            "(LoraConfig.seed), or each process draws its own and they part ways")
         optimizers.check_kind(optimizer, full=config.rank == 0)
         adapter = full_weights.new(self.model, config) if config.rank == 0 else lora.new_adapter(self.model, config)
         slot = _Slot(adapter, optimizers.create(optimizer, adapter.parameters(), adapter.config.rank))
@@ -269,7 +283,8 @@ class Engine:
                 total.backward()
 
         for i in saved_grads:  # a finite loss can still overflow in backward: never keep inf/NaN gradients
-            if results[i] is None and not _grads_finite(slots[i].adapter):
+            # On a sharded model each process sees its shards' gradients: one's non-finite shard fails the pass on all.
+            if results[i] is None and self._on_any_process(not _grads_finite(slots[i].adapter)):
                 results[i] = UserError(
                     f"the {passes[i].loss_fn} loss gave non-finite gradients; check that loss_fn_inputs "
                     "'logprobs' are the sampler's logprobs and advantages are moderate"
@@ -484,19 +499,27 @@ class Engine:
 
     def _unusable(self, slot: _Slot) -> str | None:
         """Why an adapter can no longer be trained or sampled from, or None if it is fine."""
+        # Each check agreed over a sharded model's group (a full run's shards differ by process): a step one process
+        # finds unusable is undone on every one, or their weights part ways.
         tensors: list[torch.Tensor] = [*slot.adapter.parameters()]  # (the foreach ops take a list of Tensors)
-        if not bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all()):
+        weights_finite = bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all())
+        if self._on_any_process(not weights_finite):
             return "weights non-finite"
         optimizer = slot.optimizer
         assert optimizer is not None  # optim_step's: a run that trains (a sampler snapshot has no optimizer)
         moments = [v for state in optimizer.state.values() for k, v in state.items()
                    if k != "step" and torch.is_tensor(v)]
-        if moments and not bool(torch.isfinite(torch.stack(torch._foreach_norm(moments))).all()):
+        moments_finite = not moments or bool(torch.isfinite(torch.stack(torch._foreach_norm(moments))).all())
+        if self._on_any_process(not moments_finite):
             return "optimizer state non-finite"
         probe = torch.arange(1, min(9, self.vocab_size), device=self.model.device)[None]
         with torch.no_grad(), lora.route(self.model, [slot.adapter.detached()]):
             logits = self.model(input_ids=probe, logits_to_keep=1).logits
         return None if bool(torch.isfinite(logits).all()) else "output non-finite"
+
+    def _on_any_process(self, flag: bool) -> bool:
+        """`flag` on an unsharded model; on a sharded one, whether it holds on any process of the group."""
+        return flag if self.group is None else sharding.on_any_process(flag, self.model)
 
     def _step(self, slot: _Slot, params: AdamParams | DimuonParams) -> dict[str, float]:
         optimizer = slot.optimizer
@@ -504,9 +527,17 @@ class Engine:
         optimizers.configure(optimizer, params)  # checks params first; raises before any change
         trainable = slot.adapter.parameters()
         grads = [p.grad for p in trainable if p.grad is not None]
-        grad_norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))) if grads else 0.0
-        if params.grad_clip_norm > 0 and grads:
-            torch.nn.utils.clip_grad_norm_(trainable, params.grad_clip_norm, foreach=True)
+        if self.group is None:
+            grad_norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))) if grads else 0.0
+            if params.grad_clip_norm > 0 and grads:
+                torch.nn.utils.clip_grad_norm_(trainable, params.grad_clip_norm, foreach=True)
+        else:
+            # A full run's shards hold a part of each gradient each: the norm is the group's (a collective, made on
+            # every process even without gradients), and every process clips by that one norm, as unsharded.
+            grad_norm = sharding.grad_norm(self.model, slot.adapter)
+            if params.grad_clip_norm > 0 and grads:
+                torch.nn.utils.clip_grads_with_norm_(trainable, params.grad_clip_norm, torch.tensor(grad_norm),
+                                                     foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         slot.steps += 1
@@ -624,8 +655,10 @@ class Engine:
         if slot.optimizer is not None:
             state = optimizers.state_tensors(slot.optimizer, slot.adapter.named_parameters())
             kind = optimizers.kind_of(slot.optimizer)
-        with _atomic_dir(directory) as tmp:
-            write_state(tmp, slot.adapter, state, kind, slot.steps, self.base)
+        adapter, state = self._whole(slot.adapter, state)
+        if self._writes():
+            with _atomic_dir(directory) as tmp:
+                write_state(tmp, adapter, state, kind, slot.steps, self.base)
 
     def kept_steps(self, adapter_id: str) -> list[int]:
         """The steps whose state this engine can still write (save_step): the kept ones and the current one."""
@@ -642,11 +675,14 @@ class Engine:
         if state is None:
             raise UserError(f"the state after step {step} of {adapter_id} is no longer kept in memory; kept steps: "
                             f"{self.kept_steps(adapter_id)} (older ones only where a snapshot was written)")
+        adapter, optimizer_state = self._whole(state.adapter, state.optimizer_state if with_optimizer else {})
+        if not self._writes():
+            return
         with _atomic_dir(directory) as tmp:
             if with_optimizer:
-                write_state(tmp, state.adapter, state.optimizer_state, state.optimizer_kind, step, self.base)
+                write_state(tmp, adapter, optimizer_state, state.optimizer_kind, step, self.base)
             else:
-                write_weights(tmp, state.adapter, self.base)
+                write_weights(tmp, adapter, self.base)
 
     def load_state(self, adapter_id: str, directory: Path, with_optimizer: bool = True,
                    optimizer: str | None = None, owner: str = "") -> None:
@@ -671,6 +707,8 @@ class Engine:
         steps = 0
         if restore:
             saved = load_file(directory / "optimizer.safetensors")
+            if self.group is not None:  # the saved state is whole (save_state's): this process's rows of it
+                saved = sharding.shard_tensors(self.model, saved)
             optimizers.load_state_tensors(opt, adapter.named_parameters(), saved)
             steps = meta.get("steps", 0)
         self.adapters.add(adapter_id, _Slot(adapter, opt, steps), owner)
@@ -680,9 +718,25 @@ class Engine:
 
     def save_weights_for_sampler(self, adapter_id: str, directory: Path) -> None:
         """The adapter's weights alone, in PEFT format (what vLLM and peft load); a full run's as a model folder."""
-        slot = self._slot(adapter_id)
-        with _atomic_dir(directory) as tmp:
-            write_weights(tmp, slot.adapter, self.base)
+        adapter, _ = self._whole(self._slot(adapter_id).adapter, {})
+        if self._writes():
+            with _atomic_dir(directory) as tmp:
+                write_weights(tmp, adapter, self.base)
+
+    def _whole(self, adapter: Weights, optimizer_state: dict[str, torch.Tensor]
+               ) -> tuple[Weights, dict[str, torch.Tensor]]:
+        """A run's weights and optimizer tensors as a checkpoint holds them: on a sharded model a full run's whole,
+        under the unsharded model's names, so that the folder loads on any number of processes (a collective: every
+        process gathers, _writes says which one writes). A LoRA adapter is whole already: the same on every process."""
+        if self.group is None or not adapter.full:
+            return adapter, optimizer_state
+        assert isinstance(adapter, full_weights.FullWeights)  # (adapter.full)
+        return sharding.whole_weights(self.model, adapter), sharding.whole_tensors(self.model, optimizer_state)
+
+    def _writes(self) -> bool:
+        """Whether this process writes the checkpoints: always unsharded; on a sharded model the group's rank 0 (the
+        others return once they have gathered, before it is written)."""
+        return self.group is None or dist.get_rank(self.group) == 0
 
     def load_sampler(self, sampler_id: str, directory: Path, owner: str = "") -> None:
         """A frozen adapter for sampling, from save_weights_for_sampler or save_state output. The cache may
@@ -694,6 +748,8 @@ class Engine:
         """A checkpoint's weights: a full run's (a model folder, engine/full_weights.py) or a LoRA adapter (PEFT)."""
         if full_weights.is_checkpoint(directory):
             config = LoraConfig(**meta["lora"]) if "lora" in meta else LoraConfig(rank=0)
+            if self.group is not None:  # a whole model folder, cut into this process's rows
+                return sharding.load_full(self.model, directory, config, trainable)
             return full_weights.load(self.model, directory, config, trainable)
         if not (directory / "adapter_model.safetensors").exists():
             raise UserError(f"no saved weights at {directory}")
@@ -723,6 +779,19 @@ class Engine:
 
 
 # ---- helpers ---------------------------------------------------------------------------------
+
+
+def _load_sharded(name: str, settings: Settings, dtype: torch.dtype, product, group) -> base_models.BaseModel:
+    """base_models.load and lora.attach together, the model sharded over `group` (sharding.load_sharded): this
+    process reads its rows of the weights from the files, and never holds the whole model."""
+    from transformers import AutoTokenizer
+
+    if settings.sample_dtype == "bfloat16" and dtype != torch.bfloat16:  # (a bfloat16 base needs no copy)
+        raise UserError(f"STEPWISE_SAMPLE_DTYPE={settings.sample_dtype} makes the sampler a copy of every base weight, "
+                        "whole: a sharded model samples on its shards; set STEPWISE_SAMPLE_DTYPE=float32")
+    canonical, path = base_models.resolve(name, settings.models_dir, settings.base_models)
+    model = sharding.load_sharded(path, group, dtype, settings.device, product)
+    return base_models.BaseModel(canonical, path, model, AutoTokenizer.from_pretrained(path))
 
 
 def _state_facts(directory: Path) -> dict:

@@ -28,7 +28,8 @@ which are now the shards): its gradients are the gathered weight's, cut to this 
 state 1/N as well. Its checkpoint is written whole (`whole_weights`, `whole_tensors` for its optimizer state: the
 model folder transformers loads, which any number of processes can load again: `load_full`, `shard_tensors`); its
 global gradient norm (grad_clip_norm) sums the shards' over the group (`grad_norm`), and a step one process finds
-unusable is undone on all (`on_any_process`): the Engine does not call these three yet (docs/architecture.md).
+unusable is undone on all (`on_any_process`). The Engine made with a group (Engine(group=...), engine/core.py) loads
+its model with `load_sharded` and makes these calls itself.
 """
 
 from __future__ import annotations
