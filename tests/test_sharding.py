@@ -1,17 +1,22 @@
 """A base model sharded over 2 processes (kernel_backend/engine/sharding.py) computes what the unsharded model
 computes, and each process holds about half of it.
 
-Two processes joined by gloo on loopback (torch.multiprocessing, spawn) each load the tiny stand-in model, shard
-it, and run the same engine calls; this process runs them on the unsharded model. The calls: LoRA forward, a
-forward_backward of two adapters in one batch (the multi-tenant batch), their optim_steps, forward and the
-sampler's logprobs and greedy tokens after the step, and the same for a full fine-tuning run.
+Two processes joined by gloo on loopback (torch.multiprocessing, spawn) each make an Engine sharded over their
+group (Engine(group=...): the model loaded straight into shards) and run the same engine calls; this process runs
+them on an unsharded Engine. The calls: LoRA forward, a forward_backward of two adapters in one batch (the
+multi-tenant batch), their optim_steps, forward and the sampler's logprobs and greedy tokens after the step, and the
+same for a full fine-tuning run (its step clipped). Checkpoints cross between the two: a sharded save_state loads
+unsharded, and back.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import gc
 import os
 import socket
+import time
 import weakref
 from pathlib import Path
 
@@ -23,14 +28,15 @@ import torch.multiprocessing as mp
 
 from safetensors.torch import load_file
 
-from kernel_backend.engine import lora, optimizers, sharding
-from kernel_backend.engine.core import Engine, Pass, _Slot
-from kernel_backend.engine.step_history import write_state
+from kernel_backend.engine import lora, sharding
+from kernel_backend.engine.core import Engine, Pass
+from kernel_backend.errors import UserError
 from kernel_backend.types import AdamParams, Datum, LoraConfig, SamplingParams
 from tiny_model import stand_in_settings, tiny_model_folder
 
 WORLD = 2
 TOLERANCE = 1e-5
+CLIP = 20.0  # the full run's grad_clip_norm: a quarter of its gradient norm (80)
 
 
 def _datum(tokens: list[int]) -> Datum:
@@ -63,7 +69,10 @@ def _calls(engine: Engine) -> dict:
     engine.create_adapter("full", LoraConfig(rank=0))
     out["full_forward_backward"] = _logprobs(engine.forward_backward("full", data))
     out["full_grad_norm"] = sharding.grad_norm(engine.model, engine._slot("full").adapter)
-    out["full_grad_norm_reported"] = engine.optim_step("full", AdamParams(learning_rate=1e-3))["grad_norm:mean"]
+    # Clipped (the norm is 80): a process clipping by its shards' norm would scale its gradients, and so AdamW's
+    # moments, otherwise (test_a_clipped_full_step_leaves_the_unsharded_optimizer_state).
+    step = engine.optim_step("full", AdamParams(learning_rate=1e-3, grad_clip_norm=CLIP))
+    out["full_grad_norm_reported"] = step["grad_norm:mean"]
     out["full_after_step"] = _logprobs(engine.forward("full", data))
     out["full_prompt_logprobs"] = engine.compute_logprobs("full", rows[0])[1:]
     return out
@@ -77,23 +86,13 @@ def _step(engine: Engine, adapter_id: str) -> np.ndarray:
     return _logprobs(engine.forward(adapter_id, data))
 
 
-def _save_whole(engine: Engine, adapter_id: str, folder: Path, write: bool) -> None:
-    """A sharded full run's save_state folder, written whole (weights and AdamW state) by one process."""
-    slot = engine._slot(adapter_id)
-    run = sharding.whole_weights(engine.model, slot.adapter)
-    state = optimizers.state_tensors(slot.optimizer, slot.adapter.named_parameters())
-    state = sharding.whole_tensors(engine.model, state)
-    if write:
-        write_state(folder, run, state, "adamw", slot.steps, engine.base)
-
-
-def _resume_sharded(engine: Engine, adapter_id: str, folder: Path) -> None:
-    """Engine.load_state of a full run's folder, on a sharded model: resharded onto this group."""
-    run = sharding.load_full(engine.model, folder, LoraConfig(rank=0))
-    optimizer = optimizers.create("adamw", run.parameters(), 0)
-    state = sharding.shard_tensors(engine.model, load_file(folder / "optimizer.safetensors"))
-    optimizers.load_state_tensors(optimizer, run.named_parameters(), state)
-    engine.adapters.add(adapter_id, _Slot(run, optimizer, 1))
+def _wait_for(path: Path, seconds: float = 300) -> None:
+    """Until `path` exists (a folder _atomic_dir renames into place: whole once it is there)."""
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} was not written")
+        time.sleep(0.05)
 
 
 def _logprobs(result) -> np.ndarray:
@@ -154,27 +153,56 @@ def _families_alike(folders: list[str]) -> dict[str, list[float]]:
 def _rank(rank: int, folder: str, port: int, out_dir: str, families: list[str]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # two processes on the suite's two cores
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # A short timeout: processes that part ways (one skipping a collective the other makes) fail, not hang.
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     try:
-        engine = Engine(settings=stand_in_settings(Path(folder)))
-        whole = sharding.resident_bytes(engine.model)
-        embedding = weakref.ref(engine.model.get_input_embeddings().weight)
-        sharding.shard_model(engine.model)
+        settings = stand_in_settings(Path(folder))
+        out: dict = {}
+        for name, changed in {"bf16": {"sample_dtype": "bfloat16"}}.items():
+            try:  # refused before anything is loaded
+                Engine(settings=dataclasses.replace(settings, **changed), group=dist.group.WORLD)
+            except UserError as e:
+                out[f"{name}_refused"] = str(e)
+        # The model loaded whole, then sharded (shard_model): what it held, and that the whole weights are freed.
+        unsharded = Engine(settings=settings)
+        whole = sharding.resident_bytes(unsharded.model)
+        embedding = weakref.ref(unsharded.model.get_input_embeddings().weight)
+        sharding.shard_model(unsharded.model)
         gc.collect()
-        # The same shards read straight from the files, the whole model never made (a model bigger than a worker).
-        loaded = sharding.load_sharded(Path(folder))
-        made_alike = _same_tensors(loaded, engine.model)
+        # The sharded Engine: its shards read straight from the files, the whole model never made.
+        engine = Engine(settings=settings, group=dist.group.WORLD)
+        made_alike = _same_tensors(engine.model, unsharded.model)
         with torch.no_grad():
-            logits = [m(input_ids=torch.arange(100, 121)[None]).logits for m in (loaded, engine.model)]
+            logits = [m(input_ids=torch.arange(100, 121)[None]).logits for m in (engine.model, unsharded.model)]
         loaded_logits_difference = float((logits[0] - logits[1]).abs().max())
-        del loaded, logits
-        out = _calls(engine)
-        # A full run's snapshot: gathered whole on every process, written by one, resharded from the files.
-        snapshot = Path(out_dir) / "full-sharded"
-        _save_whole(engine, "full", snapshot, write=rank == 0)
-        dist.barrier()
-        _resume_sharded(engine, "resumed", snapshot)
+        del unsharded, logits
+        try:
+            engine.create_adapter("seedless", LoraConfig(rank=4))
+        except UserError as e:
+            out["seedless_refused"] = str(e)
+        out.update(_calls(engine))
+        # A full run's save_state: gathered whole on every process, written by rank 0, resharded from the files.
+        engine.save_state("full", Path(out_dir) / "full-sharded")
+        engine.save_state("a", Path(out_dir) / "a-sharded")  # a LoRA run's: the same on every process
+        dist.barrier()  # written: rank 0's save_state has returned
+        engine.load_state("resumed", Path(out_dir) / "full-sharded")
         out["resumed_step"] = _step(engine, "resumed")
+        # The unsharded Engine's save_state of its full run (the same run), resharded onto this group.
+        _wait_for(Path(out_dir) / "full-whole-state")
+        engine.load_state("from_whole", Path(out_dir) / "full-whole-state")
+        out["from_whole_forward"] = _logprobs(engine.forward("from_whole", [_datum(r) for r in _rows(engine)]))
+        out["from_whole_step"] = _step(engine, "from_whole")
+        # A step that one process alone finds unusable (rank 1's shard of a gradient made infinite, so its weights
+        # turn NaN) is undone on both, with the same error, and leaves each as it was.
+        engine.forward_backward("from_whole", [_datum(r) for r in _rows(engine)])
+        if rank == 1:
+            grad = next(p.grad for p in engine._slot("from_whole").adapter.parameters() if p.grad is not None)
+            grad.view(-1)[0] = float("inf")
+        before = engine.weights_digest("from_whole")
+        try:
+            engine.optim_step("from_whole", AdamParams(learning_rate=1e-3))
+        except UserError as e:
+            out["undone"] = [str(e), engine.weights_digest("from_whole") == before]
         # One process's unusable step is every process's (rank 1 alone finds it).
         out["agreed"] = [sharding.on_any_process(rank == 1, engine.model), sharding.on_any_process(False, engine.model)]
         out.update(made_alike=made_alike, loaded_logits_difference=loaded_logits_difference,
@@ -211,14 +239,18 @@ def runs(tiny_model, tmp_path_factory, stepwise_home):
                                    start_method="spawn", join=False)
     engine = Engine(settings=stand_in_settings(tiny_model))  # while the processes start (imports take most of it)
     whole = _calls(engine)
+    engine.save_state("full", out_dir / "full-whole-state")  # the sharded processes load it (and wait for it)
     engine.save_weights_for_sampler("full", out_dir / "full-whole")
     while not processes.join():  # raises if one failed
         pass
     answers = {rank: torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)}
     answers["whole"] = whole
-    # The sharded run's snapshot loads unsharded (2 processes -> 1), and goes on as the run that wrote it would.
+    # The sharded runs' save_states load unsharded (2 processes -> 1), and go on as the runs that wrote them would.
     engine.load_state("resumed", out_dir / "full-sharded")
     whole["resumed_step"] = _step(engine, "resumed")
+    data = [_datum(r) for r in _rows(engine)]
+    engine.load_state("a_from_sharded", out_dir / "a-sharded")
+    whole["a_from_sharded"] = [_logprobs(engine.forward(a, data)) for a in ("a", "a_from_sharded")]
     whole["full_step"] = _step(engine, "full")
     answers["checkpoints"] = out_dir
     return answers
@@ -253,15 +285,54 @@ def test_a_full_run_resumes_from_its_whole_snapshot_on_any_number_of_processes(r
     assert difference <= TOLERANCE
 
 
-def test_a_full_runs_gradient_norm_is_summed_over_the_shards(runs):
+def test_a_full_runs_gradient_norm_is_the_groups(runs):
     whole = runs["whole"]["full_grad_norm"]
     # optim_step's, unsharded: the whole gradient's norm, summed in float32 over 3M squares (grad_norm in float64)
     assert runs["whole"]["full_grad_norm_reported"] == pytest.approx(whole, rel=1e-4)
+    print(f"full run gradient norm {whole:.4g}, clipped to {CLIP}")
+    assert whole > 2 * CLIP  # so the step clipped, by a factor the shards' own norm would have got wrong
     for rank in range(WORLD):
         assert runs[rank]["full_grad_norm"] == pytest.approx(whole, rel=1e-6)
-        # What the Engine's optim_step reports on a sharded model today: its own shards' norm (a hook to come).
-        assert runs[rank]["full_grad_norm_reported"] < 0.99 * runs["whole"]["full_grad_norm_reported"]
+        # The sharded Engine's optim_step reports (and clipped by) the group's norm, not its shards' (about 1/sqrt(2)).
+        assert runs[rank]["full_grad_norm_reported"] == pytest.approx(whole, rel=1e-6)
         assert runs[rank]["agreed"] == [True, False]
+
+
+def test_a_clipped_full_step_leaves_the_unsharded_optimizer_state(runs):
+    """AdamW's moments after the clipped step (save_state's, written whole by rank 0) are the unsharded run's: the
+    second moment is the clipped gradient squared, so a clip by another norm would show here (Adam's update itself
+    hardly depends on the gradient's scale)."""
+    sharded = load_file(runs["checkpoints"] / "full-sharded" / "optimizer.safetensors")
+    whole = load_file(runs["checkpoints"] / "full-whole-state" / "optimizer.safetensors")
+    assert sharded.keys() == whole.keys()
+    worst = max(float((sharded[n] - t).abs().max() / t.abs().max().clamp_min(1e-30)) for n, t in whole.items())
+    print(f"AdamW state: max |sharded - unsharded| / max |unsharded| = {worst:.3g}")
+    assert worst <= 1e-4
+
+
+def test_a_save_state_crosses_between_sharded_and_unsharded_engines(runs):
+    whole = runs["whole"]
+    # The unsharded Engine's full run, loaded by the sharded ones: its logprobs, and the step after.
+    for rank in range(WORLD):
+        for key, reference in (("from_whole_forward", "full_after_step"), ("from_whole_step", "full_step")):
+            difference = _max_difference(whole[reference], runs[rank][key])
+            print(f"{key} rank {rank}: max |sharded - unsharded| = {difference:.3g}")
+            assert difference <= TOLERANCE, (key, rank, difference)
+    assert _max_difference(whole["full_after_step"], whole["full_step"]) > 1e-3  # the step after did something
+    # A LoRA run saved by the sharded Engine (rank 0 writing), loaded unsharded: the run's own logprobs.
+    assert _max_difference(*whole["a_from_sharded"]) <= TOLERANCE
+
+
+def test_a_step_one_process_finds_unusable_is_undone_on_every_process(runs):
+    for rank in range(WORLD):
+        message, unchanged = runs[rank]["undone"]
+        assert "weights non-finite" in message and unchanged, (rank, message)
+
+
+def test_a_sharded_engine_refuses_what_would_part_its_processes_or_hold_whole_weights(runs):
+    for rank in range(WORLD):
+        assert "STEPWISE_SAMPLE_DTYPE=float32" in runs[rank]["bf16_refused"]
+        assert "seed" in runs[rank]["seedless_refused"]
 
 
 def test_sharded_greedy_tokens_are_the_unsharded_ones(runs):
