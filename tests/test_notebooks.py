@@ -1091,10 +1091,14 @@ def finished_run_widgets(page) -> dict:
             "loading": "Loading widget" in page.locator(".jp-Notebook").text_content()}
 
 
-def widget_traffic(page) -> list:
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"  # an output that shows a widget (by its model id)
+
+
+def widget_traffic(page, shown_ids: list[str]) -> list:
     """A list that fills with what the page's widget manager sends and hears on the kernel's websocket (the
     requests for the kernel's widgets and their answers, seconds after the list was cleared) and the
-    page's console errors: evidence for a failure's message."""
+    page's console errors: evidence for a failure's message. `shown_ids`: the model ids the saved notebook's outputs
+    show; an answer that lacks one, or a comm_close of one, is noted (which side lost a widget)."""
     heard: list = []
     start = [time.monotonic()]
 
@@ -1108,7 +1112,10 @@ def widget_traffic(page) -> list:
             text = payload if isinstance(payload, str) else payload.decode("utf-8", "replace")
             for key in ("request_states", "update_states", "comm_info_request", "comm_info_reply"):
                 if key in text:
-                    note(direction, key, len(text))
+                    lacks = [i[:8] for i in shown_ids if i not in text] if key in ("update_states", "comm_info_reply") else []
+                    note(direction, key, len(text), *([f"lacks shown widgets {lacks}"] if lacks else []))
+            if "comm_close" in text and any(i in text for i in shown_ids):
+                note(direction, "comm_close of a shown widget", [i[:8] for i in shown_ids if i in text])
         socket.on("framesent", lambda payload: frame(payload, "sent"))
         socket.on("framereceived", lambda payload: frame(payload, "heard"))
     page.on("websocket", on_websocket)
@@ -1151,7 +1158,8 @@ def test_a_finished_runs_widgets_come_back_on_every_reload(lab, browser, tiny_ba
     nbformat.write(notebook, lab["root"] / RELOADED)
     try:
         page = browser.new_page()
-        heard = widget_traffic(page)
+        shown_ids: list[str] = []  # the widgets the saved notebook shows, once it is saved
+        heard = widget_traffic(page, shown_ids)
         open_notebook(page, lab, RELOADED)
         run_all(page)
         wait_until_run([page], lab)
@@ -1162,6 +1170,10 @@ def test_a_finished_runs_widgets_come_back_on_every_reload(lab, browser, tiny_ba
         assert drawn["dashboards"] == drawn["meters"] == len(drawn["bars"]) == 1 and not drawn["loading"], drawn
         assert "3/3" in drawn["bars"][0], drawn
         save(page)
+        saved = nbformat.read(lab["root"] / RELOADED, as_version=4)
+        shown_ids += [output["data"][WIDGET_VIEW]["model_id"] for cell in saved.cells for output in cell.get("outputs", [])
+                      if WIDGET_VIEW in output.get("data", {})]
+        assert len(shown_ids) >= 3, shown_ids  # the bar, the dashboard, the cost meter
         for reload in range(1, 6):
             heard.clear()
             page.reload()
