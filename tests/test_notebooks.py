@@ -248,22 +248,60 @@ def open_sidebar(page) -> None:
         tab.click()
 
 
-def check_reload(page, shown: list[dict]) -> None:
+def check_reload(page, shown: list[dict], notebook: Path) -> None:
     """Saved, then reloaded with the kernel still running (what a person does, or autosave): every
-    widget comes back from the kernel, none broken, every plot with all its points. (No second try:
-    "model not found" after a reload was the kernel's answer to the page lost to a race with the
-    threads that make widgets, fixed in workbench/client/widget_states.py.)"""
+    widget comes back from the kernel, none broken, every plot with all its points. ("model not found" after a
+    reload was the kernel's answer to the page lost to a race with the threads that make widgets, fixed in
+    workbench/client/widget_states.py; reload_and_wait says what is left of it.)"""
     save(page)
-    console: list[str] = []  # the page's errors and warnings after the reload, for a failure's message
-    page.on("console", lambda m: console.append(f"{m.type}: {m.text}") if m.type in ("error", "warning") else None)
-    page.reload()
-    wait_for_kernel(page)
 
     def restored():
-        assert not problems(page), (problems(page), console[-20:])
+        assert not problems(page), problems(page)
         assert page.locator(".wb-cost").count() == 1
         assert plots(page) == shown
-    eventually(restored, timeout=60)
+    reload_and_wait(page, notebook, restored)
+
+
+def shown_widgets(notebook: Path) -> list[str]:
+    """The model ids of the widgets a saved notebook's outputs show."""
+    import nbformat
+
+    saved = nbformat.read(notebook, as_version=4)
+    return [output["data"][WIDGET_VIEW]["model_id"] for cell in saved.cells for output in cell.get("outputs", [])
+            if WIDGET_VIEW in output.get("data", {})]
+
+
+def reload_and_wait(page, notebook: Path, check, what: str = "reload") -> None:
+    """Reload the page (its notebook saved) and wait until `check()` passes.
+
+    One failure is ipywidgets' page side, not ours: a view whose model is not there yet polls for it for 2 s
+    (get_model) and, after a stall of a busy page, gives up without looking once more, so it stays "model not
+    found" though the kernel's answer held the model (jupyter-widgets/ipywidgets#4026, mitigated by #4033 in
+    8.1.9, #4040 open). Only that, proven from the page's websocket (every widget the saved notebook shows in the
+    kernel's answer, none closed), earns one more reload, printed; any other failure fails at once."""
+    shown_ids = shown_widgets(notebook)
+    heard = widget_traffic(page, shown_ids)
+    for attempt in (1, 2):
+        heard.clear()
+        page.reload()
+        wait_for_kernel(page)
+        try:
+            eventually(check, timeout=60)
+            return
+        except AssertionError:
+            print(f"{what} (attempt {attempt}): what the page sent and heard", *heard, sep="\n")
+            if attempt == 2 or not renderer_gave_up(heard):
+                raise
+            print(f"{what}: ipywidgets' renderer gave up on a model the kernel sent (ipywidgets#4026); reloading again")
+
+
+def renderer_gave_up(heard: list) -> bool:
+    """Whether the traffic of a reload shows ipywidgets#4026: the kernel answered with every shown widget and closed
+    none, and a view still found no model."""
+    answers = [h for h in heard if h[1] == "heard" and h[2] in ("update_states", "comm_info_reply")]
+    return (bool(answers) and all(len(h) == 4 for h in answers)  # (a 5th item: "lacks shown widgets [...]")
+            and not any(h[2] == "comm_close of a shown widget" for h in heard if len(h) > 2)
+            and any(h[1] == "console" and "widget model not found" in h[2] for h in heard))
 
 
 def screenshot(page, name: str) -> None:
@@ -277,7 +315,7 @@ def check_notebook(page, lab: dict, name: str, steps: int, panels: set[str]) -> 
     shown = check_plots(page, steps, panels)
     usage = check_costs(page, lab, name)
     screenshot(page, name)
-    check_reload(page, shown)
+    check_reload(page, shown, lab["root"] / name)
     return usage
 
 
@@ -1130,9 +1168,9 @@ def test_a_finished_runs_widgets_come_back_on_every_reload(lab, browser, tiny_ba
     displaying widget: model not found". Before workbench/client/widget_states.py the kernel's answer to the
     reloaded page's request for its widgets raised when that thread made or closed one meanwhile, and
     the page got no answer (tests/test_workbench_widgets.py reproduces that race deterministically; here it
-    shows only sometimes). Not covered: a kernel holding hundreds of widgets more, on a busy machine, still
-    showed "model not found" for the finished bar after some reloads though the kernel's answer held it (issue 56's
-    note) (tests/_artifacts/notebook-reload-finished-run.png)."""
+    shows only sometimes). What is left, on a busy machine, is ipywidgets' own renderer giving up on a model the
+    kernel's answer held (reload_and_wait: proven from the websocket, then reloaded once more)
+    (tests/_artifacts/notebook-reload-finished-run.png)."""
     import httpx
     import nbformat
 
@@ -1158,8 +1196,6 @@ def test_a_finished_runs_widgets_come_back_on_every_reload(lab, browser, tiny_ba
     nbformat.write(notebook, lab["root"] / RELOADED)
     try:
         page = browser.new_page()
-        shown_ids: list[str] = []  # the widgets the saved notebook shows, once it is saved
-        heard = widget_traffic(page, shown_ids)
         open_notebook(page, lab, RELOADED)
         run_all(page)
         wait_until_run([page], lab)
@@ -1170,25 +1206,13 @@ def test_a_finished_runs_widgets_come_back_on_every_reload(lab, browser, tiny_ba
         assert drawn["dashboards"] == drawn["meters"] == len(drawn["bars"]) == 1 and not drawn["loading"], drawn
         assert "3/3" in drawn["bars"][0], drawn
         save(page)
-        saved = nbformat.read(lab["root"] / RELOADED, as_version=4)
-        shown_ids += [output["data"][WIDGET_VIEW]["model_id"] for cell in saved.cells for output in cell.get("outputs", [])
-                      if WIDGET_VIEW in output.get("data", {})]
-        assert len(shown_ids) >= 3, shown_ids  # the bar, the dashboard, the cost meter
+        assert len(shown_widgets(lab["root"] / RELOADED)) >= 3  # the bar, the dashboard, the cost meter
         for reload in range(1, 6):
-            heard.clear()
-            page.reload()
-            wait_for_kernel(page)
-
             def every_widget_back():
-                # What the page asked the kernel and heard back comes with a failure (what is left to find).
-                assert not problems(page), (reload, problems(page), heard)
-                assert finished_run_widgets(page) == drawn, (reload, heard)
-                assert plots(page) == shown, reload
-            try:
-                eventually(every_widget_back, timeout=60)
-            except AssertionError:
-                print(f"reload {reload}: what the page sent and heard", *heard, sep="\n")
-                raise
+                assert not problems(page), problems(page)
+                assert finished_run_widgets(page) == drawn
+                assert plots(page) == shown
+            reload_and_wait(page, lab["root"] / RELOADED, every_widget_back, f"reload {reload}")
         ARTIFACTS.mkdir(exist_ok=True)
         page.locator(".wb-dashboard").first.scroll_into_view_if_needed()
         page.screenshot(path=str(ARTIFACTS / "notebook-reload-finished-run.png"))
