@@ -39,6 +39,7 @@ the mouse: a click on a point of a plot opens that step's rollouts (tests/_artif
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import time
@@ -281,22 +282,22 @@ def reload_and_wait(page, notebook: Path, check, what: str = "reload") -> None:
     8.1.9, #4040 open). Only that, proven from the page's websocket (every widget the saved notebook shows in the
     kernel's answer, none closed), earns one more reload and a warning in the run's summary; any other failure
     fails at once."""
-    shown_ids = shown_widgets(notebook)
-    heard = widget_traffic(page, shown_ids)
-    for attempt in (1, 2):
-        heard.clear()
-        page.reload()
-        wait_for_kernel(page)
-        try:
-            eventually(check, timeout=60)
-            return
-        except AssertionError:
-            print(f"{what} (attempt {attempt}): what the page sent and heard", *heard, sep="\n")
-            if attempt == 2 or not renderer_gave_up(heard):
-                raise
-            # A warning, so that the run's summary shows every time it happened (a passing test's output is not shown).
-            warnings.warn(f"{what}: ipywidgets' renderer gave up on a model the kernel sent (ipywidgets#4026); "
-                          "reloaded once more")
+    with widget_traffic(page, shown_widgets(notebook)) as heard:
+        for attempt in (1, 2):
+            heard.clear()
+            page.reload()
+            wait_for_kernel(page)
+            try:
+                eventually(check, timeout=60)
+                return
+            except AssertionError:
+                print(f"{what} (attempt {attempt}): what the page sent and heard", *heard, sep="\n")
+                if attempt == 2 or not renderer_gave_up(heard):
+                    raise
+                # A warning, so that the run's summary shows each time it happened (a passing test's output is not
+                # shown).
+                warnings.warn(f"{what}: ipywidgets' renderer gave up on a model the kernel sent (ipywidgets#4026); "
+                              "reloaded once more")
 
 
 def renderer_gave_up(heard: list) -> bool:
@@ -1136,11 +1137,13 @@ def finished_run_widgets(page) -> dict:
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"  # an output that shows a widget (by its model id)
 
 
-def widget_traffic(page, shown_ids: list[str]) -> list:
-    """A list that fills with what the page's widget manager sends and hears on the kernel's websocket (the
+@contextlib.contextmanager
+def widget_traffic(page, shown_ids: list[str]):
+    """`with widget_traffic(page, ids) as heard:` a list that fills with what the page's widget manager sends and hears on the kernel's websocket (the
     requests for the kernel's widgets and their answers, seconds after the list was cleared) and the
     page's console errors: evidence for a failure's message. `shown_ids`: the model ids the saved notebook's outputs
-    show; an answer that lacks one, or a comm_close of one, is noted (which side lost a widget)."""
+    show; an answer that lacks one, or a comm_close of one, is noted (which side lost a widget). The page's
+    listeners go on the way out, so that a test reloading many times does not pile them up."""
     heard: list = []
     start = [time.monotonic()]
 
@@ -1160,9 +1163,17 @@ def widget_traffic(page, shown_ids: list[str]) -> list:
                 note(direction, "comm_close of a shown widget", [i[:8] for i in shown_ids if i in text])
         socket.on("framesent", lambda payload: frame(payload, "sent"))
         socket.on("framereceived", lambda payload: frame(payload, "heard"))
+    def on_console(message):
+        if message.type == "error":
+            note("console", message.text[:300])
+
     page.on("websocket", on_websocket)
-    page.on("console", lambda message: note("console", message.text[:300]) if message.type == "error" else None)
-    return heard
+    page.on("console", on_console)
+    try:
+        yield heard
+    finally:
+        page.remove_listener("websocket", on_websocket)
+        page.remove_listener("console", on_console)
 
 
 def test_a_finished_runs_widgets_come_back_on_every_reload(lab, browser, tiny_backend):
