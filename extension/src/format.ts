@@ -310,7 +310,7 @@ function severity(budget: IBudget): number {
 
 /**
  * The budget nearest to refusing work among the running sessions of the notebook at `path` and their
- * runs: the worst state, then the largest fraction spent (workbench/connect.py tightest_budget).
+ * runs: the worst state, then the largest fraction spent (workbench/client/connection.py tightest_budget).
  */
 export function notebookBudget(sessions: ISession[], path: string | null): IBudget | null {
   const budgets: (IBudget | null | undefined)[] = [];
