@@ -220,3 +220,28 @@ def test_every_import_of_our_own_names_resolves():
                 if not hasattr(module, alias.name) and f"{node.module}.{alias.name}" not in known:
                     missing.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.module} has no {alias.name}")
     assert not missing, "\n".join(missing)
+
+
+def test_a_widget_s_front_end_is_a_file_of_its_own():
+    """Two kinds of widget, one rule each (docs/workbench.md, "Inside the workbench"): one with a front end of its
+    own is an anywidget whose `_esm` (and `_css`) is a file beside its module, never JavaScript in a Python
+    string; the others (Dashboard, Runs, Compare, Probes) compose ipywidgets and plotly's own renderer, with no
+    front end at all. Each class's `_esm`/`_css` assignment is read from the source."""
+    fronts = {}
+    for name, path in modules().items():
+        if not name.startswith("workbench.widgets"):
+            continue
+        for node in ast.walk(parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    targets = [t.id for t in getattr(item, "targets", []) if isinstance(t, ast.Name)]
+                    if {"_esm", "_css"} & set(targets):
+                        fronts[f"{name}.{node.name}"] = (path, item.value)
+    assert set(fronts) >= {"workbench.widgets.cost.CostMeter", "workbench.widgets.labeler.Labeler",
+                           "workbench.widgets.rollouts.RolloutInspector", "workbench.widgets.plot_clicks.PlotClicks"}
+    for where, (path, value) in fronts.items():
+        # Path(__file__).with_name("name.js"): a call whose one argument is a file's name
+        named = (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+                 and value.func.attr == "with_name" and isinstance(value.args[0], ast.Constant))
+        assert named, f"{where}: its front end is written inline ({ast.unparse(value)[:60]}), not in a file of its own"
+        assert path.with_name(value.args[0].value).is_file(), f"{where}: {value.args[0].value} is not beside {path}"
