@@ -26,7 +26,7 @@ import httpx
 import nbformat
 import pytest
 
-from browser import ARTIFACTS, NEEDS_CHROMIUM, open_notebook, run_all, tail, wait_until
+from browser import ARTIFACTS, NEEDS_CHROMIUM, open_notebook, run_all, tail, wait_until, wait_until_run
 from servers import start_server
 
 pytestmark = NEEDS_CHROMIUM
@@ -88,8 +88,10 @@ def test_widgets_and_sidebar_after_the_backend_stops(lab, browser, own_backend):
     page = browser.new_page()
     open_notebook(page, lab, NOTEBOOK)
     run_all(page)
+    wait_until_run([page], lab, timeout=300)  # or until a cell fails: then what it printed is the failure's message
+    outputs = page.locator(".jp-Notebook .jp-OutputArea-output").all_text_contents()
+    assert any("saved tinker://" in text for text in outputs), f"the notebook printed: {outputs}"
     saved = page.get_by_text(re.compile(r"saved tinker://"))
-    expect(saved).to_be_visible(timeout=300_000)
     path = re.search(r"tinker://\S+", saved.text_content()).group(0)
     # The run's meter and dashboard include its rollouts (billed to the sampler, attributed to the run).
     run_id = path.removeprefix("tinker://").split("/")[0]
