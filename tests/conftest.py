@@ -60,6 +60,29 @@ CLUSTER_ENV = {"STEPWISE_WORKERS": "2", "STEPWISE_WORKER_THREADS": "1", "STEPWIS
                "STEPWISE_RAY_OBJECT_STORE_MB": "128"}
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test's report carries the last lines of the logs of the servers it started (tests/servers.py):
+    a failure seen once in a loaded run is then explained by what the server said, after pytest has rotated its
+    tmp_path away."""
+    from servers import STARTED
+
+    if call.when == "setup":
+        item.stash[_SERVERS_BEFORE] = len(STARTED)
+    report = yield
+    if report.failed:
+        for server in STARTED[item.stash.get(_SERVERS_BEFORE, len(STARTED)):]:
+            try:
+                lines = server.log_path.read_text(errors="replace").splitlines()[-60:]
+            except OSError as error:
+                lines = [f"(unreadable: {error})"]
+            report.sections.append((f"server log {server.base_url} (last 60 lines)", "\n".join(lines)))
+    return report
+
+
+_SERVERS_BEFORE = pytest.StashKey[int]()
+
+
 def pytest_addoption(parser):
     parser.addoption("--cluster", action="store_true",
                      help="run tinker_server (the official-SDK service tests) on two Ray engine workers")

@@ -15,6 +15,11 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 
 
+# Every server started in this process, for the failure report (conftest.py's pytest_runtest_makereport adds the
+# log tails of those a failing test started: the servers' logs live in the test's tmp_path, which pytest rotates away).
+STARTED: list["Server"] = []
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -72,7 +77,8 @@ def start_server(home: Path, env: dict[str, str] | None = None, timeout: float =
             raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
         try:
             if httpx.get(f"{base_url}/api/v1/healthz", timeout=1).status_code == 200:
-                return Server(base_url, api_key, home, process, log_path)
+                STARTED.append(Server(base_url, api_key, home, process, log_path))
+                return STARTED[-1]
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
