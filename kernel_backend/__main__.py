@@ -1,6 +1,6 @@
 """The backend's command line (also reachable as `stepwise serve|keys|export`).
 
-    python -m kernel_backend serve --host 127.0.0.1 --port 8000 [--workers N] [--supervise]
+    python -m kernel_backend serve --host 127.0.0.1 --port 8000 [--workers N [--shard M]] [--supervise]
     python -m kernel_backend keys create --tenant NAME | list | revoke KEY_OR_PREFIX
     python -m kernel_backend export tinker://RUN/weights/NAME --to DIR [--merged]
 """
@@ -27,6 +27,11 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--workers", type=int, default=None,
                        help="start a Ray head on loopback with this many engine workers (STEPWISE_WORKERS); "
                             "STEPWISE_RAY_ADDRESS joins an existing Ray cluster instead")
+    serve.add_argument("--shard", type=int, default=None,
+                       help="shard each base model over groups of this many workers (STEPWISE_SHARD; --workers a "
+                            "multiple of it): each worker holds about 1/M of the base weights, and a group serves "
+                            "training runs and samplers as one worker does, its rank 0 deciding every batch and the "
+                            "others running the same; for models larger than one worker (docs/architecture.md)")
     serve.add_argument("--exit-when-unused", action="store_true",
                        help="stop once no live process has announced itself in $STEPWISE_HOME/runtime "
                             "(how workbench.connect() starts the embedded backend; see kernel_backend/runtime.py)")
@@ -64,6 +69,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "serve":
         if args.workers is not None:
             settings.workers = args.workers
+        if args.shard is not None:
+            if args.shard < 1:
+                raise SystemExit(f"stepwise serve: --shard takes a number of workers, 1 or more, not {args.shard}")
+            settings.shard = args.shard
+        if settings.shard > 1 and not (settings.workers or settings.ray_address):
+            raise SystemExit(f"stepwise serve: sharding over {settings.shard} workers needs Ray workers: add "
+                             f"--workers {settings.shard} (or a multiple), or STEPWISE_RAY_ADDRESS")
         serve_forever(settings, args.host, args.port, args.log_level, args.exit_when_unused)
         return
 

@@ -152,6 +152,12 @@ class Settings:
     worker_memory_mb: int = env("WORKER_MEMORY_MB", 0, "the memory a CPU worker places runs and admits batches against "
                                 "(MB): a run or a batch that needs more fails at once, naming this; 0: 80% of the "
                                 "machine's shared among the workers")
+    shard: int = env("SHARD", 1, "workers each base model is sharded over (`stepwise serve --shard N`): the workers form "
+                     "groups of this many, each member holding about 1/N of the base weights and running every request "
+                     "of the group's runs with the others (engine/sharding.py, execution/cluster_worker.py); 1: none")
+    group_timeout_s: float = env("GROUP_TIMEOUT_S", 120.0, "a collective of a shard group or a data-parallel run fails "
+                                 "after waiting this long (s) for a member (one that hangs); a member that dies fails it "
+                                 "at once")
     replicas_per_run: int = env("REPLICAS_PER_RUN", 1, "data parallel: workers each training run spans (a run's "
                                 "user_metadata {\"replicas\": \"N\"} asks for its own)")
     snapshot_every: int = env("SNAPSHOT_EVERY", 10, "a run's state is snapshotted every this many optim steps; a run "

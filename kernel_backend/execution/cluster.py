@@ -35,6 +35,14 @@ one shard fails, the others' gradients are put back first (a failed request chan
 The all-reduce never blocks a worker: an optim_step waits at the head of its lane (Job.gate) while
 gloo reduces in the background, and the worker runs other runs' jobs meanwhile.
 
+Sharded models. With STEPWISE_SHARD N > 1 the workers form groups of N consecutive ones, each a torch.distributed
+process group formed before its members load the base models into shards (engine/sharding.py): each holds about
+1/N of them. A group serves as one worker: runs and samplers are placed on its rank 0 only (_serves), whose
+scheduler decides every batch and sends it to the others (execution/cluster_worker.py, "a shard group"). A member
+lost takes its whole group with it (_lost): the group's runs wait in _restore while Ray restarts the members (the
+heartbeats have Ray restart those that still answer), and once all are back _rejoin_group forms the group again and
+the runs are reloaded onto it from their snapshots, resharded, then their journals replayed.
+
 Recovery. Each run's state (weights + optimizer) is written to the checkpoint store every
 STEPWISE_SNAPSHOT_EVERY optim steps, by its worker, as part of the step. A worker that dies
 (RayActorError, a new process of Ray's that answers or refuses a call, or MISSED_HEARTBEATS missed heartbeats) takes
@@ -71,8 +79,8 @@ from typing import Any
 
 from kernel_backend.execution import engine_work
 from kernel_backend.engine.adapter_cache import TRAINING_COPIES
-from kernel_backend.execution.cluster_worker import (GROUP_TIMEOUT_S, EngineWorker, Outcome, RestoreGrads, WorkerLost,
-                                                     WorkerRestarted)
+from kernel_backend.execution.cluster_worker import (SHARD, EngineWorker, Outcome, RestoreGrads, ShardGroupLost, ShardRole,
+                                                     WorkerLost, WorkerRestarted, wire)
 from kernel_backend.config import Settings
 from kernel_backend.engine.losses import merge_metrics
 from kernel_backend.errors import UserError
@@ -117,6 +125,7 @@ class Worker:
     rejoining: bool = False  # Ray restarted its process and _rejoin is loading its models: reports wait
     placed: dict[str, int] = field(default_factory=dict)  # runs placed since its last report -> estimated bytes
     parts: dict[int, "_Part"] = field(default_factory=dict)  # parts of jobs sent to it, not answered yet
+    group: list[str] = field(default_factory=list)  # its shard group's workers, rank 0 first (STEPWISE_SHARD); [] none
 
     def free(self) -> int:
         return self.report.get("memory", {}).get("free", 0) - sum(self.placed.values())
@@ -194,6 +203,7 @@ class Cluster:
         self._changed = threading.Condition(self._lock)  # notified at each worker's report: a restore waits on it
         self._stopping = threading.Event()
         self._started_ray = False
+        self._forming: set[str] = set()  # shard groups (their rank 0's name) being formed again (_rejoin_group)
         self._heartbeats = threading.Thread(target=self._beat_forever, name="stepwise-heartbeats", daemon=True)
 
     # ---- starting and stopping ------------------------------------------------------------------------
@@ -237,13 +247,14 @@ class Cluster:
                 scheduling_strategy=_spread(device, i, nodes),
             ).remote(name, settings, budget)
             self.workers[name] = Worker(name, actor, actor_name, device)
-        reports = [w.actor.start.remote(self.models) for w in self.workers.values()]
+        roles = self._form_shard_groups()
+        reports = [w.actor.start.remote(self.models, roles.get(w.name)) for w in self.workers.values()]
         for worker, ref in zip(list(self.workers.values()), reports):
             try:
                 self._update(worker, ray.get(ref))
             except Exception as e:  # the actor itself could not start
                 worker.state, worker.error = "failed", f"{type(e).__name__}: {e}"
-        live = [w.name for w in self.workers.values() if w.state == "live"]
+        live = [w.name for w in self.workers.values() if self._serves(w)]
         log.info("cluster: %d of %d workers live (%s)", len(live), len(self.workers),
                  ", ".join(f"{w.name}: {w.state} on {w.device}" for w in self.workers.values()))
         if not live:
@@ -257,6 +268,72 @@ class Cluster:
         if own_head:
             _record_head(self.settings.home)
         self._heartbeats.start()
+
+    # ---- shard groups (STEPWISE_SHARD: execution/cluster_worker.py's docstring) ------------------------------
+
+    def _form_shard_groups(self) -> dict[str, ShardRole]:
+        """With STEPWISE_SHARD N > 1: the workers in groups of N consecutive ones, each group's process group formed
+        (before its members load their shards of the base models); each member's role in it. Raises on settings
+        that cannot be served."""
+        size, names = self.settings.shard, list(self.workers)
+        if size <= 1:
+            return {}
+        if len(names) % size:
+            raise RuntimeError(f"STEPWISE_SHARD={size} shards each base model over {size} workers, but there are "
+                               f"{len(names)} (STEPWISE_WORKERS or STEPWISE_WORKER_DEVICES): give a multiple of {size}")
+        if self.settings.replicas_per_run > 1:
+            raise RuntimeError("STEPWISE_REPLICAS_PER_RUN > 1 with STEPWISE_SHARD > 1 (data-parallel runs over shard "
+                               "groups) is not built yet: set one of them to 1")
+        roles: dict[str, ShardRole] = {}
+        for start in range(0, len(names), size):
+            roles.update(self._form_shard_group(names[start:start + size]))
+        return roles
+
+    def _form_shard_group(self, names: list[str]) -> dict[str, ShardRole]:
+        """One shard group over `names` (rank 0 first), its process group formed; each member's role."""
+        for name in names:
+            self.workers[name].group = list(names)
+        self._join_group(SHARD, names, f"shard:{names[0]}#{uuid.uuid4().hex[:6]}")
+        actors = [self.workers[name].actor for name in names]
+        return {name: ShardRole(rank, list(names), actors[1:] if rank == 0 else []) for rank, name in enumerate(names)}
+
+    def _serves(self, worker: Worker) -> bool:
+        """Whether runs and samplers may be placed on a worker: live, and unsharded or its shard group's rank 0 with
+        every member live (the others run what rank 0 sends them; a member that could not start or was lost leaves
+        rank 0 nobody to meet in its collectives)."""
+        if not worker.group:
+            return worker.state == "live"
+        return worker.group[0] == worker.name and all(self.workers[name].state == "live" for name in worker.group)
+
+    def _rejoin_group(self, worker: Worker) -> None:
+        """A shard group's member is back in a new process. Its group went with it (_lost took every member for lost,
+        and the heartbeats had Ray restart those that still answered): once every member is back, the last one's
+        thread forms the group again and starts its members together, each loading its shard anew. Its runs, waiting
+        in _restore meanwhile, are then reloaded from their snapshots onto the new group and their journals replayed:
+        recovery by resharding from the snapshot."""
+        import ray
+
+        with self._lock:
+            members = [self.workers[name] for name in worker.group]
+            if not all(m.rejoining for m in members) or worker.group[0] in self._forming:
+                return  # (rejoining stays set: the heartbeats leave it to the thread that forms the group)
+            self._forming.add(worker.group[0])
+        try:
+            roles = self._form_shard_group(worker.group)
+            reports = ray.get([m.actor.start.remote(self.models, roles[m.name]) for m in members])
+            for member, report in zip(members, reports):
+                self._update(member, report, revive=True)
+            log.info("shard group %s formed again: %s", worker.group, [m.state for m in members])
+            self._event("group_reformed", worker.group[0], members=list(worker.group),
+                        states=[m.state for m in members])
+        except Exception as e:
+            for member in members:
+                self._lost(member, f"forming its shard group again failed: {type(e).__name__}: {e}")
+        finally:
+            with self._lock:
+                self._forming.discard(worker.group[0])
+                for member in members:
+                    member.rejoining = False
 
     def _start_own_head(self, ray, tries: int = 3) -> None:
         """A Ray head on loopback for this backend alone: address "local", so that neither RAY_ADDRESS nor a cluster
@@ -351,7 +428,7 @@ class Cluster:
             workers = [{
                 "name": w.name, "actor": w.actor_name, "state": w.state, "error": w.error, "device": w.device,
                 "node": w.report.get("node"), "node_id": w.report.get("node_id"), "pid": w.report.get("pid"),
-                "restarts": w.restarts,
+                "restarts": w.restarts, "shard_group": w.group or None,
                 "models": sorted(w.report.get("models", {})),
                 "memory": w.report.get("memory"),
                 "runs": sorted(r.id for r in self.runs.values() if w.name in r.workers),
@@ -368,7 +445,8 @@ class Cluster:
 
         return {"mode": "ray", "ray_address": ray.get_runtime_context().gcs_address, "namespace": NAMESPACE,
                 "workers": workers, "runs": runs, "snapshot_every": self.settings.snapshot_every,
-                "replicas_per_run": self.settings.replicas_per_run, "events": list(self.events)}
+                "replicas_per_run": self.settings.replicas_per_run, "shard": self.settings.shard,
+                "events": list(self.events)}
 
     def _event(self, event: str, worker: str, **facts) -> None:
         """Record one thing that happened to a worker or its runs (report()'s "events"). Lock held or not."""
@@ -404,6 +482,9 @@ class Cluster:
     def _new_run(self, job: Job, origin: CreateAdapter | LoadState) -> Run:
         """`origin`: the job's op (a create_adapter always has a seed, training.create_model: replicas start alike)."""
         replicas = max(1, job.replicas or self.settings.replicas_per_run)
+        if replicas > 1 and self.settings.shard > 1:
+            raise UserError(f"this server shards its base models over {self.settings.shard} workers (STEPWISE_SHARD); "
+                            "data-parallel replicas of a run over shard groups are not built yet: ask for 1 replica")
         estimate = self._estimate(job.base_model, origin)
         workers = self._place(job.base_model, replicas, estimate)
         if not workers:
@@ -454,7 +535,7 @@ class Cluster:
 
     def _place(self, base_model: str, count: int, estimate: int, keep: Sequence[str] = ()) -> list[str]:
         """`keep` plus the live workers with the most free memory, up to `count`, preferring those holding the model."""
-        live = [w for w in self.workers.values() if w.state == "live" and w.name not in keep]
+        live = [w for w in self.workers.values() if self._serves(w) and w.name not in keep]
         holding = [w for w in live if base_model in w.report.get("models", {})] or live
         ranked = sorted(holding, key=lambda w: (-w.free(), sum(w.name in r.workers for r in self.runs.values()), w.name))
         return list(keep) + [w.name for w in ranked[:max(0, count - len(keep))]]
@@ -462,22 +543,22 @@ class Cluster:
     def _parts(self, job: Job, run: Run | None) -> list[_Part]:
         """Which workers do what of a job. Lock held."""
         if run is None:
-            return [_Part(name, _wire(job)) for name in self._lane_workers(job)]
-        wire = _wire(job)
+            return [_Part(name, wire(job)) for name in self._lane_workers(job)]
+        sent = wire(job)
         if isinstance(job.op, OptimStep):
             key = f"{run.tenant}/{run.id.replace(':', '_')}/snapshot"
-            wire.op = dataclasses.replace(job.op, snapshot_key=key, snapshot_every=self.settings.snapshot_every)
+            sent.op = dataclasses.replace(job.op, snapshot_key=key, snapshot_every=self.settings.snapshot_every)
         if len(run.workers) == 1:
-            return [_Part(run.workers[0], wire)]
+            return [_Part(run.workers[0], sent)]
         if job.fb_pass is not None:
-            return [_Part(name, shard) for name, shard in zip(run.workers, _shards(wire, len(run.workers)))]
+            return [_Part(name, shard) for name, shard in zip(run.workers, _shards(sent, len(run.workers)))]
         if isinstance(job.op, (CreateAdapter, LoadState, OptimStep)):  # done on every replica
-            parts = [_Part(run.workers[0], wire)]
-            if isinstance(wire.op, OptimStep):  # one replica snapshots
-                wire = dataclasses.replace(wire, op=job.op)
-            return parts + [_Part(name, dataclasses.replace(wire)) for name in run.workers[1:]]
-        noop = dataclasses.replace(wire, op=Noop(), fb_pass=None, sample=None)
-        return [_Part(run.workers[0], wire)] + [_Part(name, dataclasses.replace(noop)) for name in run.workers[1:]]
+            parts = [_Part(run.workers[0], sent)]
+            if isinstance(sent.op, OptimStep):  # one replica snapshots
+                sent = dataclasses.replace(sent, op=job.op)
+            return parts + [_Part(name, dataclasses.replace(sent)) for name in run.workers[1:]]
+        noop = dataclasses.replace(sent, op=Noop(), fb_pass=None, sample=None)
+        return [_Part(run.workers[0], sent)] + [_Part(name, dataclasses.replace(noop)) for name in run.workers[1:]]
 
     def _lane_workers(self, job: Job) -> list[str]:
         """Where a job that is not a run's goes: a sampler's worker (where it is, where its snapshot was taken, or
@@ -496,8 +577,8 @@ class Cluster:
             raise UserError(f"sampler {job.lane} sampled from an in-memory snapshot of engine worker "
                             f"{self.lost_lanes[job.lane]}, which stopped; its weights went with it: call "
                             "save_weights_and_get_sampling_client again")
-        if name is None or self.workers[name].state != "live":
-            live = [w for w in self.workers.values() if w.state == "live"]
+        if name is None or not self._serves(self.workers[name]):
+            live = [w for w in self.workers.values() if self._serves(w)]
             holding = [w for w in live if job.base_model in w.report.get("models", {})] or live
             if not holding:
                 raise RuntimeError(f"no live engine worker for {job.base_model}; GET /api/v1/cluster shows why")
@@ -546,7 +627,8 @@ class Cluster:
         worker, dispatch = self.workers[part.worker], part.dispatch
         assert dispatch is not None  # answered only once _send has sent it
         if _is_actor_error(outcome):
-            self._lost(worker, f"{type(outcome).__name__}: {outcome}")
+            cause = outcome.result if isinstance(outcome, Outcome) else outcome  # (a shard group's failed collective)
+            self._lost(worker, f"{type(cause).__name__}: {cause}")
             outcome = WorkerLost(self._lost_message(dispatch.run, worker.name))
         elif isinstance(outcome, Exception) and not isinstance(outcome, WorkerLost):
             outcome = RuntimeError(f"engine worker {worker.name} could not run this request ({type(outcome).__name__}: "
@@ -603,13 +685,18 @@ class Cluster:
 
     def _form_group(self, run: Run) -> None:
         """A process group over the run's workers, replica 0 its rank 0. Lock held; waits for every rank."""
+        run.epoch += 1
+        self._join_group(run.id, run.workers, f"{run.id}#{run.epoch}")
+
+    def _join_group(self, group_id: str, names: list[str], key: str) -> None:
+        """A process group over the workers `names`, the first its rank 0, which each keeps as `group_id` (a run's
+        id, or SHARD); `key`: this generation's, unique. Waits for every rank."""
         import ray
 
-        run.epoch += 1
-        actors = [self.workers[name].actor for name in run.workers]
-        host, port = ray.get(actors[0].open_group.remote(run.id, len(actors)))
-        key = f"{run.id}#{run.epoch}"
-        ray.get([actor.join_group.remote(run.id, key, host, port, rank, len(actors)) for rank, actor in enumerate(actors)])
+        actors = [self.workers[name].actor for name in names]
+        host, port = ray.get(actors[0].open_group.remote(group_id, len(actors)))
+        ray.get([actor.join_group.remote(group_id, key, host, port, rank, len(actors))
+                 for rank, actor in enumerate(actors)])
 
     def _undo_shards(self, job: Job, parts: list[_Part], run: Run) -> None:
         """A shard failed: the replicas whose shard ran put their gradients back before the run goes on."""
@@ -620,7 +707,7 @@ class Cluster:
             Job(f"{job.request_id}:undo", run.id, run.base_model, seq=None, op=restore), True)
             for p in parts if isinstance(p.outcome, Outcome) and not isinstance(p.outcome.result, Exception)]
         try:
-            ray.get(refs, timeout=GROUP_TIMEOUT_S)
+            ray.get(refs, timeout=self.settings.group_timeout_s)
         except Exception:
             log.exception("putting back the gradients of run %s failed", run.id)
 
@@ -680,6 +767,9 @@ class Cluster:
     def _rejoin(self, worker: Worker) -> None:
         import ray
 
+        if worker.group:
+            self._rejoin_group(worker)
+            return
         try:
             self._update(worker, ray.get(worker.actor.start.remote(self.models)), revive=True)
             log.info("worker %s rejoined: %s", worker.name, worker.state)
@@ -729,6 +819,8 @@ class Cluster:
         for part in unanswered:  # a hung worker never answers them (a dead one's errors come too: ignored)
             assert part.dispatch is not None  # (as above)
             self._answered(part, WorkerLost(self._lost_message(part.dispatch.run, worker.name)))
+        for name in worker.group:  # a shard group's engines cannot go on without any of its members
+            self._lost(self.workers[name], f"its shard group member {worker.name} was lost ({reason})")
 
     def _lost_message(self, run: Run | None, worker: str) -> str:
         if run is None:
@@ -909,11 +1001,6 @@ def _spread(device: str, index: int, nodes: list[str]):
     return NodeAffinitySchedulingStrategy(node_id=nodes[index % len(nodes)], soft=False)
 
 
-def _wire(job: Job) -> Job:
-    """The job as it travels to a worker: its plain fields only (no gateway callbacks)."""
-    return dataclasses.replace(job, request=None, on_token=None, cancel=None, gate=None, call=None)
-
-
 def shard_bounds(lengths: list[int], count: int) -> list[int]:
     """Where to cut a batch of datums of these token lengths into `count` contiguous shards of about equal
     tokens: `count + 1` indices, the first 0 and the last len(lengths) (a shard may be empty)."""
@@ -978,9 +1065,11 @@ def _result_of(future):
 
 
 def _is_actor_error(outcome) -> bool:
-    """Ray's errors for a worker that died or restarted, and a restarted worker's refusal (not an error of the
-    request)."""
+    """Ray's errors for a worker that died or restarted, a restarted worker's refusal, and a shard group's rank 0
+    answering that a collective failed (not an error of the request: the group lost a member)."""
     if isinstance(outcome, WorkerRestarted) or isinstance(getattr(outcome, "cause", None), WorkerRestarted):
+        return True
+    if isinstance(outcome, Outcome) and isinstance(outcome.result, ShardGroupLost):
         return True
     try:
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError

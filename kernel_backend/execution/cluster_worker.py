@@ -1,20 +1,42 @@
 """The engine worker of a Ray cluster (execution/cluster.py): a Ray actor per device, an Engine per base model and the same
 Scheduler as in-process, answering each job's Outcome to the gateway.
 
-Also what both sides of the cluster share: a worker's answer (`Outcome`), the error of a lost worker (`WorkerLost`) and
-that of a process Ray restarted, which the gateway has not started again (`WorkerRestarted`).
-This module imports without Ray: `Cluster` makes EngineWorker an actor (ray.remote(EngineWorker)).
+Also what both sides of the cluster share: a worker's answer (`Outcome`), the error of a lost worker (`WorkerLost`),
+that of a process Ray restarted, which the gateway has not started again (`WorkerRestarted`), that of a shard group
+whose collective failed (`ShardGroupLost`), a worker's place in a shard group (`ShardRole`) and a job as it travels
+(`wire`). This module imports without Ray: `Cluster` makes EngineWorker an actor (ray.remote(EngineWorker)).
+
+A shard group (STEPWISE_SHARD, issue 55): N workers whose engines hold one base model sharded over their process
+group (engine/sharding.py), every one of them running the same engine calls in the same order on the same rows,
+batched the same way (each gathered weight is a collective). Rank 0, the leader, is the only member the gateway
+sends jobs to, and its scheduler alone decides, as in any worker: lanes in seq_id order, passes of several runs
+batched into one, the decode batch. Each unit it decides (scheduler.Unit) is sent to the other members before it runs
+(`follow`, in the order they number them), and they run exactly that unit with `Scheduler.work`; their answers are
+dropped (rank 0 answers, and writes the checkpoints: Engine._writes). So multi-tenant batching is kept: what a group
+batches is the leader's batch. What could part the members is fixed by the leader before it sends: a sample request
+without a seed gets one (each process would draw its own), and a save the leader refuses before any collective (a
+checkpoint that exists) is a no-op on the others. A collective that fails (a member died, or hung past
+STEPWISE_GROUP_TIMEOUT_S) fails its jobs with ShardGroupLost and every later unit at once: the gateway takes the group
+for lost, and forms it again once Ray has restarted its members (execution/cluster.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import datetime as dt
 import logging
 import os
+import random
+import shutil
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,13 +45,14 @@ from kernel_backend.config import Settings
 from kernel_backend.engine.core import Engine
 from kernel_backend.errors import UserError
 from kernel_backend.metering import Usage
-from kernel_backend.execution.engine_work import FreeAdapters, Noop, Op, OptimStep
-from kernel_backend.execution.scheduler import Job, Scheduler
+from kernel_backend.execution.engine_work import FreeAdapters, Noop, Op, OptimStep, Save
+from kernel_backend.execution.scheduler import Job, Scheduler, Unit
+from kernel_backend.persistence.checkpoint_storage import CheckpointStorage
 
 log = logging.getLogger("stepwise.cluster")
 
-# How long a data-parallel collective waits for a peer before it fails (a peer that died).
-GROUP_TIMEOUT_S = 120
+# A worker's shard group among its process groups (the others are data-parallel runs', by run id: none starts with @).
+SHARD = "@shard"
 
 
 class WorkerLost(RuntimeError):
@@ -39,6 +62,26 @@ class WorkerLost(RuntimeError):
 class WorkerRestarted(RuntimeError):
     """A call reached a worker process that Ray restarted before the gateway noticed (it has not started it again):
     the state the call was meant for died with the old process, so the gateway takes the worker for lost."""
+
+
+class ShardGroupLost(RuntimeError):
+    """A shard group's collective failed (a member died, or hung past STEPWISE_GROUP_TIMEOUT_S): its engines cannot go
+    on, and the gateway takes every member for lost."""
+
+
+@dataclass
+class ShardRole:
+    """A worker's place in a shard group: its rank, the group's workers in rank order, and for rank 0 the others'
+    actor handles (Ray's, typed Any), to send each unit to."""
+
+    rank: int
+    members: list[str]
+    followers: list[Any] = field(default_factory=list)
+
+
+def wire(job: Job) -> Job:
+    """The job as it travels to a worker: its plain fields only (no gateway callbacks, no worker's own steps)."""
+    return dataclasses.replace(job, request=None, on_token=None, cancel=None, gate=None, call=None)
 
 
 @dataclass
@@ -71,7 +114,14 @@ class EngineWorker:
         self.name, self.settings, self.memory_budget = name, settings, memory_budget
         self.incarnation = uuid.uuid4().hex  # a process Ray restarted is a new incarnation: its state is gone
         self.ctx = engine_work.Context.of(settings)
-        self.scheduler = Scheduler(lambda base: Engine(base, settings), self._done, settings.max_batch_tokens, self.ctx)
+        # An engine's model is sharded over the worker's shard group, once it has joined one (start).
+        self.scheduler = Scheduler(lambda base: Engine(base, settings, group=self._groups.get(SHARD)), self._done,
+                                   settings.max_batch_tokens, self.ctx)
+        self.shard: ShardRole | None = None
+        self._broken: str | None = None  # why its shard group cannot go on (a collective failed)
+        self._units_sent = 0  # rank 0: units sent to the other members
+        self._units: dict[int, Unit] = {}  # another member: units received, by number, not run yet
+        self._units_arrived = threading.Condition()
         self.state = "starting"
         self.error: str | None = None  # why it failed to start
         self._waiting: dict[str, asyncio.Future] = {}
@@ -80,10 +130,13 @@ class EngineWorker:
         self._undo: dict[str, tuple[str, list]] = {}  # run id -> (its last backward pass, the gradients before it)
         self._reduce: dict[str, tuple] = {}  # request id -> (all-reduce work, flat gradients), for an optim_step
 
-    async def start(self, base_models: list[str]) -> dict:
-        """Load the base models, then start the scheduler. A worker that cannot is `failed`: reported, given nothing."""
+    async def start(self, base_models: list[str], shard: ShardRole | None = None) -> dict:
+        """Load the base models, then start the scheduler. A worker that cannot is `failed`: reported, given nothing.
+        `shard`: its place in the shard group it has joined (join_group with SHARD), whose members the gateway starts
+        together: rank 0 runs the scheduler and sends each unit to the others, which run what it sends."""
         self._loop = asyncio.get_running_loop()
         if self.state == "starting":
+            self.shard = shard
             try:
                 await asyncio.to_thread(self._load, base_models)
                 self.state = "live"
@@ -93,8 +146,20 @@ class EngineWorker:
         return await self.report()
 
     def _load(self, base_models: list[str]) -> None:
+        if self.shard is not None and SHARD not in self._groups:
+            raise RuntimeError(f"engine worker {self.name} was started as rank {self.shard.rank} of a shard group it "
+                               "has not joined")
         for name in base_models:
             self.scheduler.engine(name)
+        if self.shard is not None and self.shard.rank > 0:
+            # The leader's scheduler decides; this one runs what it is sent. The storage it writes nothing to: rank 0
+            # writes the checkpoints (Engine._writes).
+            self.scheduler.ctx = dataclasses.replace(self.ctx, storage=_Unwritten(self.settings.checkpoints_dir,
+                                                                                  self.settings.storage_url))
+            threading.Thread(target=self._follow, name="stepwise-shard-follower", daemon=True).start()
+            return
+        if self.shard is not None:
+            self.scheduler.mirror = self._mirror
         self.scheduler.start()
 
     async def report(self) -> dict:
@@ -108,6 +173,8 @@ class EngineWorker:
             "adapter_cache": {name: engine.adapters.stats() for name, engine in engines.items()},
             "queue_depth": self.scheduler.queue_depth(), "memory": self._memory(engines),
             "sampling": {name: engine.decoder.stats() for name, engine in engines.items()},
+            "shard": None if self.shard is None else {"rank": self.shard.rank, "members": self.shard.members,
+                                                      "broken": self._broken},
         }
 
     def _memory(self, engines: dict) -> dict:
@@ -177,7 +244,14 @@ class EngineWorker:
 
     def _done(self, job: Job, outcome) -> None:
         """The scheduler thread: hand the outcome to the waiting call, on the actor's loop."""
-        if isinstance(outcome, Exception) and not isinstance(outcome, (UserError, WorkerLost)):
+        if self.shard is not None and self.shard.rank > 0:
+            return  # a unit rank 0 sent: rank 0 answers it
+        if self.shard is not None and isinstance(outcome, Exception) and _collective_failed(outcome):
+            self._broken = self._broken or (
+                f"the shard group of engine workers {', '.join(self.shard.members)} lost a member: a collective "
+                f"failed ({type(outcome).__name__}: {str(outcome)[:300]})")
+            outcome = ShardGroupLost(self._broken)
+        if isinstance(outcome, Exception) and not isinstance(outcome, (UserError, WorkerLost, ShardGroupLost)):
             outcome = RuntimeError(str(outcome))  # the traceback is in this worker's log; the message travels
         answer = Outcome(outcome, job.usage, job.metrics, job.duration_s, job.step)
         self._loop.call_soon_threadsafe(self._resolve, job.request_id, answer)
@@ -187,6 +261,50 @@ class EngineWorker:
         if future is not None and not future.done():
             future.set_result(answer)
 
+    # ---- a shard group (the module docstring) ----------------------------------------------------------
+
+    def _mirror(self, unit: Unit) -> None:
+        """Rank 0, before it runs a unit: what could part the members fixed, then the unit sent to each of them."""
+        if self._broken:
+            raise ShardGroupLost(self._broken)
+        for job in unit.samples:  # each process would draw its own seed
+            sample = job.sample
+            if sample is not None and sample.params.seed is None:
+                job.sample = dataclasses.replace(sample, params=dataclasses.replace(
+                    sample.params, seed=random.getrandbits(63)))
+        sent = Unit([wire(job) for job in unit.samples], unit.decode, [self._follower_job(job) for job in unit.batch])
+        assert self.shard is not None  # (the mirror of a shard group's rank 0 only)
+        for follower in self.shard.followers:
+            follower.follow.remote(self._units_sent, sent)  # the unit's first collective is where they meet
+        self._units_sent += 1
+
+    def _follower_job(self, job: Job) -> Job:
+        """A job as the other members run it: rank 0 answers and writes, so a save it refuses before any collective
+        (its checkpoint exists) is nothing for them (they never look: their storage reports nothing there), and
+        they encrypt nothing to an age recipient."""
+        sent = wire(job)
+        op = sent.op
+        if isinstance(op, Save):
+            refused = not op.overwrite and self.ctx.storage.exists(op.key)
+            sent.op = Noop() if refused else dataclasses.replace(op, age_recipients=None)
+        return sent
+
+    async def follow(self, number: int, unit: Unit) -> None:
+        """Another member: unit `number` of rank 0's, to run after the ones before it (Ray may deliver out of order)."""
+        with self._units_arrived:
+            self._units[number] = unit
+            self._units_arrived.notify_all()
+
+    def _follow(self) -> None:
+        """Another member's thread: rank 0's units, in order, each run as rank 0 runs it."""
+        number = 0
+        while True:
+            with self._units_arrived:
+                self._units_arrived.wait_for(lambda: number in self._units)
+                unit = self._units.pop(number)
+            number += 1
+            self.scheduler.work(unit)
+
     # ---- data parallel ------------------------------------------------------------------------------
 
     async def open_group(self, run_id: str, size: int) -> tuple[str, int]:
@@ -194,23 +312,33 @@ class EngineWorker:
         import torch.distributed as dist
 
         host = _node_ip()
-        self._stores[run_id] = dist.TCPStore(host, 0, size, True, timeout=dt.timedelta(seconds=GROUP_TIMEOUT_S),
-                                             wait_for_workers=False)
+        self._stores[run_id] = dist.TCPStore(host, 0, size, True, wait_for_workers=False,
+                                             timeout=dt.timedelta(seconds=self.settings.group_timeout_s))
         return host, self._stores[run_id].port
 
     async def join_group(self, run_id: str, key: str, host: str, port: int, rank: int, size: int) -> None:
-        """Join a run's process group (every rank at once: the gateway calls them together)."""
+        """Join a run's process group, or with run_id SHARD the worker's shard group (every rank at once: the gateway
+        calls them together). Its collectives fail past STEPWISE_GROUP_TIMEOUT_S, never hang."""
         import torch.distributed as dist
 
+        timeout = dt.timedelta(seconds=self.settings.group_timeout_s)
+
         def connect():
-            store = self._stores[run_id] if rank == 0 else dist.TCPStore(
-                host, port, size, False, timeout=dt.timedelta(seconds=GROUP_TIMEOUT_S))
+            store = self._stores[run_id] if rank == 0 else dist.TCPStore(host, port, size, False, timeout=timeout)
             store = dist.PrefixStore(key, store)
-            if self.settings.device.startswith("cuda"):
+            gpu = self.settings.device.startswith("cuda")
+            if run_id == SHARD:
+                # The process's default group (sharding's dist.* calls translate ranks through it); one per process,
+                # as a worker joins one shard group in its life (a group formed again is made of new processes).
+                # Gloo picks the interface of the machine's hostname (GLOO_SOCKET_IFNAME names another).
+                dist.init_process_group("nccl" if gpu else "gloo", store=store, rank=rank, world_size=size,
+                                        timeout=timeout)
+                return dist.group.WORLD
+            if gpu:
                 return dist.ProcessGroupNCCL(store, rank, size)
             options = dist.ProcessGroupGloo._Options()
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=_node_ip())]
-            options._timeout = dt.timedelta(seconds=GROUP_TIMEOUT_S)
+            options._timeout = timeout
             return dist.ProcessGroupGloo(store, rank, size, options)
 
         self._groups[run_id] = await asyncio.to_thread(connect)
@@ -295,6 +423,32 @@ class EngineWorker:
             for p, g in zip(params, own):
                 p.grad = g
             raise
+
+
+class _Unwritten(CheckpointStorage):
+    """A shard group's other member's checkpoint store: it reads as rank 0 reads (a checkpoint to load, a sampler's
+    weights), and what it would write is rank 0's to write, so its staging folder is thrown away. Nothing exists
+    there: whether a save is refused is rank 0's decision (EngineWorker._follower_job), made before the unit is sent,
+    not this member's look at a store rank 0 may have written to meanwhile."""
+
+    @contextlib.contextmanager
+    def writing(self, key: str) -> Iterator[tuple[Path, list[str]]]:
+        scratch = self._scratch("unwritten")
+        try:
+            yield scratch / "checkpoint", [f"(written by rank 0 of the shard group: {key})"]
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def exists(self, key: str) -> bool:
+        return False
+
+
+def _collective_failed(error: Exception) -> bool:
+    """Whether an error is a process group's: gloo's own errors are plain RuntimeErrors that name gloo; the store's
+    and NCCL's are DistErrors."""
+    import torch.distributed as dist
+
+    return isinstance(error, dist.DistError) or "gloo/" in str(error)
 
 
 def _node_ip() -> str:

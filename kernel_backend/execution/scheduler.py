@@ -17,6 +17,12 @@ for the decode step before it.
 
 A job's engine-side work is plain data (kernel_backend/execution/engine_work.py: an `Op`, a `Pass` or a `SampleOp`), so
 the same scheduler runs in this process or inside an `EngineWorker` on Ray (kernel_backend/execution/cluster.py).
+
+Each turn of the thread is a `Unit`: the sample requests it admits, then one decode step or one job (or batch of
+passes). A model sharded over several workers (engine/sharding.py) needs every process to run the same units in the
+same order, so one scheduler decides: its `mirror` hook is handed each unit before it runs (the shard group's rank 0
+sends it to the others, execution/cluster_worker.py), and the others run what they are sent with `work`, their own
+thread never deciding anything.
 Its outcome, the op's plain result or the exception it raised, is handed to `on_done(job, outcome)`
 with the job's usage, metrics, duration and the run's step filled in; the service turns it into the
 reply and the ledger row (`Job.request`) and wakes whoever is polling.
@@ -90,6 +96,19 @@ class Job:
 
 
 @dataclass
+class Unit:
+    """One turn of the scheduler thread: the sample jobs it admits to their decoders, then one decode step of every
+    busy decoder (`decode`) or one job or batch of passes (`batch`), or neither."""
+
+    samples: list[Job]
+    decode: bool
+    batch: list[Job]
+
+    def jobs(self) -> list[Job]:
+        return [*self.samples, *self.batch]
+
+
+@dataclass
 class _Lane:
     ordered: bool
     jobs: list[Job] = field(default_factory=list)
@@ -135,6 +154,9 @@ class Scheduler:
         # Times the thread looked at the lanes, found nothing it may run and went to wait (lock held). A test that
         # submits a job and reads this after waits for it to grow: proof the thread saw the job and held it back.
         self.idle_passes = 0
+        # Called with each unit before it runs (the module docstring: a sharded model's other processes run it too);
+        # an exception fails the unit's jobs unrun.
+        self.mirror: Callable[[Unit], None] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -224,15 +246,15 @@ class Scheduler:
                                             <= self._jobs_s / job_lanes)
                 picked = [] if decode_turn else self._pick()
             start = self._clock()
+            unit = Unit(samples, decode_turn, picked)
             try:
-                for job in samples:
-                    self._admit(job)
-                if decode_turn:
-                    self._decode_step()
-                elif picked:
-                    self._run(picked)
-            except Exception:  # never let one job take the thread (and so the whole service) down
-                log.exception("scheduler: unexpected error while running %s", [j.request_id for j in picked] or "a decode step")
+                if self.mirror is not None and (unit.decode or unit.jobs()):
+                    self.mirror(unit)
+            except Exception as e:  # the unit cannot run alike everywhere: it runs nowhere
+                for job in unit.jobs():
+                    self._fail(job, e)
+                continue
+            self.work(unit)
             # Only time spent while both sides had work counts toward the share; an idle side starts afresh.
             if decoding and job_lanes:
                 if decode_turn:
@@ -241,6 +263,19 @@ class Scheduler:
                     self._jobs_s += self._clock() - start
             else:
                 self._decode_s = self._jobs_s = 0.0
+
+    def work(self, unit: Unit) -> None:
+        """Run one unit: this thread's turn, or, on a sharded model's other processes, the turn their rank 0 took."""
+        try:
+            for job in unit.samples:
+                self._admit(job)
+            if unit.decode:
+                self._decode_step()
+            elif unit.batch:
+                self._run(unit.batch)
+        except Exception:  # never let one job take the thread (and so the whole service) down
+            log.exception("scheduler: unexpected error while running %s",
+                          [j.request_id for j in unit.batch] or "a decode step")
 
     def _decoding_lanes(self, samples: list[Job]) -> int:
         return len({job.lane for job, _ in self._decoding.values()} | {job.lane for job in samples}) or 1

@@ -1,0 +1,208 @@
+"""A base model sharded over a group of Ray workers (STEPWISE_SHARD, execution/cluster_worker.py), through the SDK.
+
+One backend for the module, started as `serve` is with STEPWISE_WORKERS=2 and STEPWISE_SHARD=2: two engine workers
+on this CPU (one torch thread each) that form one shard group, each holding about half of the tiny stand-in for the
+default model (tests/tiny_model.py). Rank 0 (worker-0) is where the gateway places every run and sampler; worker-1
+runs each unit of work rank 0 sends it. The in-process engine of this test process (the `engine` fixture, the same
+tiny model whole) is the reference: a sharded run's losses and logprobs are its own to 1e-5, through LoRA training,
+sampling, save_state / load_state and a sampler's checkpoint. Bad input fails as in-process and the group goes on;
+a member killed mid-loop costs the loop a delay while the group is formed again and the run resharded from its
+snapshot, and the loop's final logprobs are an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import tinker
+import torch
+from tinker import types
+
+from helpers import chat_prompt, forward_logprobs, new_id, sft_datum
+from kernel_backend.types import AdamParams, LoraConfig, SamplingParams
+from servers import Server, start_server
+from test_cluster import BASE, LR, QUESTIONS, cluster_report, kill_worker, sdk_datum, wait_live
+from tiny_model import stand_in_env
+
+TOLERANCE = 1e-5
+GROUP = ["worker-0", "worker-1"]
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory, stepwise_home, tiny_model) -> Server:
+    home = tmp_path_factory.mktemp("sharded")
+    (home / "models").symlink_to(stepwise_home / "models")
+    server = start_server(home, timeout=600, env={
+        "STEPWISE_WORKERS": "2", "STEPWISE_SHARD": "2", "STEPWISE_WORKER_THREADS": "1",
+        "STEPWISE_RAY_NUM_CPUS": "2", "STEPWISE_RAY_OBJECT_STORE_MB": "128", "STEPWISE_SNAPSHOT_EVERY": "2",
+        "STEPWISE_HEARTBEAT_S": "0.5", "STEPWISE_GROUP_TIMEOUT_S": "60", **stand_in_env(tiny_model),
+    })
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(sharded: Server) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=sharded.base_url, api_key=sharded.api_key)
+
+
+class Reference:
+    """The same run on this process's unsharded engine, one torch thread as a worker has (the sums then add up in the
+    same order): its loss at each step and its logprobs after."""
+
+    def __init__(self, engine, seed: int, rank: int = 4):
+        self.engine, self.adapter = engine, new_id("reference")
+        engine.create_adapter(self.adapter, LoraConfig(rank=rank, seed=seed))
+
+    def __enter__(self) -> Reference:
+        self.threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.set_num_threads(self.threads)
+        self.engine.delete_adapter(self.adapter)
+
+    def step(self, data) -> float:
+        loss = self.engine.forward_backward(self.adapter, data).metrics["loss:sum"]
+        self.engine.optim_step(self.adapter, AdamParams(learning_rate=LR))
+        return loss
+
+    def logprobs(self, data) -> list[np.ndarray]:
+        return forward_logprobs(self.engine, self.adapter, data)
+
+
+def sdk_logprobs(tc, data) -> list[np.ndarray]:
+    return [o["logprobs"].to_numpy() for o in tc.forward(data, "cross_entropy").result().loss_fn_outputs]
+
+
+def sdk_step(tc, data) -> float:
+    fb = tc.forward_backward(data, "cross_entropy")
+    tc.optim_step(types.AdamParams(learning_rate=LR)).result()
+    return fb.result().metrics["loss:sum"]
+
+
+def assert_close(got, want) -> float:
+    difference = max(float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(w, np.float64))))
+                     for g, w in zip(got, want, strict=True))
+    assert difference <= TOLERANCE, difference
+    return difference
+
+
+def test_the_workers_form_one_shard_group_each_holding_about_half(sharded, engine):
+    report = cluster_report(sharded)
+    assert report["shard"] == 2
+    workers = {w["name"]: w for w in report["workers"]}
+    whole = engine.memory()["base_model_bytes"]
+    for name in GROUP:
+        assert workers[name]["state"] == "live" and workers[name]["shard_group"] == GROUP
+        held = workers[name]["memory"]["base_model_bytes"]  # what the worker's engine measures (Engine.memory)
+        print(f"{name}: {held:,} of {whole:,} base-model bytes ({held / whole:.3f})")
+        assert 0.45 < held / whole < 0.55
+
+
+def test_a_sharded_run_trains_samples_and_saves_as_the_unsharded_engine(client, sharded, engine, tokenizer):
+    datum = sft_datum(*QUESTIONS[0], tokenizer)
+    data = [sdk_datum(datum)]
+    prompt = chat_prompt(QUESTIONS[1][0], tokenizer)
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=11).result()
+    assert cluster_report(sharded)["runs"][tc.model_id]["workers"] == ["worker-0"]  # rank 0 serves the group
+    with Reference(engine, seed=11) as reference:
+        losses = [sdk_step(tc, data) for _ in range(3)]
+        expected = [reference.step([datum]) for _ in range(3)]
+        print(f"losses {losses} vs unsharded {expected}")
+        assert_close(losses, expected)
+        assert losses[-1] < losses[0]  # it trained
+        after = sdk_logprobs(tc, data)
+        print(f"logprobs after 3 steps: max |sharded - unsharded| = {assert_close(after, reference.logprobs([datum])):.3g}")
+
+        # Sampling from the run's weights: the prompt's logprobs, greedy tokens, and a sample drawn without a seed,
+        # whose logprobs are the model's own for the tokens drawn: a member drawing its own seed would feed the group
+        # other tokens, and rank 0's lookups would be summed with the other member's of different ones.
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        model_input = types.ModelInput.from_ints(prompt)
+        got = sampler.compute_logprobs(model_input).result()[1:]
+        assert_close([got], [engine.compute_logprobs(reference.adapter, prompt)[1:]])
+        greedy = sampler.sample(model_input, 2, types.SamplingParams(max_tokens=6, temperature=0.0)).result()
+        want = engine.sample(reference.adapter, prompt, 2, SamplingParams(max_tokens=6, temperature=0.0))
+        assert [s.tokens for s in greedy.sequences] == [s.tokens for s in want.sequences]
+        drawn = sampler.sample(model_input, 1, types.SamplingParams(max_tokens=8, temperature=1.0)).result().sequences[0]
+        recomputed = sampler.compute_logprobs(types.ModelInput.from_ints(prompt + drawn.tokens)).result()[len(prompt):]
+        assert_close([drawn.logprobs], [recomputed])
+
+        # save_state, one step more, then a run made from the saved state (its optimizer's too): it is where the
+        # first was saved, and goes on as the reference.
+        saved = tc.save_state("after-3").result().path
+        sdk_step(tc, data)
+        assert max(float(np.max(np.abs(a - b))) for a, b in zip(sdk_logprobs(tc, data), after)) > 1e-3
+        tc = client.create_training_client_from_state_with_optimizer(saved).result()
+        assert_close(sdk_logprobs(tc, data), after)
+        assert_close([sdk_step(tc, data)], [reference.step([datum])])
+        # A sampler's checkpoint (save_weights_for_sampler), loaded from the store by every member of the group.
+        path = tc.save_weights_for_sampler("after-4").result().path
+        from_checkpoint = client.create_sampling_client(model_path=path).result()
+        assert_close([from_checkpoint.compute_logprobs(model_input).result()[1:]],
+                     [engine.compute_logprobs(reference.adapter, prompt)[1:]])
+
+
+def test_two_runs_batched_together_match_their_unsharded_runs(client, engine, tokenizer):
+    """Two runs' forward passes sent at once: the group's rank 0 may batch them into one pass (the multi-tenant
+    batch), and every member runs that batch; each run's logprobs are still its own."""
+    runs = [(client.create_lora_training_client(base_model=BASE, rank=4, seed=20 + i).result(), sft_datum(*QUESTIONS[2 + i], tokenizer))
+            for i in range(2)]
+    for tc, datum in runs:
+        sdk_step(tc, [sdk_datum(datum)])
+    futures = [tc.forward([sdk_datum(datum)] * 3, "cross_entropy") for tc, datum in runs for _ in range(2)]
+    answers = [[o["logprobs"].to_numpy() for o in f.result().loss_fn_outputs] for f in futures]
+    for i, (_, datum) in enumerate(runs):
+        with Reference(engine, seed=20 + i) as reference:
+            reference.step([datum])
+            want = reference.logprobs([datum]) * 3
+        for got in answers[2 * i:2 * i + 2]:
+            assert_close(got, want)
+
+
+def test_bad_input_fails_clearly_and_the_group_goes_on(client, engine, tokenizer):
+    datum = sft_datum(*QUESTIONS[3], tokenizer)
+    data = [sdk_datum(datum)]
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=31).result()
+    before = sdk_logprobs(tc, data)
+    bad = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 10_000_000]),
+                      loss_fn_inputs={"target_tokens": np.asarray([2, 3, 4], dtype=np.int64)})
+    with pytest.raises(Exception) as refused:
+        tc.forward_backward([bad], "cross_entropy").result()
+    assert "outside the vocabulary" in str(refused.value), refused.value
+    assert_close(sdk_logprobs(tc, data), before)  # nothing changed, and both members still run in step
+    with Reference(engine, seed=31) as reference:
+        assert_close([sdk_step(tc, data)], [reference.step([datum])])
+        assert_close(sdk_logprobs(tc, data), reference.logprobs([datum]))
+
+
+def test_a_member_killed_mid_loop_costs_a_delay_and_the_run_goes_on_resharded(client, sharded, engine, tokenizer):
+    """worker-1 killed after step 4 of a 10-step loop (another Ray driver's ray.kill; Ray restarts it): the group
+    cannot go on without it, so the gateway takes both members for lost, has Ray restart the one still answering,
+    forms the group again once both are back, and reloads the run from its snapshot onto it, resharded, then its
+    journal since. The loop sees a delay, no failed call, and ends where an uninterrupted run ends."""
+    datum = sft_datum(*QUESTIONS[0], tokenizer)
+    data = [sdk_datum(datum)]
+    restarts = {w["name"]: w["restarts"] for w in cluster_report(sharded)["workers"]}
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=41).result()
+    for _ in range(4):
+        sdk_step(tc, data)
+    killer = threading.Timer(0.2, kill_worker, (sharded, "worker-1"))  # while step 5 is on its way
+    killer.start()
+    started = time.monotonic()
+    for _ in range(6):
+        sdk_step(tc, data)
+    killer.join()
+    print(f"steps 5-10 took {time.monotonic() - started:.1f} s across the loss of worker-1")
+    wait_live(sharded, GROUP, restarts)
+    events = [e["event"] for e in cluster_report(sharded)["events"]]
+    assert "group_reformed" in events and "restored" in events, events
+    with Reference(engine, seed=41) as reference:
+        for _ in range(10):
+            reference.step([datum])
+        assert_close(sdk_logprobs(tc, data), reference.logprobs([datum]))
