@@ -16,6 +16,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -86,7 +87,7 @@ class Connection:
     def kernel_usage(self) -> dict:
         """Totals over every session this kernel created (the usage API filters one session at a time),
         and the tightest of their budgets."""
-        totals = {"requests": 0, "prefill_tokens": 0, "sample_tokens": 0, "train_tokens": 0, "cost": 0.0,
+        totals: dict[str, Any] = {"requests": 0, "prefill_tokens": 0, "sample_tokens": 0, "train_tokens": 0, "cost": 0.0,
                   "by_kind": {kind: {"tokens": 0, "cost": 0.0} for kind in ("prefill", "sample", "train")}}
         currency, budgets = "USD", []
         for session_id in self.session_ids():
@@ -164,9 +165,9 @@ class Connection:
 
     def _budget_targets(self, session_id, training_run_id) -> list[tuple[str, str]]:
         if training_run_id is not None:
-            return [("run", run_id_of(training_run_id))]
+            return [("run", _known_id(run_id_of(training_run_id), "training run", training_run_id))]
         if session_id is not None:
-            return [("session", session_id_of(session_id))]
+            return [("session", _known_id(session_id_of(session_id), "session", session_id))]
         return [("session", s) for s in self.session_ids()]
 
     def _remember_kernel_budget(self, budget: dict) -> None:
@@ -317,6 +318,14 @@ def session_id_of(session) -> str | None:
         return session
     holder = getattr(session, "_session_holder", None) or getattr(session, "holder", None)
     return holder.get_session_id() if holder is not None else None  # an SDK without the holder: no id to give
+
+
+def _known_id(found: str | None, kind: str, given) -> str:
+    """An id run_id_of / session_id_of found for a budget call, or a clear error where they found none
+    (the call's URL could not have been built from None)."""
+    if found is None:
+        raise ValueError(f"no {kind} id found in {given!r}")
+    return found
 
 
 def run_id_of(training_run) -> str | None:

@@ -26,8 +26,11 @@ import ctypes
 import functools
 import signal
 import threading
+from typing import Any, Callable, TypeVar
 
 from workbench.client import widget_states
+
+T = TypeVar("T")
 
 
 class Interrupted(Exception):
@@ -35,7 +38,7 @@ class Interrupted(Exception):
     KeyboardInterrupt raised inside the kernel's event loop would stop the loop itself)."""
 
 
-async def in_thread(fn, /, *args, **kwargs):
+async def in_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """fn(*args, **kwargs) on a worker thread, awaited (see the module docstring): its result, or its exception."""
     widget_states.install()  # the worker's widgets vs. a page reloaded meanwhile
     loop = asyncio.get_running_loop()

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 
@@ -104,7 +105,10 @@ def single_user_adapter_cache_mb() -> int:
 def _spawn(port: int, home: Path, log_path: Path, api_key: str) -> subprocess.Popen:
     # The child must import the same kernel_backend this kernel sees, even from a source checkout
     # that is on sys.path only because the notebook's folder is.
-    package_root = str(Path(importlib.util.find_spec("kernel_backend").origin).parent.parent)
+    spec = importlib.util.find_spec("kernel_backend")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("kernel_backend is not importable as a regular package here: cannot start the local backend")
+    package_root = str(Path(spec.origin).parent.parent)
     # STEPWISE_LOCAL_KEY: the backend registers this key for its "local" tenant as it starts; the
     # well-known loopback key is off, so only processes that can read backend.json (this user) get in.
     # STEPWISE_EMBEDDED: one user on this machine, so no per-tenant caps (docs/security.md).
@@ -197,7 +201,9 @@ class StartProgress:
     each new stage is a line on stderr."""
 
     def __init__(self, enabled: bool):
-        self.enabled, self.began, self.last, self.handle = enabled, time.monotonic(), None, None
+        self.enabled, self.began = enabled, time.monotonic()
+        self.last: str | None = None
+        self.handle: Any = None  # IPython's DisplayHandle, once shown (IPython types display()'s answer loosely)
         self.notebook = enabled and _in_kernel()
 
     def update(self, stage: str) -> None:

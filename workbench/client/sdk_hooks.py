@@ -20,7 +20,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 RECENT = 32  # calls remembered; a repr looks for its result's call among them
 
@@ -110,7 +110,7 @@ def install(connection_of=None) -> None:
                                (AsyncSamplingResource, "asample", _wrap_asample)):
         method = getattr(cls, name)
         if not getattr(method, "_stepwise_wrapped", False):
-            wrapped = functools.wraps(method)(wrapper(method))
+            wrapped: Any = functools.wraps(method)(wrapper(method))  # Any: a function given an attribute of ours
             wrapped._stepwise_wrapped = True
             setattr(cls, name, wrapped)
 
@@ -148,7 +148,7 @@ def _wrap_asample(method):
 
 
 @functools.cache
-def _constrained_request_type():
+def _constrained_request_type() -> type:
     from tinker import types
 
     class ConstrainedSampleRequest(types.SampleRequest):

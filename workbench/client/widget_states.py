@@ -10,6 +10,7 @@ How it works, and why: docs/workbench.md, "Inside the workbench, module by modul
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def _install_comm_info() -> None:
         from IPython import get_ipython
     except ImportError:
         return
-    kernel = getattr(get_ipython(), "kernel", None)
+    kernel: Any = getattr(get_ipython(), "kernel", None)  # ipykernel's Kernel (or None), whose attributes IPython types loosely
     handlers = getattr(kernel, "shell_handlers", None)
     if not ipykernel.__version__.startswith(("6.", "7.")) or not isinstance(handlers, dict):
         return  # not in an ipykernel kernel, or one this was not written against

@@ -17,6 +17,7 @@ import datetime as dt
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -111,7 +112,7 @@ class LabMemory:
         return rows
 
     def totals(self) -> dict:
-        totals = {"since": self.since.isoformat(), "sessions": 0, "prefill_tokens": 0, "sample_tokens": 0,
+        totals: dict[str, Any] = {"since": self.since.isoformat(), "sessions": 0, "prefill_tokens": 0, "sample_tokens": 0,
                   "train_tokens": 0, "cost": 0.0}
         for row in self._rows.values():
             try:
@@ -139,9 +140,11 @@ async def read_report(backends: list[Backend], limit: int = 50, active_only: boo
         answers = await asyncio.gather(*(_read_one(client, b, limit, active_only) for b in backends))
     lab = lab or LabMemory(dt.datetime.min.replace(tzinfo=dt.timezone.utc))
     notebooks = notebooks or {}
-    running = {"sessions": 0, "prefill_tokens": 0, "sample_tokens": 0, "train_tokens": 0, "cost": 0.0,
+    running: dict[str, Any] = {"sessions": 0, "prefill_tokens": 0, "sample_tokens": 0, "train_tokens": 0, "cost": 0.0,
                "by_kind": {kind: {"tokens": 0, "cost": 0.0} for kind in KINDS}}
-    sessions, listed, currency = [], [], "USD"
+    sessions: list[dict] = []
+    listed: list[dict[str, Any]] = []  # one row per backend
+    currency = "USD"
     listed_ids: set[str] = set()  # the sessions already in `sessions`
     for backend, (answer, error, stopped) in zip(backends, answers):
         listed.append({"base_url": backend.base_url, "embedded": backend.embedded, "started": backend.started,

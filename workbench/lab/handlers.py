@@ -46,6 +46,8 @@ class SessionsHandler(APIHandler):
         paths = {}
         for model in await self.session_manager.list_sessions():
             kernel_id = (model.get("kernel") or {}).get("id")
+            if kernel_id is None:  # the server's sessions always name a kernel; get_kernel(None) refuses it too
+                raise tornado.web.HTTPError(404, f"session {model.get('id')} names no kernel")
             try:
                 provisioner = self.kernel_manager.get_kernel(kernel_id).provisioner
             except KeyError:
