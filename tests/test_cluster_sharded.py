@@ -181,6 +181,30 @@ def test_bad_input_fails_clearly_and_the_group_goes_on(client, engine, tokenizer
         assert_close(sdk_logprobs(tc, data), reference.logprobs([datum]))
 
 
+def test_a_sharded_full_fine_tuning_run_trains_as_unsharded_and_saves_a_model_transformers_loads(
+        client, sharded, engine, tokenizer):
+    """rank 0: the run's own copy of every weight, sharded as the base is (each member holds its rows, and its AdamW
+    moments'); its checkpoint is gathered whole and written by rank 0."""
+    from transformers import AutoModelForCausalLM
+
+    datum = sft_datum(*QUESTIONS[1], tokenizer)
+    data = [sdk_datum(datum)]
+    tc = client.create_lora_training_client(base_model=BASE, rank=0, seed=51).result()
+    with Reference(engine, seed=51, rank=0) as reference:
+        assert_close([sdk_step(tc, data) for _ in range(2)], [reference.step([datum]) for _ in range(2)])
+        want = reference.logprobs([datum])
+    assert_close(sdk_logprobs(tc, data), want)
+    tc.save_weights_for_sampler("full-sharded").result()
+    [folder] = {p.parent for p in (sharded.home / "checkpoints").rglob("model.safetensors") if "full-sharded" in str(p)}
+    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched weights
+    tokens = datum.tokens + [int(datum.loss_fn_inputs["target_tokens"][-1])]
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0].log_softmax(-1)
+    theirs = logits[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])].numpy()
+    np.testing.assert_allclose(theirs, want[0], rtol=0, atol=1e-4)  # transformers' own forward, not the engine's
+
+
 def test_a_member_killed_mid_loop_costs_a_delay_and_the_run_goes_on_resharded(client, sharded, engine, tokenizer):
     """worker-1 killed after step 4 of a 10-step loop (another Ray driver's ray.kill; Ray restarts it): the group
     cannot go on without it, so the gateway takes both members for lost, has Ray restart the one still answering,
