@@ -22,6 +22,8 @@ import torch
 from tinker import types
 
 from helpers import chat_prompt, forward_logprobs, new_id, sft_datum
+from kernel_backend.config import Settings
+from kernel_backend.execution.cluster import Cluster, Worker
 from kernel_backend.types import AdamParams, LoraConfig, SamplingParams
 from servers import Server, start_server
 from test_cluster import BASE, LR, QUESTIONS, cluster_report, kill_worker, sdk_datum, wait_live
@@ -90,6 +92,33 @@ def assert_close(got, want) -> float:
                      for g, w in zip(got, want, strict=True))
     assert difference <= TOLERANCE, difference
     return difference
+
+
+def test_settings_a_shard_group_cannot_serve_are_refused_before_anything_starts(tmp_path, monkeypatch):
+    from kernel_backend.__main__ import main
+
+    monkeypatch.delenv("STEPWISE_WORKERS", raising=False)
+    monkeypatch.delenv("STEPWISE_RAY_ADDRESS", raising=False)
+    with pytest.raises(SystemExit, match="needs Ray workers: add --workers 2"):
+        main(["serve", "--shard", "2"])
+    with pytest.raises(SystemExit, match="--shard takes a number of workers"):
+        main(["serve", "--workers", "2", "--shard", "0"])
+    for settings, message in ((Settings(home=tmp_path, shard=2), "there are 3 .* give a multiple of 2"),
+                              (Settings(home=tmp_path, shard=3, replicas_per_run=2), "REPLICAS_PER_RUN > 1 with")):
+        cluster = Cluster(settings, storage=None, on_done=None)
+        cluster.workers = {f"worker-{i}": Worker(f"worker-{i}", None, f"w{i}", "cpu") for i in range(3)}
+        with pytest.raises(RuntimeError, match=message):
+            cluster._form_shard_groups()
+
+
+def test_only_a_shard_groups_rank_0_with_every_member_live_is_given_work(tmp_path):
+    cluster = Cluster(Settings(home=tmp_path, shard=2), storage=None, on_done=None)
+    group = ["worker-0", "worker-1"]
+    cluster.workers = {name: Worker(name, None, name, "cpu", state="live", group=group) for name in group}
+    cluster.workers["worker-2"] = Worker("worker-2", None, "worker-2", "cpu", state="live")  # (unsharded)
+    assert [w.name for w in cluster.workers.values() if cluster._serves(w)] == ["worker-0", "worker-2"]
+    cluster.workers["worker-1"].state = "dead"  # rank 0 would wait for it in its first collective
+    assert [w.name for w in cluster.workers.values() if cluster._serves(w)] == ["worker-2"]
 
 
 def test_the_workers_form_one_shard_group_each_holding_about_half(sharded, engine):
