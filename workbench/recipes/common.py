@@ -18,7 +18,7 @@ import types as pytypes
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterator
 
 import httpx
 import numpy as np
@@ -175,7 +175,8 @@ def chat_datum(tokenizer, messages: list[dict], train_on: str = "all_assistant",
         weights[len(before) : len(upto)] = 1.0
     return types.Datum(
         model_input=types.ModelInput.from_ints(full[:-1]),
-        loss_fn_inputs={"target_tokens": np.asarray(full[1:], dtype=np.int64), "weights": weights[1:]},
+        loss_fn_inputs={"target_tokens": types.TensorData.from_numpy(np.asarray(full[1:], dtype=np.int64)),
+                        "weights": types.TensorData.from_numpy(weights[1:])},
     )
 
 
@@ -198,7 +199,8 @@ def rollout_datum(prompt: list[int], completion: list[int], sampler_logprobs, ad
     adv[start:] = np.asarray(advantages, dtype=np.float32)
     datum = types.Datum(
         model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": np.asarray(tokens[1:], dtype=np.int64), "logprobs": logprobs, "advantages": adv},
+        loss_fn_inputs={"target_tokens": types.TensorData.from_numpy(np.asarray(tokens[1:], dtype=np.int64)),
+                        "logprobs": types.TensorData.from_numpy(logprobs), "advantages": types.TensorData.from_numpy(adv)},
     )
     if sequence_id is None:
         return datum
@@ -224,7 +226,7 @@ def weighted_nll(data: list[types.Datum], outputs: list[dict]) -> tuple[float, f
     return total, count
 
 
-def batches(items: list, batch_size: int, rng: np.random.Generator) -> Iterable[list]:
+def batches(items: list, batch_size: int, rng: np.random.Generator) -> Iterator[list]:
     """An endless stream of batches: shuffle, cut, reshuffle every epoch."""
     if not items:
         raise ValueError("no data")

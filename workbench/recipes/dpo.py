@@ -64,7 +64,8 @@ def completion_datum(prompt_tokens: list[int], full_tokens: list[int]) -> types.
     weights[len(prompt_tokens) - 1 :] = 1.0
     return types.Datum(
         model_input=types.ModelInput.from_ints(list(full_tokens[:-1])),
-        loss_fn_inputs={"target_tokens": np.asarray(full_tokens[1:], dtype=np.int64), "weights": weights},
+        loss_fn_inputs={"target_tokens": types.TensorData.from_numpy(np.asarray(full_tokens[1:], dtype=np.int64)),
+                        "weights": types.TensorData.from_numpy(weights)},
     )
 
 
@@ -85,7 +86,9 @@ def preference_datums(records, tokenizer, chat: bool = True) -> list[types.Datum
 def with_confidence(chosen: types.Datum, p: float) -> types.Datum:
     """Mark a pair's chosen datum with the label's confidence p (in place; returned for chaining)."""
     if p != 1.0:
-        chosen.loss_fn_inputs["confidence"] = np.asarray([p], dtype=np.float32)
+        # A raw array, as it has always been stored (the Datum exists: nothing coerces it): only dpo_loss reads it,
+        # client-side (_confidence takes an array or a TensorData); the SDK types the dict's values as TensorData only.
+        chosen.loss_fn_inputs["confidence"] = np.asarray([p], dtype=np.float32)  # type: ignore[assignment]
     return chosen
 
 

@@ -148,6 +148,12 @@ class Segment:
     logprobs: list[float] | None = None  # the sampler's, policy turns only
     text: str = ""
 
+    def sampled_logprobs(self) -> list[float]:
+        """A policy turn's logprobs (a policy segment always has them)."""
+        if self.logprobs is None:
+            raise ValueError(f"this {self.role} segment has no sampler logprobs")
+        return self.logprobs
+
 
 @dataclass
 class Episode:
@@ -183,10 +189,11 @@ class Episode:
         tokens, policy = self.tokens, self.policy_mask()
         advantages = np.where(policy, advantage, 0.0).astype(np.float32)
         logprobs = np.zeros(len(tokens) - 1, np.float32)
-        logprobs[policy] = [x for s in self.segments if s.role == "policy" for x in s.logprobs]
+        logprobs[policy] = [x for s in self.segments if s.role == "policy" for x in s.sampled_logprobs()]
         return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                           loss_fn_inputs={"target_tokens": np.asarray(tokens[1:], dtype=np.int64),
-                                           "logprobs": logprobs, "advantages": advantages})
+                           loss_fn_inputs={"target_tokens": types.TensorData.from_numpy(np.asarray(tokens[1:], dtype=np.int64)),
+                                           "logprobs": types.TensorData.from_numpy(logprobs),
+                                           "advantages": types.TensorData.from_numpy(advantages)})
 
 
 def observation_tokens(tokenizer, history: list[dict], reply_text: str, messages: list[dict],

@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 from tinker import types
@@ -28,6 +28,9 @@ from workbench.recipes.dpo import answer_ids, completion_datum, with_confidence
 from workbench.recipes.preference_labels import confidence, is_training_pair
 from workbench.recipes import common
 from workbench.recipes.preference import answer_logprobs, make_loss, margin_of, sample_candidates
+
+if TYPE_CHECKING:
+    from tinker import SamplingClient
 
 ORDERINGS = ("margin", "disagreement", "random")
 
@@ -78,8 +81,8 @@ def order(items: list[dict], ordering: str) -> list[dict]:
 
 class LiveLoop:
     def __init__(self, training_client, prompts: list[str], config: LiveConfig,
-                 records: Callable[[], list[dict]], heldout: list[dict] = (),
-                 on_change: Callable[[], None] | None = None, on_update: Callable[[dict], None] | None = None):
+                 records: Callable[[], list[dict]], heldout: Sequence[dict] = (),
+                 on_change: Callable[[], None] | None = None, on_update: Callable[[dict], object] | None = None):
         if not prompts:
             raise ValueError("LiveLoop needs prompts to sample pairs for")
         self.tc, self.config, self.prompts = training_client, config, list(prompts)
@@ -105,7 +108,8 @@ class LiveLoop:
         self._requests: queue.Queue = queue.Queue()
         self._pending = 0
         self._closed = threading.Event()
-        self._sampler = self._reference = None
+        self._sampler: SamplingClient | None = None
+        self._reference: SamplingClient | None = None  # the v0 sampler, once made (then kept)
         self._threads = [threading.Thread(target=self._sample_forever, name="live-sampler", daemon=True),
                          threading.Thread(target=self._update_forever, name="live-updater", daemon=True)]
         for thread in self._threads:
@@ -225,19 +229,26 @@ class LiveLoop:
         """The reference's (v0's) logprobs of each (prompt, answer), aligned to its datum's targets;
         a prefill on the reference sampler for those not known yet (metered as prefill tokens)."""
         keys = [tuple(p + a) for p, a in pairs]
-        missing = {k: self._reference.compute_logprobs(types.ModelInput.from_ints(list(k)))
+        missing = {k: self._reference_sampler().compute_logprobs(types.ModelInput.from_ints(list(k)))
                    for k in dict.fromkeys(keys) if k not in self._ref}
         for key, future in missing.items():
             logprobs = np.asarray([0.0 if x is None else x for x in future.result()[1:]], dtype=np.float32)
             self._ref[key] = logprobs  # position i predicts token i + 1, like the datum's targets
         return [self._ref[k] * (np.arange(len(self._ref[k])) >= len(p) - 1) for k, (p, _) in zip(keys, pairs)]
 
+    def _reference_sampler(self) -> SamplingClient:
+        """The v0 sampler: made before the first pair is sampled, so before any logprobs are asked of it."""
+        if self._reference is None:
+            raise RuntimeError("no sampler for weights v0, the reference, yet")
+        return self._reference
+
     # ---- labels into pairs of tokens ------------------------------------------------------------------
 
     def pair_tokens(self, record: dict) -> tuple[list[int], list[int], list[int]]:
         """(prompt, chosen, rejected) tokens of a label: the sampled tokens themselves where the pair
         was sampled here, the text encoded where it was written (an edit) or read from a file."""
-        item = self._items.get(record.get("repeat_of") or record.get("item_id"))
+        key = record.get("repeat_of") or record.get("item_id")
+        item = self._items.get(key) if key is not None else None
         if item is None:
             prompt = common.user_prompt(self.tokenizer, record["prompt"])
             return prompt, answer_ids(record["chosen"], self.tokenizer), answer_ids(record["rejected"], self.tokenizer)
@@ -255,7 +266,7 @@ class LiveLoop:
         for (prompt, answer), ref in zip(answers, refs):
             datum = completion_datum(prompt, prompt + answer)
             data.append(types.Datum(model_input=datum.model_input,
-                                    loss_fn_inputs={**datum.loss_fn_inputs, "ref_logprobs": ref}))
+                                    loss_fn_inputs={**datum.loss_fn_inputs, "ref_logprobs": types.TensorData.from_numpy(ref)}))
         for n, record in enumerate(records):
             with_confidence(data[2 * n], confidence(record))
         return data

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import tinker
@@ -62,12 +63,22 @@ def label(rule: str, a: tuple[list[int], str], b: tuple[list[int], str]) -> int:
     raise ValueError(f"unknown rule {rule!r}: shorter, longer or keyword:WORD")
 
 
-def rendered_prompt(tokenizer, prompt: str, config: Config) -> list[int]:
+class SamplingSettings(Protocol):
+    """What sampling candidates reads of a config: Config's fields, or live_preference.LiveConfig's."""
+
+    instruction: str
+    max_tokens: int
+    temperature: float
+    seed: int
+
+
+def rendered_prompt(tokenizer, prompt: str, config: SamplingSettings) -> list[int]:
     """What the model is asked: the prompt with config.instruction, as a user turn."""
     return common.user_prompt(tokenizer, prompt + config.instruction)
 
 
-def sample_candidates(sampler, tokenizer, prompts: list[str], config: Config, first: int = 0) -> list[dict]:
+def sample_candidates(sampler, tokenizer, prompts: list[str], config: SamplingSettings,
+                      first: int = 0) -> list[dict]:
     """Two samples per prompt, unlabeled: [{id, prompt, prompt_tokens, completions, completion_tokens,
     completion_logprobs, truncated}].
 

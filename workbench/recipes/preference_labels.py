@@ -42,7 +42,7 @@ def verdict(record: dict) -> str | None:
     """What a label says about the pair, independent of which side each answer was shown on:
     "0" or "1" (that completion of the item won), "tie", "both_bad"; None for skip and edit."""
     choice = record.get("choice")
-    if record.get("preferred") is not None and VERDICTS.get(choice, (None,))[0] is not None:
+    if record.get("preferred") is not None and choice in VERDICTS and VERDICTS[choice][0] is not None:
         return str(record["preferred"])
     return choice if choice in ("tie", "both_bad") else None
 

@@ -98,6 +98,12 @@ class Group:
     dropped: str = ""        # why it is not trained on: "tied" or "filtered"
     episodes: list | None = None  # a multi-turn task's answers (episodes.Episode); sequences are their policy turns
 
+    def played(self) -> list:
+        """A multi-turn task's group's episodes (such a group always has them)."""
+        if self.episodes is None:
+            raise ValueError("this group has no episodes: its task is not multi-turn")
+        return self.episodes
+
     @property
     def advantages(self) -> np.ndarray:
         return self.rewards - self.rewards.mean()
@@ -180,7 +186,7 @@ def play(sampler, tokenizer, task, problems: list[Problem], n: int, config: "Con
         mine = played[i * n:(i + 1) * n]
         policy = [[s for s in e.segments if s.role == "policy"] for e in mine]
         groups.append(Group(problem, mine[0].segments[0].tokens,
-                            [PolicyTurns([t for s in turns for t in s.tokens], [x for s in turns for x in s.logprobs])
+                            [PolicyTurns([t for s in turns for t in s.tokens], [x for s in turns for x in s.sampled_logprobs()])
                              for turns in policy],
                             [tokenizer.decode(e.tokens[len(e.segments[0].tokens):], skip_special_tokens=True) for e in mine],
                             np.array([e.reward for e in mine], dtype=float),
@@ -290,6 +296,8 @@ def evaluate(sampler, tokenizer, task, problems: list[Problem], samples: int, ma
     bar = common.progress_bar(len(problems), f"{desc} ({len(problems)} problems x {samples})", progress)
     try:
         if hasattr(task, "env"):  # a multi-turn task: its episodes, played together
+            if config is None:  # play reads the episodes' limits from it
+                raise ValueError("evaluate needs config= for a multi-turn task")
             rollouts = Rollouts(play(sampler, tokenizer, task, problems, samples, config, seed, kind="eval"))
             bar.update(len(problems))
         else:
@@ -379,13 +387,13 @@ def run(config: Config, service_client: tinker.ServiceClient | None = None, on_s
                 triage(more, drop_tied, config.group_filter)
                 groups, resampled = groups + more, resampled + len(more)
             kept = [g for g in groups if not g.dropped]
-            row = {"reward": float(np.mean([r for g in groups for r in g.rewards])),
+            row: dict[str, typing.Any] = {"reward": float(np.mean([r for g in groups for r in g.rewards])),
                    **{name: float(np.mean(values)) for name, values in _parts_of(groups).items()},
                    **group_metrics(groups), "groups_used": len(kept),
                    **({"resampled": resampled} if config.resample_dropped else {})}
             measured, penalty = against_base(base, kept, probes, config)
             row.update(measured)
-            hacks = rl_hacks.flags([e for g in groups for e in g.episodes], checks, step, hacks_began) \
+            hacks = rl_hacks.flags([e for g in groups for e in g.played()], checks, step, hacks_began) \
                 if multi_turn else []
             if hacks:
                 row["flags"] = row.get("flags", []) + hacks

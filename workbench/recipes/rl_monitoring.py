@@ -9,7 +9,7 @@ leash's per-token penalty; and the sampler-vs-learner logprob gap on the trained
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tinker import types
@@ -98,7 +98,8 @@ def against_base(base, kept: list[Group], probes: list[Group], config: Config) -
     the kept answers' KL and their per-token penalty; the probes' diversity, KL and flags."""
     leashed = kept if config.kl_penalty_coef else []
     base_lp = base_logprobs(base, leashed + probes) if base is not None and (leashed or probes) else []
-    row, penalty = {}, None
+    row: dict[str, Any] = {}
+    penalty = None
     if leashed:
         diffs, row["kl_batch_base"] = kl_to_base(leashed, base_lp[:len(leashed)])
         penalty = kl_penalty(diffs, row["kl_batch_base"], config.kl_penalty_coef)

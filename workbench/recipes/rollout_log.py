@@ -109,7 +109,8 @@ def _ranges(steps: list[int]) -> str:
     """[1, 2, 3, 7, 8] -> "1-3, 7-8" (an error message's list of kept steps)."""
     if not steps:
         return "none"
-    out, start = [], steps[0]
+    out: list[str] = []
+    start: int | None = steps[0]  # None once the last run is out
     for prev, cur in zip(steps, steps[1:] + [None]):
         if cur is None or cur != prev + 1:  # a run of consecutive steps ends at prev
             out.append(f"{start}-{prev}" if prev != start else f"{start}")
