@@ -42,6 +42,12 @@ class Call:
     data: list | None = None  # forward / forward_backward: the datums
     num_samples: int = 0      # sample
 
+    def datums(self) -> list:
+        """A forward / forward_backward call's datums (such a call always records them)."""
+        if self.data is None:
+            raise ValueError(f"this {self.kind} call recorded no datums")
+        return self.data
+
 
 def recent_calls(kind: str) -> list[Call]:
     """The remembered calls of one kind, newest first."""
@@ -49,10 +55,11 @@ def recent_calls(kind: str) -> list[Call]:
         return [call for call in reversed(_recent) if call.kind == kind]
 
 
-def user_loss(training_run_id: str, loss: float) -> float:
-    """The user's loss for a ledger loss that is a custom loss's surrogate (from this process), else `loss`."""
+def user_loss(training_run_id: str | None, loss: float) -> float:
+    """The user's loss for a ledger loss that is a custom loss's surrogate (from this process), else `loss`
+    (a row of no run is none of this process's custom losses)."""
     with _lock:
-        pairs = list(_custom_losses.get(training_run_id, ()))
+        pairs = list(_custom_losses.get(training_run_id, ())) if training_run_id is not None else []
     for surrogate, mine in reversed(pairs):
         if math.isclose(surrogate, loss, rel_tol=1e-5, abs_tol=1e-9):
             return mine

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import html as html_lib
 import math
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import ipywidgets as w
 import traitlets as t
@@ -36,6 +36,9 @@ from tinker import types
 
 from workbench.recipes.common import progress_bar, render_prompt, user_prompt
 from workbench.widgets.tokens import legend_html, local_tokenizer, token_html, token_pieces
+
+if TYPE_CHECKING:
+    from tinker import SamplingClient
 
 SORT_KEYS = ("reward", "mean_logprob", "length")
 _STYLE = ("<style>.wb-cmp{border-collapse:collapse;font:12px sans-serif}.wb-cmp td,.wb-cmp th{border:1px solid #ddd;"
@@ -77,14 +80,14 @@ def _fmt(value) -> str:
 
 
 class Compare(w.VBox):
-    columns = t.List()
-    rows = t.List()           # in the order shown (sorted); each carries "index", its place among the prompts
+    columns: t.List[str] = t.List()
+    rows: t.List[dict] = t.List()         # in the order shown (sorted); each carries "index", its place among the prompts
     sort_by = t.Unicode("")   # "sampler name:reward" | ":mean_logprob" | ":length"; "" keeps the prompts' order
     ascending = t.Bool(False)  # False: the highest first
     opened = t.Int(-1)
     html = t.Unicode("")
 
-    def __init__(self, samplers: Mapping[str, object], prompts, reward: Callable[[object, str], float] | None = None,
+    def __init__(self, samplers: Mapping[str, SamplingClient], prompts, reward: Callable[[object, str], float] | None = None,
                  *, max_tokens: int = 64, seed: int = 0, temperature: float = 0.0,
                  sampling_params: types.SamplingParams | None = None, tokenizer=None, system: str | None = None,
                  progress: bool = True):
@@ -123,7 +126,7 @@ class Compare(w.VBox):
         # Everything is submitted before anything is waited for, so the backend batches the requests.
         futures = {(i, name): sampler.sample(types.ModelInput.from_ints(ids), 1, self.sampling_params)
                    for name, sampler in self.samplers.items() for i, (_, ids) in enumerate(inputs)}
-        rows = [{"index": i, "prompt": text, "answers": {}} for i, (text, _) in enumerate(inputs)]
+        rows: list[dict[str, Any]] = [{"index": i, "prompt": text, "answers": {}} for i, (text, _) in enumerate(inputs)]
         bar = progress_bar(len(futures), "sampling", progress)
         try:
             for (i, name), future in futures.items():

@@ -86,7 +86,7 @@ class CostMeter(anywidget.AnyWidget):
     cost = t.Float(0.0)
     by_kind = t.Dict()
     currency = t.Unicode("USD")
-    rows = t.List().tag(sync=True)
+    rows: t.List[list] = t.List().tag(sync=True)
     budget = t.Dict().tag(sync=True)  # the scope's budget as the backend counts it ({} when it has none)
     budget_text = t.Unicode("").tag(sync=True)  # budget_text(budget), drawn beside the bar
     error = t.Unicode("").tag(sync=True)

@@ -17,6 +17,7 @@ import html
 import math
 import textwrap
 import threading
+from typing import TYPE_CHECKING
 
 import ipywidgets as w
 import plotly.graph_objects as go
@@ -27,6 +28,9 @@ from workbench.widgets.cost import format_cost, run_id_of, session_id_of
 from workbench.widgets.polling import Poller
 from workbench.widgets.runs import run_label
 from workbench.widgets.throttle import Throttle
+
+if TYPE_CHECKING:
+    from workbench.widgets.plot_clicks import PlotClicks
 
 LOSS_TYPE = "ForwardBackward"
 LOSS_PANEL = "loss per step (loss:sum, summed over tokens)"
@@ -55,7 +59,8 @@ def _figure(title: str, y_title: str, series: dict[str, tuple[list, list]],
     def placed(trace: str | None, steps: list, values: list) -> tuple[list, list, list]:
         """(x, y, step) of the points that have a place on the x axis."""
         points = [(place(trace, s), v, s) for s, v in zip(steps, values)]
-        return tuple(list(column) for column in zip(*(p for p in points if p[0] is not None))) or ([], [], [])
+        kept = [p for p in points if p[0] is not None]
+        return [x for x, _, _ in kept], [v for _, v, _ in kept], [s for _, _, s in kept]
 
     at_step = "step %{customdata}" + (" · $%{x}" if x_of else "")
     data = []
@@ -130,7 +135,8 @@ def _as_output(figure: go.Figure) -> dict:
 def _smoothed(values: list, weight: float) -> list:
     """An exponential moving average (as TensorBoard's smoothing): each point is weight x the previous
     average + (1 - weight) x its value, debiased so the first points are not pulled towards 0."""
-    out, average, count = [], 0.0, 0
+    out: list[float | None] = []
+    average, count = 0.0, 0
     for value in values:
         if value is None:
             out.append(None)
@@ -175,15 +181,15 @@ def _dtick(last_step: int) -> int:
 
 class Dashboard(w.VBox):
     training_run_id = t.Unicode(None, allow_none=True)  # the run, or the first of training_run_ids
-    training_run_ids = t.List()  # the runs given (training_run_id=[tc1, tc2] overlays them); [] in session scope
+    training_run_ids: t.List[str] = t.List()  # the runs given (training_run_id=[tc1, tc2] overlays them); [] in session scope
     session_id = t.Unicode(None, allow_none=True)
     # Loss points in arrival order; loss_runs says which training run each belongs to.
-    loss_steps = t.List()
-    loss_values = t.List()
-    loss_runs = t.List()
+    loss_steps: t.List[int] = t.List()
+    loss_values: t.List[float] = t.List()
+    loss_runs: t.List[str | None] = t.List()
     metrics = t.Dict()  # name -> {"steps": [...], "values": [...], "runs": [...]} from log() (runs: ids or None)
     skipped = t.Dict()  # why -> the steps skipped for that reason, from skip()
-    flags = t.List()  # [{"step", "kind", "detail"}] from flag(), in the order flagged
+    flags: t.List[dict] = t.List()  # [{"step", "kind", "detail"}] from flag(), in the order flagged
     # x="cost": run id -> {step: the run's cumulative cost when it finished that step}, from the ledger
     step_costs = t.Dict()
     cost = t.Float(0.0)
@@ -191,6 +197,7 @@ class Dashboard(w.VBox):
     requests = t.Int(0)
     cursor = t.Int(0)  # the newest ledger row read (each scope keeps its own: _cursors)
     error = t.Unicode("")
+    children: tuple  # VBox's trait, declared for mypy: ipywidgets ships no types, and on_click sets it from itself
 
     def __init__(self, training_run_id=None, session=None, *, panels: dict[str, list[str]] | None = None,
                  labels: dict[str, str] | None = None, smoothing: float = 0.0, x: str = "step", connection=None,
@@ -221,14 +228,14 @@ class Dashboard(w.VBox):
             raise ValueError(f"smoothing is the moving average's weight of the past, from 0 (none) to below 1, not {smoothing}")
         self.smoothing = smoothing
         self._run_names: dict[str, str] = {}  # run id -> what its traces are called
-        self._closed: dict[str, int] = {}  # run id -> the newest optimizer step the ledger shows it took
+        self._closed: dict[str | None, int] = {}  # run id -> the newest optimizer step the ledger shows it took
         self.slots: dict[str, w.Output] = {}  # panel title -> the output that shows it, in drawing order
         self.figures: dict[str, go.Figure] = {}  # panel title -> the figure it shows
-        self._drawn: dict[str, dict] = {}  # panel title -> the series its figure shows
+        self._drawn: dict[str, tuple] = {}  # panel title -> the (series, skipped, flags, costs) its figure shows
         self.panels = w.Box(layout=w.Layout(display="flex", flex_flow="row wrap", width="100%"))
         self.note = w.HTML()  # what is not drawn yet, in words
         self.alerts = w.HTML()  # the flagged steps, in words
-        self.clicks = None  # a PlotClicks, once something listens to clicks on the plots (on_click)
+        self.clicks: PlotClicks | None = None  # a PlotClicks, once something listens to clicks on the plots (on_click)
         self.inspector = None  # the RolloutInspector of rollouts()
         self._rollout_logs: dict = {}  # run name (None: no run given) -> its RolloutLog, from rollouts()
         self.stats = w.HTML()
@@ -236,7 +243,7 @@ class Dashboard(w.VBox):
         self.add_class("wb-dashboard")
         self.training_run_ids, self.session_id = run_ids, session_id
         self.training_run_id = run_ids[0] if run_ids else None
-        self._losses: dict[tuple[str, int], list[float]] = {}  # (run, step) -> its losses, insertion-ordered
+        self._losses: dict[tuple[str | None, int], list[float]] = {}  # (run, step) -> its losses, insertion-ordered
         self._step_costs: dict[str, dict[int, float]] = {}  # what step_costs shows, as the poller builds it
         self._lock = threading.Lock()  # refresh() runs on the poller thread and on demand
         self._draw_lock = threading.Lock()  # so do redraws (the throttle's timer and the caller)
@@ -261,8 +268,8 @@ class Dashboard(w.VBox):
             for report in self._pages(scope, self._cursors[i]):
                 for row in report["series"]:
                     self._take(row)
-                    if self.x == "cost" and scope.get("training_run_id"):
-                        self._count_cost(scope["training_run_id"], row)
+                    if self.x == "cost" and (run := scope.get("training_run_id")):
+                        self._count_cost(run, row)
                 self._cursors[i] = report["cursor"]
                 new += len(report["series"])
             totals.append(report["totals"])
@@ -459,7 +466,8 @@ class Dashboard(w.VBox):
         """x="cost": what `run` (default: the dashboard's first run) had spent when it finished `step`
         (step_costs), or None while the ledger has not shown that step yet."""
         run = run or next(iter([*self.training_run_ids, *self._runs_seen]), None)
-        return self.step_costs.get(run, {}).get(int(step))
+        costs = self.step_costs.get(run, {}) if run is not None else {}  # no run known yet: nothing priced
+        return costs.get(int(step))
 
     def run_id_named(self, run: str) -> str:
         """`run` as a run id: the id of the run this dashboard knows by that name (its scope's runs, the
@@ -481,7 +489,10 @@ class Dashboard(w.VBox):
 
     def _called(self, run) -> str:
         """What a run given as a name, an id or a TrainingClient is called on this dashboard."""
-        return self.run_name(self.run_id_named(run) if isinstance(run, str) else run_id_of(run))
+        run_id = self.run_id_named(run) if isinstance(run, str) else run_id_of(run)
+        if run_id is None:  # (run_name(None) could only fail: no run is named "None")
+            raise ValueError(f"no training run id in {run!r}")
+        return self.run_name(run_id)
 
     def points(self, name: str, run_id: str | None) -> list[tuple[int, float]]:
         """The (step, value) points logged for metric `name` of one run (None: of no run in particular)."""

@@ -178,7 +178,7 @@ class Labeler(anywidget.AnyWidget):
                 return None
             item = self._by_id[self.item_id]
             left, right = self._sides[item["id"]]
-            preferred = {"A": left, "B": right}.get(side)  # index into the item's own completions
+            preferred = {"A": left, "B": right}.get(side) if side is not None else None  # index into the item's own completions
             chosen = item["completions"][preferred] if preferred is not None else None
             rejected = item["completions"][1 - preferred] if preferred is not None else None
             if edit is not None:
@@ -357,6 +357,8 @@ class Labeler(anywidget.AnyWidget):
             if item_id not in self._sides:  # the coin for this item, tossed once
                 self._sides[item_id] = [1, 0] if self._rng.random() < 0.5 else [0, 1]
             left, right = self._sides[item_id]
+            if item is None:
+                raise KeyError(f"no item {item_id!r} to show")
             self.prompt = item["prompt"]
             self.text_a, self.text_b = item["completions"][left], item["completions"][right]
             self.cut_a, self.cut_b = item["truncated"][left], item["truncated"][right]

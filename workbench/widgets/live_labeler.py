@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Sequence
 
 import traitlets as t
 
@@ -45,10 +46,10 @@ class LiveLabeler(Labeler):
     status = t.Unicode("").tag(sync=True)
     ordering = t.Unicode("").tag(sync=True)
     counts = t.Dict().tag(sync=True)
-    chart = t.List().tag(sync=True)  # one row per update (step 0: the start): heldout_gain, heldout_pairs, pairs, ...
+    chart: t.List[dict] = t.List().tag(sync=True)  # one row per update (step 0: the start): heldout_gain, heldout_pairs, pairs, ...
 
     def __init__(self, training_client, prompts: list[str], update_every: int = 4, objective="dpo", *,
-                 path: str | Path | None = None, heldout: list[dict] = (), on_update=None,
+                 path: str | Path | None = None, heldout: Sequence[dict] = (), on_update=None,
                  metrics_path: str | Path | None = None, labeler: str | None = None, rubric: str = "",
                  keys: dict[str, str] | None = None, repeat_share: float = 0.1, repeat_gap: int = 3, **settings):
         """`settings` are workbench.recipes.live_preference.LiveConfig's fields (ordering, queue_size, max_tokens,
@@ -57,7 +58,7 @@ class LiveLabeler(Labeler):
         self.config = config_from(update_every=update_every, objective=objective, **settings)
         if not prompts:
             raise ValueError("LiveLabeler needs prompts to sample pairs for")
-        self._loop = None
+        self._loop: LiveLoop | None = None  # made last (Labeler.__init__ runs first)
         super().__init__([], path or common.runs_dir() / "preference-live-labels.jsonl", seed=self.config.seed,
                          labeler=labeler, rubric=rubric, keys=keys, repeat_share=repeat_share, repeat_gap=repeat_gap)
         self._labels_at_request = len(self._labels)  # labels resumed from the file trained nothing yet here
@@ -95,21 +96,24 @@ class LiveLabeler(Labeler):
 
     def wait_for_updates(self, timeout: float = 600.0) -> bool:
         """Block until every update asked for so far is done."""
-        return self._loop.wait(timeout)
+        return self.loop.wait(timeout)
 
     @property
     def loop(self) -> LiveLoop:
+        if self._loop is None:
+            raise RuntimeError("the LiveLabeler's loop is not made yet (its __init__ makes it last)")
         return self._loop
 
     def summary(self) -> dict:
-        chart = self._loop.chart
-        return {**super().summary(), "updates": self._loop.updates_done, "policy_version": self._loop.version,
+        chart = self.loop.chart
+        return {**super().summary(), "updates": self.loop.updates_done, "policy_version": self.loop.version,
                 "heldout_gain": chart[-1]["heldout_gain"], "heldout_pairs": chart[-1]["heldout_pairs"],
-                "trained": sorted(self._loop.fed)}
+                "trained": sorted(self.loop.fed)}
 
     def close(self) -> None:
-        if getattr(self, "_loop", None) is not None:  # (a widget whose __init__ failed is closed too)
-            self._loop.close()
+        loop = getattr(self, "_loop", None)
+        if loop is not None:  # (a widget whose __init__ failed is closed too)
+            loop.close()
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()
         super().close()
@@ -168,9 +172,9 @@ class LiveLabeler(Labeler):
 
     def _after_label(self, record: dict) -> None:
         if record["choice"] == "edit":
-            self._loop.request_update("an edit")
+            self.loop.request_update("an edit")
         elif len(self._labels) - self._labels_at_request >= self.config.update_every:
-            self._loop.request_update(f"{self.config.update_every} labels")
+            self.loop.request_update(f"{self.config.update_every} labels")
         else:
             return
         self._labels_at_request = len(self._labels)

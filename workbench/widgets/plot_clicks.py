@@ -11,6 +11,7 @@ two clicks on one point are two changes) and runs the `on_click(callback)` callb
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import anywidget
 import traitlets as t
@@ -23,10 +24,10 @@ class PlotClicks(anywidget.AnyWidget):
 
     def __init__(self, hint: str = ""):
         super().__init__(hint=hint)
-        self._callbacks = []
+        self._callbacks: list[Callable[[int, str, str], object]] = []
         self.observe(self._clicked, names=["clicked"])
 
-    def on_click(self, callback) -> None:
+    def on_click(self, callback: Callable[[int, str, str], object]) -> None:
         """Call `callback(step, title, trace)` on every click on a point of the dashboard's plots."""
         self._callbacks.append(callback)
 

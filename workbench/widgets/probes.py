@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import html as html_lib
 import threading
+from typing import Any
 
 import ipywidgets as w
 import traitlets as t
@@ -66,9 +67,9 @@ def marked_html(pieces: list[str], index: int | None) -> str:
 
 
 class Probes(w.VBox):
-    steps = t.List()
-    changes = t.List()
-    answers = t.List()
+    steps: t.List[int] = t.List()
+    changes: t.List[dict] = t.List()
+    answers: t.List[dict] = t.List()
     html = t.Unicode("")
     error = t.Unicode("")
 
@@ -150,7 +151,7 @@ class Probes(w.VBox):
 
     def _collect(self, step: int, logprobs_future, sampler_future) -> None:
         try:
-            measured = {"step": step, "logprobs": [], "answers": []}
+            measured: dict[str, Any] = {"step": step, "logprobs": [], "answers": []}
             if logprobs_future is not None:
                 outputs = logprobs_future.result().loss_fn_outputs
                 for (_, prompt_len, answer), out in zip(self._refs, outputs):

@@ -52,7 +52,7 @@ def _data_for(output) -> tuple[list | object | None, object]:
     """(the datums, the training client) of the recorded call whose shape matches `output`."""
     lengths = [_array(out["logprobs"]).size if "logprobs" in out else -1 for out in output.loss_fn_outputs]
     for call in sdk_hooks.recent_calls("forward_backward"):
-        if [len(_array(d.loss_fn_inputs["target_tokens"])) for d in call.data] == lengths:
+        if [len(_array(d.loss_fn_inputs["target_tokens"])) for d in call.datums()] == lengths:
             return call.data, call.client
     return None, None
 

@@ -93,8 +93,8 @@ def _cell(value):
 
 class RolloutInspector(anywidget.AnyWidget):
     _esm = Path(__file__).with_name("rollouts.js")
-    columns = t.List().tag(sync=True)
-    rows = t.List().tag(sync=True)  # the visible rows, each {"_index": label, column: cell}
+    columns: t.List[str] = t.List().tag(sync=True)
+    rows: t.List[dict] = t.List().tag(sync=True)  # the visible rows, each {"_index": label, column: cell}
     total = t.Int(0).tag(sync=True)
     query = t.Unicode("").tag(sync=True)
     sort_column = t.Unicode("").tag(sync=True)
@@ -105,7 +105,7 @@ class RolloutInspector(anywidget.AnyWidget):
     error = t.Unicode("").tag(sync=True)
     # A run's steps (from_log): the steps kept, the one shown (-1: rows not from a log), the prompt
     # followed across steps ("": none), and the shown step in words.
-    steps = t.List().tag(sync=True)
+    steps: t.List[int] = t.List().tag(sync=True)
     step = t.Int(-1).tag(sync=True)
     history_prompt = t.Unicode("").tag(sync=True)
     summary = t.Unicode("").tag(sync=True)
@@ -118,7 +118,7 @@ class RolloutInspector(anywidget.AnyWidget):
         self.tokenizer = tokenizer
         self.max_rows = max_rows
         self.store = store  # a run's stored rollouts (from_log), else None
-        self._shown = None  # the (step, history_prompt) whose rows are shown
+        self._shown: tuple[int, str] | None = None  # the (step, history_prompt) whose rows are shown
         self._set_frame(rollouts)
         self.observe(self._update_view, names=["query", "sort_column", "ascending"])
         self.observe(self._update_tokens, names=["selected", "color_by"])
@@ -169,8 +169,7 @@ class RolloutInspector(anywidget.AnyWidget):
 
     def refresh(self, step: int | None = None) -> "RolloutInspector":
         """Re-read which steps the log keeps; show `step`, or else the newest (a run still going adds steps)."""
-        self._need_log()
-        self.steps = self.store.steps()
+        self.steps = self._need_log().steps()
         if step is not None:
             return self.show_step(step)
         if self.steps and (self.follow or self.step not in self.steps) and not self.history_prompt:
@@ -186,10 +185,10 @@ class RolloutInspector(anywidget.AnyWidget):
 
     def show_step(self, step: int) -> "RolloutInspector":
         """Show one step's groups (KeyError, naming the steps kept, for a step the log does not have)."""
-        self._need_log()
-        self.store.read(int(step))  # raises the KeyError that says which steps are kept
+        store = self._need_log()
+        store.read(int(step))  # raises the KeyError that says which steps are kept
         if int(step) not in self.steps:
-            self.steps = self.store.steps()
+            self.steps = store.steps()
         with self.hold_trait_notifications():
             self.history_prompt = ""
             self.step = int(step)
@@ -208,9 +207,10 @@ class RolloutInspector(anywidget.AnyWidget):
         if content.get("type") == "across_steps" and self.store is not None and self.selected in self.df.index:
             self.across_steps(str(self.df.loc[self.selected, "prompt"]))
 
-    def _need_log(self) -> None:
+    def _need_log(self) -> RolloutLog:
         if self.store is None:
             raise ValueError("this inspector shows the table it was given; RolloutInspector.from_log(path) reads a run's steps")
+        return self.store
 
     def _load(self, change=None) -> None:
         """Show the chosen step's rows, or the followed prompt's; once per choice (a browser's change

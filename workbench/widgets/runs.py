@@ -53,7 +53,7 @@ def tree_order(runs: list[dict]) -> list[dict]:
 
 
 class Runs(w.VBox):
-    runs = t.List()
+    runs: t.List[dict] = t.List()
     error = t.Unicode("")
 
     def __init__(self, session, *, dashboard=None, connection=None, poll_interval: float | None = 3.0):

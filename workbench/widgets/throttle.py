@@ -22,7 +22,7 @@ class Throttle:
         self.interval = interval
         self._clock, self._make_timer = clock, timer
         self._last = 0.0
-        self._timer = None
+        self._timer: threading.Timer | None = None  # (a test's timer stands in with Timer's interface)
         # Bumped whenever the pending trailing call is run or cancelled: a timer that fired while flush() held the
         # lock (too late for cancel()) finds it moved on and does nothing, rather than running fn a second time.
         self._generation = 0

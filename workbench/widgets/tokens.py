@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import html
 import math
-from typing import Sequence
+from typing import Iterable, Sequence, SupportsInt
 
 MAX_ALPHA = 0.85  # keep the text readable on the strongest colour
 RED, GREEN = (220, 40, 40), (30, 160, 60)
@@ -38,7 +38,7 @@ def local_tokenizer(base_model: str | None = None):
     return AutoTokenizer.from_pretrained(base_models.resolve(base_model or base_models.DEFAULT_MODEL, Settings().models_dir)[1])
 
 
-def token_pieces(token_ids: Sequence[int], tokenizer=None) -> list[str]:
+def token_pieces(token_ids: Iterable[SupportsInt], tokenizer=None) -> list[str]:
     """Each token's text (decoded one by one), or `<id>` when there is no tokenizer."""
     if tokenizer is None:
         return [f"<{int(t)}>" for t in token_ids]
