@@ -253,6 +253,28 @@ def test_a_session_follows_its_notebook_when_it_is_renamed(fetch, home, tinker_s
     assert ours()["notebook"] == "work/renamed.ipynb"
 
 
+def test_a_kernel_shut_down_while_the_report_is_made_is_left_out(fetch, jp_serverapp, echo_kernel_spec,  # noqa: F811
+                                                                  monkeypatch):
+    """The report lists the server's sessions, then asks the kernel manager for each one's process: a kernel shut
+    down in between (jupyter_server answers its id with an HTTPError 404) is one kernel fewer, not a failed report;
+    nor is a session that names no kernel."""
+    created = json.loads(fetch("api", "sessions", method="POST", body=json.dumps(
+        {"path": "alive.ipynb", "type": "notebook", "kernel": {"name": "echo"}})).body)
+    try:
+        sessions = jp_serverapp.session_manager
+        listed = sessions.list_sessions
+
+        async def with_gone_ones():
+            return [*await listed(), {"id": "x", "path": "gone.ipynb", "kernel": {"id": "no-such-kernel"}},
+                    {"id": "y", "path": "starting.ipynb", "kernel": None}]
+        monkeypatch.setattr(sessions, "list_sessions", with_gone_ones)
+        report = get_report(fetch)
+        assert "sessions" in report
+        monkeypatch.setattr(sessions, "list_sessions", listed)
+    finally:
+        fetch("api", "sessions", created["id"], method="DELETE")
+
+
 def test_a_backend_slow_to_answer_keeps_its_sessions_as_last_read(monkeypatch):
     """A timeout (a busy machine) is not a stop: the session stays active, its snapshots listed."""
     import asyncio

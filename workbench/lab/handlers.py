@@ -46,12 +46,14 @@ class SessionsHandler(APIHandler):
         paths = {}
         for model in await self.session_manager.list_sessions():
             kernel_id = (model.get("kernel") or {}).get("id")
-            if kernel_id is None:  # the server's sessions always name a kernel; get_kernel(None) refuses it too
-                raise tornado.web.HTTPError(404, f"session {model.get('id')} names no kernel")
+            if kernel_id is None:
+                continue  # no kernel (yet, or any longer): no process to name
             try:
                 provisioner = self.kernel_manager.get_kernel(kernel_id).provisioner
-            except KeyError:
-                continue  # shut down between the two calls
+            except (KeyError, tornado.web.HTTPError):
+                # Shut down between the two calls: jupyter_server's kernel manager answers an unknown id with an
+                # HTTPError(404), jupyter_client's with a KeyError. Either way one kernel fewer, not a failed report.
+                continue
             pid = getattr(provisioner, "pid", None)  # a local kernel's process; remote provisioners have none
             if isinstance(pid, int):
                 paths[pid] = model["path"]
