@@ -1,23 +1,27 @@
-"""Why a bf16 decode step's base products run ~3-4x slower inside the step than in a microbenchmark.
+"""Why a bf16 decode step's base products run slower inside the step than alone (issue 54; docs/performance.md, "Why a
+step's products run slower than the products alone").
 
 The engine with bf16 sampling copies (STEPWISE_SAMPLE_DTYPE=bfloat16, engine/lora.py), the real default model; the
 base products of one decode step at `--rows` rows (30 layers x q|k|v, o, gate|up, down, then lm_head: 121 products,
 ~270 MB of prepacked bf16 weights), each as the engine makes it (`lora._copy_product`: the float32 input cast to bf16,
 oneDNN's product on the prepacked copy, the output cast back), under the thread counts the engine gives it
-(`small_products.small`: one thread under 2^23 multiply-adds). Ways of running them, taking turns round by round:
+(`small_products.small`: one thread under 2^23 multiply-adds). Each figure is a wall time and the process's CPU time
+(both threads, time.process_time): on a shared machine the difference is the time spent waiting for a core.
 
-- alone:      each product repeated on one layer's weight (the weight stays in cache: what a microbenchmark measures);
-              the step's sum is 30 x each layer product + lm_head
-- in order:   the step's 121 products one after another, every layer's own weight (weights come from memory)
-- in order, every thread / one thread: the same with no switching of the thread count
-- in order, bf16 only: no casts (the input already bf16, the output left bf16)
-- in order + other ops: a 4 MB buffer written between products (what a step's other ops do to the caches)
+- step:     real decode steps of `--rows` rows (the base model): their products' time (each call timed), and the
+            same products replayed right after each step, in order and each on one weight of its shape
+- products: the step's products run seven ways, taking turns round by round:
+              alone      each kind repeated on one weight (it stays in cache: what a microbenchmark measures)
+              by kind    each kind through its 30 layers' weights in turn
+              in order   the step's order, every layer's own weight (weights come from memory); also with every
+                         thread, with one thread, in bf16 only (no casts), with a one-thread op between products
+                         (a step's norms, rotary, attention), with 8 MB written between products
+            and the memory's read rate (a torch sum over 1 GiB, every thread)
+- threads:  decode steps alternating between the engine's threads and one thread for the whole step (same rows)
+- casts:    decode steps alternating between the engine's products and the same with their casts on one thread
 
-Also the memory's read rate (a torch sum over 1 GiB of bf16, every thread) and what ~270 MB of weights take at it.
-Run it under each OpenMP wait policy in its own process (it must be set before torch loads):
-
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/step_products.py
-    OMP_WAIT_POLICY=ACTIVE  .venv/bin/python bench/step_products.py
+    .venv/bin/python bench/step_products.py [--parts products,step,threads,casts] [--rows 32] [--rounds 15]
+    OMP_WAIT_POLICY=ACTIVE .venv/bin/python bench/step_products.py --parts step     # spinning workers (before torch loads)
 """
 
 from __future__ import annotations
@@ -123,6 +127,8 @@ def main() -> None:
         in_step(engine, rows, args.rounds, product)
     if "threads" in args.parts:
         one_thread_steps(engine, rows, args.rounds)
+    if "casts" in args.parts:
+        casts_steps(engine, args.rounds)
     if "products" not in args.parts:
         return
     for fn in ways.values():  # warm up
@@ -213,36 +219,68 @@ def in_step(engine, rows: int, rounds: int, product) -> None:
           f"step {1e3 * inside_cpu:.1f} ms, replayed {1e3 * replay_cpu:.1f} ms", flush=True)
 
 
-def one_thread_steps(engine, rows: int, rounds: int) -> None:
-    """Decode steps alternating between the engine's threads (small products on one thread, larger ones on every
-    thread: engine/small_products.py) and one thread for the whole step, on the same rows: wall and CPU time."""
+def ab_steps(engine, rounds: int, label: str, names: tuple[str, str], use, row_counts=(32,)) -> None:
+    """Decode steps alternating between two ways (`use(False)`: names[0], the baseline; `use(True)`: names[1]) on the
+    same rows, a rank-8 LoRA on every target and the base model: medians of wall and CPU time (from one step's start
+    to the next's), and of the adjacent pairs' ratios (names[0]'s step / names[1]'s)."""
     from decode_profile import alternating, workload
     from kernel_backend.types import LoraConfig
 
-    threads = torch.get_num_threads()
-    engine.create_adapter("threads", LoraConfig(rank=8, seed=0))
+    engine.create_adapter("ab", LoraConfig(rank=8, seed=0))
     try:
-        for side, adapter in (("LoRA r8", "threads"), ("base", None)):
-            cpu: list[float] = []
+        for side, adapter in (("LoRA r8", "ab"), ("base", None)):
+            for rows in row_counts:
+                cpu: list[float] = []
 
-            def use(one: bool) -> None:
-                torch.set_num_threads(1 if one else threads)
+                def mark(on: bool) -> None:
+                    use(on)
+                    cpu.append(time.process_time())
+
+                steps = alternating(engine, lambda r: workload(engine, adapter, rows, 40, seed=100 * r),
+                                    max(1, rounds // 5), (False, True), mark)
+                use(False)
                 cpu.append(time.process_time())
-
-            steps = alternating(engine, lambda r: workload(engine, adapter, rows, 40, seed=100 * r), max(1, rounds // 5),
-                                (False, True), use)
-            torch.set_num_threads(threads)
-            cpu.append(time.process_time())
-            marks = [b - a for a, b in zip(cpu, cpu[1:])]  # CPU time from one step's start to the next's (the step, mostly)
-            full = [(one, t, c) for (n, one, t), c in zip(steps[2:], marks[2:]) if n == rows]
-            ratios = [a[1] / b[1] for a, b in zip(full, full[1:]) if not a[0] and b[0]]
-            print(f"[threads] {side:<8} {rows} rows: engine's threads {1e3 * statistics.median(t for one, t, _ in full if not one):.1f}"
-                  f" ms (CPU {1e3 * statistics.median(c for one, _, c in full if not one):.1f}), one thread "
-                  f"{1e3 * statistics.median(t for one, t, _ in full if one):.1f} ms (CPU "
-                  f"{1e3 * statistics.median(c for one, _, c in full if one):.1f}); engine's / one thread "
-                  f"{statistics.median(ratios):.2f} ({len(ratios)} pairs)", flush=True)
+                marks = [b - a for a, b in zip(cpu, cpu[1:])]
+                full = [(on, t, c) for (n, on, t), c in zip(steps[2:], marks[2:]) if n == rows]
+                ratios = [a[1] / b[1] for a, b in zip(full, full[1:]) if not a[0] and b[0]]
+                cpu_ratios = [a[2] / b[2] for a, b in zip(full, full[1:]) if not a[0] and b[0]]
+                cells = [f"{name} {1e3 * statistics.median(t for o, t, _ in full if o == on):.1f} ms (CPU "
+                         f"{1e3 * statistics.median(c for o, _, c in full if o == on):.1f})" for on, name in enumerate(names)]
+                print(f"[{label}] {side:<8} {rows} rows: " + ", ".join(cells) + f"; {names[0]} / {names[1]}: wall "
+                      f"{statistics.median(ratios):.2f}, CPU {statistics.median(cpu_ratios):.2f} ({len(ratios)} pairs); "
+                      f"{load_line()}", flush=True)
     finally:
-        engine.delete_adapter("threads")
+        engine.delete_adapter("ab")
+
+
+def one_thread_steps(engine, rows: int, rounds: int) -> None:
+    """The engine's threads (small products on one thread, larger ones on every thread: engine/small_products.py)
+    against one thread for the whole decode step."""
+    threads = torch.get_num_threads()
+    ab_steps(engine, rounds, "threads", ("engine's threads", "one thread"),
+             lambda one: torch.set_num_threads(1 if one else threads), (rows,))
+
+
+def casts_steps(engine, rounds: int) -> None:
+    """The sampling copies' products as the engine makes them (`lora._copy_product`: the input's cast to bf16 and the
+    output's back under the product's threads, both where it has both) against the same with the casts on one thread
+    (`small_products.small` by elements): tried 2026-12-06, not kept (docs/performance.md)."""
+    from kernel_backend.engine import lora, small_products
+
+    engine_product = lora._copy_product
+
+    def casts_on_one_thread(x2d, weight, bias):
+        with small_products.small(x2d.numel()):
+            x = x2d.to(weight.dtype)
+        out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        with small_products.small(out.numel()):
+            return out.to(x2d.dtype)
+
+    def use(on: bool) -> None:
+        lora._copy_product = casts_on_one_thread if on else engine_product
+
+    ab_steps(engine, rounds, "casts", ("casts on the product's threads", "on one thread"), use, (16, 32))
+    lora._copy_product = engine_product
 
 
 def _bf16_product(x16: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
