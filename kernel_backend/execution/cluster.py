@@ -840,6 +840,7 @@ class Cluster:
         once it has rejoined, up to STEPWISE_WORKER_WAIT_S; past that, or when the restore itself fails three times,
         the run is gone, and every request of it that waits fails saying why."""
         deadline = time.monotonic() + self.settings.worker_wait_s
+        why = self.workers[dead].error  # (a shard group's rank 0 is lost for its member's reason: it names it)
         lost, failures, gone = {dead}, 0, None
         while True:
             with self._lock:  # (a rejoined worker lost the run's state: it is a new place, not a survivor)
@@ -847,7 +848,7 @@ class Cluster:
                 workers = self._place(run.base_model, len(run.workers), run.estimate, keep=survivors)
                 if not workers:
                     if time.monotonic() >= deadline:
-                        gone = (f"training run {run.id} was lost with engine worker {dead}, and no engine worker was "
+                        gone = (f"training run {run.id} was lost with engine worker {dead} ({why}), and no engine worker was "
                                 f"live to take it within {self.settings.worker_wait_s:g} s (STEPWISE_WORKER_WAIT_S; GET "
                                 "/api/v1/cluster shows the workers); create a new run from a checkpoint: "
                                 "create_training_client_from_state_with_optimizer")
@@ -862,7 +863,7 @@ class Cluster:
                 lost |= fallen
                 failures += not fallen  # a worker lost meanwhile is no failure of the restore: try elsewhere
                 if failures == 3:
-                    gone = (f"training run {run.id} was lost with engine worker {dead} and could not be restored "
+                    gone = (f"training run {run.id} was lost with engine worker {dead} ({why}) and could not be restored "
                             f"({type(e).__name__}: {e}); create a new run from a checkpoint: "
                             "create_training_client_from_state_with_optimizer")
                     break

@@ -46,7 +46,7 @@ from kernel_backend.engine.core import Engine
 from kernel_backend.errors import UserError
 from kernel_backend.metering import Usage
 from kernel_backend.execution.engine_work import FreeAdapters, Noop, Op, OptimStep, Save
-from kernel_backend.execution.scheduler import Job, Scheduler, Unit
+from kernel_backend.execution.scheduler import RETURN_MEMORY_AFTER_IDLE_S, Job, Scheduler, Unit, return_freed_memory
 from kernel_backend.persistence.checkpoint_storage import CheckpointStorage
 
 log = logging.getLogger("stepwise.cluster")
@@ -296,13 +296,18 @@ class EngineWorker:
             self._units_arrived.notify_all()
 
     def _follow(self) -> None:
-        """Another member's thread: rank 0's units, in order, each run as rank 0 runs it."""
-        number = 0
+        """Another member's thread: rank 0's units, in order, each run as rank 0 runs it. Idle a while after work, it
+        gives back the memory the work freed, as the scheduler's own thread does (scheduler.return_freed_memory)."""
+        number, worked = 0, False
         while True:
             with self._units_arrived:
-                self._units_arrived.wait_for(lambda: number in self._units)
-                unit = self._units.pop(number)
-            number += 1
+                idle = RETURN_MEMORY_AFTER_IDLE_S if worked else None
+                unit = self._units.pop(number) if self._units_arrived.wait_for(lambda: number in self._units, idle) else None
+            if unit is None:
+                return_freed_memory()
+                worked = False
+                continue
+            number, worked = number + 1, True
             self.scheduler.work(unit)
 
     # ---- data parallel ------------------------------------------------------------------------------
