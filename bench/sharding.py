@@ -12,7 +12,13 @@ its anonymous memory and the model file's pages it maps, above the interpreter's
 model whole (transformers' from_pretrained, as base_models.load: its weights are the file's pages, mapped) in one
 process, then sharded straight from the files (sharding.load_sharded: copies of its rows) in two.
 
-    .venv/bin/python bench/sharding.py [--parts train,load] [--steps 4]
+The `serve` part does the training run and its sampling through the tinker SDK against `serve`: once on one Ray
+engine worker holding the model whole (STEPWISE_WORKERS=1), then on two workers sharding it (STEPWISE_WORKERS=2,
+STEPWISE_SHARD=2: one shard group, execution/cluster_worker.py), one torch thread a worker, one backend after the
+other on this machine. Prints each backend's losses, step time (the first left out), greedy answers' tokens/s and
+each worker's base-model bytes (its memory report, GET /api/v1/cluster).
+
+    .venv/bin/python bench/sharding.py [--parts train,load,serve] [--steps 4]
 """
 
 from __future__ import annotations
@@ -156,6 +162,70 @@ def report(name: str, run: dict) -> float:
     return step
 
 
+def serve(shard: int, steps: int) -> dict:
+    """train()'s run through the SDK against `serve` with `shard` workers sharding the default model (1: one worker,
+    the model whole): losses, step times, the greedy answers' sampling time, each worker's base-model bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import tinker
+    from tinker import types
+
+    from benchenv import BASE
+    from helpers import chat_prompt, sft_datum
+    from servers import start_server
+
+    home = Path(tempfile.mkdtemp(prefix="stepwise-bench-sharding-"))
+    (home / "models").symlink_to(Path.home() / ".cache" / "stepwise" / "models")
+    server = start_server(home, timeout=900, env={"STEPWISE_WORKERS": str(shard), "STEPWISE_SHARD": str(shard),
+                                                  "STEPWISE_WORKER_THREADS": "1", "STEPWISE_SNAPSHOT_EVERY": "0"})
+    try:
+        service = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
+        tc = service.create_lora_training_client(base_model=BASE, rank=32, seed=0).result()
+        data = [sft_datum(q, a) for q, a in QUESTIONS]
+        sdk_data = [types.Datum(model_input=types.ModelInput.from_ints(d.tokens), loss_fn_inputs=d.loss_fn_inputs)
+                    for d in data]
+        losses, times = [], []
+        for _ in range(steps):
+            start = time.perf_counter()
+            fb = tc.forward_backward(sdk_data, "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+            losses.append(fb.result().metrics["loss:sum"])
+            times.append(time.perf_counter() - start)
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        params = types.SamplingParams(max_tokens=SAMPLE_TOKENS, temperature=0.0, stop=[])
+        prompts = [types.ModelInput.from_ints(chat_prompt(q)) for q, _ in QUESTIONS]
+        start = time.perf_counter()
+        with ThreadPoolExecutor(len(prompts)) as pool:  # sent together: one decode batch
+            answers = list(pool.map(lambda p: sampler.sample(p, 1, params).result().sequences[0].tokens, prompts))
+        sampling = time.perf_counter() - start
+        report = httpx.get(f"{server.base_url}/api/v1/cluster", headers={"X-API-Key": server.api_key}, timeout=30).json()
+        held = {w["name"]: w["memory"]["base_model_bytes"] for w in report["workers"]}
+        service.close("success").result()
+        return {"losses": losses, "times": times, "answers": answers, "sampling": sampling, "held": held}
+    finally:
+        server.stop()
+
+
+def serve_part(steps: int) -> None:
+    runs: dict[int, dict] = {}
+    for shard in (1, WORLD):  # each printed once its backend is done (a later one may not start on a loaded machine)
+        run = runs[shard] = serve(shard, steps)
+        step = statistics.median(run["times"][1:] or run["times"])
+        tokens = sum(len(a) for a in run["answers"])
+        held = ", ".join(f"{name} {held / 2**20:.0f} MiB" for name, held in run["held"].items())
+        losses = ", ".join(f"{x:.1f}" for x in run["losses"])
+        name = "serve, whole" if shard == 1 else f"serve, {shard} shards"
+        print(f"{name:>17}: step {step:.2f} s, losses {losses}; samples {tokens / run['sampling']:.1f} tokens/s; "
+              f"base model held: {held}", flush=True)
+    whole, sharded = runs[1], runs[WORLD]
+    ratio = statistics.median(sharded["times"][1:] or sharded["times"]) / statistics.median(whole["times"][1:] or whole["times"])
+    difference = max(abs(a - b) for a, b in zip(sharded["losses"], whole["losses"]))
+    same = sharded["answers"] == whole["answers"]
+    print(f"serve: sharded step / whole step: {ratio:.2f}x; losses differ by at most {difference:.2g}; "
+          f"greedy answers {'the same' if same else 'DIFFERENT'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="train,load")
@@ -166,6 +236,8 @@ def main() -> None:
         load_part()
     if "train" in args.parts:
         train_part(args.steps)
+    if "serve" in args.parts:
+        serve_part(args.steps)
 
 
 def train_part(steps: int) -> None:
