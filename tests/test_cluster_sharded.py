@@ -5,13 +5,16 @@ on this CPU (one torch thread each) that form one shard group, each holding abou
 default model (tests/tiny_model.py). Rank 0 (worker-0) is where the gateway places every run and sampler; worker-1
 runs each unit of work rank 0 sends it. The in-process engine of this test process (the `engine` fixture, the same
 tiny model whole) is the reference: a sharded run's losses and logprobs are its own to 1e-5, through LoRA training,
-sampling, save_state / load_state and a sampler's checkpoint. Bad input fails as in-process and the group goes on;
-a member killed mid-loop costs the loop a delay while the group is formed again and the run resharded from its
+sampling, save_state / load_state, a sampler's checkpoint, and a full fine-tuning run whose checkpoint transformers
+loads. Bad input fails as in-process and the group goes on;
+a member killed or hung mid-loop costs the loop a delay while the group is formed again and the run resharded from its
 snapshot, and the loop's final logprobs are an uninterrupted run's.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -234,27 +237,38 @@ def test_a_sharded_full_fine_tuning_run_trains_as_unsharded_and_saves_a_model_tr
     np.testing.assert_allclose(theirs, want[0], rtol=0, atol=1e-4)  # transformers' own forward, not the engine's
 
 
-def test_a_member_killed_mid_loop_costs_a_delay_and_the_run_goes_on_resharded(client, sharded, engine, tokenizer):
-    """worker-1 killed after step 4 of a 10-step loop (another Ray driver's ray.kill; Ray restarts it): the group
-    cannot go on without it, so the gateway takes both members for lost, has Ray restart the one still answering,
-    forms the group again once both are back, and reloads the run from its snapshot onto it, resharded, then its
-    journal since. The loop sees a delay, no failed call, and ends where an uninterrupted run ends."""
+def stop_worker(server: Server, name: str) -> None:
+    """SIGSTOP the worker's process: alive, holding its sockets, answering nothing (a hung member)."""
+    pid = next(w["pid"] for w in cluster_report(server)["workers"] if w["name"] == name)
+    os.kill(pid, signal.SIGSTOP)
+
+
+@pytest.mark.parametrize("lose", [kill_worker, stop_worker], ids=["killed", "hung"])
+def test_a_member_lost_mid_loop_costs_a_delay_and_the_run_goes_on_resharded(client, sharded, engine, tokenizer, lose):
+    """worker-1 lost during step 5 of a 10-step loop: killed (another Ray driver's ray.kill; Ray restarts it), or hung
+    (SIGSTOP: rank 0 would wait in its collective until STEPWISE_GROUP_TIMEOUT_S, but the member misses its heartbeats
+    first, and the gateway has Ray replace it). The group cannot go on without it, so the gateway takes both members
+    for lost, has Ray restart the one still answering, forms the group again once both are back, and reloads the run
+    from its snapshot onto it, resharded, then its journal since. The loop sees a delay, no failed call, and ends where
+    an uninterrupted run ends."""
     datum = sft_datum(*QUESTIONS[0], tokenizer)
     data = [sdk_datum(datum)]
     restarts = {w["name"]: w["restarts"] for w in cluster_report(sharded)["workers"]}
+    reformed = sum(e["event"] == "group_reformed" for e in cluster_report(sharded)["events"])
     tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=41).result()
     for _ in range(4):
         sdk_step(tc, data)
-    killer = threading.Timer(0.2, kill_worker, (sharded, "worker-1"))  # while step 5 is on its way
-    killer.start()
+    losing = threading.Timer(0.2, lose, (sharded, "worker-1"))  # while step 5 is on its way
+    losing.start()
     started = time.monotonic()
     for _ in range(6):
         sdk_step(tc, data)
-    killer.join()
-    print(f"steps 5-10 took {time.monotonic() - started:.1f} s across the loss of worker-1")
+    losing.join()
+    print(f"steps 5-10 took {time.monotonic() - started:.1f} s across the loss of worker-1 ({lose.__name__})")
     wait_live(sharded, GROUP, restarts)
-    events = [e["event"] for e in cluster_report(sharded)["events"]]
-    assert "group_reformed" in events and "restored" in events, events
+    events = cluster_report(sharded)["events"]
+    assert sum(e["event"] == "group_reformed" for e in events) > reformed, events
+    assert any(e["event"] == "restored" and e["run"] == tc.model_id and e["from_step"] == 4 for e in events), events
     with Reference(engine, seed=41) as reference:
         for _ in range(10):
             reference.step([datum])
