@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--workers", type=int, default=None,
                        help="start a Ray head on loopback with this many engine workers (STEPWISE_WORKERS); "
                             "STEPWISE_RAY_ADDRESS joins an existing Ray cluster instead")
-    serve.add_argument("--shard", type=int, default=None,
+    serve.add_argument("--shard", type=int, default=None, metavar="M",
                        help="shard each base model over groups of this many workers (STEPWISE_SHARD; --workers a "
                             "multiple of it): each worker holds about 1/M of the base weights, and a group serves "
                             "training runs and samplers as one worker does, its rank 0 deciding every batch and the "
