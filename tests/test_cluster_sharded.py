@@ -8,7 +8,8 @@ tiny model whole) is the reference: a sharded run's losses and logprobs are its 
 sampling, save_state / load_state, a sampler's checkpoint, and a full fine-tuning run whose checkpoint transformers
 loads. Bad input fails as in-process and the group goes on;
 a member killed or hung mid-loop costs the loop a delay while the group is formed again and the run resharded from its
-snapshot, and the loop's final logprobs are an uninterrupted run's.
+snapshot, and the loop's final logprobs are an uninterrupted run's; so does the gateway's own crash (last: the
+module's backend is then the one started again).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import tinker
 import torch
 from tinker import types
 
-from helpers import chat_prompt, forward_logprobs, new_id, sft_datum
+from helpers import chat_prompt, forward_logprobs, new_id, sft_datum, wait_until
 from kernel_backend.config import Settings
 from kernel_backend.execution.cluster import Cluster, Worker
 from kernel_backend.types import AdamParams, LoraConfig, SamplingParams
@@ -36,22 +37,29 @@ TOLERANCE = 1e-5
 GROUP = ["worker-0", "worker-1"]
 
 
+ENV = {"STEPWISE_WORKERS": "2", "STEPWISE_SHARD": "2", "STEPWISE_WORKER_THREADS": "1", "STEPWISE_RAY_NUM_CPUS": "2",
+       "STEPWISE_RAY_OBJECT_STORE_MB": "128", "STEPWISE_SNAPSHOT_EVERY": "2", "STEPWISE_HEARTBEAT_S": "0.5",
+       "STEPWISE_GROUP_TIMEOUT_S": "60"}
+
+
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory, stepwise_home, tiny_model) -> Server:
+def sharded(tmp_path_factory, stepwise_home, tiny_model):
+    """The module's backend, in a list: the last test replaces it with one started again on its home and port."""
     home = tmp_path_factory.mktemp("sharded")
     (home / "models").symlink_to(stepwise_home / "models")
-    server = start_server(home, timeout=600, env={
-        "STEPWISE_WORKERS": "2", "STEPWISE_SHARD": "2", "STEPWISE_WORKER_THREADS": "1",
-        "STEPWISE_RAY_NUM_CPUS": "2", "STEPWISE_RAY_OBJECT_STORE_MB": "128", "STEPWISE_SNAPSHOT_EVERY": "2",
-        "STEPWISE_HEARTBEAT_S": "0.5", "STEPWISE_GROUP_TIMEOUT_S": "60", **stand_in_env(tiny_model),
-    })
-    yield server
-    server.stop()
+    servers = [start_server(home, timeout=600, env={**ENV, **stand_in_env(tiny_model)})]
+    yield servers
+    servers[-1].stop()
+
+
+@pytest.fixture
+def server(sharded) -> Server:
+    return sharded[-1]
 
 
 @pytest.fixture(scope="module")
-def client(sharded: Server) -> tinker.ServiceClient:
-    return tinker.ServiceClient(base_url=sharded.base_url, api_key=sharded.api_key)
+def client(sharded) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=sharded[0].base_url, api_key=sharded[0].api_key)
 
 
 class Reference:
@@ -124,8 +132,8 @@ def test_only_a_shard_groups_rank_0_with_every_member_live_is_given_work(tmp_pat
     assert [w.name for w in cluster.workers.values() if cluster._serves(w)] == ["worker-2"]
 
 
-def test_the_workers_form_one_shard_group_each_holding_about_half(sharded, engine):
-    report = cluster_report(sharded)
+def test_the_workers_form_one_shard_group_each_holding_about_half(server, engine):
+    report = cluster_report(server)
     assert report["shard"] == 2
     workers = {w["name"]: w for w in report["workers"]}
     whole = engine.memory()["base_model_bytes"]
@@ -136,12 +144,12 @@ def test_the_workers_form_one_shard_group_each_holding_about_half(sharded, engin
         assert 0.45 < held / whole < 0.55
 
 
-def test_a_sharded_run_trains_samples_and_saves_as_the_unsharded_engine(client, sharded, engine, tokenizer):
+def test_a_sharded_run_trains_samples_and_saves_as_the_unsharded_engine(client, server, engine, tokenizer):
     datum = sft_datum(*QUESTIONS[0], tokenizer)
     data = [sdk_datum(datum)]
     prompt = chat_prompt(QUESTIONS[1][0], tokenizer)
     tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=11).result()
-    assert cluster_report(sharded)["runs"][tc.model_id]["workers"] == ["worker-0"]  # rank 0 serves the group
+    assert cluster_report(server)["runs"][tc.model_id]["workers"] == ["worker-0"]  # rank 0 serves the group
     with Reference(engine, seed=11) as reference:
         losses = [sdk_step(tc, data) for _ in range(3)]
         expected = [reference.step([datum]) for _ in range(3)]
@@ -214,7 +222,7 @@ def test_bad_input_fails_clearly_and_the_group_goes_on(client, engine, tokenizer
 
 
 def test_a_sharded_full_fine_tuning_run_trains_as_unsharded_and_saves_a_model_transformers_loads(
-        client, sharded, engine, tokenizer):
+        client, server, engine, tokenizer):
     """rank 0: the run's own copy of every weight, sharded as the base is (each member holds its rows, and its AdamW
     moments'); its checkpoint is gathered whole and written by rank 0."""
     from transformers import AutoModelForCausalLM
@@ -227,7 +235,7 @@ def test_a_sharded_full_fine_tuning_run_trains_as_unsharded_and_saves_a_model_tr
         want = reference.logprobs([datum])
     assert_close(sdk_logprobs(tc, data), want)
     tc.save_weights_for_sampler("full-sharded").result()
-    [folder] = {p.parent for p in (sharded.home / "checkpoints").rglob("model.safetensors") if "full-sharded" in str(p)}
+    [folder] = {p.parent for p in (server.home / "checkpoints").rglob("model.safetensors") if "full-sharded" in str(p)}
     model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched weights
     tokens = datum.tokens + [int(datum.loss_fn_inputs["target_tokens"][-1])]
@@ -244,7 +252,7 @@ def stop_worker(server: Server, name: str) -> None:
 
 
 @pytest.mark.parametrize("lose", [kill_worker, stop_worker], ids=["killed", "hung"])
-def test_a_member_lost_mid_loop_costs_a_delay_and_the_run_goes_on_resharded(client, sharded, engine, tokenizer, lose):
+def test_a_member_lost_mid_loop_costs_a_delay_and_the_run_goes_on_resharded(client, server, engine, tokenizer, lose):
     """worker-1 lost during step 5 of a 10-step loop: killed (another Ray driver's ray.kill; Ray restarts it), or hung
     (SIGSTOP: rank 0 would wait in its collective until STEPWISE_GROUP_TIMEOUT_S, but the member misses its heartbeats
     first, and the gateway has Ray replace it). The group cannot go on without it, so the gateway takes both members
@@ -253,23 +261,60 @@ def test_a_member_lost_mid_loop_costs_a_delay_and_the_run_goes_on_resharded(clie
     an uninterrupted run ends."""
     datum = sft_datum(*QUESTIONS[0], tokenizer)
     data = [sdk_datum(datum)]
-    restarts = {w["name"]: w["restarts"] for w in cluster_report(sharded)["workers"]}
-    reformed = sum(e["event"] == "group_reformed" for e in cluster_report(sharded)["events"])
+    restarts = {w["name"]: w["restarts"] for w in cluster_report(server)["workers"]}
+    reformed = sum(e["event"] == "group_reformed" for e in cluster_report(server)["events"])
     tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=41).result()
     for _ in range(4):
         sdk_step(tc, data)
-    losing = threading.Timer(0.2, lose, (sharded, "worker-1"))  # while step 5 is on its way
+    losing = threading.Timer(0.2, lose, (server, "worker-1"))  # while step 5 is on its way
     losing.start()
     started = time.monotonic()
     for _ in range(6):
         sdk_step(tc, data)
     losing.join()
     print(f"steps 5-10 took {time.monotonic() - started:.1f} s across the loss of worker-1 ({lose.__name__})")
-    wait_live(sharded, GROUP, restarts)
-    events = cluster_report(sharded)["events"]
-    assert sum(e["event"] == "group_reformed" for e in events) > reformed, events
-    assert any(e["event"] == "restored" and e["run"] == tc.model_id and e["from_step"] == 4 for e in events), events
+    wait_live(server, GROUP, restarts)
     with Reference(engine, seed=41) as reference:
+        for _ in range(10):
+            reference.step([datum])
+        assert_close(sdk_logprobs(tc, data), reference.logprobs([datum]))
+    # Restored from a snapshot taken after step 4 or later (STEPWISE_SNAPSHOT_EVERY=2: the tiny model's steps are
+    # quick, the loss may come a step or two after step 5 was sent), not made again from scratch.
+    events = cluster_report(server)["events"]
+    assert sum(e["event"] == "group_reformed" for e in events) > reformed, events
+    assert any(e["event"] == "restored" and e["run"] == tc.model_id and e["from_step"] >= 4 for e in events), events
+
+
+def test_the_gateway_killed_mid_loop_comes_back_with_its_shard_group(sharded, tiny_model, engine, tokenizer):
+    """kill -9 of the gateway (the `serve` process: its Ray head and both members go with it) once step 5's requests
+    are journaled, started again on its home and port while the loop waits: it forms the shard group again, and
+    rebuilds the run on it from its snapshot and journal before it serves. The loop finishes with no failed call, and
+    its logprobs are an uninterrupted run's. Last: it replaces the module's backend."""
+    from test_cluster_gateway import journaled
+
+    server = sharded[-1]
+    client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
+    datum = sft_datum(*QUESTIONS[2], tokenizer)
+    data = [sdk_datum(datum)]
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=61).result()
+    port = int(server.base_url.rsplit(":", 1)[1])
+    restart = None
+    for step in range(10):
+        fb = tc.forward_backward(data, "cross_entropy")
+        optim = tc.optim_step(types.AdamParams(learning_rate=LR))
+        if step == 4:  # step 5's two requests accepted (journaled), perhaps answered: kill -9 the gateway
+            wait_until(lambda: journaled(server.home, tc.model_id) == 2, timeout=60, what="step 5 to be journaled")
+            server.stop(kill=True)
+            restart = threading.Thread(target=lambda: sharded.append(
+                start_server(server.home, env={**ENV, **stand_in_env(tiny_model)}, port=port, timeout=600)))
+            restart.start()
+        fb.result()  # the SDK retries while the gateway is away; the rebuilt run answers
+        optim.result()
+    assert restart is not None
+    restart.join()
+    assert len(sharded) == 2 and "rebuilt from its snapshot at step 4 and 2 journaled requests" in sharded[-1].log_path.read_text()
+    assert cluster_report(sharded[-1])["runs"][tc.model_id]["workers"] == ["worker-0"]
+    with Reference(engine, seed=61) as reference:
         for _ in range(10):
             reference.step([datum])
         assert_close(sdk_logprobs(tc, data), reference.logprobs([datum]))
