@@ -17,7 +17,7 @@ oneDNN's product on the prepacked copy, the output cast back), under the thread 
                          thread, with one thread, in bf16 only (no casts), with a one-thread op between products
                          (a step's norms, rotary, attention), with 8 MB written between products
             and the memory's read rate (a torch sum over 1 GiB, every thread)
-- threads:  decode steps alternating between the engine's threads and one thread for the whole step (same rows)
+- threads:  decode steps alternating between every thread (small products on one) and one thread for the whole step
 - casts:    decode steps alternating between the engine's products and the same with their casts on one thread
 
     .venv/bin/python bench/step_products.py [--parts products,step,threads,casts] [--rows 32] [--rounds 15]
@@ -254,11 +254,12 @@ def ab_steps(engine, rounds: int, label: str, names: tuple[str, str], use, row_c
 
 
 def one_thread_steps(engine, rows: int, rounds: int) -> None:
-    """The engine's threads (small products on one thread, larger ones on every thread: engine/small_products.py)
-    against one thread for the whole decode step."""
+    """Every thread for a decode step (small products on one thread, larger ones on every thread: engine/small_products.py;
+    the engine's way) against one thread for the whole step (tried 2026-12-06 for bf16 copies, not kept:
+    docs/performance.md)."""
     threads = torch.get_num_threads()
-    ab_steps(engine, rounds, "threads", ("engine's threads", "one thread"),
-             lambda one: torch.set_num_threads(1 if one else threads), (rows,))
+    ab_steps(engine, rounds, "threads", ("every thread", "one thread"),
+             lambda one: torch.set_num_threads(1 if one else threads), (16, rows))
 
 
 def casts_steps(engine, rounds: int) -> None:
