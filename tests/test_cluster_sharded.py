@@ -28,6 +28,9 @@ from tinker import types
 from helpers import chat_prompt, forward_logprobs, new_id, sft_datum, wait_until
 from kernel_backend.config import Settings
 from kernel_backend.execution.cluster import Cluster, Worker
+from kernel_backend.execution.cluster_worker import ShardGroupLost
+from kernel_backend.execution.engine_work import SampleOp
+from kernel_backend.execution.scheduler import Job, Scheduler, Unit
 from kernel_backend.types import AdamParams, LoraConfig, SamplingParams
 from servers import Server, start_server
 from test_cluster import BASE, LR, QUESTIONS, cluster_report, kill_worker, sdk_datum, wait_live
@@ -130,6 +133,35 @@ def test_only_a_shard_groups_rank_0_with_every_member_live_is_given_work(tmp_pat
     assert [w.name for w in cluster.workers.values() if cluster._serves(w)] == ["worker-0", "worker-2"]
     cluster.workers["worker-1"].state = "dead"  # rank 0 would wait for it in its first collective
     assert [w.name for w in cluster.workers.values() if cluster._serves(w)] == ["worker-2"]
+
+
+def test_a_unit_rank_0_cannot_send_runs_nowhere_and_fails_what_it_held(engine):
+    """A shard group's rank 0 whose group is lost cannot send its next unit (its mirror raises): the unit's jobs fail
+    unrun, and so do the requests decoding, whose decode steps could never be sent; the scheduler then idles rather
+    than trying the decode step again and again."""
+    done: dict[str, object] = {}
+    scheduler = Scheduler(lambda base: engine, lambda job, outcome: done.update({job.request_id: outcome}), 10_000)
+    sent: list[Unit] = []
+
+    def mirror(unit: Unit) -> None:
+        if sent:  # the first unit (the request's admission and first decode step) went; the group is lost after it
+            raise ShardGroupLost("the shard group of engine workers worker-0, worker-1 lost a member")
+        sent.append(unit)
+
+    scheduler.mirror = mirror
+    scheduler.start()
+    try:
+        prompt = SampleOp(None, [1, 2, 3], 1, SamplingParams(max_tokens=50, temperature=0.0, stop=[]))
+        scheduler.submit(Job("decoding", "sampler-a", BASE, seq=None, sample=prompt, tokens=3), ordered=False)
+        wait_until(lambda: "decoding" in done, timeout=60, what="the decoding request to fail")
+        assert isinstance(done["decoding"], ShardGroupLost), done
+        scheduler.submit(Job("later", "sampler-b", BASE, seq=None, sample=prompt, tokens=3), ordered=False)
+        wait_until(lambda: "later" in done, timeout=60, what="a later request to fail unrun")
+        assert isinstance(done["later"], ShardGroupLost) and len(sent) == 1
+        idle = scheduler.idle_passes
+        wait_until(lambda: scheduler.idle_passes > idle, timeout=10, what="the scheduler to idle")
+    finally:
+        scheduler.stop()
 
 
 def test_the_workers_form_one_shard_group_each_holding_about_half(server, engine):

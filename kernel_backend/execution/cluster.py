@@ -763,6 +763,9 @@ class Cluster:
                 ray.kill(worker.actor, no_restart=False)
             else:  # (a report asked for before a rejoin ended may say "starting": the next one says "live")
                 self._update(worker, report)
+                broken = (report.get("shard") or {}).get("broken")
+                if broken and worker.state == "live":  # (its requests learn it too; this is for a group gone idle)
+                    self._lost(worker, broken)
 
     def _rejoin(self, worker: Worker) -> None:
         import ray

@@ -253,6 +253,9 @@ class Scheduler:
             except Exception as e:  # the unit cannot run alike everywhere: it runs nowhere
                 for job in unit.jobs():
                     self._fail(job, e)
+                busy = [name for name, engine in self.engines.items() if engine.decoder.busy]
+                for name in busy if unit.decode else []:  # nor can the decode steps it was one of
+                    self._fail_decoder(name, e)
                 continue
             self.work(unit)
             # Only time spent while both sides had work counts toward the share; an idle side starts afresh.
@@ -353,13 +356,21 @@ class Scheduler:
                 finished = engine.decoder.step()
             except Exception as e:  # the whole batch failed (say, out of memory): fail its requests
                 log.exception("scheduler: a decode step failed; failing the requests decoding on %s", name)
-                finished = [request for job, request in self._decoding.values() if job.base_model == name]
-                for request in finished:
-                    request.error = e
-                engine.reset_decoder()
+                self._fail_decoder(name, e)
+                continue
             for request in finished:
                 job, _ = self._decoding.pop(id(request))
                 self._finish_sample(job, request)
+
+    def _fail_decoder(self, name: str, error: Exception) -> None:
+        """Fail every request decoding on base model `name`, and start its decoder afresh."""
+        failed = [request for job, request in self._decoding.values() if job.base_model == name]
+        for request in failed:
+            request.error = error
+        self.engines[name].reset_decoder()
+        for request in failed:
+            job, _ = self._decoding.pop(id(request))
+            self._finish_sample(job, request)
 
     def _finish_sample(self, job: Job, request: SampleRequest) -> None:
         if request.error is not None:
