@@ -387,3 +387,49 @@ def test_a_sharded_full_run_saves_a_model_transformers_loads(runs, tiny_model):
     print(f"full checkpoint: max |sharded - unsharded| = {difference:.3g}")
     assert difference <= TOLERANCE
     assert max(float((t - base[n]).abs().max()) for n, t in sharded.state_dict().items()) > 1e-4  # it trained
+
+
+STEPS = 4
+
+
+def _learn(rank: int, port: int, out_dir: str, datum: Datum) -> None:
+    """One process of the default model sharded over two: a LoRA run's losses over STEPS steps of one chat datum."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+    try:
+        engine = Engine(group=dist.group.WORLD)  # the default model, each process reading its rows of the files
+        torch.save({"losses": _losses(engine, "learner", datum), "held": sharding.resident_bytes(engine.model)},
+                   Path(out_dir) / f"learn{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _losses(engine: Engine, adapter_id: str, datum: Datum) -> list[float]:
+    engine.create_adapter(adapter_id, LoraConfig(rank=8, seed=5))
+    losses = []
+    for _ in range(STEPS):
+        losses.append(engine.forward_backward(adapter_id, [datum]).metrics["loss:sum"])
+        engine.optim_step(adapter_id, AdamParams(learning_rate=2e-3))
+    return losses
+
+
+def test_the_default_model_learns_sharded_as_it_does_whole(real_engine, tmp_path):
+    """The real default model (SmolLM2-135M) sharded over two processes learns a chat answer, and its losses are
+    the unsharded engine's, step by step (issue 55's "the real default model learns")."""
+    from helpers import new_id, sft_datum
+
+    datum = sft_datum("What is the capital of France?", "The capital of France is Paris.")
+    processes = mp.start_processes(_learn, args=(_free_port(), str(tmp_path), datum), nprocs=WORLD,
+                                   start_method="spawn", join=False)
+    whole = _losses(real_engine, new_id(), datum)
+    while not processes.join():
+        pass
+    for rank in range(WORLD):
+        sharded = torch.load(tmp_path / f"learn{rank}.pt", weights_only=False)
+        print(f"rank {rank}: losses {sharded['losses']} (whole: {whole}), holding {sharded['held']:,} bytes")
+        # Within 1e-4 a step (measured: 6.7e-6 at most): this process's engine may run two threads where the
+        # shards run one, and another summation order moves the last bits, which training carries on.
+        np.testing.assert_allclose(sharded["losses"], whole, rtol=0, atol=1e-4)
+        assert sharded["held"] < 0.55 * sharding.resident_bytes(real_engine.model)
+    assert whole[-1] < 0.1 * whole[0], whole  # it learns: the answer's loss falls tenfold and more in four steps
