@@ -154,7 +154,8 @@ class Settings:
                                 "machine's shared among the workers")
     shard: int = env("SHARD", 1, "workers each base model is sharded over (`stepwise serve --shard N`): the workers form "
                      "groups of this many, each member holding about 1/N of the base weights and running every request "
-                     "of the group's runs with the others (engine/sharding.py, execution/cluster_worker.py); 1: none")
+                     "of the group's runs with the others (engine/sharding.py, execution/cluster_worker.py); 1: none, unless a base "
+                     "model's weights exceed half a CPU worker's memory budget: then the fewest workers it fits on")
     group_timeout_s: float = env("GROUP_TIMEOUT_S", 120.0, "a collective of a shard group or a data-parallel run fails "
                                  "after waiting this long (s) for a member (one that hangs); a member that dies fails it "
                                  "at once")

@@ -14,6 +14,7 @@ module's backend is then the one started again).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -27,14 +28,15 @@ from tinker import types
 
 from helpers import chat_prompt, forward_logprobs, new_id, sft_datum, wait_until
 from kernel_backend.config import Settings
-from kernel_backend.execution.cluster import Cluster, Worker
+from kernel_backend.engine import sharding
+from kernel_backend.execution.cluster import Cluster, Worker, auto_shard
 from kernel_backend.execution.cluster_worker import ShardGroupLost
 from kernel_backend.execution.engine_work import SampleOp
 from kernel_backend.execution.scheduler import Job, Scheduler, Unit
 from kernel_backend.types import AdamParams, LoraConfig, SamplingParams
 from servers import Server, start_server
 from test_cluster import BASE, LR, QUESTIONS, cluster_report, kill_worker, sdk_datum, wait_live
-from tiny_model import stand_in_env
+from tiny_model import stand_in_env, stand_in_settings
 
 TOLERANCE = 1e-5
 GROUP = ["worker-0", "worker-1"]
@@ -123,6 +125,31 @@ def test_settings_a_shard_group_cannot_serve_are_refused_before_anything_starts(
         cluster.workers = {f"worker-{i}": Worker(f"worker-{i}", None, f"w{i}", "cpu") for i in range(3)}
         with pytest.raises(RuntimeError, match=message):
             cluster._form_shard_groups()
+
+
+def test_a_model_larger_than_a_worker_s_budget_is_sharded_without_being_asked(tmp_path, tiny_model):
+    """STEPWISE_SHARD left at 1: the fewest workers (dividing their number) whose shards of the base model fit half a
+    worker's budget (cluster.auto_shard); none at all, an error naming the settings. The model's size is read from its
+    files' headers: the stand-in's weights take 12,879,104 bytes in float32 (its rotary table, made, not read, 64
+    more), half that in bfloat16."""
+    mib = 1 << 20
+    assert sharding.weight_bytes(tiny_model) == 12_879_104
+    assert sharding.weight_bytes(tiny_model, torch.bfloat16) == 12_879_104 // 2
+    assert auto_shard(12_879_104, 48 * mib, 2) == 1  # fits (test_cluster.py's 48 MB worker stays whole)
+    assert auto_shard(12_879_104, 20 * mib, 2) == 2
+    assert auto_shard(30 * mib, 20 * mib, 6) == 3  # 15 MiB a worker of 2 is over 10; 10 of 3 fits; 4 does not divide 6
+    with pytest.raises(RuntimeError, match="even sharded over all 2 workers: raise STEPWISE_WORKER_MEMORY_MB"):
+        auto_shard(50 * mib, 20 * mib, 2)
+    settings = dataclasses.replace(stand_in_settings(tiny_model), home=tmp_path)
+    cluster = Cluster(settings, storage=None, on_done=None)
+    cluster.models = [BASE]
+    assert cluster._shard_size(20 * mib, ["cpu", "cpu"]) == 2
+    assert cluster._shard_size(100 * mib, ["cpu", "cpu"]) == 1
+    assert cluster._shard_size(20 * mib, ["cuda", "cuda"]) == 1  # a GPU's room is measured, not assumed
+    cluster.models = ["no-such-model"]  # files this node does not hold: the workers load (or fail) as they would
+    assert cluster._shard_size(20 * mib, ["cpu", "cpu"]) == 1
+    told = Cluster(dataclasses.replace(settings, shard=2), storage=None, on_done=None)
+    assert told._shard_size(100 * mib, ["cpu", "cpu"]) == 2  # the operator's word stands
 
 
 def test_only_a_shard_groups_rank_0_with_every_member_live_is_given_work(tmp_path):

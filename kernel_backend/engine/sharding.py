@@ -212,6 +212,20 @@ def shard_model(model: PreTrainedModel, group=None, read_rows=None) -> None:
     model.set_input_embeddings(sharded)
 
 
+def weight_bytes(folder: Path, dtype: torch.dtype = torch.float32) -> int:
+    """What the model in `folder` holds loaded in `dtype`: its weights' elements, from the safetensors files' headers
+    (no tensor is read), times `dtype`'s size. The gateway sizes shard groups by it (execution/cluster.py)."""
+    from safetensors import safe_open
+
+    elements = 0
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(file, "pt", device="cpu") as handle:
+            for name in handle.keys():
+                shape = handle.get_slice(name).get_shape()
+                elements += int(torch.Size(shape).numel())
+    return elements * torch.empty((), dtype=dtype).element_size()
+
+
 def load_sharded(folder: Path, group=None, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  product=F.linear) -> PreTrainedModel:
     """The model in `folder` (a transformers folder of safetensors files), frozen, with lora.attach's layers (their

@@ -77,7 +77,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from kernel_backend.execution import engine_work
+from kernel_backend.engine import sharding
+from kernel_backend.engine.base_models import resolve as resolve_model
 from kernel_backend.engine.adapter_cache import TRAINING_COPIES
 from kernel_backend.execution.cluster_worker import (SHARD, EngineWorker, Outcome, RestoreGrads, ShardGroupLost, ShardRole,
                                                      WorkerLost, WorkerRestarted, wire)
@@ -101,6 +105,10 @@ UNKNOWN_ADAPTER_BYTES = 64 << 20
 RESTORING = "restoring"
 # Of a machine's memory, what its CPU workers share by default (STEPWISE_WORKER_MEMORY_MB, _cpu_budget).
 MACHINE_SHARE = 0.8
+# With STEPWISE_SHARD left at 1, a CPU worker's base models may take this share of its budget; a model larger than that
+# is sharded over as many workers as it needs (auto_shard). The rest is its runs': adapters, optimizer state,
+# activations, the sampler's cache.
+AUTO_SHARD_SHARE = 0.5
 EVENTS_KEPT = 200  # the cluster view's record of workers lost and rejoined and runs restored: the latest kept
 
 
@@ -231,6 +239,7 @@ class Cluster:
                 _record_head(self.settings.home)  # (again once the workers run: a crash may come before)
         devices, explicit = self._devices(ray), bool(self.settings.worker_devices)
         budget = self._cpu_budget(devices)
+        self.settings = dataclasses.replace(self.settings, shard=self._shard_size(budget, devices))
         actor_class = ray.remote(EngineWorker)
         nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
         log.info("cluster: Ray at %s, %d nodes alive", ray.get_runtime_context().gcs_address, len(nodes))
@@ -270,6 +279,25 @@ class Cluster:
         self._heartbeats.start()
 
     # ---- shard groups (STEPWISE_SHARD: execution/cluster_worker.py's docstring) ------------------------------
+
+    def _shard_size(self, budget: int, devices: list[str]) -> int:
+        """STEPWISE_SHARD as the operator set it; left at 1 on CPU workers, what the largest base model needs to fit
+        each worker's `budget` (auto_shard), read from its files' headers. (A GPU worker's room is its device's,
+        measured once it runs: not sized here.)"""
+        if self.settings.shard != 1 or any(d.startswith("cuda") for d in devices):
+            return self.settings.shard
+        dtype = getattr(torch, self.settings.dtype)
+        try:
+            need = max(sharding.weight_bytes(resolve_model(name, self.settings.models_dir, self.settings.base_models)[1],
+                                             dtype) for name in self.models)
+        except (UserError, OSError) as e:  # the workers' nodes may hold files this one does not: they load as before
+            log.warning("cluster: the base models' size cannot be read here (%s): not sharded automatically", e)
+            return 1
+        size = auto_shard(need, budget, len(devices))
+        if size > 1:
+            log.info("cluster: the base model's weights (%d MiB) exceed %.0f%% of a worker's budget (%d MiB): sharded "
+                     "over groups of %d workers", need >> 20, AUTO_SHARD_SHARE * 100, budget >> 20, size)
+        return size
 
     def _form_shard_groups(self) -> dict[str, ShardRole]:
         """With STEPWISE_SHARD N > 1: the workers in groups of N consecutive ones, each group's process group formed
@@ -991,6 +1019,19 @@ def _forget_head(home) -> None:
 
 
 # ---- helpers --------------------------------------------------------------------------------------------
+
+
+def auto_shard(need: int, budget: int, workers: int) -> int:
+    """How many workers a base model of `need` bytes is sharded over when the operator did not say (STEPWISE_SHARD
+    1): 1 if it fits AUTO_SHARD_SHARE of a worker's `budget`, else the fewest workers, a divisor of `workers` (the
+    groups must split them evenly), over which its shards do. Raises, naming the settings, if none does."""
+    room = budget * AUTO_SHARD_SHARE
+    for size in range(1, workers + 1):
+        if workers % size == 0 and need / size <= room:
+            return size
+    raise RuntimeError(f"the base model's weights ({need >> 20} MiB) do not fit {AUTO_SHARD_SHARE:.0%} of a worker's "
+                       f"memory budget ({budget >> 20} MiB) even sharded over all {workers} workers: raise "
+                       "STEPWISE_WORKER_MEMORY_MB or add workers (STEPWISE_WORKERS)")
 
 
 def _spread(device: str, index: int, nodes: list[str]):
