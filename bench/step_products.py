@@ -19,9 +19,8 @@ oneDNN's product on the prepacked copy, the output cast back), under the thread 
             and the memory's read rate (a torch sum over 1 GiB, every thread)
 - threads:  decode steps alternating between every thread (small products on one) and one thread for the whole step
 - casts:    decode steps alternating between the engine's products and the same with their casts on one thread
-- mlp:      decode steps alternating between the MLP's activations cast to float32 between its products and kept bf16
 
-    .venv/bin/python bench/step_products.py [--parts products,step,threads,casts,mlp] [--rows 32] [--rounds 15]
+    .venv/bin/python bench/step_products.py [--parts products,step,threads,casts] [--rows 32] [--rounds 15]
     OMP_WAIT_POLICY=ACTIVE .venv/bin/python bench/step_products.py --parts step     # spinning workers (before torch loads)
 """
 
@@ -130,8 +129,6 @@ def main() -> None:
         one_thread_steps(engine, rows, args.rounds)
     if "casts" in args.parts:
         casts_steps(engine, args.rounds)
-    if "mlp" in args.parts:
-        mlp_steps(engine, args.rounds)
     if "products" not in args.parts:
         return
     for fn in ways.values():  # warm up
@@ -285,22 +282,6 @@ def casts_steps(engine, rounds: int) -> None:
 
     ab_steps(engine, rounds, "casts", ("casts on the product's threads", "on one thread"), use, (16, 32))
     lora._copy_product = engine_product
-
-
-def mlp_steps(engine, rounds: int) -> None:
-    """Decode steps alternating between the MLP's activations cast to float32 and back between its products (the way
-    before, `lora.copy_dtype` made to say None) and kept bf16 from gate|up's output to down's input (the engine's way
-    where no adapter trains the MLP: families.feed_forward). The LoRA r8 side trains every target, so it takes the
-    float32 way on both sides: the control."""
-    from kernel_backend.engine import lora
-
-    engine_copy_dtype = lora.copy_dtype
-
-    def use(on: bool) -> None:
-        lora.copy_dtype = engine_copy_dtype if on else (lambda layers: None)
-
-    ab_steps(engine, rounds, "mlp", ("MLP casts to float32 and back", "kept bf16"), use, (16, 32))
-    lora.copy_dtype = engine_copy_dtype
 
 
 def _bf16_product(x16: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -239,38 +239,3 @@ def test_layers_read_together_share_one_copy_and_give_each_layer_s_own_products(
     with torch.no_grad(), lora.route(model, [adapter] * 5):  # outside the sampler: the float32 weights, as ever
         assert all(torch.equal(got, layer(x)) for got, layer in zip(lora.products(layers, x), layers))
     assert lora.sample_weights(model, "float32") == 0 and all(layer.shared_copy is None for layer in layers)
-
-
-def test_the_mlp_stays_bf16_between_its_products_only_where_no_adapter_trains_it(engine, adapters, monkeypatch):
-    """With bf16 copies, in the sampler's passes, an MLP no routed adapter trains keeps gate|up's output bf16 through
-    act(gate) * up into down's product (families.feed_forward, no casts between them): a float32 output within bf16
-    rounding of the way with the casts. An adapter on the MLP, or a pass outside the sampler's, takes the casts."""
-    from kernel_backend.engine import families
-
-    model = engine.model
-    mlp, family = model.model.layers[0].mlp, families.family_of(model.config)
-    layers = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    attention_only = engine._slot(adapters(rank=4, seed=5, train_mlp=False)).adapter
-    everywhere = engine._slot(adapters(rank=4, seed=6)).adapter
-    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    assert lora.copy_dtype(layers) is None  # float32: no copies
-    lora.sample_weights(model, "bfloat16")
-    try:
-        with torch.no_grad():
-            exact = families.feed_forward(family, mlp, x)
-            assert lora.copy_dtype(layers) is None  # training and every pass outside the sampler's
-            with lora.sampling(model):
-                for adapter in (None, attention_only):
-                    with lora.route(model, [adapter] * 5):
-                        assert lora.copy_dtype(layers) == torch.bfloat16
-                        kept = families.feed_forward(family, mlp, x)
-                        with monkeypatch.context() as m:
-                            m.setattr(lora, "copy_dtype", lambda layers: None)
-                            cast = families.feed_forward(family, mlp, x)
-                    assert kept.dtype == cast.dtype == torch.float32 and kept.shape == cast.shape
-                    torch.testing.assert_close(kept, cast, rtol=0.02, atol=0.02 * float(cast.abs().max()))
-                    torch.testing.assert_close(kept, exact, rtol=0.05, atol=0.05 * float(exact.abs().max()))
-                with lora.route(model, [None, None, everywhere, everywhere, None]):
-                    assert lora.copy_dtype(layers) is None  # an adapter adds its MLP deltas in float32
-    finally:
-        lora.sample_weights(model, "float32")

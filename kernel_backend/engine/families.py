@@ -114,22 +114,13 @@ def feed_forward(family: Family, mlp: Any, x: torch.Tensor) -> torch.Tensor:
     """The MLP's output for (tokens, hidden): a gated MLP written out (its LoRA layers apply), or a block
     of the model's own that is not one (a mixture of experts: its router and experts as the model runs them)."""
     # mlp: the layer's MLP module, Any: torch types its submodules as Tensor | Module
-    act: Any = mlp.act_fn if hasattr(mlp, "act_fn") else getattr(mlp, "activation_fn", None)  # Phi-3: activation_fn
-    low = None if family.fused_projections or not hasattr(mlp, "gate_proj") else \
-        lora.copy_dtype((mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-    if low is not None:
-        # The sampler's bf16 copies with no adapter on the MLP: gate|up's output stays bf16 through act(gate) * up
-        # into down's product, without its cast to float32 and down's input's back (docs/performance.md, issue 54).
-        gate, up = lora.products((mlp.gate_proj, mlp.up_proj), x, low)
-        with small_products.small(gate.numel()):
-            gate = act(gate) * up
-        return mlp.down_proj.copy_product(gate, x.dtype)
     if family.fused_projections:
         gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
     elif hasattr(mlp, "gate_proj"):
         gate, up = lora.products((mlp.gate_proj, mlp.up_proj), x)
     else:
         return mlp(x[None])[0]
+    act = mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn  # Phi-3 names it activation_fn
     # Elementwise: one thread was faster than two from a decode step's 32 rows to a prefill's 512
     # (the wake-up of the sleeping workers costs more than the second core saves; engine/small_products.py).
     with small_products.small(gate.numel()):

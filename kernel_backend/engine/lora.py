@@ -95,17 +95,6 @@ class MultiLoraLinear(nn.Module):
         product = F.linear if self.base.weight.requires_grad else self.product
         return product(x2d, self.base.weight, self.base.bias)
 
-    def copy_product(self, x2d: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """The layer's output for x2d (tokens, in_features) on its sampling copy, in `out_dtype`, where `copy_dtype`
-        said it has no delta to add: x2d may be in the copy's dtype already, and the output left in it."""
-        tokens, (out_features, in_features) = x2d.shape[0], self.base.weight.shape
-        with small_products.small(tokens * in_features * out_features):
-            if self.shared_copy is not None:
-                start = self.shared_copy.starts[id(self)]
-                return self.shared_copy.product(x2d, out_dtype)[:, start:start + out_features]
-            assert self.sample_weight is not None  # sample_weights gave this layer a copy of its own (it shares none)
-            return _copy_product(x2d, self.sample_weight, self.sample_bias, out_dtype)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
         tokens, (out_features, in_features) = x2d.shape[0], self.base.weight.shape
@@ -338,10 +327,10 @@ class SharedCopy:
         """In the sampler's passes, while every layer holds the weight the copy copies (a full run's are not it)."""
         return self.layers[0].routing.sampling and all(layer.sample_source is layer.base.weight for layer in self.layers)
 
-    def product(self, x2d: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Every layer's base product for x2d (tokens, in_features), side by side, in out_dtype (x2d's if None)."""
+    def product(self, x2d: torch.Tensor) -> torch.Tensor:
+        """Every layer's base product for x2d (tokens, in_features), side by side, in x2d's dtype."""
         with small_products.small(len(x2d) * self.work):
-            return _copy_product(x2d, self.weight, self.bias, out_dtype)
+            return _copy_product(x2d, self.weight, self.bias)
 
     def part(self, layer: MultiLoraLinear, x2d: torch.Tensor) -> torch.Tensor:
         start = self.starts[id(layer)]
@@ -398,34 +387,10 @@ class SharedCopy:
         return True
 
 
-def copy_dtype(layers) -> torch.dtype | None:
-    """The dtype of the layers' sampling copies where, in this forward pass, every one of them runs its base product
-    on its copy (the sampler's passes, STEPWISE_SAMPLE_DTYPE=bfloat16) and no routed adapter adds a delta to any of
-    them: activations may then stay in that dtype from one of their products to the next (families.feed_forward),
-    without the casts to float32 and back. None otherwise (float32, training, a full run's weights, an adapter on
-    any of them): the products as `products` and the layers make them."""
-    if not all(isinstance(layer, MultiLoraLinear) for layer in layers) or not layers[0].routing.sampling:
-        return None
-    if any(layer.sample_source is not layer.base.weight for layer in layers):
-        return None
-    names = [layer.name for layer in layers]
-    if any(name in adapter.weights for adapter, _ in layers[0].routing.groups for name in names):
-        return None
-    first = layers[0]
-    weight = first.sample_weight if first.shared_copy is None else first.shared_copy.weight
-    return None if weight is None else weight.dtype
-
-
-def products(layers, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+def products(layers, x: torch.Tensor) -> list[torch.Tensor]:
     """Each layer's output for one input x (tokens, features), as [layer(x) for layer in layers]; in the sampler's
     passes, where the layers share a copy (READ_TOGETHER), with one base product for them all and each adapter's LoRA
-    deltas added by one pair of products for them all (SharedCopy.plus_deltas), or else each layer's to its part.
-    With `out_dtype` (only where `copy_dtype` gave one for these layers): the base products alone, in out_dtype."""
-    if out_dtype is not None:
-        shared = layers[0].shared_copy
-        if shared is not None and all(layer.shared_copy is shared for layer in layers):
-            return list(shared.product(x, out_dtype).split(shared.sizes, dim=-1))
-        return [layer.copy_product(x, out_dtype) for layer in layers]
+    deltas added by one pair of products for them all (SharedCopy.plus_deltas), or else each layer's to its part."""
     shared = getattr(layers[0], "shared_copy", None)
     if shared is None or not shared.in_use():
         return [layer(x) for layer in layers]
@@ -444,10 +409,9 @@ def _prepacked(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
-def _copy_product(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def _copy_product(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x2d W^T + b with a sampling copy (a layer's own or a stacked one): bf16 x bf16 products (native on CPUs with
-    AVX-512 bf16 / AMX), the input cast to the copy's dtype and the output to out_dtype (x2d's if None)."""
+    AVX-512 bf16 / AMX), the input cast to the copy's dtype and the output back to x2d's."""
     x = x2d.to(weight.dtype)
     if weight.is_mkldnn:  # oneDNN's own layout (`_prepacked`): any row count, F.linear's results
         out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -456,7 +420,7 @@ def _copy_product(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         out = (torch.mv(weight, x[0]) if bias is None else torch.addmv(bias, weight, x[0]))[None]
     else:
         out = F.linear(x, weight, bias)
-    return out.to(x2d.dtype if out_dtype is None else out_dtype)
+    return out.to(x2d.dtype)
 
 
 def sample_dtype(model: nn.Module) -> torch.dtype | None:
