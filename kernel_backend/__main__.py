@@ -31,7 +31,9 @@ def main(argv: list[str] | None = None) -> None:
                        help="shard each base model over groups of this many workers (STEPWISE_SHARD; --workers a "
                             "multiple of it): each worker holds about 1/M of the base weights, and a group serves "
                             "training runs and samplers as one worker does, its rank 0 deciding every batch and the "
-                            "others running the same; for models larger than one worker (docs/architecture.md)")
+                            "others running the same; for models larger than one worker (docs/architecture.md). Without it, "
+                            "a model whose weights exceed half a CPU worker's memory budget is sharded over as few "
+                            "workers as it fits")
     serve.add_argument("--exit-when-unused", action="store_true",
                        help="stop once no live process has announced itself in $STEPWISE_HOME/runtime "
                             "(how workbench.connect() starts the embedded backend; see kernel_backend/runtime.py)")
