@@ -34,6 +34,7 @@ its model with `load_sharded` and makes these calls itself.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -220,10 +221,8 @@ def weight_bytes(folder: Path, dtype: torch.dtype = torch.float32) -> int:
     elements = 0
     for file in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(file, "pt", device="cpu") as handle:
-            for name in handle.keys():
-                shape = handle.get_slice(name).get_shape()
-                elements += int(torch.Size(shape).numel())
-    return elements * torch.empty((), dtype=dtype).element_size()
+            elements += sum(math.prod(handle.get_slice(name).get_shape()) for name in handle.keys())
+    return elements * dtype.itemsize
 
 
 def load_sharded(folder: Path, group=None, dtype: torch.dtype = torch.float32, device: str = "cpu",

@@ -253,9 +253,10 @@ class Scheduler:
             except Exception as e:  # the unit cannot run alike everywhere: it runs nowhere
                 for job in unit.jobs():
                     self._fail(job, e)
-                busy = [name for name, engine in self.engines.items() if engine.decoder.busy]
-                for name in busy if unit.decode else []:  # nor can the decode steps it was one of
-                    self._fail_decoder(name, e)
+                if unit.decode:  # nor can the requests whose decode step it was
+                    for name, engine in self.engines.items():
+                        if engine.decoder.busy:
+                            self._fail_decoder(name, e)
                 continue
             self.work(unit)
             # Only time spent while both sides had work counts toward the share; an idle side starts afresh.
