@@ -11,6 +11,7 @@ unsharded, and back.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -150,12 +151,21 @@ def _families_alike(folders: list[str]) -> dict[str, list[float]]:
     return out
 
 
-def _rank(rank: int, folder: str, port: int, out_dir: str, families: list[str]) -> None:
+@contextlib.contextmanager
+def _joined(rank: int, port: int):
+    """This spawned process in the WORLD processes' gloo group on loopback, for the block's length."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # two processes on the suite's two cores
     # A short timeout: processes that part ways (one skipping a collective the other makes) fail, not hang.
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank(rank: int, folder: str, port: int, out_dir: str, families: list[str]) -> None:
+    with _joined(rank, port):
         settings = stand_in_settings(Path(folder))
         out: dict = {}
         for name, changed in {"bf16": {"sample_dtype": "bfloat16"}}.items():
@@ -212,8 +222,6 @@ def _rank(rank: int, folder: str, port: int, out_dir: str, families: list[str]) 
                    shard_bytes=sum(o.shard.nbytes for o in sharding.sharded_weights(engine.model)),
                    whole_embedding_freed=embedding() is None, gathers=_gathers_in_one_step(engine))
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def _same_tensors(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -394,15 +402,10 @@ STEPS = 4
 
 def _learn(rank: int, port: int, out_dir: str, datum: Datum) -> None:
     """One process of the default model sharded over two: a LoRA run's losses over STEPS steps of one chat datum."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
-    try:
+    with _joined(rank, port):
         engine = Engine(group=dist.group.WORLD)  # the default model, each process reading its rows of the files
         torch.save({"losses": _losses(engine, "learner", datum), "held": sharding.resident_bytes(engine.model)},
                    Path(out_dir) / f"learn{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def _losses(engine: Engine, adapter_id: str, datum: Datum) -> list[float]:
