@@ -2,7 +2,7 @@
 float32 and with the sampler's bfloat16 weights (STEPWISE_SAMPLE_DTYPE, engine/lora.py), and the sampler/trainer
 logprob gap that costs.
 
-Three parts, in one run:
+Five parts, in one run:
 
 - profile: the built-in sampler's own code path (engine.run_requests -> Decoder.step -> Decoder._decode, in
            this process, the real default model SmolLM2-135M-Instruct in float32), decode steps of exactly 1,
@@ -47,6 +47,17 @@ Three parts, in one run:
            (sampler - trainer), the k1 estimate of KL(sampler || trainer) that RL recipes log as
            kl_sample_train; and the exact KL(sampler || trainer) over the whole vocabulary at each sampled
            position (the model run on the samples with and without the sampling copies).
+
+- targets: issue 54's done-when, in one run: the fp32 bound (the floor part's), the step's base products alone at 32
+           rows (each of the model's weights once, in the step's order, read from memory as a step reads them; and
+           each kind repeated on one weight, cache-resident: what a microbenchmark times) in float32 (the engine's
+           own product) and in bfloat16 (the prepacked stacked copies, inputs already bf16, no casts), each as the
+           decoded tokens/s it would allow if a step were nothing else; then decode through the official tinker SDK
+           at 32 rows (8 requests x 4 samples, exactly --tokens tokens each: stop=[], the base model, as the issue
+           measured it) against two servers, float32 and STEPWISE_SAMPLE_DTYPE=bfloat16, rounds alternating; every
+           rate as a fraction of the same fp32 bound.
+
+    .venv/bin/python bench/decode_profile.py --parts targets --tokens 64 --rounds 3
 
     .venv/bin/python bench/decode_profile.py [--parts profile,floor,pairs,gap] [--sample-dtypes float32,bfloat16]
                                              [--tokens 40] [--rounds 2]
@@ -335,6 +346,107 @@ def floor(engine) -> float:
     return bound
 
 
+# ---- targets: issue 54's done-when, against the floor of the products themselves ------------------------------
+
+
+def products_floor(engine, rows: int = 32) -> dict[str, float]:
+    """Seconds of a decode step's base products alone at `rows` rows (no attention, norms, LoRA or Python between):
+    {"float32 in order", "float32 cache-resident", "bfloat16 in order", "bfloat16 cache-resident"}. float32: every
+    base layer's own product as the engine makes it (MultiLoraLinear.base_product, small products on one thread);
+    bfloat16: the sampler's prepacked copies, q|k|v and gate|up stacked, the input already bf16 and the output left
+    bf16 (the casts a step makes around them are not counted)."""
+    from kernel_backend.engine import lora, small_products
+
+    layers = engine.model.model.layers
+    fp32 = [m for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                                            layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                                            layer.mlp.down_proj)] + [engine.model.lm_head]
+    lora.sample_weights(engine.model, "bfloat16")
+    bf16 = []  # (weight, in_features, out_features): each layer's copy, or the copy it shares (q|k|v, gate|up)
+    for layer in layers:
+        for copy in (layer.self_attn.q_proj.shared_copy, layer.self_attn.o_proj, layer.mlp.gate_proj.shared_copy,
+                     layer.mlp.down_proj):
+            if isinstance(copy, torch.nn.Module):
+                bf16.append((copy.sample_weight, copy.base.weight.shape[1], copy.base.weight.shape[0]))
+            else:
+                bf16.append((copy.weight, copy.layers[0].base.weight.shape[1], sum(copy.sizes)))
+    head = engine.model.lm_head
+    bf16.append((head.sample_weight, head.base.weight.shape[1], head.base.weight.shape[0]))
+    inputs = {n: torch.randn(rows, n) for n in {m.base.weight.shape[1] for m in fp32}}
+    inputs16 = {n: x.bfloat16() for n, x in inputs.items()}
+
+    def run_fp32(modules):
+        for m in modules:
+            out_f, in_f = m.base.weight.shape
+            with small_products.small(rows * in_f * out_f):
+                m.base_product(inputs[in_f])
+
+    def run_bf16(items):
+        for weight, in_f, out_f in items:
+            with small_products.small(rows * in_f * out_f):
+                torch.ops.mkldnn._linear_pointwise(inputs16[in_f], weight, None, "none", [], "")
+
+    def repeated(items, key):  # the same products, each on the first weight of its kind: cache-resident
+        firsts: dict = {}
+        return [firsts.setdefault(key(item), item) for item in items]
+
+    ways = {"float32 in order": lambda: run_fp32(fp32),
+            "float32 cache-resident": lambda r=repeated(fp32, lambda m: m.name.rsplit(".", 1)[-1]): run_fp32(r),
+            "bfloat16 in order": lambda: run_bf16(bf16),
+            "bfloat16 cache-resident": lambda r=repeated(bf16, lambda item: item[1:]): run_bf16(r)}
+    try:
+        return {name: best_of(fn, 9, seconds=2.0) for name, fn in ways.items()}
+    finally:
+        lora.sample_weights(engine.model, "float32")
+
+
+def sdk_decode(tokens: int, rounds: int) -> dict[str, float]:
+    """Sampled tokens/s through the official SDK at 32 rows: 8 requests x 4 samples of exactly `tokens` tokens (stop=[])
+    from four base-model samplers, on a float32 server and a STEPWISE_SAMPLE_DTYPE=bfloat16 one, rounds alternating."""
+    from sample import Sessions, start
+    from workbench.recipes.common import local_tokenizer
+
+    tokenizer = local_tokenizer(BASE)
+    servers = {}
+    try:
+        for dtype in ("float32", "bfloat16"):
+            servers[dtype] = start("batched", "float32", dtype)
+        sessions = {dtype: Sessions(server, tokenizer, lora=False) for dtype, server in servers.items()}
+        for s in sessions.values():
+            s.round(max_tokens=2)  # warm-up: first use of each sampler
+        seconds: dict[str, list[float]] = {dtype: [] for dtype in servers}
+        sampled: dict[str, int] = {}
+        for i in range(rounds):
+            for dtype in list(servers) if i % 2 == 0 else reversed(list(servers)):
+                elapsed, results = sessions[dtype].round(max_tokens=tokens, stop=[])
+                seconds[dtype].append(elapsed)
+                sampled[dtype] = sum(len(seq.tokens) for r in results for seq in r.sequences)
+        return {dtype: sampled[dtype] / statistics.median(s) for dtype, s in seconds.items()}
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def targets(engine, tokens: int, rounds: int) -> None:
+    bound = floor(engine)
+    params = sum(p.numel() for p in engine.model.parameters())
+    print(f"\n[targets] the step's base products alone at 32 rows, {2 * params * 32 / 1e9:.2f} GFLOP; best of >= 9 runs")
+    floors = products_floor(engine)
+    for name, t in floors.items():
+        rate = 32 / t
+        print(f"  {name:<24} {1e3 * t:6.1f} ms  {2 * params * 32 / t / 1e9:6.0f} GFLOP/s  -> at most {rate:6.0f} tok/s "
+              f"if a step were nothing else = {rate / bound:.2f} of the fp32 bound", flush=True)
+    print(f"  ({load_line()})")
+    rates = sdk_decode(tokens, rounds)
+    print(f"\n[targets] decode through the SDK at 32 rows (8 requests x 4 samples x exactly {tokens} tokens, base "
+          f"model, median of {rounds} rounds, alternating)")
+    for dtype, goal in (("float32", 0.6), ("bfloat16", 1.2)):
+        floor_rate = 32 / floors[f"{dtype} in order"]
+        print(f"  {dtype:<9} {rates[dtype]:6.1f} tok/s = {rates[dtype] / bound:.2f} of the fp32 bound ({bound:.0f}); "
+              f"issue 54 asks >= {goal} ({goal * bound:.0f} tok/s); its products alone allow {floor_rate / bound:.2f}")
+    print(f"  bfloat16 / float32 through the SDK: {rates['bfloat16'] / rates['float32']:.2f}x   ({load_line()})")
+
+
 # ---- the sampling dtype, and the gap it opens to the trainer ---------------------------------------------------
 
 
@@ -484,6 +596,8 @@ def main() -> None:
                 print(f"  {dtype:<8} {side:<8} " + ", ".join(cells) + f"; 32 rows {rate:.1f} tok/s{ratio}")
     if "gap" in parts:
         gap(engine, dtypes)
+    if "targets" in parts:
+        targets(engine, args.tokens, args.rounds)
     print(load_line())
 
 

@@ -17,6 +17,8 @@ tokens computed) and the ratio before / after.
     .venv/bin/python bench/guess_number.py                # both, ~15 min on 2 cores (before ~10 of them)
     .venv/bin/python bench/guess_number.py --only after   # this checkout's backend alone
     .venv/bin/python bench/guess_number.py --only after --dtype bfloat16   # ... with a bf16 base model (mixed precision)
+    .venv/bin/python bench/guess_number.py --before e473113^ --sample-dtype bfloat16   # issue 54's measure: the backend
+        # as it was when issue 54 was filed against this one sampling on bf16 copies of the base weights
 
 Needs the cookbook's venv (python tests/client_venvs.py build tinker-cookbook) and git.
 """
@@ -49,13 +51,15 @@ def worktree(commit: str) -> Path:
     return path
 
 
-def run_side(name: str, repo: Path, cookbook_python: Path, steps: int, timeout_s: int, dtype: str = "float32") -> dict:
+def run_side(name: str, repo: Path, cookbook_python: Path, steps: int, timeout_s: int, dtype: str = "float32",
+             sample_dtype: str = "float32") -> dict:
     from client_venvs import client_env
     from servers import start_server
 
     home = Path(tempfile.mkdtemp(prefix=f"stepwise-bench-guess-{name}-"))
     (home / "models").symlink_to(Path.home() / ".cache" / "stepwise" / "models", target_is_directory=True)
-    env = {"STEPWISE_EMBEDDED": "0", "STEPWISE_LOOPBACK_KEY": "tml-local", "STEPWISE_DTYPE": dtype}
+    env = {"STEPWISE_EMBEDDED": "0", "STEPWISE_LOOPBACK_KEY": "tml-local", "STEPWISE_DTYPE": dtype,
+           "STEPWISE_SAMPLE_DTYPE": sample_dtype}
     server = start_server(home, env=env, timeout=600, repo=repo)
     try:
         since = datetime.datetime.now(datetime.timezone.utc).isoformat()
@@ -92,6 +96,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=3600, help="seconds for each side's recipe run")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the after side's STEPWISE_DTYPE (bfloat16: mixed precision, faster where the CPU has AMX)")
+    parser.add_argument("--sample-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the after side's STEPWISE_SAMPLE_DTYPE (bfloat16: the sampler on bf16 copies of the base weights)")
+    parser.add_argument("--before", default=BEFORE, help=f"the before side's commit (default {BEFORE})")
     args = parser.parse_args()
 
     import client_venvs
@@ -102,10 +109,11 @@ def main() -> None:
     results = {}
     for name in [args.only] if args.only else SIDES:
         print(f"{name}: guess_number, batch 4 x group 4, 16-token guesses, {args.steps} steps ...", flush=True)
-        repo = REPO if name == "after" else worktree(BEFORE)
+        repo = REPO if name == "after" else worktree(args.before)
         try:
             dtype = args.dtype if name == "after" else "float32"
-            results[name] = r = run_side(name, repo, cookbook_python, args.steps, args.timeout, dtype)
+            sample_dtype = args.sample_dtype if name == "after" else "float32"
+            results[name] = r = run_side(name, repo, cookbook_python, args.steps, args.timeout, dtype, sample_dtype)
         finally:
             if repo != REPO:
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(repo)], capture_output=True)
