@@ -105,7 +105,7 @@ def one_run(service_client) -> None:
     for _ in range(10):
         training_client.forward_backward([datum] * 8, "cross_entropy").result()
         training_client.optim_step(types.AdamParams(learning_rate=1e-4)).result()
-    sampler = training_client.save_weights_and_get_sampling_client("one-run").result()
+    sampler = training_client.save_weights_and_get_sampling_client().result()
     sampler.sample(types.ModelInput.from_ints(ids[:16]), 8, types.SamplingParams(max_tokens=32, temperature=1.0)).result()
 
 

@@ -379,7 +379,7 @@ def test_constrained_episodes_make_only_valid_calls(tinker_server, tokenizer, tm
     for _ in range(50):  # a full fine-tune: the tiny model learns the opening's five tokens in about 40 steps
         tc.forward_backward([demo], "cross_entropy")
         tc.optim_step(types.AdamParams(learning_rate=5e-3)).result()
-    sampler = tc.save_weights_and_get_sampling_client("opens-calls")
+    sampler = tc.save_weights_and_get_sampling_client().result()
 
     def play(constrain: bool) -> list[Episode]:
         envs = [ToolEnv("What does ACME cost?", check=lambda text: float("12.5" in text), tools=[LOOKUP])
