@@ -10,7 +10,8 @@ sides, the same seeds every round:
                    first finished turn made a wait for all, as bench/agent_rollouts.py does);
 - today float32:   this checkout, float32 sampling (the default);
 - today bf16:      this checkout, STEPWISE_SAMPLE_DTYPE=bfloat16.
-Prints each side's seconds a step (the recipe's own steps: sampler snapshot, rollouts, forward_backward, optim_step),
+Prints each side's seconds a step (the recipe's own steps: sampler snapshot, rollouts, forward_backward, optim_step)
+and the rollouts' share of them (rl.play, timed),
 their medians, the ratios to "as filed", and each side's kl_sampler (the recipe's mean of sampler - learner logprob,
 kl_sample_train's k1) and reward.
 
@@ -95,6 +96,16 @@ def main() -> None:
         step_s: dict[str, list[float]] = {name: [] for name in SIDES}
         rows: dict[str, list[dict]] = {name: [] for name in SIDES}
         finished = episodes._finished
+        rollout_s: dict[str, list[float]] = {name: [] for name in SIDES}  # each step's rollouts (rl.play)
+        play = rl.play
+
+        def timed_play(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return play(*args, **kwargs)
+            finally:
+                playing.append(time.perf_counter() - start)
+        rl.play = timed_play
         for r in range(args.rounds + 1):  # round 0 warms up (prefix caches, grammar compiles)
             for name in SIDES if r % 2 == 0 else reversed(list(SIDES)):
                 client, path = warm[name]
@@ -104,6 +115,7 @@ def main() -> None:
                                    seed=r, progress=False, verbose=False,
                                    metrics_path=str(Path(tempfile.mkdtemp(prefix="stepwise-bench-rl-")) / "rl.jsonl"))
                 marks = [time.perf_counter()]
+                playing: list[float] = []
                 logged: list[dict] = []
 
                 def on_step(row, marks=marks, logged=logged):
@@ -117,16 +129,19 @@ def main() -> None:
                 finally:
                     episodes._finished = finished
                 seconds = np.diff(marks).tolist()
-                print(f"round {r}{' (warm-up)' if r == 0 else ''} {name:<14} steps {', '.join(f'{s:.1f}' for s in seconds)} s; "
+                print(f"round {r}{' (warm-up)' if r == 0 else ''} {name:<14} steps {', '.join(f'{s:.1f}' for s in seconds)} s "
+                      f"(rollouts {', '.join(f'{s:.1f}' for s in playing)} s); "
                       f"reward {np.mean([row['reward'] for row in logged]):.2f}, sampled tokens "
                       f"{sum(row['sample_tokens'] for row in logged)}, kl_sampler "
                       f"{np.mean([row.get('kl_sampler', np.nan) for row in logged]):+.2e}, |gap| mean "
                       f"{np.mean([row.get('logprob_gap_mean', np.nan) for row in logged]):.1e}; {load_line()}", flush=True)
                 if r:
                     step_s[name] += seconds
+                    rollout_s[name] += playing
                     rows[name] += logged
         medians = {name: statistics.median(s) for name, s in step_s.items()}
-        print("\nmedian seconds a step: " + ", ".join(f"{name} {m:.1f}" for name, m in medians.items()))
+        print("\nmedian seconds a step (of them rollouts): " + ", ".join(
+            f"{name} {m:.1f} ({statistics.median(rollout_s[name]):.1f})" for name, m in medians.items()))
         for name in list(SIDES)[1:]:
             kl = np.mean([row.get("kl_sampler", np.nan) for row in rows[name]])
             gap = np.mean([row.get("logprob_gap_mean", np.nan) for row in rows[name]])
