@@ -21,6 +21,7 @@ kl_sample_train's k1) and reward.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import tempfile
@@ -50,7 +51,7 @@ def main() -> None:
     from servers import start_server
     from workbench.recipes import common, episodes, rl
 
-    tools = calculator = [episodes.Tool.of(calc)]
+    calculator = [episodes.Tool.of(calc)]
 
     class Multiply(rl.Task):  # notebook 08's task
         tools = calculator
@@ -59,20 +60,19 @@ def main() -> None:
             return [rl.Problem(f"What is {a}*{b}?", str(a * b)) for a, b in rng.integers(11, 99, size=(n, 2))]
 
         def env(self, problem):
-            return episodes.ToolEnv(problem.question, check=lambda text: float(problem.answer in text), tools=tools,
-                                    strict=True)
+            return episodes.ToolEnv(problem.question, check=lambda text: float(problem.answer in text),
+                                    tools=self.tools, strict=True)
 
     task = Multiply()
     tokenizer = common.local_tokenizer()
 
     def demonstration(problem):  # notebook 08's warm-up: call, reply, plain answer
-        import json
         asked = {"id": "call_0", "type": "function",
                  "function": {"name": "calc", "arguments": json.dumps({"expression": problem.question[8:-1]})}}
         return [{"role": "user", "content": problem.question}, {"role": "assistant", "content": "", "tool_calls": [asked]},
-                *episodes.call_tools(tools, [asked]), {"role": "assistant", "content": f"The answer is {problem.answer}."}]
+                *episodes.call_tools(calculator, [asked]), {"role": "assistant", "content": f"The answer is {problem.answer}."}]
 
-    demos = [common.chat_datum(tokenizer, demonstration(p), tools=[t.schema for t in tools])
+    demos = [common.chat_datum(tokenizer, demonstration(p), tools=[t.schema for t in calculator])
              for p in task.problems(16, np.random.default_rng(123))]
 
     print(f"{time.strftime('%Y-%m-%d %H:%M')} {load_line()}; {args.steps} RL steps a round, {args.rounds} rounds", flush=True)
@@ -97,6 +97,7 @@ def main() -> None:
         rows: dict[str, list[dict]] = {name: [] for name in SIDES}
         finished = episodes._finished
         rollout_s: dict[str, list[float]] = {name: [] for name in SIDES}  # each step's rollouts (rl.play)
+        playing: list[float] = []  # the current run's, in step order
         play = rl.play
 
         def timed_play(*args, **kwargs):
@@ -115,7 +116,7 @@ def main() -> None:
                                    seed=r, progress=False, verbose=False,
                                    metrics_path=str(Path(tempfile.mkdtemp(prefix="stepwise-bench-rl-")) / "rl.jsonl"))
                 marks = [time.perf_counter()]
-                playing: list[float] = []
+                playing.clear()
                 logged: list[dict] = []
 
                 def on_step(row, marks=marks, logged=logged):
