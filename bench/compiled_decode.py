@@ -34,6 +34,7 @@ import time
 from benchenv import BASE, load_line  # noqa: E402 - first: OMP_WAIT_POLICY, sys.path (bench/benchenv.py)
 
 import torch  # noqa: E402
+from decode_profile import best_of  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -132,13 +133,7 @@ class DecodeStep(torch.nn.Module):
 
 
 def median_ms(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * best_of(fn, repeat)  # a warm-up call, then the median of at least `repeat`
 
 
 def engine_step_ms(engine, adapter_id: str, rows: int) -> float:
