@@ -356,22 +356,14 @@ def products_floor(engine, rows: int = 32) -> dict[str, float]:
     bfloat16: the sampler's prepacked copies, q|k|v and gate|up stacked, the input already bf16 and the output left
     bf16 (the casts a step makes around them are not counted)."""
     from kernel_backend.engine import lora, small_products
+    from step_products import bf16_product, bf16_products
 
     layers = engine.model.model.layers
     fp32 = [m for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                                             layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
                                             layer.mlp.down_proj)] + [engine.model.lm_head]
     lora.sample_weights(engine.model, "bfloat16")
-    bf16 = []  # (weight, in_features, out_features): each layer's copy, or the copy it shares (q|k|v, gate|up)
-    for layer in layers:
-        for copy in (layer.self_attn.q_proj.shared_copy, layer.self_attn.o_proj, layer.mlp.gate_proj.shared_copy,
-                     layer.mlp.down_proj):
-            if isinstance(copy, torch.nn.Module):
-                bf16.append((copy.sample_weight, copy.base.weight.shape[1], copy.base.weight.shape[0]))
-            else:
-                bf16.append((copy.weight, copy.layers[0].base.weight.shape[1], sum(copy.sizes)))
-    head = engine.model.lm_head
-    bf16.append((head.sample_weight, head.base.weight.shape[1], head.base.weight.shape[0]))
+    bf16 = bf16_products(engine.model)  # (kind, weight, in_features, out_features), q|k|v and gate|up stacked
     inputs = {n: torch.randn(rows, n) for n in {m.base.weight.shape[1] for m in fp32}}
     inputs16 = {n: x.bfloat16() for n, x in inputs.items()}
 
@@ -382,9 +374,9 @@ def products_floor(engine, rows: int = 32) -> dict[str, float]:
                 m.base_product(inputs[in_f])
 
     def run_bf16(items):
-        for weight, in_f, out_f in items:
+        for _, weight, in_f, out_f in items:
             with small_products.small(rows * in_f * out_f):
-                torch.ops.mkldnn._linear_pointwise(inputs16[in_f], weight, None, "none", [], "")
+                bf16_product(inputs16[in_f], weight)
 
     def repeated(items, key):  # the same products, each on the first weight of its kind: cache-resident
         firsts: dict = {}
@@ -393,7 +385,7 @@ def products_floor(engine, rows: int = 32) -> dict[str, float]:
     ways = {"float32 in order": lambda: run_fp32(fp32),
             "float32 cache-resident": lambda r=repeated(fp32, lambda m: m.name.rsplit(".", 1)[-1]): run_fp32(r),
             "bfloat16 in order": lambda: run_bf16(bf16),
-            "bfloat16 cache-resident": lambda r=repeated(bf16, lambda item: item[1:]): run_bf16(r)}
+            "bfloat16 cache-resident": lambda r=repeated(bf16, lambda item: item[0]): run_bf16(r)}
     try:
         return {name: best_of(fn, 9, seconds=2.0) for name, fn in ways.items()}
     finally:

@@ -52,16 +52,7 @@ def main() -> None:
     engine = Engine(BASE)
     lora.sample_weights(engine.model, "bfloat16")
     rows = args.rows
-    step = []  # (kind, weight, in_features, out_features) in the step's order
-    for layer in engine.model.model.layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        for kind, copy in (("q|k|v", attention.q_proj.shared_copy), ("o", attention.o_proj),
-                           ("gate|up", mlp.gate_proj.shared_copy), ("down", mlp.down_proj)):
-            weight = copy.sample_weight if isinstance(copy, torch.nn.Module) else copy.weight
-            assert weight.dtype == torch.bfloat16 and weight.is_mkldnn, (kind, weight.dtype)
-            step.append((kind, weight, *reversed(_shape(copy))))
-    head = engine.model.lm_head
-    step.append(("lm_head", head.sample_weight, *reversed(_shape(head))))
+    step = bf16_products(engine.model)
     weight_bytes = sum(_shape(layer)[0] * _shape(layer)[1] * 2 for layer in _copies(engine.model))
     inputs = {n: torch.randn(rows, n) for n in {in_f for _, _, in_f, _ in step}}
     inputs16 = {n: x.bfloat16() for n, x in inputs.items()}
@@ -96,7 +87,7 @@ def main() -> None:
 
     def bf16_call(weight, in_f, out_f):
         with small_products.small(rows * in_f * out_f):
-            _bf16_product(inputs16[in_f], weight)
+            bf16_product(inputs16[in_f], weight)
 
     def one_thread(order, call):
         threads = torch.get_num_threads()
@@ -284,7 +275,23 @@ def casts_steps(engine, rounds: int) -> None:
     lora._copy_product = engine_product
 
 
-def _bf16_product(x16: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def bf16_products(model) -> list[tuple[str, torch.Tensor, int, int]]:
+    """A bf16 decode step's base products in the step's order, as (kind, weight, in_features, out_features): each layer's
+    q|k|v (stacked), o, gate|up (stacked), down, then lm_head, on the sampler's prepacked copies (lora.sample_weights)."""
+    step = []
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        for kind, copy in (("q|k|v", attention.q_proj.shared_copy), ("o", attention.o_proj),
+                           ("gate|up", mlp.gate_proj.shared_copy), ("down", mlp.down_proj)):
+            weight = copy.sample_weight if isinstance(copy, torch.nn.Module) else copy.weight
+            assert weight.dtype == torch.bfloat16 and weight.is_mkldnn, (kind, weight.dtype)
+            step.append((kind, weight, *reversed(_shape(copy))))
+    head = model.lm_head
+    step.append(("lm_head", head.sample_weight, *reversed(_shape(head))))
+    return step
+
+
+def bf16_product(x16: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """lora._copy_product without its casts: x16 already bf16, the output left bf16."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x16, weight, None, "none", [], "")
