@@ -34,7 +34,7 @@ import time
 from benchenv import BASE, load_line  # noqa: E402 - first: OMP_WAIT_POLICY, sys.path (bench/benchenv.py)
 
 import torch  # noqa: E402
-from decode_profile import best_of  # noqa: E402
+from decode_profile import QUESTIONS, best_of, step_recorder, use_sample_dtype, workload  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -89,6 +89,10 @@ class DecodeStep(torch.nn.Module):
                 flat += [torch.cat([a for a, _ in pairs]), torch.block_diag(*(b for _, b in pairs))]
         return flat, torch.tensor(adapter.scale)
 
+    def cache(self, rows: int, slots: int, fill=torch.zeros) -> torch.Tensor:
+        """Keys or values for `rows` rows of `slots` slots, as the step reads them: (layers, rows, kv_heads, slots, head_dim)."""
+        return fill(len(self.layers), rows, self.kv_heads, slots, self.head_dim, dtype=BF16)
+
     @staticmethod
     def product(x: torch.Tensor, weight, a, b, scale) -> torch.Tensor:
         """x (float32) W^T in bf16, back to float32, plus the adapter's delta in float32 (the engine's bf16 mode)."""
@@ -138,8 +142,6 @@ def median_ms(fn, repeat: int) -> float:
 
 def engine_step_ms(engine, adapter_id: str, rows: int) -> float:
     """The engine's own bf16 decode step at `rows` live rows: the median over a workload's steps of exactly that many."""
-    from decode_profile import step_recorder, use_sample_dtype, workload
-
     use_sample_dtype(engine, "bfloat16", quiet=True)
     engine.run_requests(workload(engine, adapter_id, rows, 40, seed=1))  # warm-up
     records, undo = step_recorder(None)
@@ -150,10 +152,10 @@ def engine_step_ms(engine, adapter_id: str, rows: int) -> float:
     return 1e3 * statistics.median(wall for n, wall, _ in records if n == rows)
 
 
-def teacher_forced(step, engine, adapter, rows: int, length: int):
-    """Each row a real chat prompt and answer of `length` tokens, fed one token a step through `step` from an empty
-    cache: the logprob of each next real token from position 16 on, and the trainer's (float32 forward) for the same."""
-    from decode_profile import QUESTIONS
+def teacher_forced(step, module: DecodeStep, engine, adapter, rows: int, length: int):
+    """Each row a real chat prompt and answer of `length` tokens, fed one token a step through `step` (`module`, eager or
+    compiled) from an empty cache: the logprob of each next real token from position 16 on, and the trainer's (float32
+    forward) for the same."""
     from kernel_backend.engine import lora
 
     model, tokenizer = engine.model, engine.tokenizer
@@ -162,10 +164,7 @@ def teacher_forced(step, engine, adapter, rows: int, length: int):
                "first, think about what matters; second, keep it simple; third, enjoy it."}] for i in range(rows)]
     ids = torch.tensor([tokenizer.apply_chat_template(t)["input_ids"][:length] for t in texts])
     assert ids.shape[1] == length, "the answers are long enough"
-    config = model.config
-    kv_heads, hd = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
-    keys = torch.zeros(config.num_hidden_layers, rows, kv_heads, length, hd, dtype=BF16)
-    values = torch.zeros_like(keys)
+    keys, values = module.cache(rows, length, torch.zeros), module.cache(rows, length, torch.zeros)
     slots = torch.arange(length)
     sampled = []
     for t in range(length - 1):
@@ -204,12 +203,10 @@ def main() -> None:
                 b.normal_(0, 0.002, generator=torch.Generator().manual_seed(seed))
         return adapter
     adapter = adapter_of("compiled", 8, 0)
-    config = engine.model.config
-    kv_heads, hd = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
 
-    def inputs_for(rows: int, context: int, lora) -> tuple:
-        keys = torch.randn(config.num_hidden_layers, rows, kv_heads, context + 1, hd, dtype=BF16)
-        return (torch.randint(0, 1000, (rows,)), torch.full((rows,), context), keys, torch.randn_like(keys),
+    def inputs_for(rows: int, context: int, lora) -> tuple:  # `step`'s inputs over a cache of random keys and values
+        return (torch.randint(0, 1000, (rows,)), torch.full((rows,), context), step.cache(rows, context + 1, torch.randn),
+                step.cache(rows, context + 1, torch.randn),
                 (torch.arange(context + 1)[None] < context).expand(rows, -1).contiguous(), *lora)
 
     rows, context = args.rows, args.context
@@ -241,7 +238,7 @@ def main() -> None:
               f"step, {eager_ms / compiled_ms:.2f}x eager")
         torch.set_num_threads(1)
         for name, fn in (("eager", step), ("compiled", compiled)):
-            sampled, trainer = teacher_forced(lambda *a, fn=fn: fn(*a, *lora), engine, adapter, rows, 64)
+            sampled, trainer = teacher_forced(lambda *a, fn=fn: fn(*a, *lora), step, engine, adapter, rows, 64)
             d = sampled - trainer
             print(f"  gap to the trainer (float32), {name:<8}: |sampler - trainer| mean {d.abs().mean():.2e}, max "
                   f"{d.abs().max():.2e}, mean(sampler - trainer) {d.mean():+.2e} over {d.numel()} tokens")
