@@ -15,7 +15,7 @@ EXT_SRC := $(wildcard extension/src/*.ts extension/style/*.css extension/style/*
            extension/package.json extension/yarn.lock extension/tsconfig.json
 JLPM   := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" jlpm
 
-.PHONY: install test lab bench clean chromium vllm-venv
+.PHONY: install test lab bench clean chromium postgresql vllm-venv
 
 install: $(STAMP) $(LABEXT)
 
@@ -48,6 +48,17 @@ chromium:
 		echo "No /usr/bin/chromium and not root: the browser test will be skipped (apt-get install chromium)"; \
 	fi
 
+# Debian's PostgreSQL server for the PostgreSQL tests (tests/postgres_server.py makes a cluster of its own in a
+# temporary folder, on a free loopback port); without it, and without root to install it, they are skipped and say so.
+postgresql:
+	@if ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "Installing Debian's PostgreSQL for the PostgreSQL tests"; \
+		apt-get update -q && apt-get install -y -q postgresql; \
+	else \
+		echo "No PostgreSQL server and not root: the PostgreSQL tests will be skipped (apt-get install postgresql)"; \
+	fi
+
 # The vLLM sampler's own venv (kernel_backend/vllm/venv.py): built once per machine into
 # ~/.cache/stepwise/vllm-cpu-<key>, outside the checkout, so later clean clones reuse it.
 vllm-venv: install
@@ -62,7 +73,7 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
 test:
 	@rm -rf $(REPORT) && mkdir -p $(REPORT)
-	@start=$$(date +%s); $(MAKE) --no-print-directory install chromium && echo $$(( $$(date +%s) - start )) > $(REPORT)/install-seconds
+	@start=$$(date +%s); $(MAKE) --no-print-directory install chromium postgresql && echo $$(( $$(date +%s) - start )) > $(REPORT)/install-seconds
 	@$(PY) -m kernel_backend.vllm.venv build --background
 	@$(PY) tests/client_venvs.py build --background
 	@status=0; \
