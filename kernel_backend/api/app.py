@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kernel_backend.api import anthropic as anthropic_routes, budgets as budget_routes, openai as openai_routes, rest as rest_routes, tinker as tinker_routes, usage as usage_routes
+from kernel_backend.api import anthropic as anthropic_routes, budgets as budget_routes, hub as hub_routes, openai as openai_routes, rest as rest_routes, tinker as tinker_routes, usage as usage_routes
 from kernel_backend.service import Service, budgets
 from kernel_backend import errors
 from kernel_backend.config import Settings
@@ -106,6 +106,7 @@ def include_routes(app: FastAPI) -> None:
     app.include_router(openai_routes.build_router("/oai/api/v1"))
     app.include_router(openai_routes.build_router("/v1"))
     app.include_router(anthropic_routes.router)
+    app.include_router(hub_routes.router)  # the served models' tokenizers for clients without the Hub
 
 
 class RequestKey:

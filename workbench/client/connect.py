@@ -90,11 +90,12 @@ def connect(base_url: str | None = None, api_key: str | None = None, *, name: st
         _current = conn
         _write_registry(conn)
 
-    from workbench.client import sdk_hooks
+    from workbench.client import sdk_hooks, tokenizers
     from workbench.widgets.reprs import enable_reprs
 
     quiet_long_polls()
     sdk_hooks.install(connection_of)  # custom losses reach the ledger, results remember their datums
+    tokenizers.install(connection_of)  # get_tokenizer() from the backend's own files, with no Hub wait
     enable_reprs()
     return conn.service_client
 
