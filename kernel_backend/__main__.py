@@ -64,20 +64,16 @@ def main(argv: list[str] | None = None) -> None:
 
     for warning in unknown_variables():
         print(f"stepwise: warning: {warning}", file=sys.stderr)
+    # serve's --workers and --shard stand for STEPWISE_WORKERS and STEPWISE_SHARD, checked with the rest.
+    options = {"workers": args.workers, "shard": args.shard} if args.command == "serve" else {}
+    options = {name: value for name, value in options.items() if value is not None}
     try:
-        settings = Settings()
-    except SettingError as error:
-        raise SystemExit(f"stepwise {args.command}: {error}") from None
+        settings = Settings(**options)  # every value checked here, once (config.check)
+    except SettingError as error:  # one line, no traceback; 2, as argparse exits on a bad option
+        flags = "".join(f" --{name} {value}" for name, value in options.items())
+        print(f"stepwise {args.command}: {error}" + (f" (the command line:{flags})" if flags else ""), file=sys.stderr)
+        raise SystemExit(2) from None
     if args.command == "serve":
-        if args.workers is not None:
-            settings.workers = args.workers
-        if args.shard is not None:
-            if args.shard < 1:
-                raise SystemExit(f"stepwise serve: --shard takes a number of workers, 1 or more, not {args.shard}")
-            settings.shard = args.shard
-        if settings.shard > 1 and not (settings.workers or settings.ray_address):
-            raise SystemExit(f"stepwise serve: sharding over {settings.shard} workers needs Ray workers: add "
-                             f"--workers {settings.shard} (or a multiple), or STEPWISE_RAY_ADDRESS")
         serve_forever(settings, args.host, args.port, args.log_level, args.exit_when_unused)
         return
 

@@ -11,6 +11,7 @@ current).
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -47,10 +48,12 @@ def _embedded() -> bool:
     return _parse("EMBEDDED", os.environ.get("STEPWISE_EMBEDDED", ""), bool)
 
 
-def env(name: str, default, help: str, shared_default=None, shown: str | None = None):
+def env(name: str, default, help: str, shared_default=None, shown: str | None = None, choices: tuple = (),
+        at_least: float | None = None):
     """A field read from STEPWISE_<name>, of its default's type (int, float, bool, str, Path, or list: comma
     separated). `default` may be a function, called when read; `shown` says it in the docs. `shared_default`: a
-    per-tenant cap's default on a server several people share (STEPWISE_EMBEDDED unset)."""
+    per-tenant cap's default on a server several people share (STEPWISE_EMBEDDED unset). `choices`, `at_least`: the
+    values it takes, checked once when the settings are made (Settings.__post_init__), not where it is used."""
 
     def read():
         value = default() if callable(default) else default
@@ -63,7 +66,8 @@ def env(name: str, default, help: str, shared_default=None, shown: str | None = 
         shown = ",".join(default) if isinstance(default, list) else str(default)
         if shared_default is not None:
             shown += f" (a shared server: {shared_default})"
-    return field(default_factory=read, metadata={"variable": f"STEPWISE_{name}", "help": help, "default": shown})
+    return field(default_factory=read, metadata={"variable": f"STEPWISE_{name}", "help": help, "default": shown,
+                                                 "choices": choices, "at_least": at_least})
 
 
 @dataclass
@@ -73,13 +77,15 @@ class Settings:
     base_models: list[str] = env("BASE_MODELS", [], "the base models this backend loads, by name or local HF "
                                  "directory (comma separated; NAME=DIR serves DIR under NAME); empty: the default model")
     device: str = env("DEVICE", "cpu", "the engine's torch device (cpu, cuda, cuda:1, ...)")
-    dtype: str = env("DTYPE", "float32", "the base model's dtype (float32, bfloat16); LoRA weights stay float32")
+    dtype: str = env("DTYPE", "float32", "the base model's dtype (float32, bfloat16); LoRA weights stay float32",
+                     choices=("float32", "bfloat16"))
     database_url: str = env("DATABASE_URL", "", "SQLAlchemy URL (PostgreSQL works); empty: SQLite under the home")
     max_batch_tokens: int = env("MAX_BATCH_TOKENS", 65536, "the most tokens one forward_backward request may carry "
-                                "(bad input beyond it)")
+                                "(bad input beyond it)", at_least=1)
     micro_batch_tokens: int = env("MICRO_BATCH_TOKENS", 4096, "tokens per micro-batch, a prefix rows share counted once "
                                   "(engine/prefix_tree.py): bigger requests are split and their gradients accumulated "
-                                  "(exact: losses are sums); about 2.5 MB a token on the default model")
+                                  "(exact: losses are sums); about 2.5 MB a token on the default model",
+                                  at_least=1)
     share_prefixes: bool = env("SHARE_PREFIXES", True, "rows of one forward_backward that share a prefix compute it once "
                                "(engine/prefix_tree.py, exact); 0: each row alone, the baseline bench/prefix_sharing.py measures")
     prices_path: str = env("PRICES", "", "prices per million tokens (a TOML file); empty: kernel_backend/prices.toml")
@@ -120,22 +126,24 @@ class Settings:
     auth_token_ttl_s: int = env("AUTH_TOKEN_TTL_S", 900, "how long an auth JWT stays valid")
     download_url_ttl_s: int = env("DOWNLOAD_URL_TTL_S", 3600, "how long a signed download URL stays valid")
     sampler: str = env("SAMPLER", "batched", "who samples: batched (one continuous batch, engine/sampler.py), serial (one "
-                       "request at a time, the benchmarks' baseline) or vllm (a vLLM worker in its own venv)")
+                       "request at a time, the benchmarks' baseline) or vllm (a vLLM worker in its own venv)",
+                       choices=("batched", "serial", "vllm"))
     matmul: str = env("MATMUL", "auto", "who computes the frozen base layers' products (engine/matmul.py): auto (oneDNN for "
-                      "float32 on AMD x86, torch's own elsewhere), onednn or torch")
+                      "float32 on AMD x86, torch's own elsewhere), onednn or torch", choices=("auto", "onednn", "torch"))
     sample_cache_mb: int = env("SAMPLE_CACHE_MB", 4096, "the decoding rows' KV cache (MB; each request reserves its "
-                               "rows at their longest); an 8th of it more for the prefix cache")
+                               "rows at their longest); an 8th of it more for the prefix cache", at_least=1)
     sample_dtype: str = env("SAMPLE_DTYPE", "float32", "the built-in sampler's base-weight products: float32 (the "
                             "trainer's own weights, bit for bit, whatever STEPWISE_DTYPE is) or bfloat16 (a copy of the base weights, 2 bytes each: "
-                            "faster decoding, logprobs a little off the trainer's; engine/lora.py)")
+                            "faster decoding, logprobs a little off the trainer's; engine/lora.py)",
+                            choices=("float32", "bfloat16"))
     prefill_chunk_tokens: int = env("PREFILL_CHUNK_TOKENS", 512, "prompt tokens prefilled per decode step (longer "
-                                    "prompts take several steps)")
+                                    "prompts take several steps)", at_least=1)
     vllm_python: str = env("VLLM_PYTHON", "", "an interpreter that has vLLM, used as it is instead of the venv built "
                            "in the cache folder")
     vllm_max_adapters: int = env("VLLM_MAX_ADAPTERS", 8, "checkpoint adapter versions the vLLM worker keeps loaded "
                                  "(least recently used out beyond it)")
     vllm_max_lora_rank: int = env("VLLM_MAX_LORA_RANK", 32, "the largest LoRA rank vLLM serves (it reserves room for "
-                                  "it): 8, 16, 32, 64, 128, 256, 320 or 512")
+                                  "it): 8, 16, 32, 64, 128, 256, 320 or 512", choices=(8, 16, 32, 64, 128, 256, 320, 512))
     vllm_kv_cache_gb: int = env("VLLM_KV_CACHE_GB", 1, "vLLM's KV cache on CPU (GiB)")
     vllm_gpu_memory_fraction: float = env("VLLM_GPU_MEMORY_FRACTION", 0.5, "vLLM's share of GPU memory (the trainer "
                                           "uses the rest)")
@@ -144,7 +152,8 @@ class Settings:
                                     "trainer's (one more forward pass per request) into its ledger metrics")
 
     # Scale-out on Ray (kernel_backend/execution/cluster.py); neither WORKERS nor RAY_ADDRESS: the engine runs in this process.
-    workers: int = env("WORKERS", 0, "a Ray head on loopback and this many engine workers (`stepwise serve --workers N`)")
+    workers: int = env("WORKERS", 0, "a Ray head on loopback and this many engine workers (`stepwise serve --workers N`)",
+                       at_least=0)
     ray_address: str = env("RAY_ADDRESS", "", "join this Ray cluster instead (one worker per GPU if WORKERS is 0)")
     worker_devices: list[str] = env("WORKER_DEVICES", [], "each worker's device, comma separated; empty: cuda per "
                                     "worker when Ray gives it a GPU, else cpu")
@@ -155,12 +164,13 @@ class Settings:
     shard: int = env("SHARD", 1, "workers each base model is sharded over (`stepwise serve --shard N`): the workers form "
                      "groups of this many, each member holding about 1/N of the base weights and running every request "
                      "of the group's runs with the others (engine/sharding.py, execution/cluster_worker.py); 1: none, unless a base "
-                     "model's weights exceed half a CPU worker's memory budget: then the fewest workers it fits on")
+                     "model's weights exceed half a CPU worker's memory budget: then the fewest workers it fits on",
+                     at_least=1)
     group_timeout_s: float = env("GROUP_TIMEOUT_S", 120.0, "a collective of a shard group or a data-parallel run fails "
                                  "after waiting this long (s) for a member (one that hangs); a member that dies fails it "
                                  "at once")
     replicas_per_run: int = env("REPLICAS_PER_RUN", 1, "data parallel: workers each training run spans (a run's "
-                                "user_metadata {\"replicas\": \"N\"} asks for its own)")
+                                "user_metadata {\"replicas\": \"N\"} asks for its own)", at_least=1)
     snapshot_every: int = env("SNAPSHOT_EVERY", 10, "a run's state is snapshotted every this many optim steps; a run "
                               "whose worker or backend dies comes back from it and its journal (service/recovery.py)")
     journal_mb: int = env("JOURNAL_MB", 256, "...and at the next optim step once its journal since passes this many MB")
@@ -177,11 +187,16 @@ class Settings:
     ray_object_store_mb: int = env("RAY_OBJECT_STORE_MB", 256, "that head's object store (MB)")
     # Machine-wide caches that outlive a STEPWISE_HOME, such as the vLLM venv: $XDG_CACHE_HOME/stepwise.
     cache_dir: Path = field(default_factory=lambda: Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "stepwise")
+    # The STEPWISE_* variables set when these settings were read: the operator's word, which automatic choices leave
+    # as it is (execution/cluster.py: a sharded worker's micro-batch).
+    given: frozenset[str] = field(default_factory=lambda: frozenset(n for n in os.environ if n.startswith("STEPWISE_")),
+                                  repr=False)
 
     def __post_init__(self) -> None:
         self.home = Path(self.home).expanduser()
         if not self.database_url:
             self.database_url = f"sqlite:///{self.home / 'stepwise.db'}"
+        check(self)
 
     @property
     def models_dir(self) -> Path:
@@ -190,6 +205,65 @@ class Settings:
     @property
     def checkpoints_dir(self) -> Path:
         return self.home / "checkpoints"
+
+
+def check(settings: Settings) -> None:
+    """Every value checked once, as the settings are made (a bad one raises SettingError naming the variable, the
+    value and what it takes), rather than where it is first used: there it would stop the server with a traceback,
+    or a worker, or the first request. Each field's `choices` and `at_least` (env), then the forms and pairings."""
+    for f in fields(settings):
+        value, meta = getattr(settings, f.name), f.metadata
+        if meta.get("choices") and value not in meta["choices"]:  # (worded as the engine's own checks were)
+            raise SettingError(f"{meta['variable']} must be one of {', '.join(map(str, meta['choices']))}, not "
+                               f"{value!r}: unset it for its default, or see docs/configuration.md")
+        if meta.get("at_least") is not None and value < meta["at_least"]:
+            _bad(meta["variable"], value, f"is not {meta['at_least']} or more")
+    for device in [settings.device, *settings.worker_devices]:
+        if not re.fullmatch(r"(cpu|cuda|mps|xpu)(:\d+)?", device):
+            _bad("STEPWISE_WORKER_DEVICES" if device != settings.device else "STEPWISE_DEVICE", device,
+                 "is not a torch device: cpu, cuda, or cuda:N for GPU N")
+    for name, key in (("STEPWISE_LOCAL_KEY", settings.local_key), ("STEPWISE_LOOPBACK_KEY", settings.loopback_key)):
+        if key and not key.startswith("tml-"):  # (the API refuses any other key as malformed: api/auth.py)
+            shown = f"{key[:3]}... ({len(key)} characters)"  # a secret all the same: not written out whole
+            raise SettingError(f"{name}={shown} is not an API key: keys start with 'tml-' (or leave it empty for "
+                               "none): see docs/configuration.md")
+    if not re.match(r"(sqlite|postgresql)(\+\w+)?://", settings.database_url):
+        _bad("STEPWISE_DATABASE_URL", settings.database_url, "is not an SQLAlchemy URL: sqlite:///PATH or "
+             "postgresql://USER:PASSWORD@HOST/DATABASE (postgresql+psycopg:// too), or empty for SQLite in the home")
+    if settings.storage_url:
+        _check_storage_url(settings.storage_url)
+    if settings.shard > 1 and not (settings.workers or settings.ray_address or settings.worker_devices):
+        _bad("STEPWISE_SHARD", settings.shard, f"needs Ray workers to shard over: STEPWISE_WORKERS={settings.shard} (or "
+             "`serve --workers`, a multiple of it), or STEPWISE_RAY_ADDRESS; or 1 for none")
+    count = len(settings.worker_devices) or settings.workers
+    if settings.shard > 1 and count % settings.shard:
+        _bad("STEPWISE_SHARD", settings.shard, f"is not a divisor of the {count} workers (STEPWISE_WORKERS or "
+             "STEPWISE_WORKER_DEVICES): each group shards a base model over that many")
+    if settings.shard > 1 and settings.replicas_per_run > 1:
+        _bad("STEPWISE_REPLICAS_PER_RUN", settings.replicas_per_run, "needs STEPWISE_SHARD=1: data-parallel runs "
+             "over shard groups are not built yet")
+
+
+def _check_storage_url(url: str) -> None:
+    """An fsspec URL whose protocol fsspec knows, with its package installed (s3fs for s3://)."""
+    protocol = url.split("://", 1)[0] if "://" in url else ""
+    if not re.fullmatch(r"[a-z][a-z0-9+.-]*", protocol):
+        _bad("STEPWISE_STORAGE_URL", url, "is not an fsspec URL such as s3://BUCKET/PREFIX or file:///PATH, or empty for "
+             "the home's checkpoints folder")
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ValueError:
+        _bad("STEPWISE_STORAGE_URL", url, f"is not an fsspec URL of a protocol fsspec knows ({protocol!r} is not one)")
+    except ImportError as e:
+        _bad("STEPWISE_STORAGE_URL", url, f"needs the package that serves {protocol}:// ({e}): for s3://, "
+             "pip install 'stepwise[s3]'")
+
+
+def _bad(variable: str, value, what: str):
+    """SettingError: `variable`'s `value` and `what` is wrong with it ("is not ...", "needs ...")."""
+    raise SettingError(f"{variable}={value!r} {what}: unset it for its default, or see docs/configuration.md")
 
 
 def variables() -> dict[str, dict]:
@@ -219,7 +293,9 @@ def markdown() -> str:
             "The backend reads these environment variables (kernel_backend/config.py, where each is declared once; "
             "this page is\nits output: `python -m kernel_backend.config > docs/configuration.md`). A value a "
             "variable cannot take stops\nthe backend with a message that names it; `stepwise serve` warns about a "
-            "STEPWISE_* variable that nothing reads.\n\n"
+            "STEPWISE_* variable that nothing reads.\nEvery value is checked once, at start (choices, forms, pairings "
+            "such as STEPWISE_SHARD with the workers): `stepwise serve`\nstops with one line on stderr naming the "
+            "variable, its value and what it takes, exit status 2.\n\n"
             "| variable | default | what it sets |\n|---|---|---|\n" + "\n".join(rows) + "\n")
 
 

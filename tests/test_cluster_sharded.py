@@ -19,6 +19,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,10 +27,11 @@ import tinker
 import torch
 from tinker import types
 
-from helpers import chat_prompt, forward_logprobs, new_id, sft_datum, wait_until
-from kernel_backend.config import Settings
+from helpers import chat_prompt, forward_logprobs, new_id, sft_datum, shifted_datum, wait_until
+from kernel_backend.config import SettingError, Settings
 from kernel_backend.engine import sharding
-from kernel_backend.execution.cluster import Cluster, Worker, auto_shard
+from kernel_backend.persistence import crypto
+from kernel_backend.execution.cluster import Cluster, Worker, auto_shard, fitting_micro_batch
 from kernel_backend.execution.cluster_worker import ShardGroupLost
 from kernel_backend.execution.engine_work import SampleOp
 from kernel_backend.execution.scheduler import Job, Scheduler, Unit
@@ -42,9 +44,12 @@ TOLERANCE = 1e-5
 GROUP = ["worker-0", "worker-1"]
 
 
+# Checkpoints sealed at rest, as on a shared server: a member that took the writing of a save for its own once failed
+# every save and snapshot sealing a folder it had never written, unseen by the client.
+SECRET = "sharded-secret"
 ENV = {"STEPWISE_WORKERS": "2", "STEPWISE_SHARD": "2", "STEPWISE_WORKER_THREADS": "1", "STEPWISE_RAY_NUM_CPUS": "2",
        "STEPWISE_RAY_OBJECT_STORE_MB": "128", "STEPWISE_SNAPSHOT_EVERY": "2", "STEPWISE_HEARTBEAT_S": "0.5",
-       "STEPWISE_GROUP_TIMEOUT_S": "60"}
+       "STEPWISE_GROUP_TIMEOUT_S": "60", "STEPWISE_ENCRYPTION_KEY": SECRET}
 
 
 @pytest.fixture(scope="module")
@@ -110,21 +115,27 @@ def assert_close(got, want) -> float:
     return difference
 
 
-def test_settings_a_shard_group_cannot_serve_are_refused_before_anything_starts(tmp_path, monkeypatch):
+def test_settings_a_shard_group_cannot_serve_are_refused_before_anything_starts(tmp_path, monkeypatch, capsys):
+    """Checked with the settings (config.check), the command line's --workers and --shard with them: one line and
+    exit status 2. What only the cluster knows (the workers a joined Ray cluster has) is refused as it forms them."""
     from kernel_backend.__main__ import main
 
-    monkeypatch.delenv("STEPWISE_WORKERS", raising=False)
-    monkeypatch.delenv("STEPWISE_RAY_ADDRESS", raising=False)
-    with pytest.raises(SystemExit, match="needs Ray workers: add --workers 2"):
-        main(["serve", "--shard", "2"])
-    with pytest.raises(SystemExit, match="--shard takes a number of workers"):
-        main(["serve", "--workers", "2", "--shard", "0"])
-    for settings, message in ((Settings(home=tmp_path, shard=2), "there are 3 .* give a multiple of 2"),
-                              (Settings(home=tmp_path, shard=3, replicas_per_run=2), "REPLICAS_PER_RUN > 1 with")):
-        cluster = Cluster(settings, storage=None, on_done=None)
-        cluster.workers = {f"worker-{i}": Worker(f"worker-{i}", None, f"w{i}", "cpu") for i in range(3)}
-        with pytest.raises(RuntimeError, match=message):
-            cluster._form_shard_groups()
+    for name in ("STEPWISE_WORKERS", "STEPWISE_RAY_ADDRESS", "STEPWISE_SHARD", "STEPWISE_WORKER_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    for argv, says in ((["serve", "--shard", "2"], "STEPWISE_SHARD=2 needs Ray workers to shard over"),
+                       (["serve", "--workers", "2", "--shard", "0"], "STEPWISE_SHARD=0 is not 1 or more"),
+                       (["serve", "--workers", "3", "--shard", "2"], "STEPWISE_SHARD=2 is not a divisor of the 3 workers")):
+        with pytest.raises(SystemExit) as stopped:
+            main(argv)
+        assert stopped.value.code == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert says in line and "(the command line: --" in line, line
+    with pytest.raises(SettingError, match="STEPWISE_REPLICAS_PER_RUN=2 needs STEPWISE_SHARD=1"):
+        Settings(home=tmp_path, workers=3, shard=3, replicas_per_run=2)
+    cluster = Cluster(Settings(home=tmp_path, shard=2, ray_address="127.0.0.1:1"), storage=None, on_done=None)
+    cluster.workers = {f"worker-{i}": Worker(f"worker-{i}", None, f"w{i}", "cpu") for i in range(3)}
+    with pytest.raises(RuntimeError, match="there are 3 .* give a multiple of 2"):
+        cluster._form_shard_groups()
 
 
 def test_a_model_larger_than_a_worker_s_budget_is_sharded_without_being_asked(tmp_path, tiny_model):
@@ -148,12 +159,25 @@ def test_a_model_larger_than_a_worker_s_budget_is_sharded_without_being_asked(tm
     assert cluster._shard_size(20 * mib, ["cuda", "cuda"]) == 1  # a GPU's room is measured, not assumed
     cluster.models = ["no-such-model"]  # files this node does not hold: the workers load (or fail) as they would
     assert cluster._shard_size(20 * mib, ["cpu", "cpu"]) == 1
-    told = Cluster(dataclasses.replace(settings, shard=2), storage=None, on_done=None)
+    told = Cluster(dataclasses.replace(settings, shard=2, workers=2), storage=None, on_done=None)
     assert told._shard_size(100 * mib, ["cpu", "cpu"]) == 2  # the operator's word stands
+
+    # The micro-batch that comes with a shard group (Cluster._micro_batch_tokens): the largest whose activations take
+    # half of what a worker's shard of the weights leaves; the default (4096) where it fits; the operator's word.
+    told.models = [BASE]
+    assert told._micro_batch_tokens(24 * mib, ["cpu", "cpu"]) == 16  # (24 - 6.1) / 2 MiB at 0.39 MiB a token: 23
+    assert told._micro_batch_tokens(4096 * mib, ["cpu", "cpu"]) == 4096
+    operator = Cluster(dataclasses.replace(told.settings, micro_batch_tokens=4096,
+                                           given=told.settings.given | {"STEPWISE_MICRO_BATCH_TOKENS"}), None, None)
+    operator.models = [BASE]
+    assert operator._micro_batch_tokens(24 * mib, ["cpu", "cpu"]) == 4096
+    # The default model on 900 MB workers (the report of issue 65: 538 MB of weights, 2.28 MB a token): 144 tokens,
+    # where its 8 x 128 rows are micro-batches of one row (292 MB) and four 62-token datums of two (283 MB).
+    assert fitting_micro_batch(int((900 * mib - 538_000_000 // 2) * 0.5), 2_282_496) == 144
 
 
 def test_only_a_shard_groups_rank_0_with_every_member_live_is_given_work(tmp_path):
-    cluster = Cluster(Settings(home=tmp_path, shard=2), storage=None, on_done=None)
+    cluster = Cluster(Settings(home=tmp_path, workers=4, shard=2), storage=None, on_done=None)
     group = ["worker-0", "worker-1"]
     cluster.workers = {name: Worker(name, None, name, "cpu", state="live", group=group) for name in group}
     cluster.workers["worker-2"] = Worker("worker-2", None, "worker-2", "cpu", state="live")  # (unsharded)
@@ -295,13 +319,85 @@ def test_a_sharded_full_fine_tuning_run_trains_as_unsharded_and_saves_a_model_tr
     assert_close(sdk_logprobs(tc, data), want)
     tc.save_weights_for_sampler("full-sharded").result()
     [folder] = {p.parent for p in (server.home / "checkpoints").rglob("model.safetensors") if "full-sharded" in str(p)}
-    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    with crypto.opened(folder, SECRET) as plain:  # (sealed at rest: the module's STEPWISE_ENCRYPTION_KEY)
+        model, info = AutoModelForCausalLM.from_pretrained(plain, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched weights
     tokens = datum.tokens + [int(datum.loss_fn_inputs["target_tokens"][-1])]
     with torch.no_grad():
         logits = model(torch.tensor([tokens])).logits[0].log_softmax(-1)
     theirs = logits[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])].numpy()
     np.testing.assert_allclose(theirs, want[0], rtol=0, atol=1e-4)  # transformers' own forward, not the engine's
+
+
+def worker_log(server: Server, name: str) -> Path:
+    """The file Ray writes the worker's stderr to (its log, tracebacks included): read at once, where the gateway's
+    log gets the lines later, forwarded by Ray."""
+    pid = next(w["pid"] for w in cluster_report(server)["workers"] if w["name"] == name)
+    return max(Path("/tmp/ray").glob(f"session_*/logs/worker-*-{pid}.err"), key=lambda p: p.stat().st_mtime)
+
+
+def test_a_shard_group_saves_once_and_no_member_fails_a_save_rank_0_reports_done(client, server, tokenizer):
+    """save_state, save_weights_for_sampler, the automatic snapshots and a refused save, sealed at rest: rank 0 writes
+    each checkpoint once, worker-1 takes part in the engine's side only, and no member logs an error or a traceback
+    (each once failed on worker-1 while the client saw success). What was saved loads: a run made from the state goes
+    on where the first is, and a sampler loaded by both members gives the run's logprobs."""
+    follower, leader = worker_log(server, "worker-1"), worker_log(server, "worker-0")
+    logs = {path: path.stat().st_size for path in (follower, leader, server.log_path)}
+    datum = sft_datum(*QUESTIONS[2], tokenizer)
+    data = [sdk_datum(datum)]
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=71).result()
+    for _ in range(2):  # step 2 snapshots the run (STEPWISE_SNAPSHOT_EVERY=2)
+        sdk_step(tc, data)
+    assert cluster_report(server)["runs"][tc.model_id]["snapshot_step"] == 2
+    state = tc.save_state("once").result().path
+    weights = tc.save_weights_for_sampler("once").result().path
+    with pytest.raises(Exception, match="already exists"):  # rank 0 refuses before the unit goes: the others never look
+        tc.save_state("once").result()
+    now = sdk_logprobs(tc, data)  # (a collective: worker-1 has run every unit before it)
+    assert_close(sdk_logprobs(client.create_training_client_from_state_with_optimizer(state).result(), data), now)
+    prompt = types.ModelInput.from_ints(datum.tokens)
+    from_store = client.create_sampling_client(model_path=weights).result().compute_logprobs(prompt).result()[1:]
+    in_memory = tc.save_weights_and_get_sampling_client().result()  # (a snapshot of the weights, on every member)
+    assert_close([from_store], [in_memory.compute_logprobs(prompt).result()[1:]])
+    run = next(p.parent.parent for p in (server.home / "checkpoints").rglob("once"))  # <run>/weights/once
+    folders = sorted(str(p.parent.relative_to(run)) for p in run.rglob(crypto.MANIFEST) if crypto.is_sealed(p.parent))
+    assert folders == ["sampler_weights/once", "snapshot-000002", "weights/once"], folders
+    for path, start in logs.items():
+        with open(path, errors="replace") as f:
+            f.seek(start)
+            written = f.read()
+        assert "Traceback" not in written and "failed:" not in written, f"{path}:\n{written[-3000:]}"
+
+
+def test_the_automatic_shard_choice_picks_a_micro_batch_that_trains(tmp_path, stepwise_home, tiny_model, tokenizer):
+    """Two workers of STEPWISE_WORKER_MEMORY_MB=24 and no STEPWISE_SHARD: the stand-in's weights (12 MiB) exceed half
+    a worker's budget, so the gateway shards them over both, and since the default micro-batch's activations (4096
+    tokens) could never fit what a worker's half of the weights leaves, it picks micro-batches that do and says so.
+    A step of a few datums of 20 tokens, which the admission would refuse whole (its estimate printed below), trains,
+    with nobody setting STEPWISE_MICRO_BATCH_TOKENS. (The stand-in holds far more activations a token beside its
+    weights than the default model: its 24 MiB workers stand for the default model's 900 MB, which get 144 tokens and
+    train the README's datums and 8 x 128 rows: the test above.)"""
+    (tmp_path / "models").symlink_to(stepwise_home / "models")
+    env = {key: value for key, value in ENV.items() if key != "STEPWISE_SHARD"}
+    server = start_server(tmp_path, timeout=600, env={**env, "STEPWISE_WORKER_MEMORY_MB": "24",
+                                                        **stand_in_env(tiny_model)})
+    try:
+        log = server.log_path.read_text()
+        assert "sharded over groups of 2 workers" in log and "2 of 2 workers live, in shard groups of 2" in log, log
+        assert "micro-batches of 16 tokens, not 4096 (STEPWISE_MICRO_BATCH_TOKENS unset)" in log, log
+        report = cluster_report(server)
+        assert report["shard"] == 2
+        client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
+        tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=81).result()
+        data = [sdk_datum(shifted_datum(sft_datum(*qa, tokenizer).tokens[:21])) for qa in QUESTIONS[:3]]
+        memory = next(w for w in cluster_report(server)["workers"] if w["name"] == "worker-0")["memory"]
+        whole = 3 * 20 * memory["activation_bytes_per_token"][BASE]
+        print(f"the batch whole needs {whole >> 20} MiB of the {memory['free'] >> 20} MiB free")
+        assert whole > memory["free"]  # refused in one micro-batch of 4096 tokens
+        losses = [sdk_step(tc, data) for _ in range(2)]
+        assert losses[1] < losses[0], losses
+    finally:
+        server.stop()
 
 
 def stop_worker(server: Server, name: str) -> None:

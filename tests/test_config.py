@@ -61,3 +61,38 @@ def test_the_configuration_page_is_the_declarations_output():
     for name in config.variables():  # every variable the backend reads has a line of its own, with what it sets
         assert f"| `{name}` |" in page
     assert all(meta["help"] for meta in config.variables().values())
+
+
+@pytest.mark.parametrize("name, value, says", [
+    ("STEPWISE_LOCAL_KEY", "my-secret-key", "STEPWISE_LOCAL_KEY=my-... (13 characters) is not an API key: keys start "
+                                            "with 'tml-'"),
+    ("STEPWISE_DTYPE", "float8", "STEPWISE_DTYPE must be one of float32, bfloat16, not 'float8'"),
+    ("STEPWISE_DEVICE", "gpu", "STEPWISE_DEVICE='gpu' is not a torch device"),
+    ("STEPWISE_SAMPLER", "fast", "STEPWISE_SAMPLER must be one of batched, serial, vllm, not 'fast'"),
+    ("STEPWISE_MATMUL", "blas", "STEPWISE_MATMUL must be one of auto, onednn, torch, not 'blas'"),
+    ("STEPWISE_SAMPLE_DTYPE", "float16", "STEPWISE_SAMPLE_DTYPE must be one of float32, bfloat16, not 'float16'"),
+    ("STEPWISE_VLLM_MAX_LORA_RANK", "12", "STEPWISE_VLLM_MAX_LORA_RANK must be one of 8, 16, 32"),
+    ("STEPWISE_STORAGE_URL", "bucket/prefix", "STEPWISE_STORAGE_URL='bucket/prefix' is not an fsspec URL"),
+    ("STEPWISE_STORAGE_URL", "s4://bucket", "a protocol fsspec knows ('s4' is not one)"),
+    ("STEPWISE_DATABASE_URL", "postgres-host:5432", "STEPWISE_DATABASE_URL='postgres-host:5432' is not an SQLAlchemy URL"),
+    ("STEPWISE_SHARD", "2", "STEPWISE_SHARD=2 needs Ray workers to shard over"),
+    ("STEPWISE_MICRO_BATCH_TOKENS", "0", "STEPWISE_MICRO_BATCH_TOKENS=0 is not 1 or more"),
+])
+def test_serve_stops_on_a_bad_value_with_one_line_naming_it(tmp_path, name, value, says):
+    """Every value is checked as the settings are made (config.check), not where it is first used (a traceback from
+    deep inside the server, a worker, or the first request): `serve` stops at once, exit status 2, one line."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWISE_")}
+    bad = subprocess.run([sys.executable, "-m", "kernel_backend", "serve", "--port", "1"], cwd=REPO, capture_output=True,
+                         text=True, env={**env, "STEPWISE_HOME": str(tmp_path), name: value}, timeout=60)
+    assert bad.returncode == 2, bad.stderr
+    assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert bad.stderr.startswith("stepwise serve: ") and says in bad.stderr, bad.stderr
+    assert "my-secret-key" not in bad.stderr  # (a key is a secret even when malformed)
+
+
+def test_settings_made_in_code_are_checked_too(tmp_path):
+    with pytest.raises(SettingError, match="STEPWISE_SHARD=2 is not a divisor of the 3 workers"):
+        Settings(home=tmp_path, workers=3, shard=2)
+    with pytest.raises(SettingError, match="STEPWISE_WORKER_DEVICES='tpu' is not a torch device"):
+        Settings(home=tmp_path, worker_devices=["cpu", "tpu"])
+    assert Settings(home=tmp_path, workers=4, shard=2, storage_url="memory://x").shard == 2

@@ -84,7 +84,7 @@ from kernel_backend.engine import sharding
 from kernel_backend.engine.base_models import resolve as resolve_model
 from kernel_backend.engine.adapter_cache import TRAINING_COPIES
 from kernel_backend.execution.cluster_worker import (SHARD, EngineWorker, Outcome, RestoreGrads, ShardGroupLost, ShardRole,
-                                                     WorkerLost, WorkerRestarted, wire)
+                                                     WorkerLost, WorkerRestarted, activation_bytes_per_token, wire)
 from kernel_backend.config import Settings
 from kernel_backend.engine.losses import merge_metrics
 from kernel_backend.errors import UserError
@@ -109,6 +109,10 @@ MACHINE_SHARE = 0.8
 # is sharded over as many workers as it needs (auto_shard). The rest is its runs': adapters, optimizer state,
 # activations, the sampler's cache.
 AUTO_SHARD_SHARE = 0.5
+# Of what a sharded CPU worker's shards of the base models leave of its budget, what one micro-batch's activations may
+# take when the operator did not set STEPWISE_MICRO_BATCH_TOKENS (Cluster._micro_batch_tokens); the rest is its runs'
+# adapters and optimizer state, their kept steps, the sampler's cache and the weight a sharded pass gathers.
+MICRO_BATCH_SHARE = 0.5
 EVENTS_KEPT = 200  # the cluster view's record of workers lost and rejoined and runs restored: the latest kept
 
 
@@ -240,6 +244,7 @@ class Cluster:
         devices, explicit = self._devices(ray), bool(self.settings.worker_devices)
         budget = self._cpu_budget(devices)
         self.settings = dataclasses.replace(self.settings, shard=self._shard_size(budget, devices))
+        self.settings = dataclasses.replace(self.settings, micro_batch_tokens=self._micro_batch_tokens(budget, devices))
         actor_class = ray.remote(EngineWorker)
         nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
         log.info("cluster: Ray at %s, %d nodes alive", ray.get_runtime_context().gcs_address, len(nodes))
@@ -263,10 +268,13 @@ class Cluster:
                 self._update(worker, ray.get(ref))
             except Exception as e:  # the actor itself could not start
                 worker.state, worker.error = "failed", f"{type(e).__name__}: {e}"
-        live = [w.name for w in self.workers.values() if self._serves(w)]
-        log.info("cluster: %d of %d workers live (%s)", len(live), len(self.workers),
+        live = sum(w.state == "live" for w in self.workers.values())  # a shard group's members each count
+        serving = [w.name for w in self.workers.values() if self._serves(w)]
+        groups = f", in shard groups of {self.settings.shard} ({len(serving)} of {len(self.workers) // self.settings.shard} " \
+            "with every member live)" if self.settings.shard > 1 else ""
+        log.info("cluster: %d of %d workers live%s (%s)", live, len(self.workers), groups,
                  ", ".join(f"{w.name}: {w.state} on {w.device}" for w in self.workers.values()))
-        if not live:
+        if not serving:
             raise RuntimeError("no engine worker could load the base models: " +
                                "; ".join(f"{w.name}: {w.error}" for w in self.workers.values()))
         # The runs a crash of the gateway cut off died with its workers (Ray kills a driver's actors with it): they
@@ -298,6 +306,38 @@ class Cluster:
             log.info("cluster: the base model's weights (%d MiB) exceed %.0f%% of a worker's budget (%d MiB): sharded "
                      "over groups of %d workers", need >> 20, AUTO_SHARD_SHARE * 100, budget >> 20, size)
         return size
+
+    def _micro_batch_tokens(self, budget: int, devices: list[str]) -> int:
+        """STEPWISE_MICRO_BATCH_TOKENS as the operator set it, or its default where that fits; on sharded CPU
+        workers (a model sharded because it is large for them leaves them little room), when the default's
+        activations would not fit, the largest micro-batch that does (fitting_micro_batch): its activations, by the
+        admission's own measure (cluster_worker.activation_bytes_per_token), take MICRO_BATCH_SHARE of what each
+        worker's shards of the base models leave of its `budget`. Else a step that fits when cut finely would be
+        refused at admission (EngineWorker._refuse_if_too_big) until the operator set the micro-batch by hand."""
+        chosen = self.settings.micro_batch_tokens
+        if (self.settings.shard <= 1 or any(d.startswith("cuda") for d in devices)
+                or "STEPWISE_MICRO_BATCH_TOKENS" in self.settings.given):
+            return chosen
+        from transformers import AutoConfig
+
+        dtype = getattr(torch, self.settings.dtype)
+        try:
+            folders = [resolve_model(name, self.settings.models_dir, self.settings.base_models)[1] for name in self.models]
+            shards = sum(sharding.weight_bytes(folder, dtype) for folder in folders) // self.settings.shard
+            per_token = max(activation_bytes_per_token(AutoConfig.from_pretrained(folder)) for folder in folders)
+        except (UserError, OSError, ValueError) as e:  # (as in _shard_size: the workers load as before)
+            log.warning("cluster: the base models' size cannot be read here (%s): micro-batches stay at %d tokens", e,
+                        chosen)
+            return chosen
+        room = int((budget - shards) * MICRO_BATCH_SHARE)
+        fitting = fitting_micro_batch(room, per_token)
+        if fitting >= chosen:
+            return chosen
+        log.info("cluster: micro-batches of %d tokens, not %d (STEPWISE_MICRO_BATCH_TOKENS unset): at about %.2f MB a "
+                 "token their activations take at most %.0f%% of the %d MiB a worker's shard of the base models "
+                 "(%d MiB) leaves of its budget; set STEPWISE_MICRO_BATCH_TOKENS to choose", fitting, chosen,
+                 per_token / 2**20, MICRO_BATCH_SHARE * 100, (budget - shards) >> 20, shards >> 20)
+        return fitting
 
     def _form_shard_groups(self) -> dict[str, ShardRole]:
         """With STEPWISE_SHARD N > 1: the workers in groups of N consecutive ones, each group's process group formed
@@ -1032,6 +1072,12 @@ def auto_shard(need: int, budget: int, workers: int) -> int:
     raise RuntimeError(f"the base model's weights ({need >> 20} MiB) do not fit {AUTO_SHARD_SHARE:.0%} of a worker's "
                        f"memory budget ({budget >> 20} MiB) even sharded over all {workers} workers: raise "
                        "STEPWISE_WORKER_MEMORY_MB or add workers (STEPWISE_WORKERS)")
+
+
+def fitting_micro_batch(room: int, per_token: int) -> int:
+    """The largest micro-batch, in tokens, whose activations of `per_token` bytes a token fit `room` bytes: a multiple
+    of 16, and 16 at the least (a longer row is a micro-batch of its own whatever this is)."""
+    return max(16, room // max(1, per_token) // 16 * 16)
 
 
 def _spread(device: str, index: int, nodes: list[str]):

@@ -23,19 +23,15 @@ for lost, and forms it again once Ray has restarted its members (execution/clust
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import datetime as dt
 import logging
 import os
 import random
-import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,7 +43,6 @@ from kernel_backend.errors import UserError
 from kernel_backend.metering import Usage
 from kernel_backend.execution.engine_work import FreeAdapters, Noop, Op, OptimStep, Save
 from kernel_backend.execution.scheduler import RETURN_MEMORY_AFTER_IDLE_S, Job, Scheduler, Unit, return_freed_memory
-from kernel_backend.persistence.checkpoint_storage import CheckpointStorage
 
 log = logging.getLogger("stepwise.cluster")
 
@@ -152,10 +147,9 @@ class EngineWorker:
         for name in base_models:
             self.scheduler.engine(name)
         if self.shard is not None and self.shard.rank > 0:
-            # The leader's scheduler decides; this one runs what it is sent. The storage it writes nothing to: rank 0
-            # writes the checkpoints (Engine._writes).
-            self.scheduler.ctx = dataclasses.replace(self.ctx, storage=_Unwritten(self.settings.checkpoints_dir,
-                                                                                  self.settings.storage_url))
+            # The leader's scheduler decides; this one runs what it is sent. It writes no checkpoint: rank 0 does, and
+            # this one takes part in the engine's side of each save only (engine_work.Context.writes).
+            self.scheduler.ctx = dataclasses.replace(self.ctx, writes=False)
             threading.Thread(target=self._follow, name="stepwise-shard-follower", daemon=True).start()
             return
         if self.shard is not None:
@@ -196,7 +190,7 @@ class EngineWorker:
             free, room = total - base - others - adapters, total - base - others
         return {"total": total, "free": max(0, free), "adapter_room": max(0, room), "base_model_bytes": base,
                 "adapter_bytes": adapters, "other_bytes": others,
-                "activation_bytes_per_token": {name: activation_bytes_per_token(engine.model)
+                "activation_bytes_per_token": {name: activation_bytes_per_token(engine.model.config)
                                                for name, engine in engines.items()},
                 "engines": held}
 
@@ -246,10 +240,13 @@ class EngineWorker:
         """The scheduler thread: hand the outcome to the waiting call, on the actor's loop."""
         if self.shard is not None and self.shard.rank > 0:
             return  # a unit rank 0 sent: rank 0 answers it
-        if self.shard is not None and isinstance(outcome, Exception) and _collective_failed(outcome):
+        if self.shard is not None and isinstance(outcome, Exception) and (
+                _collective_failed(outcome) or isinstance(outcome, engine_work.MemberFailed)):
+            what = "a member failed its part of a save" if isinstance(outcome, engine_work.MemberFailed) else \
+                "a collective failed"
             self._broken = self._broken or (
-                f"the shard group of engine workers {', '.join(self.shard.members)} lost a member: a collective "
-                f"failed ({type(outcome).__name__}: {str(outcome)[:300]})")
+                f"the shard group of engine workers {', '.join(self.shard.members)} lost a member: {what} "
+                f"({type(outcome).__name__}: {str(outcome)[:300]})")
             outcome = ShardGroupLost(self._broken)
         if isinstance(outcome, Exception) and not isinstance(outcome, (UserError, WorkerLost, ShardGroupLost)):
             outcome = RuntimeError(str(outcome))  # the traceback is in this worker's log; the message travels
@@ -280,13 +277,13 @@ class EngineWorker:
 
     def _follower_job(self, job: Job) -> Job:
         """A job as the other members run it: rank 0 answers and writes, so a save it refuses before any collective
-        (its checkpoint exists) is nothing for them (they never look: their storage reports nothing there), and
-        they encrypt nothing to an age recipient."""
+        (its checkpoint exists) is nothing for them (they never look at the store: engine_work.Context.writes).
+        Decided here, just before rank 0's thread runs the same save: a checkpoint's key is its run's, whose lane
+        runs one job at a time, so nothing writes it in between."""
         sent = wire(job)
         op = sent.op
-        if isinstance(op, Save):
-            refused = not op.overwrite and self.ctx.storage.exists(op.key)
-            sent.op = Noop() if refused else dataclasses.replace(op, age_recipients=None)
+        if isinstance(op, Save) and not op.overwrite and self.ctx.storage.exists(op.key):
+            sent.op = Noop()
         return sent
 
     async def follow(self, number: int, unit: Unit) -> None:
@@ -430,24 +427,6 @@ class EngineWorker:
             raise
 
 
-class _Unwritten(CheckpointStorage):
-    """A shard group's other member's checkpoint store: it reads as rank 0 reads (a checkpoint to load, a sampler's
-    weights), and what it would write is rank 0's to write, so its staging folder is thrown away. Nothing exists
-    there: whether a save is refused is rank 0's decision (EngineWorker._follower_job), made before the unit is sent,
-    not this member's look at a store rank 0 may have written to meanwhile."""
-
-    @contextlib.contextmanager
-    def writing(self, key: str) -> Iterator[tuple[Path, list[str]]]:
-        scratch = self._scratch("unwritten")
-        try:
-            yield scratch / "checkpoint", [f"(written by rank 0 of the shard group: {key})"]
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-
-    def exists(self, key: str) -> bool:
-        return False
-
-
 def _collective_failed(error: Exception) -> bool:
     """Whether an error is a process group's: gloo's own errors are plain RuntimeErrors that name gloo; the store's
     and NCCL's are DistErrors."""
@@ -480,12 +459,13 @@ def _measured(engine) -> dict:
     return engine.memory()
 
 
-def activation_bytes_per_token(model) -> int:
+def activation_bytes_per_token(config) -> int:
     """About what one token of a forward_backward micro-batch holds at its peak: the logits over the vocabulary and
     their gradient, and each layer's activations kept for the backward, in float32. Fitted to the growth of peak
     resident memory over a 1,000-token pass on CPU (2026-12-06): 2.25 MB a token on SmolLM2-135M (this gives 2.28),
-    0.38 MB on the tests' tiny stand-in (this gives 0.40); an estimate that errs high."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    0.38 MB on the tests' tiny stand-in (this gives 0.40); an estimate that errs high. `config`: the model's
+    transformers config (the gateway reads it from the model's folder, Cluster._micro_batch_tokens)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = config.hidden_size
     intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
     return 4 * (2 * config.vocab_size + config.num_hidden_layers * (14 * hidden + 5 * intermediate))

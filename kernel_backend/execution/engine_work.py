@@ -27,17 +27,24 @@ or drops, unconditionally, and neither this module nor the service asks which sa
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from kernel_backend.persistence import crypto
-from kernel_backend.engine import lora
+from kernel_backend.engine import lora, sharding
 from kernel_backend.engine.step_history import OPTIMIZER_FILES
 from kernel_backend.config import Settings
 from kernel_backend.persistence.checkpoint_storage import CheckpointStorage, folder_size
 from kernel_backend.types import AdamParams, DimuonParams, LoraConfig, SampleOptions, SamplingParams
 from kernel_backend.errors import UserError
+
+
+# What a shard group's other member hands the engine as the folder of a save it takes part in: its engine writes
+# nothing there (rank 0 writes, Engine._writes), and nothing can make it (a file's child), should one ever try.
+NOT_WRITTEN = Path(os.devnull, "written-by-rank-0-of-the-shard-group")
 
 
 class Op:
@@ -168,6 +175,10 @@ class Context:
     # What samples (the module docstring): the engines' own decoders, or VllmSampling in this process only.
     sampler: BuiltinSampler = field(default_factory=BuiltinSampler)
     snapshots: dict[str, list[str]] = field(default_factory=dict)  # run id -> its in-memory sampler snapshots
+    # False on a shard group's other members (execution/cluster_worker.py): rank 0 writes every checkpoint and
+    # snapshot where the files go; they take part in the engine's side of it (a full run's weights gathered whole, a
+    # collective) and touch no file, so nothing of a save can fail on them that rank 0 reports done.
+    writes: bool = True
 
     @classmethod
     def of(cls, settings: Settings) -> "Context":
@@ -194,7 +205,9 @@ def optim_step(engine, ctx: Context, model_id: str, params: AdamParams | DimuonP
     metrics = engine.optim_step(model_id, params)
     step = engine.steps(model_id)
     snapshot = None
-    if snapshot_every and step % snapshot_every == 0:
+    if snapshot_every and step % snapshot_every == 0 and not ctx.writes:
+        engine.save_state(model_id, NOT_WRITTEN)  # its part of rank 0's snapshot: the gathers, no file
+    elif snapshot_every and step % snapshot_every == 0:
         # A key of its own per step: the snapshot before it stays whole until this one is recorded.
         with ctx.storage.writing(f"{snapshot_key}-{step:06d}") as (staging, located):
             engine.save_state(model_id, staging)
@@ -230,18 +243,25 @@ def save(engine, ctx: Context, model_id: str, kind: str, key: str, path: str, ov
     size and step; the gateway writes the checkpoint's row.
 
     With `step`, the state after that step instead of the run's current one: from the engine's step history
-    (engine/step_history.py), else from the run's recovery snapshot of that step at `snapshot_location`."""
+    (engine/step_history.py), else from the run's recovery snapshot of that step at `snapshot_location`.
+
+    On a shard group (ctx.writes False on the other members) rank 0 alone looks at the store and writes; every
+    member takes part in the engine's save (a full run's weights gathered whole), then they agree that each did
+    (`_agreed`) before rank 0 puts the checkpoint in place. A refusal before any of it (the checkpoint exists) is
+    rank 0's, made before the unit is sent: the others get a Noop (EngineWorker._follower_job)."""
+    from_snapshot = step is not None and step not in engine.kept_steps(model_id) and snapshot_location is not None
+    if not ctx.writes:  # (the same decisions as rank 0's: the members hold the same runs and kept steps)
+        if not from_snapshot:
+            _agreed(engine, ctx, lambda: _engine_save(engine, model_id, kind, step, NOT_WRITTEN))
+        return {}
     if not overwrite and ctx.storage.exists(key):
         raise UserError(f"checkpoint {path} already exists; pass overwrite=True or pick another name")
     with ctx.storage.writing(key) as (staging, located):
-        if step is not None and step not in engine.kept_steps(model_id) and snapshot_location is not None:
+        if from_snapshot:
+            assert snapshot_location is not None  # (from_snapshot says so)
             _copy_snapshot(ctx, snapshot_location, staging, with_optimizer=kind == "training")
-        elif step is not None:
-            engine.save_step(model_id, step, staging, with_optimizer=kind == "training")
-        elif kind == "training":
-            engine.save_state(model_id, staging)
         else:
-            engine.save_weights_for_sampler(model_id, staging)
+            _agreed(engine, ctx, lambda: _engine_save(engine, model_id, kind, step, staging))
         if kind == "sampler":  # registered while the files are plain (before sealing)
             ctx.sampler.add_checkpoint(engine, base_model, path, staging)
         if age_recipients is not None:
@@ -250,6 +270,42 @@ def save(engine, ctx: Context, model_id: str, kind: str, key: str, path: str, ov
             crypto.seal(staging, ctx.settings.encryption_key)
         size = folder_size(staging)
     return {"location": located[0], "size": size, "step": engine.steps(model_id) if step is None else step}
+
+
+def _engine_save(engine, model_id: str, kind: str, step: int | None, folder) -> None:
+    """The engine writes the run's state (kind "training") or weights into `folder`: of `step` from its step
+    history, else its current ones. On a shard group's other members it only gathers (Engine._writes)."""
+    if step is not None:
+        engine.save_step(model_id, step, folder, with_optimizer=kind == "training")
+    elif kind == "training":
+        engine.save_state(model_id, folder)
+    else:
+        engine.save_weights_for_sampler(model_id, folder)
+
+
+def _agreed(engine, ctx: Context, part: Callable[[], None]) -> None:
+    """Do this member's `part` of a save; on a sharded model the group's members then agree on it (one all-reduce,
+    sharding.on_any_process), so that rank 0 never writes a checkpoint another member could not take part in. Only
+    another member's failure parts their ways: rank 0's own (a full disk: it alone writes) is its error alone, and one
+    they all meet (a step no longer kept) is the same error everywhere. Unsharded: just the part."""
+    failed: Exception | None = None
+    try:
+        part()
+    except Exception as e:  # (raised once the others know: they are waiting to agree)
+        failed = e
+    if engine.group is not None:
+        another_failed = sharding.on_any_process(failed is not None and not ctx.writes, engine.model)
+        if another_failed and ctx.writes and failed is None:
+            raise MemberFailed("another member of this shard group failed its part of this save (its log says why): "
+                               "the checkpoint was not written, and the group is taken for lost; its runs come back "
+                               "from their snapshots on the group formed again, where the save runs again")
+    if failed is not None:
+        raise failed
+
+
+class MemberFailed(RuntimeError):
+    """A shard group's other member failed its part of a save that this one did: the members no longer hold the same
+    state (execution/cluster_worker.py takes the group for lost)."""
 
 
 def _copy_snapshot(ctx: Context, location: str, staging, with_optimizer: bool) -> None:
