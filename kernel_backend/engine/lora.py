@@ -403,8 +403,11 @@ def products(layers, x: torch.Tensor) -> list[torch.Tensor]:
 def _prepacked(weight: torch.Tensor) -> torch.Tensor:
     """A bf16 weight in oneDNN's blocked layout for its product, where the CPU build has oneDNN: reordered once here
     instead of on every product, 1.1-2x faster at a decode step's 1-32 rows than F.linear on the plain copy, and
-    the same results (bench/sample_products.py, docs/performance.md). Elsewhere (a GPU) the plain copy."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    the same results (bench/sample_products.py, docs/performance.md). Elsewhere (a GPU, or a CPU whose oneDNN has no
+    bf16 path: no AVX-512 or AVX-NE-CONVERT, e.g. an AMD EPYC of the Zen 2/3 kind, where the reorder raises) the plain
+    copy, whose F.linear torch computes on any CPU."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available() \
+            or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
