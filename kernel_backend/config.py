@@ -10,6 +10,7 @@ current).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import sys
@@ -79,7 +80,9 @@ class Settings:
     device: str = env("DEVICE", "cpu", "the engine's torch device (cpu, cuda, cuda:1, ...)")
     dtype: str = env("DTYPE", "float32", "the base model's dtype (float32, bfloat16); LoRA weights stay float32",
                      choices=("float32", "bfloat16"))
-    database_url: str = env("DATABASE_URL", "", "SQLAlchemy URL (PostgreSQL works); empty: SQLite under the home")
+    database_url: str = env("DATABASE_URL", "", "the database, an SQLAlchemy URL: empty for SQLite under the home, or "
+                            "PostgreSQL as postgresql+psycopg://USER:PASSWORD@HOST:5432/DBNAME (postgresql:// means "
+                            "the same; its driver: pip install 'stepwise[postgres]'; docs/operations.md)")
     max_batch_tokens: int = env("MAX_BATCH_TOKENS", 65536, "the most tokens one forward_backward request may carry "
                                 "(bad input beyond it)", at_least=1)
     micro_batch_tokens: int = env("MICRO_BATCH_TOKENS", 4096, "tokens per micro-batch, a prefix rows share counted once "
@@ -227,9 +230,13 @@ def check(settings: Settings) -> None:
             shown = f"{key[:3]}... ({len(key)} characters)"  # a secret all the same: not written out whole
             raise SettingError(f"{name}={shown} is not an API key: keys start with 'tml-' (or leave it empty for "
                                "none): see docs/configuration.md")
-    if not re.match(r"(sqlite|postgresql)(\+\w+)?://", settings.database_url):
-        _bad("STEPWISE_DATABASE_URL", settings.database_url, "is not an SQLAlchemy URL: sqlite:///PATH or "
+    database = re.sub(r"://([^:/@]*):[^@/]*@", r"://\1:***@", settings.database_url)  # no password in a message
+    if not re.match(r"(sqlite|postgres(ql)?)(\+\w+)?://", settings.database_url):
+        _bad("STEPWISE_DATABASE_URL", database, "is not an SQLAlchemy URL: sqlite:///PATH or "
              "postgresql://USER:PASSWORD@HOST/DATABASE (postgresql+psycopg:// too), or empty for SQLite in the home")
+    if settings.database_url.startswith("postgres") and importlib.util.find_spec("psycopg") is None:
+        _bad("STEPWISE_DATABASE_URL", database, "needs psycopg, PostgreSQL's driver: pip install "
+             "'stepwise[postgres]'")
     if settings.storage_url:
         _check_storage_url(settings.storage_url)
     if settings.shard > 1 and not (settings.workers or settings.ray_address or settings.worker_devices):

@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -33,6 +33,7 @@ class Server:
     home: Path
     process: subprocess.Popen
     log_path: Path
+    env: dict[str, str] = field(default_factory=dict)  # what start_server was given (make_key's command needs its database)
 
     @property
     def tokenizer_dir(self) -> str:
@@ -41,7 +42,7 @@ class Server:
     def make_key(self, tenant: str) -> str:
         """A new API key for `tenant`, made the way an operator does (`stepwise keys create`)."""
         out = subprocess.run([sys.executable, "-m", "kernel_backend", "keys", "create", "--tenant", tenant], cwd=REPO,
-                             env={**os.environ, "STEPWISE_HOME": str(self.home)}, capture_output=True, text=True,
+                             env={**os.environ, **self.env, "STEPWISE_HOME": str(self.home)}, capture_output=True, text=True,
                              check=True)
         return out.stdout.strip()
 
@@ -77,7 +78,7 @@ def start_server(home: Path, env: dict[str, str] | None = None, timeout: float =
             raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
         try:
             if httpx.get(f"{base_url}/api/v1/healthz", timeout=1).status_code == 200:
-                STARTED.append(Server(base_url, api_key, home, process, log_path))
+                STARTED.append(Server(base_url, api_key, home, process, log_path, dict(env or {})))
                 return STARTED[-1]
         except httpx.HTTPError:
             pass

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kernel_backend.api import anthropic as anthropic_routes, budgets as budget_routes, hub as hub_routes, openai as openai_routes, rest as rest_routes, tinker as tinker_routes, usage as usage_routes
@@ -74,6 +75,16 @@ def create_app(settings: Settings | None = None, preload: list[str] | None = Non
         if exc.status_code == 413:
             return too_large(request)
         return error(request, exc.status_code, str(exc.detail), exc.headers)
+
+    @app.exception_handler(OperationalError)
+    async def database_unreachable(request: Request, exc: OperationalError):
+        # PostgreSQL down or restarting (SQLite: locked past its busy timeout): nothing was done, the request may be
+        # sent again; the SDK retries a 503 by itself. The pool's pre-ping reconnects once the database is back.
+        log.warning("%s %s: the database is unreachable: %s", request.method, request.url.path,
+                    redact_paths(str(exc.orig)).splitlines()[0] if exc.orig else type(exc).__name__)
+        return error(request, 503, "the service's database is unreachable just now (STEPWISE_DATABASE_URL); nothing "
+                                   "was done: send the request again in a few seconds", headers={"Retry-After": "5"},
+                     category="server")
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception):

@@ -12,13 +12,17 @@ The SQLite file is created readable by its owner only (0600), like the checkpoin
 from __future__ import annotations
 
 import datetime as dt
+import itertools
+import logging
 import os
 import re
+import time
 from pathlib import Path
 from typing import cast
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     DateTime,
     Float,
@@ -34,7 +38,7 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 from sqlalchemy.engine import CursorResult
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
 
@@ -138,7 +142,7 @@ class CheckpointRow(Base):
     kind: Mapped[str] = mapped_column(String(16))  # training | sampler | external
     name: Mapped[str] = mapped_column(String(512))
     directory: Mapped[str] = mapped_column(Text)
-    size_bytes: Mapped[int] = mapped_column(Integer, default=0)
+    size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)  # 64-bit: a full fine-tune's passes 2 GiB
     public: Mapped[bool] = mapped_column(Boolean, default=False)
     user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
@@ -206,7 +210,7 @@ class BudgetRow(Base):
     scope: Mapped[str] = mapped_column(String(16))  # session | run | key | tenant
     target: Mapped[str] = mapped_column(String(128))  # session id, training run id, key prefix, tenant
     usd: Mapped[float | None] = mapped_column(Float, nullable=True)
-    tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # 64-bit: budgets of billions of tokens
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
 
 
@@ -263,6 +267,23 @@ CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 MAX_TTL_S = 10 * 365 * 86400
 
 
+# How long a finished request's outcome waits for an unreachable database before it is given up (Store.finish_future).
+FINISH_WAIT_S = 600.0
+log = logging.getLogger("stepwise.database")
+
+# A PostgreSQL that does not answer (a host gone, a paused server) fails a request after this long instead of holding
+# it forever: psycopg's default is to wait without end. A refused connection (PostgreSQL stopped) fails at once.
+CONNECT_ARGS = {"postgresql": {"connect_timeout": 10}}
+
+
+def engine_url(database_url: str) -> str:
+    """The URL SQLAlchemy is given: a plain `postgresql://` one names psycopg (3), the driver the [postgres] extra
+    installs, since SQLAlchemy's own default for it is psycopg2, which nothing here installs."""
+    if database_url.startswith(("postgresql://", "postgres://")):
+        return "postgresql+psycopg://" + database_url.split("://", 1)[1]
+    return database_url
+
+
 class Store:
     """Database access plus the checkpoint store's key layout. Safe to share between threads."""
 
@@ -272,7 +293,9 @@ class Store:
             path.parent.mkdir(parents=True, exist_ok=True)
             os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))  # SQLite's WAL and journal copy its mode
             os.chmod(path, 0o600)
-        self.engine = create_engine(database_url, pool_pre_ping=True)
+        url = engine_url(database_url)
+        self.engine = create_engine(url, pool_pre_ping=True,  # no dead connection handed out after an outage
+                                    connect_args=CONNECT_ARGS.get(url.split(":", 1)[0].split("+")[0], {}))
         if self.engine.dialect.name == "sqlite":
             # WAL lets the API threads read while the scheduler thread writes.
             @event.listens_for(self.engine, "connect")
@@ -283,6 +306,7 @@ class Store:
 
         Base.metadata.create_all(self.engine)
         self._add_new_columns()
+        self._widen_columns()
         self.session = sessionmaker(self.engine, expire_on_commit=False)
 
     def _add_new_columns(self) -> None:
@@ -295,6 +319,20 @@ class Store:
                     if column.name not in have and column.nullable:
                         kind = column.type.compile(dialect=self.engine.dialect)
                         conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN {column.name} {kind}'))
+
+    def _widen_columns(self) -> None:
+        """Columns made 64-bit after a database was made with them 32-bit (PostgreSQL's INTEGER; SQLite's are 64-bit
+        already): ALTER them, as create_all does not."""
+        if self.engine.dialect.name != "postgresql":
+            return
+        inspector = inspect(self.engine)
+        with self.engine.begin() as conn:
+            for table in Base.metadata.sorted_tables:
+                have = {c["name"]: c["type"] for c in inspector.get_columns(table.name)}
+                for column in table.columns:
+                    if isinstance(column.type, BigInteger) and column.name in have \
+                            and not isinstance(have[column.name], BigInteger):
+                        conn.execute(text(f"ALTER TABLE {table.name} ALTER COLUMN {column.name} TYPE BIGINT"))
 
     # ---- generic helpers ----------------------------------------------------------------------
 
@@ -364,11 +402,30 @@ class Store:
     def finish_future(self, request_id: str, status: str, result: bytes, content_type: str,
                       usage: UsageRow | None = None, keep_s: float | None = None) -> None:
         """Store a future's outcome and, for a completed request, its ledger row: both or neither.
-        The row expires `keep_s` seconds from now (never if None)."""
+        The row expires `keep_s` seconds from now (never if None).
+
+        A database out of reach (PostgreSQL restarting) is waited for, up to FINISH_WAIT_S: the outcome is the one
+        record of work done and billed, and its client polls for it; dropped, the future would stay pending for
+        ever. A retry after a commit whose answer was lost finds the future finished and stops."""
+        deadline = time.monotonic() + FINISH_WAIT_S
+        for attempt in itertools.count():
+            try:
+                return self._finish_future(request_id, status, result, content_type, usage, keep_s, retry=attempt > 0)
+            except OperationalError as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("the database is unreachable; the outcome of %s waits for it (%s)", request_id,
+                            str(e.orig or e).splitlines()[0])
+                time.sleep(min(5.0, 0.1 * 2**attempt))
+
+    def _finish_future(self, request_id: str, status: str, result: bytes, content_type: str,
+                       usage: UsageRow | None, keep_s: float | None, retry: bool) -> None:
         with self.session.begin() as s:
             row = s.get(FutureRow, request_id)
             if row is None:
                 raise KeyError(f"no future {request_id} to finish")
+            if retry and row.status == status and row.result == result:
+                return  # an earlier try's commit landed though its answer did not
             row.status, row.result, row.content_type, row.completed_at = status, result, content_type, now()
             row.expires_at = None if keep_s is None else now() + dt.timedelta(seconds=keep_s)
             if usage is not None:
