@@ -11,6 +11,7 @@ current).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -120,7 +121,12 @@ class Settings:
     result_ttl_s: float = env("RESULT_TTL_S", 86400.0, "...and at the latest this long after it finished")
     encryption_key: str = env("ENCRYPTION_KEY", "", "when set, checkpoint files are encrypted at rest with this "
                               "secret (persistence/crypto.py)")
-    storage_url: str = env("STORAGE_URL", "", "where checkpoints go: any fsspec URL; empty: <home>/checkpoints")
+    storage_url: str = env("STORAGE_URL", "", "where checkpoints go: any fsspec URL, e.g. s3://BUCKET/PREFIX (pip install "
+                           "'stepwise[s3]'; credentials and endpoint as boto3 finds them: AWS_ACCESS_KEY_ID, "
+                           "AWS_ENDPOINT_URL, ...; docs/operations.md); empty: <home>/checkpoints")
+    storage_options: str = env("STORAGE_OPTIONS", "", "options for the store's fsspec filesystem, a JSON object, e.g. "
+                               '{"endpoint_url": "http://minio:9000", "key": "...", "secret": "..."} for s3fs; empty: '
+                               "none beyond the environment's")
     max_sample_tokens: int = env("MAX_SAMPLE_TOKENS", 4096, "the most tokens one sample request may ask for")
     max_stability_tokens: int = env("MAX_STABILITY_TOKENS", 32 << 20, "stable_reinforce's recorded stability info one "
                                     "session may hold (tokens, about 12 bytes each in the database)")
@@ -202,6 +208,11 @@ class Settings:
         check(self)
 
     @property
+    def storage_fs_options(self) -> dict:
+        """STEPWISE_STORAGE_OPTIONS parsed: the keyword arguments of the store's fsspec filesystem."""
+        return json.loads(self.storage_options) if self.storage_options.strip() else {}
+
+    @property
     def models_dir(self) -> Path:
         return self.home / "models"
 
@@ -239,6 +250,13 @@ def check(settings: Settings) -> None:
              "'stepwise[postgres]'")
     if settings.storage_url:
         _check_storage_url(settings.storage_url)
+    try:
+        options = settings.storage_fs_options
+    except ValueError as e:
+        options = str(e)  # type: ignore[assignment]
+    if not isinstance(options, dict):
+        _bad("STEPWISE_STORAGE_OPTIONS", "...", f"is not a JSON object ({options}): e.g. "
+             '{"endpoint_url": "http://127.0.0.1:9000"}')
     if settings.shard > 1 and not (settings.workers or settings.ray_address or settings.worker_devices):
         _bad("STEPWISE_SHARD", settings.shard, f"needs Ray workers to shard over: STEPWISE_WORKERS={settings.shard} (or "
              "`serve --workers`, a multiple of it), or STEPWISE_RAY_ADDRESS; or 1 for none")

@@ -161,7 +161,7 @@ def test_merged_export_loads_in_plain_transformers(home, tmp_path):
 def test_encrypted_checkpoints_in_an_fsspec_store_need_the_key(home):
     """Checkpoints go to STEPWISE_STORAGE_URL (here a file:// URL, which takes the same fsspec code path
     as s3:// or gs://: upload under a temporary name, move, download to read), sealed before upload."""
-    from kernel_backend.persistence.crypto import MAGIC, MANIFEST
+    from kernel_backend.persistence.crypto import MAGIC2, MANIFEST
 
     store_url = f"file://{home / 'remote-store'}"
     env = {"STEPWISE_STORAGE_URL": store_url, "STEPWISE_ENCRYPTION_KEY": "operator-secret"}
@@ -184,7 +184,7 @@ def test_encrypted_checkpoints_in_an_fsspec_store_need_the_key(home):
     assert not [p for p in (home / "checkpoints").rglob("*") if p.is_file()]  # nothing in the local default
     files = [p for p in (home / "remote-store").rglob("*") if p.is_file()]
     assert {p.name for p in files} >= {"adapter_model.safetensors", "optimizer.safetensors"}
-    assert all(p.read_bytes().startswith(MAGIC) for p in files if p.name != MANIFEST)  # nothing readable at rest
+    assert all(p.read_bytes().startswith(MAGIC2) for p in files if p.name != MANIFEST)  # nothing readable at rest
     assert not [p for p in (home / "remote-store").rglob("*.tmp-*")]  # no half-written upload left
 
     for env_, expected_error in [({"STEPWISE_STORAGE_URL": store_url}, "is encrypted"),

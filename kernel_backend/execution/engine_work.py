@@ -182,7 +182,7 @@ class Context:
 
     @classmethod
     def of(cls, settings: Settings) -> "Context":
-        return cls(settings, CheckpointStorage(settings.checkpoints_dir, settings.storage_url))
+        return cls(settings, CheckpointStorage(settings.checkpoints_dir, settings.storage_url, settings.storage_fs_options))
 
 
 def run(engine, ctx: Context, op: Op) -> dict:

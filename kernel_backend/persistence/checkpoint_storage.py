@@ -7,8 +7,21 @@ protocol's fsspec package must be installed, e.g. s3fs).
 A checkpoint is a flat folder of files. The engine writes it into a local staging folder, the
 service seals it there when encryption is on (so plaintext never reaches the store), and
 `writing()` then puts it in place atomically: a reader or a crash sees the old checkpoint or the
-new one, never part of one. Locally that is a rename; on an object store the files are uploaded
-under a temporary name and moved, and only then is the checkpoint's database row written.
+new one, never part of one. Locally that is a rename. An object store (S3 and the like) has no
+folders to rename, and fsspec's `mv` of a prefix is no atomic step (with s3fs 2026.9 it raises), so
+there each write goes under a fresh *generation* and the manifest, one object written last with a
+single PUT (atomic on S3), names it:
+
+    <key>/manifest.json          {"version": 2, "generation": "g-<hex>", "sha256": {file: digest}}
+    <key>/g-<hex>/<file>         the files of that generation, under their final keys
+
+Readers trust the manifest alone: a crash mid-upload leaves a generation no manifest names (for a
+new key: no checkpoint at all; for an overwrite, a snapshot: the old one, whole). After the new
+manifest lands the old generation is deleted. Checkpoints stored before generations (files beside
+a version-1 manifest) still load. A generation no manifest names, and a `*.tmp-*` object of the
+older uploads, is deleted once it is older than STALE_AFTER_S (by the store's LastModified): at
+start-up (`clean_staging`) and when its key is written again. Never sooner, because another process
+(a Ray worker, a second gateway) may be uploading it right now.
 
 Rows remember a checkpoint's *location*: an absolute path for the local folder, a full URL
 otherwise, so a row stays readable after the operator points STEPWISE_STORAGE_URL elsewhere.
@@ -29,6 +42,7 @@ import json
 import logging
 import shutil
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -40,16 +54,23 @@ from kernel_backend.errors import UserError
 log = logging.getLogger("stepwise.storage")
 
 
+# How old a generation no manifest names (or an older upload's *.tmp-* object) must be before it is taken for a crash's
+# leftover and deleted: an upload in progress elsewhere is younger than this.
+STALE_AFTER_S = 6 * 3600.0
+GENERATION_PREFIX = "g-"
+
+
 class CheckpointStorage:
-    def __init__(self, local_root: Path, url: str | None = None):
-        """`url` empty or None: the local folder `local_root`; else any fsspec URL. Scratch folders go
-        under `local_root`/.staging either way."""
+    def __init__(self, local_root: Path, url: str | None = None, options: dict | None = None):
+        """`url` empty or None: the local folder `local_root`; else any fsspec URL, its filesystem made with
+        `options` (STEPWISE_STORAGE_OPTIONS). Scratch folders go under `local_root`/.staging either way."""
         self.url = url
+        self.options = options or {}
         self.scratch = Path(local_root) / ".staging"
         if url:
             import fsspec
 
-            self.fs, root = fsspec.core.url_to_fs(url)
+            self.fs, root = fsspec.core.url_to_fs(url, **self.options)
             self.root = root.rstrip("/")
         else:
             self.fs, self.root = None, str(local_root)
@@ -79,7 +100,6 @@ class CheckpointStorage:
         scratch = self._scratch("upload")
         try:
             yield scratch / "checkpoint", located
-            write_manifest(scratch / "checkpoint")
             located.append(self._upload(scratch / "checkpoint", f"{self.root}/{key}"))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -88,25 +108,85 @@ class CheckpointStorage:
         self.scratch.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=self.scratch))
 
-    def clean_staging(self) -> int:
-        """Remove what interrupted writes and reads left: scratch folders, and the old copies a crash
-        mid-overwrite left beside a checkpoint. Call at start-up, before serving. Returns how many."""
+    def clean_staging(self, older_than_s: float = STALE_AFTER_S) -> int:
+        """Remove what interrupted writes and reads left: scratch folders, the old copies a crash mid-overwrite left
+        beside a local checkpoint, and on an object store the generations no manifest names and older uploads'
+        `*.tmp-*` objects, once older than `older_than_s`. Call at start-up, before serving. Returns how many."""
         leftovers = list(self.scratch.glob("*")) if self.scratch.exists() else []
         if self.fs is None:
             leftovers += Path(self.root).glob("*/*/*/.*.old-*")  # <tenant>/<run>/<segment>/.<name>.old-xxxx
         for path in leftovers:
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-        return len(leftovers)
+        if self.fs is None:
+            return len(leftovers)
+        try:
+            objects = self.fs.find(self.root, detail=True)
+        except FileNotFoundError:
+            return len(leftovers)
+        return len(leftovers) + self._delete_stale(objects, older_than_s)
+
+    def _delete_stale(self, objects: dict, older_than_s: float, only_key: str | None = None) -> int:
+        """Delete the stale objects among `objects` (fs.find's {path: info}): see the module docstring."""
+        named: dict[str, str | None] = {}  # checkpoint folder -> the generation its manifest names
+        stale = []
+        cutoff = time.time() - older_than_s
+        for path, info in objects.items():
+            parts = path.split("/")
+            if any(".tmp-" in part for part in parts):
+                folder = path.split(".tmp-", 1)[0]
+            elif len(parts) >= 2 and parts[-2].startswith(GENERATION_PREFIX):
+                folder = "/".join(parts[:-2])
+                if folder not in named:
+                    named[folder] = (self._manifest(folder) or {}).get("generation")
+                if named[folder] == parts[-2]:
+                    continue
+            else:
+                continue
+            if (only_key is None or folder == only_key) and _modified(info) < cutoff:
+                stale.append(path)
+        for path in stale:
+            self.fs.rm_file(path)
+        if stale:
+            log.info("deleted %d objects of interrupted checkpoint writes older than %.0f s", len(stale), older_than_s)
+        return len(stale)
+
+    def _manifest(self, folder: str) -> dict | None:
+        """The manifest stored at `folder` (a path in self.fs or another fs's), or None."""
+        return _read_manifest(self.fs, folder)
 
     def _upload(self, folder: Path, final: str) -> str:
-        tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
-        self.fs.makedirs(tmp, exist_ok=True)  # object stores have no folders, but local and SFTP-like ones do
-        for path in sorted(folder.iterdir()):
-            self.fs.put_file(str(path), f"{tmp}/{path.name}")
-        if self.fs.exists(final):  # overwrite=True: the new checkpoint replaces the old one
-            self.fs.rm(final, recursive=True)
-        self.fs.mv(tmp, final, recursive=True)
+        """Files under a new generation, then the manifest naming it, then the old generation away."""
+        generation = f"{GENERATION_PREFIX}{uuid.uuid4().hex[:16]}"
+        previous = self._manifest(final)
+        self.fs.makedirs(f"{final}/{generation}", exist_ok=True)  # no-op on object stores; local ones need it
+        files = {p.name: _sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+        for name in files:  # put_file streams (s3fs: a multipart upload for big files)
+            self.fs.put_file(str(folder / name), f"{final}/{generation}/{name}")
+        manifest = json.dumps({"version": 2, "generation": generation, "sha256": files}, indent=1).encode()
+        self.fs.pipe_file(f"{final}/{MANIFEST}", manifest)  # one PUT: from here on readers see the new checkpoint
+        if previous is not None:  # the old generation (or a version-1 checkpoint's files beside the manifest)
+            for name in previous.get("sha256", {}):
+                old = f"{final}/{previous['generation']}/{name}" if previous.get("generation") else f"{final}/{name}"
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(old)
+        with contextlib.suppress(FileNotFoundError):  # an earlier crash's leftovers under this key, if stale
+            self._delete_stale(self.fs.find(final, detail=True), STALE_AFTER_S, only_key=final)
         return self.fs.unstrip_protocol(final)
+
+    def _download(self, fs, path: str, into: Path, name: str) -> None:
+        """The stored files of the checkpoint at `path` and its manifest into the local folder `into`."""
+        try:
+            raw = fs.cat_file(f"{path}/{MANIFEST}")
+        except FileNotFoundError:
+            raise UserError(f"checkpoint {name} has no files in the store; it cannot be loaded") from None
+        manifest = _parsed_manifest(raw)
+        if not isinstance(manifest.get("sha256"), dict):
+            raise UserError(f"checkpoint {name} is damaged and cannot be loaded: its manifest is unreadable")
+        into.mkdir(parents=True, exist_ok=True)
+        base = f"{path}/{manifest['generation']}" if manifest.get("generation") else path
+        for file_name in manifest["sha256"]:  # get_file streams to disk
+            fs.get_file(f"{base}/{file_name}", str(into / file_name))
+        (into / MANIFEST).write_bytes(raw)
 
     # ---- reading, sizing, deleting ----------------------------------------------------------
 
@@ -118,7 +198,7 @@ class CheckpointStorage:
         `name` is what errors call the checkpoint (its tinker:// path); any failure while the block
         loads from the folder becomes a UserError naming it, without the server's folder."""
         name = name or location.rstrip("/").rsplit("/", 1)[-1]
-        fs, path = _fs_of(location)
+        fs, path = self._fs_of(location)
         scratch = None
         try:
             if fs is None:
@@ -126,11 +206,8 @@ class CheckpointStorage:
                 if not stored.is_dir():
                     raise UserError(f"checkpoint {name} has no files in the store; it cannot be loaded")
             else:
-                if not fs.exists(path):
-                    raise UserError(f"checkpoint {name} has no files in the store; it cannot be loaded")
                 scratch = stored = self._scratch("download")
-                for remote in fs.ls(path, detail=False):
-                    fs.get_file(remote, str(scratch / remote.rstrip("/").rsplit("/", 1)[-1]))
+                self._download(fs, path, scratch, name)
             verify_manifest(stored, name)
             with crypto.opened(stored, secret, name, self._scratch("open") if crypto.is_sealed(stored) else None) as plain:
                 try:
@@ -148,7 +225,7 @@ class CheckpointStorage:
     def copy(self, location: str, key: str, name: str) -> str:
         """Copy the checkpoint at `location` as stored (still sealed, if it is) to `key`; returns the copy's
         location. The source's manifest is verified first, so a damaged checkpoint is never copied."""
-        fs, path = _fs_of(location)
+        fs, path = self._fs_of(location)
         with self.writing(key) as (folder, located):
             folder.mkdir(parents=True)
             if fs is None:
@@ -157,34 +234,46 @@ class CheckpointStorage:
                 for item in Path(path).iterdir():
                     shutil.copy2(item, folder / item.name)
             else:
-                for remote in fs.ls(path, detail=False):
-                    fs.get_file(remote, str(folder / remote.rstrip("/").rsplit("/", 1)[-1]))
+                self._download(fs, path, folder, name)
             verify_manifest(folder, name)
+            (folder / MANIFEST).unlink()  # the copy gets a manifest of its own as it is put in place
         return located[0]
 
     def exists(self, key: str) -> bool:
-        """Whether a checkpoint is in place at `key`."""
-        return Path(self.root, key).is_dir() if self.fs is None else self.fs.exists(f"{self.root}/{key}")
+        """Whether a checkpoint is in place at `key` (on an object store: its manifest is)."""
+        return Path(self.root, key).is_dir() if self.fs is None else self._manifest(f"{self.root}/{key}") is not None
 
     def files(self, location: str) -> list[str]:
         """The names of a checkpoint's files, as stored, without its manifest."""
-        fs, path = _fs_of(location)
-        if not (Path(path).is_dir() if fs is None else fs.exists(path)):
-            return []
-        names = ([p.name for p in Path(path).iterdir() if p.is_file()] if fs is None
-                 else [f.rstrip("/").rsplit("/", 1)[-1] for f in fs.ls(path, detail=False)])
-        return sorted(n for n in names if n != MANIFEST)
+        fs, path = self._fs_of(location)
+        if fs is None:
+            return sorted(p.name for p in Path(path).iterdir() if p.is_file() and p.name != MANIFEST) \
+                if Path(path).is_dir() else []
+        return sorted((_read_manifest(fs, path) or {}).get("sha256") or {})
 
     def size(self, location: str) -> int:
-        fs, path = _fs_of(location)
+        fs, path = self._fs_of(location)
         return folder_size(Path(path)) if fs is None else int(fs.du(path))
 
     def delete(self, location: str) -> None:
-        fs, path = _fs_of(location)
+        fs, path = self._fs_of(location)
         if fs is None:
             shutil.rmtree(path, ignore_errors=True)
-        elif fs.exists(path):
+            return
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(f"{path}/{MANIFEST}")  # first: from here on it is no checkpoint, whatever else remains
+        with contextlib.suppress(FileNotFoundError):
             fs.rm(path, recursive=True)
+
+    def _fs_of(self, location: str):
+        """(None, path) for a local path; (filesystem, path) for a URL, made with this store's options when the URL
+        is of the store's own protocol (its credentials and endpoint)."""
+        if "://" not in location:
+            return None, location
+        import fsspec
+
+        same = self.url is not None and location.split("://", 1)[0] == self.url.split("://", 1)[0]
+        return fsspec.core.url_to_fs(location, **(self.options if same else {}))
 
 
 def write_manifest(folder: Path) -> None:
@@ -227,13 +316,27 @@ def folder_size(folder: Path) -> int:
     return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
 
 
-def _fs_of(location: str):
-    """(None, path) for a local path; (filesystem, path) for a URL."""
-    if "://" not in location:
-        return None, location
-    import fsspec
+def _read_manifest(fs, folder: str) -> dict | None:
+    """The manifest object at `folder` in `fs`, read from the store itself (no listing cache), or None."""
+    try:
+        return _parsed_manifest(fs.cat_file(f"{folder}/{MANIFEST}"))
+    except FileNotFoundError:
+        return None
 
-    return fsspec.core.url_to_fs(location)
+
+def _parsed_manifest(raw: bytes) -> dict:
+    """A manifest's contents; an unreadable one as {"sha256": None}, which readers refuse as damaged."""
+    try:
+        manifest = json.loads(raw)
+    except ValueError:
+        return {"sha256": None}
+    return manifest if isinstance(manifest, dict) else {"sha256": None}
+
+
+def _modified(info: dict) -> float:
+    """An object's last change as epoch seconds, from fsspec's listing (S3: LastModified; local: mtime)."""
+    stamp = info.get("LastModified") or info.get("mtime") or info.get("created") or 0
+    return stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp)
 
 
 def _replace_dir(new: Path, final: Path) -> None:

@@ -2,9 +2,14 @@
 and age encryption of exported weights to the recipients a user names (save_weights_external).
 
 Each file of a checkpoint folder is sealed with AES-256-GCM (the key is the SHA-256 of the
-operator's secret; a fresh nonce per file; the tag authenticates it). The engine reads and
-writes plain folders: the service seals a folder after saving it and opens a temporary
-plain copy to load from. Without the key an encrypted checkpoint cannot be read.
+operator's secret), in chunks of CHUNK bytes so that memory stays bounded whatever the file's size
+(a full fine-tune's checkpoint is GBs): a file is `MAGIC2 + an 8-byte random nonce prefix`, then each
+chunk's ciphertext and tag. A chunk's nonce is the prefix and its index; its associated data is the
+file's name, its index and whether it is the last, so chunks cannot be reordered, dropped, swapped
+between files, or the file cut at a chunk boundary without the tag failing. Files sealed whole in the
+first format (MAGIC, one nonce per file) still open. The engine reads and writes plain folders: the
+service seals a folder after saving it and opens a temporary plain copy to load from. Without the key
+an encrypted checkpoint cannot be read.
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ from kernel_backend.errors import UserError
 # The checkpoint's manifest (kernel_backend/persistence/checkpoint_storage.py): checksums of the files as stored, so it is
 # written after sealing and is never sealed itself.
 MANIFEST = "manifest.json"
-MAGIC = b"SWENC01\n"
+MAGIC = b"SWENC01\n"  # the first format: a whole file in one AES-GCM message (read, never written now)
+MAGIC2 = b"SWENC02\n"  # chunked: see the module docstring
+CHUNK = 4 << 20  # plaintext bytes per chunk
+TAG = 16  # AES-GCM's tag, after each chunk's ciphertext
 
 
 def _aead(secret: str):
@@ -42,18 +50,44 @@ def is_sealed(directory: Path) -> bool:
 
 def _starts_with_magic(path: Path) -> bool:
     with open(path, "rb") as f:
-        return f.read(len(MAGIC)) == MAGIC
+        return f.read(len(MAGIC)) in (MAGIC, MAGIC2)
+
+
+def _chunk_data(name: str, index: int, last: bool) -> bytes:
+    return name.encode() + b"\0" + index.to_bytes(8, "big") + (b"\1" if last else b"\0")
 
 
 def seal(directory: Path, secret: str) -> None:
-    """Encrypt every file of `directory` in place (each written to a temporary name, then renamed)."""
+    """Encrypt every file of `directory` in place, chunk by chunk (each written to a temporary name, then renamed)."""
     aead = _aead(secret)
     for path in _sealable(directory):
-        nonce = os.urandom(12)
-        sealed = MAGIC + nonce + aead.encrypt(nonce, path.read_bytes(), path.name.encode())
+        prefix, size = os.urandom(8), path.stat().st_size
+        chunks = max(1, -(-size // CHUNK))  # an empty file is one empty chunk
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_bytes(sealed)
+        with open(path, "rb") as plain, open(tmp, "wb") as sealed:
+            sealed.write(MAGIC2 + prefix)
+            for index in range(chunks):
+                nonce = prefix + index.to_bytes(4, "big")
+                sealed.write(aead.encrypt(nonce, plain.read(CHUNK), _chunk_data(path.name, index, index == chunks - 1)))
         tmp.replace(path)
+
+
+def _open_file(aead, path: Path, target: Path) -> None:
+    """Decrypt one sealed file into `target`; InvalidTag where anything about it was changed."""
+    with open(path, "rb") as sealed:
+        magic = sealed.read(len(MAGIC))
+        if magic == MAGIC:  # the first format: one message (small files only were ever sealed so, read whole)
+            blob = sealed.read()
+            target.write_bytes(aead.decrypt(blob[:12], blob[12:], path.name.encode()))
+            return
+        prefix = sealed.read(8)
+        body = path.stat().st_size - len(MAGIC2) - 8
+        chunks = max(1, -(-body // (CHUNK + TAG)))
+        with open(target, "wb") as plain:
+            for index in range(chunks):
+                nonce = prefix + index.to_bytes(4, "big")
+                plain.write(aead.decrypt(nonce, sealed.read(CHUNK + TAG), _chunk_data(path.name, index,
+                                                                                   index == chunks - 1)))
 
 
 @contextlib.contextmanager
@@ -73,12 +107,11 @@ def opened(directory: Path, secret: str | None, name: str | None = None, scratch
 
         aead = _aead(secret)
         for path in _sealable(directory):
-            blob = path.read_bytes()
             try:
-                data = aead.decrypt(blob[len(MAGIC): len(MAGIC) + 12], blob[len(MAGIC) + 12:], path.name.encode())
+                _open_file(aead, path, plain / path.name)
             except InvalidTag:
-                raise UserError(f"checkpoint {name} cannot be decrypted with this STEPWISE_ENCRYPTION_KEY") from None
-            (plain / path.name).write_bytes(data)
+                raise UserError(f"checkpoint {name} cannot be decrypted with this STEPWISE_ENCRYPTION_KEY (or its "
+                                "files were changed)") from None
         yield plain
     finally:
         shutil.rmtree(plain, ignore_errors=True)
