@@ -43,7 +43,7 @@ def _tokenizer_files(svc: Service, repo: str) -> dict[str, Path] | None:
     name = base_models.ALIASES.get(repo, repo)
     registered = base_models.registered_models(list(svc.settings.base_models))
     if name not in registered and not (name in base_models.GGUF_MODELS
-                                       and (svc.settings.models_dir / name / "config.json").exists()):
+                                       and base_models.converted(name, svc.settings.models_dir)):
         return None
     try:
         folder = base_models.resolve(name, svc.settings.models_dir, svc.settings.base_models)[1]

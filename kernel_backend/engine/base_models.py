@@ -97,6 +97,11 @@ def architecture(folder: Path) -> str:
     return config.get("text_config", {}).get("model_type") or config["model_type"]
 
 
+def converted(name: str, models_dir: Path) -> bool:
+    """Whether the registry model `name`'s GGUF is converted already (resolve would not convert it now)."""
+    return (models_dir / name.replace("/", "--") / "model.safetensors").exists()
+
+
 def _converted_gguf_dir(name: str, models_dir: Path) -> Path:
     target = models_dir / name.replace("/", "--")
     if (target / "model.safetensors").exists():
