@@ -251,11 +251,10 @@ def check(settings: Settings) -> None:
     if settings.storage_url:
         _check_storage_url(settings.storage_url)
     try:
-        options = settings.storage_fs_options
-    except ValueError as e:
-        options = str(e)  # type: ignore[assignment]
-    if not isinstance(options, dict):
-        _bad("STEPWISE_STORAGE_OPTIONS", "...", f"is not a JSON object ({options}): e.g. "
+        if not isinstance(options := settings.storage_fs_options, dict):
+            raise ValueError(f"it is a JSON {type(options).__name__}")
+    except ValueError as e:  # its value is not shown: it may hold a secret
+        _bad("STEPWISE_STORAGE_OPTIONS", "...", f"is not a JSON object ({e}): e.g. "
              '{"endpoint_url": "http://127.0.0.1:9000"}')
     if settings.shard > 1 and not (settings.workers or settings.ray_address or settings.worker_devices):
         _bad("STEPWISE_SHARD", settings.shard, f"needs Ray workers to shard over: STEPWISE_WORKERS={settings.shard} (or "

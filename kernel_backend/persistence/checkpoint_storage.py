@@ -18,10 +18,20 @@ single PUT (atomic on S3), names it:
 Readers trust the manifest alone: a crash mid-upload leaves a generation no manifest names (for a
 new key: no checkpoint at all; for an overwrite, a snapshot: the old one, whole). After the new
 manifest lands the old generation is deleted. Checkpoints stored before generations (files beside
-a version-1 manifest) still load. A generation no manifest names, and a `*.tmp-*` object of the
-older uploads, is deleted once it is older than STALE_AFTER_S (by the store's LastModified): at
-start-up (`clean_staging`) and when its key is written again. Never sooner, because another process
-(a Ray worker, a second gateway) may be uploading it right now.
+a version-1 manifest) still load. Why generations rather than, say, a marker beside files written
+in place: an overwrite (save with overwrite=True) then never touches the files a reader may be
+loading, so the old checkpoint stays whole until the new manifest replaces it in one PUT. On a
+file:// store the manifest is written under a temporary name and renamed, the same single step.
+
+A failure before the manifest landed raises StoreError (it names the store and the fix; what readers
+see is unchanged). What a crash leaves is deleted once older than STALE_AFTER_S (by the store's
+LastModified), at start-up (`clean_staging`) and when its key is written again: a generation no
+manifest names, a version-1 checkpoint's files left beside the manifest that replaced them, and the
+`<key>.tmp-<hex>/` folders of the releases before generations. Never sooner, because another process
+(a Ray worker, a second gateway) may be uploading it right now; never a manifest, nor anything in a
+folder that has one taken for a generation (a checkpoint may be named `g-<16 hex>`). One exception
+to knowing better than the name: an old-layout checkpoint (version 1) named `<x>.tmp-<8 hex>` looks
+exactly like an old cut upload and is deleted with them.
 
 Rows remember a checkpoint's *location*: an absolute path for the local folder, a full URL
 otherwise, so a row stays readable after the operator points STEPWISE_STORAGE_URL elsewhere.
@@ -40,12 +50,15 @@ import contextlib
 import hashlib
 import json
 import logging
+import re
 import shutil
 import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Iterator
+
+from fsspec.implementations.local import LocalFileSystem
 
 from kernel_backend.persistence import crypto
 from kernel_backend.persistence.crypto import MANIFEST
@@ -58,6 +71,12 @@ log = logging.getLogger("stepwise.storage")
 # leftover and deleted: an upload in progress elsewhere is younger than this.
 STALE_AFTER_S = 6 * 3600.0
 GENERATION_PREFIX = "g-"
+_GENERATION = re.compile(r"g-[0-9a-f]{16}")
+_OLD_UPLOAD = re.compile(r".+\.tmp-[0-9a-f]{8}")  # before generations: uploaded to <key>.tmp-<hex>/, then moved
+
+
+class StoreError(OSError):
+    """The checkpoint store failed a write (unreachable, refused, ...); what readers see is unchanged."""
 
 
 class CheckpointStorage:
@@ -119,33 +138,54 @@ class CheckpointStorage:
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
         if self.fs is None:
             return len(leftovers)
+        self.fs.invalidate_cache()
         try:
             objects = self.fs.find(self.root, detail=True)
         except FileNotFoundError:
             return len(leftovers)
         return len(leftovers) + self._delete_stale(objects, older_than_s)
 
-    def _delete_stale(self, objects: dict, older_than_s: float, only_key: str | None = None) -> int:
-        """Delete the stale objects among `objects` (fs.find's {path: info}): see the module docstring."""
-        named: dict[str, str | None] = {}  # checkpoint folder -> the generation its manifest names
-        stale = []
-        cutoff = time.time() - older_than_s
-        for path, info in objects.items():
-            parts = path.split("/")
-            if any(".tmp-" in part for part in parts):
-                folder = path.split(".tmp-", 1)[0]
-            elif len(parts) >= 2 and parts[-2].startswith(GENERATION_PREFIX):
-                folder = "/".join(parts[:-2])
-                if folder not in named:
-                    named[folder] = (self._manifest(folder) or {}).get("generation")
-                if named[folder] == parts[-2]:
-                    continue
-            else:
+    def _delete_stale(self, objects: dict, older_than_s: float) -> int:
+        """Delete what interrupted writes left among `objects` (fs.find's {path: info}) once older than `older_than_s`
+        (by LastModified): generations no manifest names, a version-1 checkpoint's files left beside the manifest of
+        the generation that replaced it, a file:// store's manifest cut before its rename, and the older uploads'
+        `<key>.tmp-<hex>/` folders. A checkpoint's manifest is never deleted here, and a folder with a manifest is
+        never taken for a generation (a checkpoint may be named like one). A manifest is read only where a folder
+        holds more than one generation (or one and loose files): one listing at start-up, not a read per checkpoint."""
+        manifests = {path.rsplit("/", 1)[0] for path in objects if path.rsplit("/", 1)[-1] == MANIFEST}
+        old_uploads = {folder for folder in {path.rsplit("/", 1)[0] for path in objects}
+                       if _OLD_UPLOAD.fullmatch(folder.rsplit("/", 1)[-1])
+                       and not (folder in manifests and (self._manifest(folder) or {}).get("version") == 2)}
+        groups: dict[str, dict[str, list[str]]] = {}  # checkpoint folder -> generation ("" for loose files) -> paths
+        leftovers = []
+        for path in objects:
+            folder, _, file_name = path.rpartition("/")
+            parent, _, leaf = folder.rpartition("/")
+            if folder in old_uploads or file_name.startswith(f"{MANIFEST}.tmp-"):
+                leftovers.append(path)
+            elif file_name == MANIFEST:
                 continue
-            if (only_key is None or folder == only_key) and _modified(info) < cutoff:
-                stale.append(path)
+            elif folder in manifests:
+                groups.setdefault(folder, {}).setdefault("", []).append(path)
+            elif _GENERATION.fullmatch(leaf):
+                groups.setdefault(parent, {}).setdefault(leaf, []).append(path)
+        for folder, by_generation in groups.items():
+            if folder not in manifests:  # a new key's upload that never got its manifest
+                current = None
+            elif len(by_generation) == 1:  # only what the manifest names is there
+                continue
+            else:
+                manifest = self._manifest(folder)
+                if manifest is None:  # deleted since the listing: delete() removes the rest
+                    continue
+                current = manifest.get("generation") or ""
+            leftovers += [path for generation, paths in by_generation.items() if generation != current
+                          for path in paths]
+        cutoff = time.time() - older_than_s
+        stale = [path for path in leftovers if _modified(objects[path]) < cutoff]
         for path in stale:
-            self.fs.rm_file(path)
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(path)
         if stale:
             log.info("deleted %d objects of interrupted checkpoint writes older than %.0f s", len(stale), older_than_s)
         return len(stale)
@@ -155,38 +195,78 @@ class CheckpointStorage:
         return _read_manifest(self.fs, folder)
 
     def _upload(self, folder: Path, final: str) -> str:
-        """Files under a new generation, then the manifest naming it, then the old generation away."""
+        """Files under a new generation, then the manifest naming it, then the old generation away (the module
+        docstring says why). A failure before the manifest landed is a StoreError: nothing a reader sees changed."""
         generation = f"{GENERATION_PREFIX}{uuid.uuid4().hex[:16]}"
-        previous = self._manifest(final)
-        self.fs.makedirs(f"{final}/{generation}", exist_ok=True)  # no-op on object stores; local ones need it
         files = {p.name: _sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
-        for name in files:  # put_file streams (s3fs: a multipart upload for big files)
-            self.fs.put_file(str(folder / name), f"{final}/{generation}/{name}")
         manifest = json.dumps({"version": 2, "generation": generation, "sha256": files}, indent=1).encode()
-        self.fs.pipe_file(f"{final}/{MANIFEST}", manifest)  # one PUT: from here on readers see the new checkpoint
-        if previous is not None:  # the old generation (or a version-1 checkpoint's files beside the manifest)
-            for name in previous.get("sha256", {}):
-                old = f"{final}/{previous['generation']}/{name}" if previous.get("generation") else f"{final}/{name}"
-                with contextlib.suppress(FileNotFoundError):
-                    self.fs.rm_file(old)
-        with contextlib.suppress(FileNotFoundError):  # an earlier crash's leftovers under this key, if stale
-            self._delete_stale(self.fs.find(final, detail=True), STALE_AFTER_S, only_key=final)
+        try:
+            previous = self._manifest(final)
+            self.fs.makedirs(f"{final}/{generation}", exist_ok=True)  # no-op on object stores; local ones need it
+            for name in files:  # put_file streams (s3fs: one PUT up to 100 MiB, then 50 MiB parts)
+                self.fs.put_file(str(folder / name), f"{final}/{generation}/{name}")
+            if isinstance(self.fs, LocalFileSystem):  # a file:// store: write, then rename, as one PUT is on S3
+                staged = f"{final}/{MANIFEST}.tmp-{uuid.uuid4().hex[:8]}"
+                self.fs.pipe_file(staged, manifest)
+                self.fs.mv(staged, f"{final}/{MANIFEST}")
+            else:
+                self.fs.pipe_file(f"{final}/{MANIFEST}", manifest)  # one PUT: from here on readers see the new one
+        except Exception as e:
+            log.exception("writing checkpoint %s to %s failed", final, self)
+            raise StoreError(f"the checkpoint could not be written to the checkpoint store {self.url} "
+                             f"({type(e).__name__}: {e}); nothing was replaced (an earlier checkpoint of that name is "
+                             "whole). Check that the store is reachable (STEPWISE_STORAGE_URL, its credentials and "
+                             "STEPWISE_STORAGE_OPTIONS) and save again") from None
+        try:  # the save is done: a failure from here on leaves objects that the next clean-up deletes
+            if previous is not None and previous.get("generation"):
+                self.fs.rm(f"{final}/{previous['generation']}", recursive=True)
+            elif previous is not None:  # a version-1 checkpoint's files beside the manifest
+                for name in set(previous.get("sha256") or {}) - {MANIFEST}:
+                    with contextlib.suppress(FileNotFoundError):
+                        self.fs.rm_file(f"{final}/{name}")
+            self._delete_stale(self._listing(final), STALE_AFTER_S)  # an earlier crash's, under this key
+        except Exception:
+            log.warning("checkpoint %s is in place, but removing what it replaced failed; clean_staging at the next "
+                        "start deletes that", final, exc_info=True)
         return self.fs.unstrip_protocol(final)
 
+    def _listing(self, final: str) -> dict:
+        """fs.find's {path: info} of the objects under the key `final`, and of the older uploads' `<final>.tmp-*`."""
+        self.fs.invalidate_cache()  # another process may have written since this one listed
+        found = {}
+        parent = final.rsplit("/", 1)[0]
+        with contextlib.suppress(FileNotFoundError):
+            found.update(self.fs.find(final, detail=True))
+        with contextlib.suppress(FileNotFoundError):
+            for sibling in self.fs.ls(parent, detail=False):
+                if sibling.rstrip("/").startswith(f"{final}.tmp-"):
+                    found.update(self.fs.find(sibling, detail=True))
+        return found
+
     def _download(self, fs, path: str, into: Path, name: str) -> None:
-        """The stored files of the checkpoint at `path` and its manifest into the local folder `into`."""
-        try:
-            raw = fs.cat_file(f"{path}/{MANIFEST}")
-        except FileNotFoundError:
-            raise UserError(f"checkpoint {name} has no files in the store; it cannot be loaded") from None
-        manifest = _parsed_manifest(raw)
-        if not isinstance(manifest.get("sha256"), dict):
-            raise UserError(f"checkpoint {name} is damaged and cannot be loaded: its manifest is unreadable")
-        into.mkdir(parents=True, exist_ok=True)
-        base = f"{path}/{manifest['generation']}" if manifest.get("generation") else path
-        for file_name in manifest["sha256"]:  # get_file streams to disk
-            fs.get_file(f"{base}/{file_name}", str(into / file_name))
-        (into / MANIFEST).write_bytes(raw)
+        """The stored files of the checkpoint at `path` and its manifest into the local folder `into`. Should an
+        overwrite land mid-download (it deletes the generation being read), the new manifest's files are read."""
+        for attempt in range(3):
+            try:
+                raw = fs.cat_file(f"{path}/{MANIFEST}")
+            except FileNotFoundError:
+                raise UserError(f"checkpoint {name} has no files in the store; it cannot be loaded") from None
+            manifest = _parsed_manifest(raw)
+            if not isinstance(manifest.get("sha256"), dict):
+                raise UserError(f"checkpoint {name} is damaged and cannot be loaded: its manifest is unreadable")
+            into.mkdir(parents=True, exist_ok=True)
+            base = f"{path}/{manifest['generation']}" if manifest.get("generation") else path
+            try:
+                for file_name in manifest["sha256"]:  # get_file streams to disk
+                    fs.get_file(f"{base}/{file_name}", str(into / file_name))
+            except FileNotFoundError:
+                if attempt == 2 or _read_manifest(fs, path) in (None, manifest):
+                    raise UserError(f"checkpoint {name} is damaged and cannot be loaded: files its manifest names "
+                                    "are missing from the store") from None
+                shutil.rmtree(into)
+                continue
+            (into / MANIFEST).write_bytes(raw)
+            return
 
     # ---- reading, sizing, deleting ----------------------------------------------------------
 
@@ -252,8 +332,15 @@ class CheckpointStorage:
         return sorted((_read_manifest(fs, path) or {}).get("sha256") or {})
 
     def size(self, location: str) -> int:
+        """Bytes the checkpoint takes in the store: its files as stored and its manifest."""
         fs, path = self._fs_of(location)
-        return folder_size(Path(path)) if fs is None else int(fs.du(path))
+        if fs is None:
+            return folder_size(Path(path))
+        manifest = _read_manifest(fs, path)
+        if manifest is None or not isinstance(manifest.get("sha256"), dict):
+            return 0
+        base = f"{path}/{manifest['generation']}" if manifest.get("generation") else path
+        return int(fs.size(f"{path}/{MANIFEST}")) + sum(int(fs.size(f"{base}/{name}")) for name in manifest["sha256"])
 
     def delete(self, location: str) -> None:
         fs, path = self._fs_of(location)
