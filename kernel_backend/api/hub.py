@@ -52,22 +52,24 @@ def _tokenizer_files(svc: Service, repo: str) -> dict[str, Path] | None:
     return {file: folder / file for file in base_models.HUB_CACHE_FILES if (folder / file).is_file()}
 
 
-def _commit(files: dict[str, Path]) -> str:
-    """A 40-hex revision id from the files' names and bytes: the same files, the same id."""
+def _commit(digests: dict[str, str]) -> str:
+    """A 40-hex revision id from the files' names and SHA-256s: the same files, the same id."""
     digest = hashlib.sha1()
-    for name, path in sorted(files.items()):
-        digest.update(name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    for name, sha256 in sorted(digests.items()):
+        digest.update(name.encode() + b"\0" + bytes.fromhex(sha256))
     return digest.hexdigest()
 
 
-def _repo(svc: Service, repo: str, revision: str) -> tuple[dict[str, Path], str] | JSONResponse:
+def _repo(svc: Service, repo: str, revision: str) -> tuple[dict[str, Path], dict[str, str], str] | JSONResponse:
+    """The served repo's files, their SHA-256s (each file read once a request) and its revision; or the Hub's 404."""
     files = _tokenizer_files(svc, repo)
     if files is None:
         return _not_found("RepoNotFound", f"{repo!r} is not a base model this Stepwise server serves")
-    commit = _commit(files)
+    digests = {name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in files.items()}
+    commit = _commit(digests)
     if revision not in ("main", commit):
         return _not_found("RevisionNotFound", f"{repo!r} has only the revision 'main' ({commit}) here")
-    return files, commit
+    return files, digests, commit
 
 
 @router.api_route("/{repo:path}/resolve/{revision}/{filename:path}", methods=["GET", "HEAD"])
@@ -75,18 +77,18 @@ def resolve_file(repo: str, revision: str, filename: str, request: Request, svc:
     found = _repo(svc, repo, revision)
     if isinstance(found, JSONResponse):
         return found
-    files, commit = found
+    files, digests, commit = found
     if filename not in files:
         return _not_found("EntryNotFound", f"{filename!r} is not among {repo!r}'s tokenizer files here")
     path = files[filename]
-    etag = f'"{hashlib.sha256(path.read_bytes()).hexdigest()}"'
-    headers = {"X-Repo-Commit": commit, "ETag": etag}
+    headers = {"X-Repo-Commit": commit, "ETag": f'"{digests[filename]}"'}
     if request.method == "HEAD":
         return Response(headers={**headers, "Content-Length": str(path.stat().st_size)})
     return FileResponse(path, headers=headers)
 
 
-def _info(repo: str, files: dict[str, Path], commit: str) -> dict:
+def _info(repo: str, found: tuple[dict[str, Path], dict[str, str], str]) -> dict:
+    files, _, commit = found
     return {"id": repo, "modelId": repo, "sha": commit, "private": False, "disabled": False, "gated": False,
             "siblings": [{"rfilename": name} for name in sorted(files)], "tags": [], "library_name": "transformers"}
 
@@ -94,7 +96,7 @@ def _info(repo: str, files: dict[str, Path], commit: str) -> dict:
 @router.get("/api/models/{repo:path}/revision/{revision}")
 def model_info_at(repo: str, revision: str, svc: Service = Depends(service)):
     found = _repo(svc, repo, revision)
-    return found if isinstance(found, JSONResponse) else _info(repo, *found)
+    return found if isinstance(found, JSONResponse) else _info(repo, found)
 
 
 @router.get("/api/models/{repo:path}/tree/{revision}")
@@ -103,7 +105,7 @@ def list_files(repo: str, revision: str, folder: str = "", svc: Service = Depend
     found = _repo(svc, repo, revision)
     if isinstance(found, JSONResponse):
         return found
-    files, _ = found
+    files, _, _ = found
     if folder.strip("/"):  # the tokenizer files lie at the top; no folder of them exists (e.g. additional_chat_templates)
         return _not_found("EntryNotFound", f"{repo!r} has no folder {folder!r} here")
     return [{"type": "file", "path": name, "size": path.stat().st_size, "oid": hashlib.sha1(path.read_bytes()).hexdigest()}
@@ -113,4 +115,4 @@ def list_files(repo: str, revision: str, folder: str = "", svc: Service = Depend
 @router.get("/api/models/{repo:path}")
 def model_info(repo: str, svc: Service = Depends(service)):
     found = _repo(svc, repo, "main")
-    return found if isinstance(found, JSONResponse) else _info(repo, *found)
+    return found if isinstance(found, JSONResponse) else _info(repo, found)

@@ -198,7 +198,7 @@ class CheckpointStorage:
         """Files under a new generation, then the manifest naming it, then the old generation away (the module
         docstring says why). A failure before the manifest landed is a StoreError: nothing a reader sees changed."""
         generation = f"{GENERATION_PREFIX}{uuid.uuid4().hex[:16]}"
-        files = {p.name: _sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+        files = file_digests(folder)
         manifest = json.dumps({"version": 2, "generation": generation, "sha256": files}, indent=1).encode()
         try:
             previous = self._manifest(final)
@@ -363,10 +363,14 @@ class CheckpointStorage:
         return fsspec.core.url_to_fs(location, **(self.options if same else {}))
 
 
+def file_digests(folder: Path) -> dict[str, str]:
+    """{name: SHA-256} of every file in `folder` as stored, its manifest left out: what a manifest records."""
+    return {p.name: _sha256(p) for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name != MANIFEST}
+
+
 def write_manifest(folder: Path) -> None:
     """The SHA-256 of every file in `folder`, as stored, into its manifest."""
-    files = {p.name: _sha256(p) for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name != MANIFEST}
-    (Path(folder) / MANIFEST).write_text(json.dumps({"version": 1, "sha256": files}, indent=1))
+    (Path(folder) / MANIFEST).write_text(json.dumps({"version": 1, "sha256": file_digests(folder)}, indent=1))
 
 
 def verify_manifest(folder: Path, name: str) -> None:

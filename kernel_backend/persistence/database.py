@@ -273,7 +273,7 @@ log = logging.getLogger("stepwise.database")
 
 # A PostgreSQL that does not answer (a host gone, a paused server) fails a request after this long instead of holding
 # it forever: psycopg's default is to wait without end. A refused connection (PostgreSQL stopped) fails at once.
-CONNECT_ARGS = {"postgresql": {"connect_timeout": 10}}
+POSTGRES_CONNECT_ARGS = {"connect_timeout": 10}
 
 
 def engine_url(database_url: str) -> str:
@@ -295,7 +295,7 @@ class Store:
             os.chmod(path, 0o600)
         url = engine_url(database_url)
         self.engine = create_engine(url, pool_pre_ping=True,  # no dead connection handed out after an outage
-                                    connect_args=CONNECT_ARGS.get(url.split(":", 1)[0].split("+")[0], {}))
+                                    connect_args=POSTGRES_CONNECT_ARGS if url.startswith("postgresql") else {})
         if self.engine.dialect.name == "sqlite":
             # WAL lets the API threads read while the scheduler thread writes.
             @event.listens_for(self.engine, "connect")
