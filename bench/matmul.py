@@ -42,7 +42,7 @@ SHAPES = [(576, 576, 60), (576, 192, 60), (576, 1536, 60), (1536, 576, 30), (576
 
 def header() -> str:
     return (f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cpus, "
-            f"CPU vendor {matmul._cpu_vendor() or '?'}, load average {os.getloadavg()[0]:.1f}")
+            f"CPU vendor {matmul._cpu_info('vendor_id') or '?'}, load average {os.getloadavg()[0]:.1f}")
 
 
 def bench_products(rounds: int) -> None:

@@ -50,6 +50,20 @@ def test_choose():
         matmul.choose("mkl", "cpu", torch.float32)
 
 
+@pytest.mark.parametrize("vendor, flags, expected", [
+    ("AuthenticAMD", "fma avx2 avx512f avx512bw", "onednn"),  # Zen 4: oneDNN's AVX-512 code beats MKL's AVX2
+    ("AuthenticAMD", "fma avx2", "torch"),                      # Zen 2/3: both run AVX2, MKL's is faster
+    ("GenuineIntel", "fma avx2 avx512f", "torch"),              # MKL's own AVX-512 code
+])
+def test_auto_picks_onednn_only_on_an_amd_cpu_with_avx512(monkeypatch, vendor, flags, expected):
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    monkeypatch.setattr(matmul.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(matmul, "_cpu_info", lambda field: {"vendor_id": vendor, "flags": flags}[field])
+    want = matmul.onednn_linear if expected == "onednn" else F.linear
+    assert matmul.choose("auto", "cpu", torch.float32) is want
+
+
 @onednn_only
 def test_the_real_model_computes_the_same_logprobs_and_gradients_either_way(real_engine, tokenizer):
     engine = real_engine

@@ -41,11 +41,12 @@ def client_env(tmp_path, **extra) -> dict[str, str]:
     return {**env, "HF_HOME": str(tmp_path / "hf"), "STEPWISE_HOME": str(tmp_path / "stepwise"), **extra}
 
 
-def run_client(server, how: str, env: dict[str, str]) -> dict:
+def run_client(server, how: str, env: dict[str, str]) -> tuple[dict, str]:
+    """What the client script printed, and its stderr."""
     run = subprocess.run([sys.executable, "-c", SCRIPT, server.base_url, server.api_key, how, BASE, TEXT],
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
 
 
 def served_commit(server) -> str:
@@ -60,7 +61,7 @@ def expected(tokenizer) -> dict:
 
 
 def test_a_plain_sdk_script_gets_the_tokenizer_from_the_server_with_hf_endpoint(tinker_server, tokenizer, tmp_path):
-    got = run_client(tinker_server, "sdk", client_env(tmp_path, HF_ENDPOINT=f"{tinker_server.base_url}/hf"))
+    got, _ = run_client(tinker_server, "sdk", client_env(tmp_path, HF_ENDPOINT=f"{tinker_server.base_url}/hf"))
     assert got == expected(tokenizer)
     # The client's Hugging Face cache holds the server's revision: the files came from the server, not a Hub.
     repo = tmp_path / "hf" / "hub" / f"models--{BASE.replace('/', '--')}"
@@ -68,8 +69,10 @@ def test_a_plain_sdk_script_gets_the_tokenizer_from_the_server_with_hf_endpoint(
 
 
 def test_a_notebook_connected_to_the_server_gets_the_tokenizer_from_it(tinker_server, tokenizer, tmp_path):
-    got = run_client(tinker_server, "workbench", client_env(tmp_path))
+    got, stderr = run_client(tinker_server, "workbench", client_env(tmp_path))
     assert got == expected(tokenizer)
+    # No download bars: in a notebook they would sit under the cell beside the run's own progress.
+    assert "Fetching" not in stderr and "Download" not in stderr and "%|" not in stderr, stderr[-2000:]
     caches = list((tmp_path / "stepwise" / "tokenizers").glob(f"*/models--{BASE.replace('/', '--')}/refs/main"))
     assert [c.read_text() for c in caches] == [served_commit(tinker_server)]
     assert not (tmp_path / "hf" / "hub").exists()  # the Hub's own cache untouched: nothing asked it

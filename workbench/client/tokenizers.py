@@ -56,5 +56,18 @@ def load(base_url: str, model_name: str):
 
     repo = model_name.split(":")[0]  # the SDK's own rule: "name:variant" loads name's tokenizer
     cache = stepwise_home() / "tokenizers" / re.sub(r"[^A-Za-z0-9._-]+", "_", base_url.split("://")[-1])
-    folder = snapshot_download(repo, endpoint=f"{base_url.rstrip('/')}/hf", cache_dir=cache)
+    folder = snapshot_download(repo, endpoint=f"{base_url.rstrip('/')}/hf", cache_dir=cache, tqdm_class=_silent_tqdm())
     return AutoTokenizer.from_pretrained(folder)
+
+
+def _silent_tqdm():
+    """huggingface_hub's bar class with every bar off: a few MB from the backend are not worth the two bars
+    ("Fetching 4 files", "Download complete: 3.5MB") the Hub's download would print under a notebook's cell, where
+    they would sit beside the run's own progress. Only these downloads: the Hub's switch for all bars stays the user's."""
+    from huggingface_hub.utils import tqdm
+
+    class Silent(tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "disable": True})
+
+    return Silent

@@ -381,13 +381,18 @@ class Dashboard(w.VBox):
 
     # ---- clicks and rollouts -------------------------------------------------------------------------
 
-    def on_click(self, callback) -> None:
-        """Call `callback(step, panel_title, trace_name)` when a point of any panel is clicked in the page."""
+    def on_click(self, callback, hint: str = "") -> None:
+        """Call `callback(step, panel_title, trace_name)` when a point of any panel is clicked in the page;
+        `hint`, when given, is the line above the plots that says what a click does."""
         if self.clicks is None:
             from workbench.widgets.plot_clicks import PlotClicks
 
-            self.clicks = PlotClicks()
+            # The hint goes in with the widget's first state: set after it is shown (from the recipe's thread),
+            # a busy page could draw the widget empty and keep it so.
+            self.clicks = PlotClicks(hint)
             self.children = (self.clicks, *self.children)
+        elif hint:
+            self.clicks.hint = hint
         self.clicks.on_click(callback)
 
     def rollouts(self, path, tokenizer=None, run=None):
@@ -404,9 +409,11 @@ class Dashboard(w.VBox):
         if self.inspector is None:
             self.inspector = RolloutInspector(tokenizer=tokenizer, store=store, label=name or "")
             self.children = (*self.children, self.inspector)
+            hint = "Click a point of a plot to open that step's rollouts below."
             if self.clicks is None:
-                self.on_click(self._open_step)
-            self.clicks.hint = "Click a point of a plot to open that step's rollouts below."
+                self.on_click(self._open_step, hint)
+            else:
+                self.clicks.hint = hint
         elif self.inspector.follow and self.inspector.store.path != store.path:
             self.inspector.show_log(store, label=name or "")  # a new run's rollouts, followed until a step is chosen
         self.inspector.refresh()
