@@ -195,6 +195,66 @@ def test_a_tenant_budget_refuses_the_openai_and_anthropic_routes(tinker_server):
     assert rest(tinker_server, key, "GET", "/api/v1/usage").json()["totals"]["cost"] == pytest.approx(spent, rel=1e-12)
 
 
+def test_a_loop_that_does_not_await_its_forward_backward_is_told_its_steps_were_refused(tinker_server):
+    """The README's loop (a forward_backward not awaited, then optim_step) against an exhausted tenant budget: every
+    forward_backward is refused with 402 and every optim_step still "succeeds" on no gradient. The workbench's SDK
+    hook warns at each such step with the server's message; the sessions report (the sidebar's) counts those steps
+    as refused, not skipped, with the refusal; the usage report, the CostMeter and the Dashboard say so in words."""
+    import warnings
+
+    import workbench
+    from workbench.widgets.cost import CostMeter
+    from workbench.widgets.dashboard import Dashboard
+
+    tenant = "budget-unawaited"
+    key = tinker_server.make_key(tenant)
+    client = workbench.connect(tinker_server.base_url, key, name="unawaited", progress=False)
+    tc = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    session_id = tc.model_id.split(":")[0]
+    tc.forward_backward(DATA, "cross_entropy").result()  # one real step
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    spent = rest(tinker_server, key, "GET", "/api/v1/usage").json()["totals"]["cost"]
+    assert rest(tinker_server, tinker_server.api_key, "PUT", f"/api/v1/budgets/tenant/{tenant}",
+                json={"budget_usd": spent}).status_code == 200
+
+    with warnings.catch_warnings(record=True) as heard:
+        warnings.simplefilter("always")
+        passes = []
+        for _ in range(3):
+            passes.append(tc.forward_backward(DATA, "cross_entropy"))  # not awaited, as the README's loop once did
+            tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        for future in passes:
+            with pytest.raises(tinker.APIStatusError, match=f"the budget of tenant {tenant} is"):
+                future.result()
+        deadline = time.monotonic() + 10  # the warning comes from the SDK's thread once each pass has failed
+        while time.monotonic() < deadline and len([w for w in heard if "stepped on no gradient" in str(w.message)]) < 3:
+            time.sleep(0.05)
+    said = [str(w.message) for w in heard if "stepped on no gradient" in str(w.message)]
+    assert len(said) == 3 and all(f"the budget of tenant {tenant} is" in m and tc.model_id in m for m in said), said
+
+    sessions = rest(tinker_server, key, "GET", "/api/v1/usage/sessions").json()
+    (session,) = [row for row in sessions["sessions"] if row["session_id"] == session_id]
+    (run,) = session["runs"]
+    assert (run["steps"], run["refused_steps"], run["skipped_steps"]) == (4, 3, 0), run
+    assert run["last_refusal"]["status"] == 402 and run["last_refusal"]["request_type"] == "ForwardBackward"
+    assert f"the budget of tenant {tenant} is" in run["last_refusal"]["message"]
+    assert session["refusals"]["count"] == 3 and sessions["budget"]["state"] == "exhausted"  # the tenant's budget
+    usage = rest(tinker_server, key, "GET", "/api/v1/usage", params={"session_id": session_id}).json()
+    assert usage["refusals"]["count"] == 3 and usage["totals"]["cost"] == pytest.approx(spent, rel=1e-12)
+
+    meter = CostMeter(session=client, poll_interval=None)
+    kernel_meter = CostMeter(connection=meter.connection, poll_interval=None)
+    dashboard = Dashboard(session=client, poll_interval=None)
+    try:
+        assert meter.refused_text.startswith("3 requests refused · the last, a ForwardBackward: 402 ")
+        assert f"the budget of tenant {tenant} is" in meter.refused_text
+        assert kernel_meter.refusals["count"] >= 3 and kernel_meter.budget["state"] == "exhausted"  # the tenant's
+        assert "3 requests refused" in dashboard.refused.value and "402" in dashboard.refused.value
+    finally:
+        for widget in (meter, kernel_meter, dashboard):
+            widget.close()
+
+
 def test_a_key_budget_covers_every_request_sent_with_that_key_and_counts_what_is_in_flight(tinker_server):
     key = tinker_server.make_key("budget-key")
     other = tinker_server.make_key("budget-key")  # the same tenant's second key

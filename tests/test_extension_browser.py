@@ -262,3 +262,106 @@ def test_sidebar_says_what_each_number_covers(lab, browser):
     title, bar = plot.locator(".gtitle").bounding_box(), modebar.bounding_box()
     assert not boxes_overlap(title, bar), (title, bar)
     plot.screenshot(path=str(ARTIFACTS / "extension-loss-plot-title.png"))
+
+
+REFUSED_SETUP = f"""\
+import os, time
+import numpy as np
+import workbench
+from tinker import types
+
+client = workbench.connect(progress=False)
+tc = client.create_lora_training_client(base_model="{BASE}", rank=8, seed=0).result()
+tokens = list(range(200, 264))
+datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={{"target_tokens": np.array(tokens[1:]), "weights": np.ones(63, np.float32)}})
+print("connected", tc.model_id)
+while not os.path.exists("tenant-budget-set"):  # the test sets the tenant's budget meanwhile
+    time.sleep(0.2)"""
+
+# Issue 65's loop: forward_backward not awaited, so its 402 is raised nowhere; each optim_step "succeeds" on no gradient.
+REFUSED_LOOP = f"""\
+for step in range({STEPS}):
+    tc.forward_backward([datum] * 2, "cross_entropy")
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+print("refused loop done")
+workbench.CostMeter(session=client, poll_interval=None)  # the notebook's own view of the refusals"""
+
+
+def test_refusals_of_an_exhausted_tenant_budget_show_where_they_land(lab, browser):
+    """Issue 65: a tenant whose budget is spent runs the unawaited loop. The status bar turns red (the tenant's
+    budget counts as a session's), the sidebar shows the tenant's budget, the run says its steps were refused
+    (not skipped), and the session and the notebook's CostMeter show the server's 402 in red. The lab's backend is every notebook's (tenant
+    "local"), so its budget is removed afterwards for the tests that share it.
+    Screenshot: tests/_artifacts/extension-refused-steps.png."""
+    from playwright.sync_api import expect
+
+    from kernel_backend.persistence.api_keys import LOCAL_TENANT
+
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(REFUSED_SETUP),
+                                               nbformat.v4.new_code_cell(REFUSED_LOOP)])
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(notebook, lab["root"] / "refused.ipynb")
+    flag = lab["root"] / "tenant-budget-set"
+    flag.unlink(missing_ok=True)
+    page = browser.new_page()
+    open_notebook(page, lab, "refused.ipynb")
+    run_all(page)
+    expect(page.get_by_text(re.compile(r"^connected "))).to_be_visible(timeout=300_000)
+
+    api = backend_api(lab)
+    tenant_budget = f"/api/v1/budgets/tenant/{LOCAL_TENANT}"
+    # Less than anything costs: the first forward_backward is refused, whatever the tenant spent before.
+    assert api.put(tenant_budget, json={"budget_usd": 1e-9}).status_code == 200
+    try:
+        flag.touch()
+        wait_until_run([page], lab, 300)
+        stdout = "\n".join(page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout']")
+                           .all_inner_texts())
+        assert "refused loop done" in stdout, page.locator(".jp-Notebook").inner_text()[-3000:]
+
+        meter = page.locator(".jp-StepwiseCost")
+        page.locator('.jp-SideBar [data-id="stepwise-sessions"]').click()
+        row = page.locator("li.jp-StepwiseSession[data-name='refused.ipynb']")
+        expect(row).to_have_count(1, timeout=15_000)
+        run = row.locator("li.jp-StepwiseRun")
+        expect(run).to_have_attribute("data-refused", str(STEPS))
+        expect(run).to_have_attribute("data-skipped", "0")
+        steps = run.locator(".jp-StepwiseRun-steps")
+        expect(steps).to_have_text(f"{STEPS} steps ({STEPS} refused)")
+        expect(steps).not_to_contain_text("skipped")
+        assert "Await each forward_backward (.result())" in steps.get_attribute("title")
+        assert "402" in steps.get_attribute("title")
+        refusals = row.locator(".jp-StepwiseRefusals")
+        expect(refusals).to_be_visible()
+        expect(refusals).to_have_text(re.compile(r"^\d+ requests? refused · 402: .*budget"))
+        assert "budget" in refusals.get_attribute("title")
+        # Red: the theme's error colour, as an exhausted budget's text.
+        colour = refusals.evaluate("node => getComputedStyle(node).color")
+        error = page.evaluate("getComputedStyle(document.body).getPropertyValue('--jp-error-color1')")
+        rgb = page.evaluate("c => { const d = document.createElement('div'); d.style.color = c; document.body.append(d);"
+                            " const v = getComputedStyle(d).color; d.remove(); return v; }", error.strip())
+        assert colour == rgb, (colour, rgb)
+        # The cost meter under the loop says it too, in red, in the server's words.
+        refused_line = page.locator(".wb-cost .wb-refusals")
+        expect(refused_line).to_have_text(re.compile(r"^\d+ requests? refused · the last, a ForwardBackward: 402 .*budget"))
+        assert refused_line.evaluate("node => getComputedStyle(node).color") == rgb
+
+        # The tenant's budget: a bar under the header, and the status bar red, its tooltip saying whose.
+        tenant_bar = page.locator(".jp-StepwiseSidebar-header .jp-StepwiseSidebar-tenantBudget")
+        expect(tenant_bar).to_be_visible(timeout=15_000)
+        expect(tenant_bar).to_have_class(re.compile(r"\bstepwise-budget-exhausted\b"))
+        expect(tenant_bar).to_contain_text("tenant budget $")
+        assert tenant_bar.get_attribute("title").startswith("The tenant's budget")
+
+        expect(meter).to_have_class(re.compile(r"\bstepwise-budget-exhausted\b"), timeout=15_000)
+        expect(meter).to_have_attribute("title", re.compile(r"^The tenant's budget \(tenant local"))
+    finally:
+        ARTIFACTS.mkdir(exist_ok=True)
+        screenshot = ARTIFACTS / "extension-refused-steps.png"  # taken on a failure too: it shows what the page had
+        page.screenshot(path=str(screenshot))
+        print("screenshot:", screenshot)
+        flag.unlink(missing_ok=True)
+        assert api.delete(tenant_budget).status_code == 200
+    expect(page.locator(".jp-StepwiseSidebar-tenantBudget")).to_be_hidden(timeout=15_000)
+    expect(page.locator(".jp-StepwiseCost")).not_to_have_class(re.compile(r"\bstepwise-budget-exhausted\b"))

@@ -5,7 +5,7 @@
  * whole training run: below a cent we keep three significant digits instead.
  */
 
-import { BudgetState, IBudget, ILab, IRun, ISession, ITotals, Kind } from './types';
+import { BudgetState, IBudget, ILab, IRefusal, IRun, ISession, ITotals, Kind } from './types';
 
 export function formatCost(cost: number, symbol = '$'): string {
   if (!Number.isFinite(cost) || cost <= 0) {
@@ -125,10 +125,52 @@ export function runTree(runs: IRun[]): { run: IRun; depth: number }[] {
   return ordered;
 }
 
-/** "6 steps", or "6 steps (1 skipped)" when some optimizer steps had no forward_backward before them. */
+/**
+ * "6 steps", "6 steps (6 refused)" when the server refused the forward_backward before some optimizer steps,
+ * "6 steps (1 skipped)" when some had no forward_backward sent before them, or both: "6 steps (2 refused, 1 skipped)".
+ */
 export function stepsText(run: IRun): string {
+  const refused = run.refused_steps ?? 0;
   const skipped = run.skipped_steps ?? 0;
-  return plural(run.steps, 'step') + (skipped > 0 ? ` (${skipped} skipped)` : '');
+  const notes = [refused > 0 ? `${refused} refused` : '', skipped > 0 ? `${skipped} skipped` : ''].filter(Boolean);
+  return plural(run.steps, 'step') + (notes.length ? ` (${notes.join(', ')})` : '');
+}
+
+/** What the refused and skipped steps are, a line each; empty without any. */
+export function stepsTooltip(run: IRun): string {
+  const lines: string[] = [];
+  const refused = run.refused_steps ?? 0;
+  if (refused > 0) {
+    const last = run.last_refusal;
+    lines.push(
+      `${plural(refused, 'step')} refused: the server refused their forward_backward` +
+        (last ? ` (${last.status} ${last.message})` : '') +
+        ', so the optim_step after it had no gradient. ' +
+        'Await each forward_backward (.result()) to see the error where it happens.'
+    );
+  }
+  const skipped = run.skipped_steps ?? 0;
+  if (skipped > 0) {
+    lines.push(
+      `${plural(skipped, 'step')} skipped: an optim_step with no forward_backward before it ` +
+        '(an RL step whose groups all tied), so no loss'
+    );
+  }
+  return lines.join('\n');
+}
+
+/** "6 requests refused · 402: tenant 'alice' budget of $0.0010 is spent ...": a session's refusals, the newest's words. */
+export function refusalText(refusals: { count: number; last: IRefusal }): string {
+  return `${plural(refusals.count, 'request')} refused · ${refusals.last.status}: ${refusals.last.message}`;
+}
+
+/** The refusals' tooltip: the newest in full, what it was and when. */
+export function refusalTooltip(refusals: { count: number; last: IRefusal }): string {
+  const last = refusals.last;
+  return (
+    `${plural(refusals.count, 'request')} of this session refused by the server; the newest, ` +
+    `${last.request_type} at ${last.at.replace('T', ' ').slice(0, 19)}:\n${last.status} ${last.message}`
+  );
 }
 
 /**
@@ -162,12 +204,9 @@ export function lossTooltip(run: IRun): string {
   if (run.last_loss !== null && run.last_loss !== undefined) {
     lines.push(`loss:sum ${Number(run.last_loss.toPrecision(6))}: the last forward_backward's loss, summed over its tokens`);
   }
-  const skipped = run.skipped_steps ?? 0;
-  if (skipped > 0) {
-    lines.push(
-      `${plural(skipped, 'step')} skipped: an optim_step with no forward_backward before it ` +
-        '(an RL step whose groups all tied), so no loss'
-    );
+  const steps = stepsTooltip(run);
+  if (steps) {
+    lines.push(steps);
   }
   return lines.join('\n');
 }
@@ -309,14 +348,24 @@ function severity(budget: IBudget): number {
 }
 
 /**
- * The budget nearest to refusing work among the running sessions of the notebook at `path` and their
- * runs: the worst state, then the largest fraction spent (workbench/client/connection.py tightest_budget).
+ * The budget nearest to refusing work among the running sessions of the notebook at `path`, their runs and
+ * the tenant's (which refuses every session's work, so it counts for any notebook): the worst state, then the
+ * largest fraction spent (workbench/client/connection.py tightest_budget).
  */
-export function notebookBudget(sessions: ISession[], path: string | null): IBudget | null {
-  const budgets: (IBudget | null | undefined)[] = [];
+export function notebookBudget(
+  sessions: ISession[],
+  path: string | null,
+  tenant: IBudget | null = null
+): IBudget | null {
+  const budgets: (IBudget | null | undefined)[] = [tenant];
   for (const session of notebookSessions(sessions, path)) {
     budgets.push(session.budget, ...session.runs.map(run => run.budget));
   }
+  return tightestBudget(budgets);
+}
+
+/** The budget nearest to refusing work: the worst state, then the largest fraction spent; null without any. */
+export function tightestBudget(budgets: (IBudget | null | undefined)[]): IBudget | null {
   let tightest: IBudget | null = null;
   for (const budget of budgets) {
     if (!budget) {
@@ -355,10 +404,17 @@ export function budgetText(budget: IBudget, symbol = '$'): string {
 
 /** The tooltip's line for a budget: whose it is, what was spent, and what its state means. */
 export function budgetLine(budget: IBudget, symbol = '$'): string {
+  // A tenant's budget is the operator's to set (kernel_backend/api/budgets.py): set_budget cannot raise it.
+  const tenant = budget.scope === 'tenant';
   const meaning: Record<string, string> = {
     ok: '',
     warning: ': nearly spent',
-    exhausted: ': exhausted, the backend refuses more work (workbench.set_budget(usd=...) raises it)'
+    exhausted: tenant
+      ? ': exhausted, the backend refuses more work of every session of the tenant (the server operator raises it)'
+      : ': exhausted, the backend refuses more work (workbench.set_budget(usd=...) raises it)'
   };
-  return `Budget of ${budget.scope} ${budget.target}: ${budgetText(budget, symbol)}${meaning[budget.state] ?? ''}`;
+  const whose = tenant
+    ? `The tenant's budget (tenant ${budget.target}, every session of it counts)`
+    : `Budget of ${budget.scope} ${budget.target}`;
+  return `${whose}: ${budgetText(budget, symbol)}${meaning[budget.state] ?? ''}`;
 }

@@ -11,7 +11,8 @@ import { IDisposable } from '@lumino/disposable';
 import { Poll } from '@lumino/polling';
 import { ISignal, Signal } from '@lumino/signaling';
 
-import { ILab, IReport, IRunning, ISession } from './types';
+import { tightestBudget } from './format';
+import { IBudget, ILab, IReport, IRunning, ISession } from './types';
 
 export const DEFAULT_INTERVAL_MS = 2000;
 
@@ -80,6 +81,18 @@ export class SessionsModel implements IDisposable {
 
   get running(): IRunning {
     return this._report?.running ?? emptyRunning();
+  }
+
+  /**
+   * The tenant's budget, which refuses the work of every session of the tenant: the report's top-level one,
+   * else the tightest of its backends' (a lab merges the reports of several backends, each of one tenant).
+   */
+  get tenantBudget(): IBudget | null {
+    const report = this._report;
+    if (!report) {
+      return null;
+    }
+    return report.budget ?? tightestBudget((report.backends ?? []).map(backend => backend.budget));
   }
 
   get currency(): string {

@@ -6,7 +6,11 @@
  * checkpoints, each `tinker://` path with a copy button, and its in-memory sampler snapshots.
  * Sessions that ended (or whose backend stopped: the lab remembers them, with their checkpoints)
  * are greyed, in a group of their own that a click on its header folds. A session or run with a
- * budget shows it as a bar and "$0.41 of $0.50 (82%)", amber from 80% and red once exhausted.
+ * budget shows it as a bar and "$0.41 of $0.50 (82%)", amber from 80% and red once exhausted; the tenant's
+ * budget (which refuses the work of all its sessions) has its bar under the header. Refusals are shown where
+ * they land: a run counts its steps whose forward_backward was refused ("6 steps (6 refused)"), and a session
+ * the server refused requests of says so in red with the server's words, since an unawaited
+ * forward_backward's error is otherwise seen nowhere.
  *
  * Rows are kept per session id and only their texts change between polls, so a click or a hover
  * is never lost to a redraw that replaced the element under the pointer.
@@ -27,13 +31,16 @@ import {
   lossText,
   lossTooltip,
   plural,
+  refusalText,
+  refusalTooltip,
   rankLabel,
   runLabel,
   runName,
   runTree,
   sessionTitle,
   shortModel,
-  stepsText
+  stepsText,
+  stepsTooltip
 } from './format';
 import { stepwiseIcon } from './icon';
 import { emptyLab, SessionsModel } from './model';
@@ -53,6 +60,7 @@ export class SessionsSidebar extends Widget {
     const header = el('div', 'jp-StepwiseSidebar-header');
     header.appendChild(el('h2', 'jp-StepwiseSidebar-title', 'Stepwise sessions'));
     header.appendChild(this._summary);
+    header.appendChild(this._tenantBudget);
     this._endedHeader.type = 'button';
     this._endedHeader.addEventListener('click', () => model.toggle(ENDED_GROUP));
     this.node.append(header, this._message, this._backendErrors, this._list, this._endedHeader, this._endedList);
@@ -82,6 +90,7 @@ export class SessionsSidebar extends Widget {
     } else {
       this._summary.textContent = 'Loading…';
     }
+    drawBudget(this._tenantBudget, model.tenantBudget, this._symbol, 'tenant budget');
 
     const message = model.error ?? report?.message ?? emptyMessage(report);
     this._message.textContent = message ?? '';
@@ -136,6 +145,7 @@ export class SessionsSidebar extends Widget {
   private _model: SessionsModel;
   private _symbol = '$';
   private _summary = el('div', 'jp-StepwiseSidebar-summary');
+  private _tenantBudget = el('div', 'jp-StepwiseBudget jp-StepwiseSidebar-tenantBudget');
   private _message = el('div', 'jp-StepwiseSidebar-message');
   private _backendErrors = el('div', 'jp-StepwiseSidebar-backendErrors');
   private _list = el('ul', 'jp-StepwiseSidebar-list');
@@ -155,7 +165,7 @@ class SessionRow {
     this._header.type = 'button';
     this._header.addEventListener('click', onToggle);
     this._header.append(this._title, this._status);
-    this.node.append(this._header, this._facts, this._runs, this._tokens, this._budget, this._checkpoints);
+    this.node.append(this._header, this._facts, this._runs, this._tokens, this._budget, this._refusals, this._checkpoints);
   }
 
   update(session: ISession, expanded: boolean, symbol: string): void {
@@ -198,6 +208,14 @@ class SessionRow {
       ['cost', formatCost(session.cost, symbol)]
     ]);
     drawBudget(this._budget, session.budget, symbol);
+    const refusals = session.refusals;
+    this._refusals.hidden = !refusals;
+    data.refusals = String(refusals?.count ?? 0);
+    if (refusals) {
+      setText(this._refusals, refusalText(refusals));
+      this._refusals.title = refusalTooltip(refusals);
+      this._refusals.dataset.status = String(refusals.last.status);
+    }
 
     this._checkpoints.hidden = !expanded;
     const drawn = JSON.stringify([session.checkpoints, session.sampler_snapshots]);
@@ -216,6 +234,7 @@ class SessionRow {
   private _runs = el('ul', 'jp-StepwiseSession-runs');
   private _tokens = el('div', 'jp-StepwiseSession-tokens');
   private _budget = el('div', 'jp-StepwiseBudget');
+  private _refusals = el('div', 'jp-StepwiseRefusals');
   private _checkpoints = el('ul', 'jp-StepwiseSession-checkpoints');
   private _drawnRuns = '';
   private _drawnCheckpoints = '';
@@ -263,7 +282,11 @@ function runItem(run: IRun, depth: number, session: ISession, symbol: string): H
   const loss = el('span', 'jp-StepwiseRun-loss', lossText(run));
   loss.title = lossTooltip(run);
   item.dataset.skipped = String(run.skipped_steps ?? 0);
-  item.append(el('span', 'jp-StepwiseRun-steps', stepsText(run)), loss);
+  item.dataset.refused = String(run.refused_steps ?? 0);
+  const steps = el('span', 'jp-StepwiseRun-steps', stepsText(run));
+  steps.title = stepsTooltip(run);
+  steps.classList.toggle('jp-mod-refused', (run.refused_steps ?? 0) > 0);
+  item.append(steps, loss);
   if (other) {
     item.append(el('span', 'jp-StepwiseRun-model', other));
   }
@@ -276,11 +299,12 @@ function runItem(run: IRun, depth: number, session: ISession, symbol: string): H
 }
 
 /**
- * A budget as a bar and its text ("$0.41 of $0.50 (82%)"), drawn into `node` in place; hidden without
- * one. Its class says its state (stepwise-budget-ok / -warning / -exhausted: the colours, as the status
- * bar's), its data the exact figures, its tooltip whose budget it is and what the state means.
+ * A budget as a bar and its text ("$0.41 of $0.50 (82%)", after `label` when given), drawn into `node` in
+ * place; hidden without one. Its class says its state (stepwise-budget-ok / -warning / -exhausted: the
+ * colours, as the status bar's), its data the exact figures, its tooltip whose budget it is and what the
+ * state means.
  */
-function drawBudget(node: HTMLElement, budget: IBudget | null | undefined, symbol: string): void {
+function drawBudget(node: HTMLElement, budget: IBudget | null | undefined, symbol: string, label = ''): void {
   node.hidden = !budget;
   if (!budget) {
     return;
@@ -299,7 +323,10 @@ function drawBudget(node: HTMLElement, budget: IBudget | null | undefined, symbo
   node.title = budgetLine(budget, symbol);
   const bar = node.querySelector('.jp-StepwiseBudget-bar') as HTMLElement;
   bar.style.width = `${Math.max(0, Math.min(1, budget.fraction || 0)) * 100}%`;
-  setText(node.querySelector('.jp-StepwiseBudget-text') as HTMLElement, budgetText(budget, symbol));
+  setText(
+    node.querySelector('.jp-StepwiseBudget-text') as HTMLElement,
+    (label ? `${label} ` : '') + budgetText(budget, symbol)
+  );
 }
 
 /**

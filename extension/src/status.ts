@@ -2,9 +2,9 @@
  * The status-bar cost meter: the current notebook's running session (cost and tokens), then what
  * the whole lab spent since the Jupyter server started; the tooltip splits prefill / sample / train.
  * It reads the shared model, which polls the Jupyter server rather than a kernel, so it moves while
- * a training cell is still running. When the notebook's session or one of its runs has a budget, the
- * item turns amber from 80% spent (class stepwise-budget-warning) and red once the backend refuses
- * more work (stepwise-budget-exhausted); the tooltip names the budget.
+ * a training cell is still running. When the notebook's session, one of its runs or the tenant has a budget,
+ * the tightest of them turns the item amber from 80% spent (class stepwise-budget-warning) and red once the
+ * backend refuses more work (stepwise-budget-exhausted); the tooltip names the budget (a tenant's says so).
  */
 
 import { Widget } from '@lumino/widgets';
@@ -43,7 +43,7 @@ export class CostStatus extends Widget {
     const notebook = notebookTotals(this._model.sessions, this._path);
     const name = this._path ? baseName(this._path) : null;
     this.node.textContent = statusText(notebook, lab, this._symbol);
-    const budget = notebookBudget(this._model.sessions, this._path);
+    const budget = notebookBudget(this._model.sessions, this._path, this._model.tenantBudget);
     this.node.title = this._model.error
       ? `Stepwise: ${this._model.error}`
       : (budget ? budgetLine(budget, this._symbol) + '\n' : '') + statusTooltip(name, notebook, lab, this._symbol);

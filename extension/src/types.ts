@@ -42,6 +42,16 @@ export interface IBudget {
 
 export type BudgetState = 'ok' | 'warning' | 'exhausted';
 
+/** A request the server refused (a budget's 402, a rate limit's 429), with the server's own words. */
+export interface IRefusal {
+  status: number;
+  request_type: string;
+  /** e.g. "tenant 'alice' budget of $0.0010 is spent ($0.0012 of it); ..." */
+  message: string;
+  /** ISO time. */
+  at: string;
+}
+
 /** One training run of a session: its own steps and last loss. */
 export interface IRun {
   training_run_id: string;
@@ -54,8 +64,12 @@ export interface IRun {
    * loss:sum over the tokens its loss counts, as the notebooks print it); null where the backend cannot say. */
   loss_step?: number | null;
   loss_per_token?: number | null;
-  /** Optimizer steps taken with no forward_backward before them (an RL step whose groups all tied). */
+  /** Optimizer steps taken with no forward_backward sent before them (an RL step whose groups all tied). */
   skipped_steps?: number;
+  /** Optimizer steps whose forward_backward the server refused (not counted in skipped_steps): they had no
+   * gradient. An unawaited forward_backward's refusal is otherwise seen nowhere. */
+  refused_steps?: number;
+  last_refusal?: IRefusal | null;
   /** A fork: the run it branched off and the step it started from (null for a run made from scratch). */
   parent_run_id?: string | null;
   fork_step?: number | null;
@@ -95,6 +109,8 @@ export interface ISession {
   worker?: string | null;
   /** Null (or absent, from a backend before budgets) when the session has none. */
   budget?: IBudget | null;
+  /** The session's requests the server refused (budget 402, rate limit 429) and the newest; null when none. */
+  refusals?: { count: number; last: IRefusal } | null;
 }
 
 /** Sessions counted, their tokens by kind and their cost. */
@@ -125,6 +141,8 @@ export interface IBackend {
   error: string | null;
   /** Nothing listens at its address any more (its sessions show as 'unreachable'); a slow one is not stopped. */
   stopped?: boolean;
+  /** Its tenant's budget (the top-level budget of its own report), where the lab passes it on per backend. */
+  budget?: IBudget | null;
 }
 
 export interface IReport {
@@ -135,4 +153,6 @@ export interface IReport {
   currency: string;
   runtime_dir: string;
   message: string | null;
+  /** The tenant's budget (every session of the tenant counts against it); null or absent when it has none. */
+  budget?: IBudget | null;
 }

@@ -77,6 +77,7 @@ def usage_report(svc: Service, tenant: str, session_id: str | None = None, train
         "currency": "USD",
         "budget": svc.budgets.report(svc.budgets.get(*(("run", training_run_id) if training_run_id else
                                                        ("session", session_id) if session_id else ("tenant", tenant)))),
+        "refusals": svc.refusals.report(tenant, session_id, training_run_id),  # requests refused in the scope, if any
     }
 
 
@@ -158,11 +159,16 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
             last_loss[run_id] = _step_loss(s, row)
         # Optimizer steps with no forward_backward before them (an RL step whose groups all tied): a forward_backward's
         # ledger step is the optimizer steps taken before it, so step k trained on something if one has step k - 1.
-        skipped = {}
+        # A step whose forward_backward the service refused (a budget, a rate limit: service/refusals.py) is counted
+        # as refused, not skipped: the loop sent the work and was told no.
+        skipped, refused = {}, {}
         for run_id, taken in steps.items():
-            trained = s.scalar(select(func.count(func.distinct(UsageRow.step))).where(
-                UsageRow.model_id == run_id, UsageRow.request_type == "ForwardBackward", UsageRow.step < taken))
-            skipped[run_id] = max(0, int(taken) - int(trained or 0))
+            trained = set(s.scalars(select(func.distinct(UsageRow.step)).where(
+                UsageRow.model_id == run_id, UsageRow.request_type == "ForwardBackward", UsageRow.step < taken)))
+            untrained = set(range(int(taken))) - trained
+            refused[run_id] = {step: r for step, r in svc.refusals.refused_steps(tenant, run_id).items()
+                               if step in untrained}
+            skipped[run_id] = len(untrained) - len(refused[run_id])
         checkpoints = list(s.scalars(select(CheckpointRow).where(
             CheckpointRow.model_id.in_(run_ids)).order_by(CheckpointRow.created_at.desc())))
         snapshots = list(s.scalars(select(SamplerRow).where(  # made in their run's session (indexed)
@@ -192,6 +198,8 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
                  **lineage(r), "steps": int(steps.get(r.id, 0)), "last_loss": last_fb.get(r.id, {}).get("loss:sum"),
                  **last_loss.get(r.id, {"loss_step": None, "loss_per_token": None}),
                  "skipped_steps": skipped.get(r.id, 0),
+                 "refused_steps": len(refused.get(r.id, {})),
+                 "last_refusal": max(refused[r.id].values(), key=lambda x: x.at).public() if refused.get(r.id) else None,
                  "cost": run_cost.get(r.id, 0.0),  # its own training work (its rollouts are in the run scope of usage)
                  "budget": budget("run", r.id),
                  "user_metadata": {k: str(v) for k, v in (r.user_metadata or {}).items()}} for r in mine]
@@ -221,6 +229,7 @@ def sessions_report(svc: Service, tenant: str, active_only: bool = False, limit:
             "train_tokens": int(train or 0),
             "cost": float(cost or 0.0),
             "budget": budget("session", session.id),
+            "refusals": svc.refusals.report(tenant, session.id),  # what the service refused it (service/refusals.py)
             "checkpoints": [
                 {**checkpoint_json(c), "training_run_id": c.model_id}
                 for c in checkpoints if session_of_run[c.model_id] == session.id

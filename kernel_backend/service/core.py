@@ -29,14 +29,18 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, cast
 
-from kernel_backend.service import budgets, recovery, stability
+from sqlalchemy import func, select
+
+from kernel_backend.service import budgets, recovery, refusals, stability
 from kernel_backend.persistence import api_keys, signing
 from kernel_backend.engine import base_models
 from kernel_backend.execution import engine_work
 from kernel_backend import runtime
 from kernel_backend.service.admission import Admission
 from kernel_backend.config import Settings
-from kernel_backend.errors import Gone, HomeInUse, NotFound, UserError, error_payload, failure_category
+from kernel_backend import errors
+from kernel_backend.errors import (Gone, HomeInUse, NotFound, OverBudget, RateLimited, UserError, error_payload,
+                                    failure_category)
 from kernel_backend.execution.executor import Executor, InProcess
 from kernel_backend.persistence.api_keys import LOCAL_TENANT
 from kernel_backend.metering import Prices, Usage
@@ -124,6 +128,7 @@ class Service:
         self.prices = Prices(self.settings.prices_path or None)
         self.admission = Admission(self.settings, self.store, self.adapter_bytes)
         self.budgets = budgets.Budgets(self.store)
+        self.refusals = refusals.Refusals()  # what admit() refused, for the sidebar and the cost meter
         self.signing_key = signing.server_secret(self.store, self.settings.signing_key)
         if self.settings.sampler not in ("batched", "serial", "vllm"):
             raise ValueError(f"STEPWISE_SAMPLER must be 'batched', 'serial' or 'vllm', not {self.settings.sampler!r}")
@@ -254,21 +259,38 @@ class Service:
 
     # ---- futures -------------------------------------------------------------------------------
 
-    def admit(self, tenant: str, request_id: str, base_model: str, bound: Usage, session_id: str | None = None,
-              run_id: str | None = None) -> None:
+    def admit(self, tenant: str, request_type: str, request_id: str, base_model: str, bound: Usage,
+              session_id: str | None = None, run_id: str | None = None, key: str | None = None) -> None:
         """Count a request's most work (`bound`, tokens by kind) now, when it is admitted: against the tenant's
         tokens per minute (service/admission.py) and every budget that covers it (service/budgets.py), or raise before
-        anything is queued. Its ledger row settles both (`on_done`)."""
+        anything is queued (and remember the refusal: service/refusals.py). Its ledger row settles both (`on_done`)."""
         tokens = bound.prefill_tokens + bound.sample_tokens + bound.train_tokens
         if not tokens:  # free work (an optim_step, a save) passes every budget
             return
         scopes = budgets.Scopes(tenant, session_id, run_id, budgets.request_key())
-        self.budgets.admit(request_id, scopes, self.prices.cost(base_model, bound), tokens)
         try:
-            self.admission.tokens(tenant, request_id, tokens)
-        except Exception:
-            self.budgets.release(request_id)
+            self.budgets.admit(request_id, scopes, self.prices.cost(base_model, bound), tokens)
+            try:
+                self.admission.tokens(tenant, request_id, tokens)
+            except Exception:
+                self.budgets.release(request_id)
+                raise
+        except (OverBudget, RateLimited) as refused:
+            # A refused forward_backward leaves the step after it with no gradient: remember which step that is.
+            step = self._steps_taken(run_id) if run_id and request_type == "ForwardBackward" else None
+            self.refusals.record(refusals.Refusal(
+                tenant, session_id, run_id, request_type, step, errors.HTTP[type(refused)][0],
+                errors.redact_paths(str(refused)), now(), key))
             raise
+
+    def _steps_taken(self, run_id: str) -> int:
+        """The optimizer steps a run has taken or has queued: the ledger step its next forward_backward gets."""
+        with self.store.session() as s:
+            done = s.scalar(select(func.count()).select_from(UsageRow).where(
+                UsageRow.model_id == run_id, UsageRow.request_type == "OptimStep"))
+            queued = s.scalar(select(func.count()).select_from(FutureRow).where(
+                FutureRow.model_id == run_id, FutureRow.request_type == "OptimStep", FutureRow.status == "pending"))
+        return int(done or 0) + int(queued or 0)
 
     def submit(self, tenant: str, request_type: str, dedupe_key: str | None, job: Job, ordered: bool, extra=None,
                session_id: str | None = None, bound: Usage | None = None, run_id: str | None = None,
@@ -288,7 +310,7 @@ class Service:
         if existing is not None and existing.status != "interrupted":
             return existing  # a retry: admitted when it was first sent
         if bound is not None:
-            self.admit(tenant, job.request_id, job.base_model, bound, session_id, run_id)
+            self.admit(tenant, request_type, job.request_id, job.base_model, bound, session_id, run_id, dedupe_key)
         row = FutureRow(
             request_id=job.request_id,
             dedupe_key=dedupe_key,

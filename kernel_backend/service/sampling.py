@@ -192,7 +192,7 @@ def generate(svc: Service, tenant: str, request_type: str, base_model: str, path
     # their lane, budgets.ledger_scope), and is recorded under the caller's own session, not the run's: an eval of a
     # notebook's checkpoint is the eval client's work, not the notebook's (the sidebar shows it on its own row).
     run_id = run_of(path)
-    svc.admit(tenant, batch, base_model, Usage(prefill_tokens=sum(u.prefill_tokens for u in most),
+    svc.admit(tenant, request_type, batch, base_model, Usage(prefill_tokens=sum(u.prefill_tokens for u in most),
                                                sample_tokens=sum(u.sample_tokens for u in most)),
               session_id, run_id)  # the jobs below are admitted as this one batch
     lane = f"oai:{tenant}:{path or base_model}"

@@ -89,17 +89,21 @@ class Connection:
         and the tightest of their budgets."""
         totals: dict[str, Any] = {"requests": 0, "prefill_tokens": 0, "sample_tokens": 0, "train_tokens": 0, "cost": 0.0,
                   "by_kind": {kind: {"tokens": 0, "cost": 0.0} for kind in ("prefill", "sample", "train")}}
-        currency, budgets = "USD", []
+        currency, budgets, refused = "USD", [], []
+        tenant = self.usage(limit=1)  # the tenant's own budget (an operator's), which refuses any session's work
+        budgets += [tenant["budget"]] if tenant.get("budget") else []
         for session_id in self.session_ids():
             report = self.usage(session_id=session_id, limit=1)
             currency = report.get("currency", currency)
             budgets += [report["budget"]] if report.get("budget") else []
+            refused.append(report.get("refusals"))
             for key in ("requests", "prefill_tokens", "sample_tokens", "train_tokens", "cost"):
                 totals[key] += report["totals"][key]
             for kind, part in report["totals"]["by_kind"].items():
                 totals["by_kind"][kind]["tokens"] += part["tokens"]
                 totals["by_kind"][kind]["cost"] += part["cost"]
-        return {"totals": totals, "series": [], "cursor": 0, "currency": currency, "budget": tightest_budget(budgets)}
+        return {"totals": totals, "series": [], "cursor": 0, "currency": currency, "budget": tightest_budget(budgets),
+                "refusals": combined_refusals(refused)}
 
     def estimate(self, **body) -> dict:
         """POST /api/v1/usage/estimate with `body` (see workbench.widgets.cost.estimate_cost)."""
@@ -260,6 +264,23 @@ def tightest_budget(budgets: list[dict]) -> dict | None:
         return BUDGET_STATES.index(state) if state in BUDGET_STATES else 0, float(budget.get("fraction") or 0)
 
     return max(budgets, key=severity, default=None)
+
+
+def combined_refusals(reports: list[dict | None]) -> dict | None:
+    """The usage API's `refusals` of several scopes as one: their count, and the newest refusal of them all."""
+    given = [r for r in reports if r]
+    if not given:
+        return None
+    return {"count": sum(int(r["count"]) for r in given), "last": max((r["last"] for r in given), key=lambda x: x["at"])}
+
+
+def refusal_text(refusals: dict | None) -> str:
+    """What the service refused, in words: "3 requests refused · the last, a ForwardBackward: 402 <its message>"."""
+    if not refusals:
+        return ""
+    count, last = int(refusals["count"]), refusals["last"]
+    return (f"{count} request{'s' * (count != 1)} refused · the last, a {last['request_type']}: "
+            f"{last['status']} {last['message']}")
 
 
 def budget_amounts(usd, tokens) -> tuple[float | None, int | None]:

@@ -1,7 +1,9 @@
 """What connect() adds to the official tinker SDK's clients, all in this file.
 
-Four additions: results remember the datums that made them (for the reprs), a custom loss's value reaches the
-ledger, listeners on a training client's optim_step (for the probes), and sampling constraints.
+Five additions: results remember the datums that made them (for the reprs), a custom loss's value reaches the
+ledger, listeners on a training client's optim_step (for the probes), sampling constraints, and a warning when an
+optim_step follows a forward_backward that failed (a loop that does not await its forward_backward otherwise steps on
+no gradient without a word: a budget's 402 refused the pass, and the optim_step still "succeeds").
 
 Each wrapper calls the SDK's own method and changes nothing it returns. `install()` is idempotent.
 `sdk_method(cls, name)` is the SDK's own method under a wrapper, for calls a widget makes that should
@@ -31,6 +33,8 @@ _custom_losses: dict[str, list[tuple[float, float]]] = {}  # run id -> [(surroga
 # a listener holding its client (Probes does) keeps it until removed (Probes.close()).
 _optim_listeners: "weakref.WeakKeyDictionary[object, list[Callable]]" = weakref.WeakKeyDictionary()
 _constraint: contextvars.ContextVar = contextvars.ContextVar("stepwise_sample_constraint", default=None)
+# TrainingClient -> the future of its newest forward_backward not yet followed by an optim_step.
+_last_pass: "weakref.WeakKeyDictionary[object, object]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -110,7 +114,7 @@ def install(connection_of=None) -> None:
         _connection_of = connection_of
 
     for cls, name, wrapper in ((TrainingClient, "forward", _wrap_forward),
-                               (TrainingClient, "forward_backward", _wrap_forward),
+                               (TrainingClient, "forward_backward", _wrap_forward_backward),
                                (TrainingClient, "forward_backward_custom", _wrap_custom),
                                (TrainingClient, "optim_step", _wrap_optim_step),
                                (SamplingClient, "sample", _wrap_sample),
@@ -128,6 +132,35 @@ def _wrap_forward(method):
         return method(self, data, *args, **kwargs)
 
     return forward
+
+
+def _wrap_forward_backward(method):
+    forward = _wrap_forward(method)
+
+    def forward_backward(self, data, *args, **kwargs):
+        future = forward(self, data, *args, **kwargs)
+        with _lock:
+            _last_pass[self] = future
+        return future
+
+    return forward_backward
+
+
+def _warn_if_it_failed(training_client, future) -> None:
+    """Once the forward_backward `future` is done, warn if it failed: the optim_step sent after it had no gradient."""
+    inner = future.future() if hasattr(future, "future") else future  # the SDK's APIFuture holds a concurrent one
+    if not hasattr(inner, "add_done_callback"):
+        return
+
+    def check(done) -> None:
+        error = None if done.cancelled() else done.exception()
+        if error is not None:
+            warnings.warn(
+                f"an optim_step of {getattr(training_client, 'model_id', 'a training run')} followed a forward_backward "
+                f"that failed, so it stepped on no gradient: {error}. Await each forward_backward (its .result()) "
+                "before the optim_step to stop at the error.", RuntimeWarning, stacklevel=1)
+
+    inner.add_done_callback(check)
 
 
 def _wrap_sample(method):
@@ -172,7 +205,11 @@ def _constrained_request(request, constraint: dict):
 
 def _wrap_optim_step(method):
     def optim_step(self, *args, **kwargs):
+        with _lock:
+            passed = _last_pass.pop(self, None)
         future = method(self, *args, **kwargs)
+        if passed is not None:
+            _warn_if_it_failed(self, passed)
         with _lock:
             listeners = list(_optim_listeners.get(self, ()))
         for callback in listeners:
@@ -189,6 +226,8 @@ def _wrap_custom(method):
     def forward_backward_custom(self, data, loss_fn, *args, **kwargs):
         _remember(Call("forward_backward", self, data=list(data)))
         future = method(self, data, loss_fn, *args, **kwargs)
+        with _lock:
+            _last_pass[self] = future
         inner = future.future() if hasattr(future, "future") else None
         if inner is not None:
             inner.add_done_callback(lambda done: _report_custom_loss(self, done))

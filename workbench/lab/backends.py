@@ -149,7 +149,9 @@ async def read_report(backends: list[Backend], limit: int = 50, active_only: boo
     for backend, (answer, error, stopped) in zip(backends, answers):
         listed.append({"base_url": backend.base_url, "embedded": backend.embedded, "started": backend.started,
                        "kernel_pids": backend.kernel_pids, "sessions": len(answer["sessions"]) if answer else 0,
-                       "error": error, "stopped": stopped})
+                       "error": error, "stopped": stopped,
+                       # The budget of the tenant its key belongs to (an operator's), which refuses any of its work.
+                       "budget": answer.get("budget") if answer else None})
         if answer is None:
             continue
         currency = answer.get("currency", currency)

@@ -1,7 +1,7 @@
 // The cost meter's front end (workbench/widgets/cost.py, CostMeter): the table of tokens and money, and the budget bar
 // with its state's colour. Python formats every number (the `rows` and `budget_text` traits); this file only draws.
 const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c]));
-const FIELDS = ["scope", "rows", "error", "budget", "budget_text"];
+const FIELDS = ["scope", "rows", "error", "budget", "budget_text", "refused_text"];
 // JupyterLab's theme colours (the extension's status bar and sidebar use the same), with fallbacks elsewhere.
 const BUDGET_COLOURS = {ok: "var(--jp-brand-color1, #1976d2)", warning: "var(--jp-warn-color1, #f57c00)",
                         exhausted: "var(--jp-error-color1, #d32f2f)"};
@@ -40,6 +40,9 @@ export default {
           `<tr data-kind="${esc(label)}"><td style="padding:2px 10px 2px 0">${label === "total" ? "<b>total</b>" : esc(label)}</td>` +
           cell(tokens, "wb-cost-tokens") + cell(cost, "wb-cost-cost") + `</tr>`).join("") +
         `</table>` + budgetHtml(model.get("budget"), model.get("budget_text")) +
+        // Refused requests bill nothing, so the table above never shows them: said here, in red, in the server's words.
+        (model.get("refused_text") ? `<div class="wb-refusals" style="color:${BUDGET_COLOURS.exhausted};` +
+          `margin-top:6px;max-width:520px">${esc(model.get("refused_text"))}</div>` : "") +
         (error ? `<div class="wb-cost-error" style="color:#b00">${esc(error)}</div>` : "") + `</div>`;
     };
     draw();

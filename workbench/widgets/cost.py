@@ -11,7 +11,8 @@ the single source of truth: nothing is counted on the client.
 When the scope has a budget (workbench.connect(budget_usd=...), workbench.set_budget), the meter
 shows what was spent of it as a bar with "$0.41 of $0.50 (82%)": its colour follows the backend's
 state of the budget (normal, amber from 80%: "warning", red: "exhausted", when the backend refuses
-more work). The kernel scope shows the tightest of its sessions' budgets.
+more work). The kernel scope shows the tightest of its sessions' budgets and the tenant's. Requests the
+backend refused in the scope (402 over a budget, 429 over a rate limit) show in red with the server's message.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import anywidget
 import traitlets as t
 
-from workbench.client.connection import run_id_of, session_id_of  # noqa: F401 - here too, where the widgets import them
+from workbench.client.connection import refusal_text, run_id_of, session_id_of  # noqa: F401 - here too, where the widgets import them
 from workbench.widgets.polling import Poller
 
 KINDS = ("prefill", "sample", "train")
@@ -90,6 +91,10 @@ class CostMeter(anywidget.AnyWidget):
     budget = t.Dict().tag(sync=True)  # the scope's budget as the backend counts it ({} when it has none)
     budget_text = t.Unicode("").tag(sync=True)  # budget_text(budget), drawn beside the bar
     error = t.Unicode("").tag(sync=True)
+    # The requests the backend refused in the scope (a budget's 402, a rate limit's 429: they bill nothing, so the
+    # table never shows them): {"count", "last"} as the usage API gives it ({} when none), and the red line saying so.
+    refusals = t.Dict().tag(sync=True)
+    refused_text = t.Unicode("").tag(sync=True)
 
     def __init__(self, session=None, training_run_id=None, *, connection=None, poll_interval: float | None = 2.0):
         super().__init__()
@@ -119,6 +124,8 @@ class CostMeter(anywidget.AnyWidget):
                                                  format_cost(totals["cost"], symbol)]]
             self.budget = report.get("budget") or {}
             self.budget_text = budget_text(self.budget, symbol) if self.budget else ""
+            self.refusals = report.get("refusals") or {}
+            self.refused_text = refusal_text(self.refusals)
             self.error = ""
         return totals
 

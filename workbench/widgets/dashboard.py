@@ -24,6 +24,7 @@ import plotly.graph_objects as go
 import traitlets as t
 
 from workbench.client import sdk_hooks
+from workbench.client.connection import combined_refusals, refusal_text
 from workbench.widgets.cost import format_cost, run_id_of, session_id_of
 from workbench.widgets.polling import Poller
 from workbench.widgets.runs import run_label
@@ -197,6 +198,7 @@ class Dashboard(w.VBox):
     requests = t.Int(0)
     cursor = t.Int(0)  # the newest ledger row read (each scope keeps its own: _cursors)
     error = t.Unicode("")
+    refusals = t.Dict()  # what the backend refused in the scope ({"count", "last"}, the usage API's; {} when none)
     children: tuple  # VBox's trait, declared for mypy: ipywidgets ships no types, and on_click sets it from itself
 
     def __init__(self, training_run_id=None, session=None, *, panels: dict[str, list[str]] | None = None,
@@ -235,17 +237,19 @@ class Dashboard(w.VBox):
         self.panels = w.Box(layout=w.Layout(display="flex", flex_flow="row wrap", width="100%"))
         self.note = w.HTML()  # what is not drawn yet, in words
         self.alerts = w.HTML()  # the flagged steps, in words
+        self.refused = w.HTML()  # the requests the backend refused (a budget's 402: no step trained), in red
         self.clicks: PlotClicks | None = None  # a PlotClicks, once something listens to clicks on the plots (on_click)
         self.inspector = None  # the RolloutInspector of rollouts()
         self._rollout_logs: dict = {}  # run name (None: no run given) -> its RolloutLog, from rollouts()
         self.stats = w.HTML()
-        super().__init__([self.note, self.alerts, self.panels, self.stats])
+        super().__init__([self.refused, self.note, self.alerts, self.panels, self.stats])
         self.add_class("wb-dashboard")
         self.training_run_ids, self.session_id = run_ids, session_id
         self.training_run_id = run_ids[0] if run_ids else None
         self._losses: dict[tuple[str | None, int], list[float]] = {}  # (run, step) -> its losses, insertion-ordered
         self._step_costs: dict[str, dict[int, float]] = {}  # what step_costs shows, as the poller builds it
         self._lock = threading.Lock()  # refresh() runs on the poller thread and on demand
+        self._refused_line = ""  # what self.refused says
         self._draw_lock = threading.Lock()  # so do redraws (the throttle's timer and the caller)
         self._redraw = Throttle(self._draw, redraw_interval)
         self._poller = Poller(self.refresh, poll_interval or 0, on_error=self._show_error)
@@ -263,7 +267,7 @@ class Dashboard(w.VBox):
         return rows
 
     def _pull(self) -> int:
-        new, totals = 0, []
+        new, totals, refused = 0, [], []
         for i, scope in enumerate(self._scopes):
             for report in self._pages(scope, self._cursors[i]):
                 for row in report["series"]:
@@ -273,6 +277,7 @@ class Dashboard(w.VBox):
                 self._cursors[i] = report["cursor"]
                 new += len(report["series"])
             totals.append(report["totals"])
+            refused.append(report.get("refusals"))
         if self.x == "cost" and not self.training_run_ids:
             # A session's rows hold its runs' own requests, but not which run a rollout's sampling was for:
             # each run's own scope does (its samplers' rows), so each run's cost is read from there.
@@ -294,7 +299,12 @@ class Dashboard(w.VBox):
             self.cost = sum(part["cost"] for part in totals)
             self.requests = sum(part["requests"] for part in totals)
             self.tokens = {k: sum(part[f"{k}_tokens"] for part in totals) for k in ("prefill", "sample", "train")}
+            self.refusals = combined_refusals(refused) or {}
             self.error = ""
+        if (line := refusal_text(self.refusals)) != self._refused_line:
+            self._refused_line = line
+            self.refused.value = (f'<div class="wb-refusals" style="color:var(--jp-error-color1, #d32f2f);'
+                                  f'font:12px sans-serif">{html.escape(line)}</div>' if line else "")
         return new
 
     def _pages(self, scope: dict, after: int):

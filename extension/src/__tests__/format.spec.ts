@@ -6,7 +6,10 @@ import {
   formatLoss,
   formatTokens,
   lossText,
+  lossTooltip,
   plural,
+  refusalText,
+  refusalTooltip,
   shortModel,
   notebookBudget,
   notebookTotals,
@@ -15,6 +18,7 @@ import {
   statusText,
   statusTooltip,
   stepsText,
+  stepsTooltip,
   totalTokens,
   utcTime
 } from '../format';
@@ -170,6 +174,31 @@ describe('budgets', () => {
     expect(notebookBudget([{ ...mine, budget: null, runs: [run(1, null)] }], 'nb.ipynb')).toBeNull();
     expect(notebookBudget([mine], null)).toBeNull();
   });
+
+  it("counts the tenant's budget as a session's: the tightest wins, for any notebook", () => {
+    const mine = {
+      session_id: 'a', status: 'active', created_at: '', age_s: 1, display_name: 'nb.ipynb', base_model: null,
+      lora_rank: null, training_run_ids: [], prefill_tokens: 0, sample_tokens: 0, train_tokens: 0, cost: 0,
+      checkpoints: [], sampler_snapshots: [], backend: 'b', budget: budget({ fraction: 0.85, state: 'warning' }), runs: []
+    } as ISession;
+    const tenant = budget({ scope: 'tenant', target: 'alice', budget_usd: 0.001, spent_usd: 0.0012, fraction: 1.2,
+      state: 'exhausted' });
+    expect(notebookBudget([mine], 'nb.ipynb', tenant)).toBe(tenant);
+    expect(notebookBudget([mine], 'nb.ipynb', { ...tenant, fraction: 0.5, state: 'ok' })).toBe(mine.budget);
+    expect(notebookBudget([], 'nb.ipynb', tenant)).toBe(tenant); // no session yet: the tenant's work is refused all the same
+    expect(notebookBudget([mine], null, tenant)).toBe(tenant);
+    expect(notebookBudget([mine], 'nb.ipynb', null)).toBe(mine.budget);
+  });
+
+  it("says a tenant's budget is the tenant's, and that the operator raises it", () => {
+    const tenant = budget({ scope: 'tenant', target: 'alice', budget_usd: 0.001, spent_usd: 0.0012, fraction: 1.2,
+      state: 'exhausted' });
+    expect(budgetLine(tenant)).toBe(
+      "The tenant's budget (tenant alice, every session of it counts): $0.0012 of $0.0010 (120%): exhausted, the " +
+        'backend refuses more work of every session of the tenant (the server operator raises it)');
+    expect(budgetLine({ ...tenant, fraction: 0.5, spent_usd: 0.0005, state: 'ok' }))
+      .toBe("The tenant's budget (tenant alice, every session of it counts): $0.00050 of $0.0010 (50%)");
+  });
 });
 
 describe('a run\'s steps and loss (issue 56)', () => {
@@ -188,6 +217,35 @@ describe('a run\'s steps and loss (issue 56)', () => {
     expect(stepsText(run({ skipped_steps: 1 }))).toBe('6 steps (1 skipped)');
     expect(stepsText(run({ skipped_steps: 0 }))).toBe('6 steps');
     expect(stepsText(run({ steps: 1 }))).toBe('1 step');
+  });
+
+  it('counts refused steps apart from skipped ones, and says why they had no gradient (issue 65)', () => {
+    const refusal = { status: 402, request_type: 'forward_backward', at: '2026-12-07T10:00:00Z',
+      message: "tenant 'alice' budget of $0.0010 is spent ($0.0012 of it)" };
+    expect(stepsText(run({ refused_steps: 6, skipped_steps: 0 }))).toBe('6 steps (6 refused)');
+    expect(stepsText(run({ refused_steps: 2, skipped_steps: 1 }))).toBe('6 steps (2 refused, 1 skipped)');
+    expect(stepsText(run({ refused_steps: 0 }))).toBe('6 steps');
+    const refused = run({ refused_steps: 6, last_refusal: refusal });
+    expect(stepsTooltip(refused)).toBe(
+      "6 steps refused: the server refused their forward_backward (402 tenant 'alice' budget of $0.0010 is spent " +
+        '($0.0012 of it)), so the optim_step after it had no gradient. Await each forward_backward (.result()) to ' +
+        'see the error where it happens.');
+    expect(lossTooltip(refused).split('\n')).toEqual([
+      "loss:sum -174: the last forward_backward's loss, summed over its tokens", stepsTooltip(refused)]);
+    expect(stepsTooltip(run({ refused_steps: 1 }))).toMatch(/^1 step refused: the server refused their forward_backward, so/);
+    expect(stepsTooltip(run({ refused_steps: 1, skipped_steps: 1 })).split('\n')[1]).toMatch(/^1 step skipped: /);
+    expect(stepsTooltip(run({}))).toBe('');
+  });
+
+  it("says how many of a session's requests were refused, with the newest's status and the server's words", () => {
+    const last = { status: 402, request_type: 'forward_backward', at: '2026-12-07T10:00:00.123Z',
+      message: "tenant 'alice' budget of $0.0010 is spent" };
+    expect(refusalText({ count: 6, last })).toBe("6 requests refused · 402: tenant 'alice' budget of $0.0010 is spent");
+    expect(refusalText({ count: 1, last: { ...last, status: 429, message: 'slow down' } }))
+      .toBe('1 request refused · 429: slow down');
+    expect(refusalTooltip({ count: 6, last })).toBe(
+      '6 requests of this session refused by the server; the newest, forward_backward at 2026-12-07 10:00:00:\n' +
+        "402 tenant 'alice' budget of $0.0010 is spent");
   });
 
   it('names a session by the name given to connect() first', () => {

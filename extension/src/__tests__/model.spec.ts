@@ -68,6 +68,34 @@ describe('SessionsModel', () => {
     model.dispose();
   });
 
+  it("keeps the tenant's budget (the report's top-level one), null when it has none or the backend is older", async () => {
+    const tenant = { scope: 'tenant', target: 'alice', budget_usd: 0.001, budget_tokens: null, spent_usd: 0.0012,
+      spent_tokens: 0, pending_usd: 0, fraction: 1.2, state: 'exhausted' as const };
+    const answers = [{ ...report([]), budget: tenant }, { ...report([]), budget: null }, report([])];
+    const model = new SessionsModel({ fetch: async () => answers.shift()! });
+    expect(model.tenantBudget).toBeNull();
+    await model.update();
+    expect(model.tenantBudget).toEqual(tenant);
+    await model.update();
+    expect(model.tenantBudget).toBeNull();
+    await model.update();
+    expect(model.tenantBudget).toBeNull();
+    model.dispose();
+  });
+
+  it("takes the tightest of the backends' tenant budgets where the lab passes them on per backend", async () => {
+    const tenant = (target: string, fraction: number, state: 'ok' | 'warning' | 'exhausted') => ({
+      scope: 'tenant', target, budget_usd: 1, budget_tokens: null, spent_usd: fraction, spent_tokens: 0,
+      pending_usd: 0, fraction, state });
+    const backend = (budget: ReturnType<typeof tenant> | null) => ({
+      base_url: 'http://127.0.0.1:1', embedded: true, started: '', kernel_pids: [], sessions: 0, error: null, budget });
+    const answers = [{ ...report([]), backends: [backend(tenant('a', 0.9, 'warning')), backend(null), backend(tenant('b', 1, 'exhausted'))] }];
+    const model = new SessionsModel({ fetch: async () => answers.shift()! });
+    await model.update();
+    expect(model.tenantBudget!.target).toBe('b');
+    model.dispose();
+  });
+
   it('keeps the last good report when a poll fails, and clears the error on the next good one', async () => {
     let fail = false;
     const model = new SessionsModel({

@@ -265,6 +265,55 @@ describe('SessionsSidebar', () => {
     model.dispose();
   });
 
+  it("draws the tenant's budget under the header, coloured by its state, hidden without one (issue 65)", async () => {
+    const tenant: IBudget = { scope: 'tenant', target: 'alice', budget_usd: 0.001, budget_tokens: null,
+      spent_usd: 0.0012, spent_tokens: 0, pending_usd: 0, fraction: 1.2, state: 'exhausted' };
+    const { node, model } = await drawn([report([session('a')], { budget: tenant }), report([session('a')])]);
+    const bar = node.querySelector<HTMLElement>('.jp-StepwiseSidebar-header .jp-StepwiseSidebar-tenantBudget')!;
+    expect(bar.hidden).toBe(false);
+    expect(bar.classList.contains('stepwise-budget-exhausted')).toBe(true);
+    expect(bar.dataset.scope).toBe('tenant');
+    expect(bar.querySelector('.jp-StepwiseBudget-text')!.textContent).toBe('tenant budget $0.0012 of $0.0010 (120%)');
+    expect(bar.querySelector<HTMLElement>('.jp-StepwiseBudget-bar')!.style.width).toBe('100%');
+    expect(bar.title).toMatch(/^The tenant's budget \(tenant alice, every session of it counts\): .*exhausted/);
+    await model.update(); // removed (or an older backend): nothing shown
+    expect(bar.hidden).toBe(true);
+    model.dispose();
+  });
+
+  it('counts refused steps on a run and shows a session\'s refusals in red with the server\'s words (issue 65)', async () => {
+    const refusal = { status: 402, request_type: 'forward_backward', at: '2026-12-07T10:00:00Z',
+      message: "tenant 'alice' budget of $0.0010 is spent ($0.0012 of it); ask the operator to raise it" };
+    const [run] = session('a').runs;
+    const { node, model } = await drawn([
+      report([session('a', { runs: [{ ...run, steps: 6, refused_steps: 6, skipped_steps: 0, last_refusal: refusal }],
+                             refusals: { count: 6, last: refusal } }), session('b')]),
+      report([session('a', { refusals: null }), session('b')])
+    ]);
+    const [a, b] = rows(node);
+    const item = a.querySelector<HTMLElement>('li.jp-StepwiseRun')!;
+    expect(item.dataset.refused).toBe('6');
+    expect(item.dataset.skipped).toBe('0');
+    const steps = item.querySelector<HTMLElement>('.jp-StepwiseRun-steps')!;
+    expect(steps.textContent).toBe('6 steps (6 refused)');
+    expect(steps.classList.contains('jp-mod-refused')).toBe(true);
+    expect(steps.title).toContain('6 steps refused: the server refused their forward_backward (402 tenant');
+    expect(item.querySelector<HTMLElement>('.jp-StepwiseRun-loss')!.title).toContain('Await each forward_backward');
+    const line = a.querySelector<HTMLElement>('.jp-StepwiseRefusals')!;
+    expect(line.hidden).toBe(false);
+    expect(line.textContent).toBe(`6 requests refused · 402: ${refusal.message}`);
+    expect(line.title).toContain(refusal.message);
+    expect(a.dataset.refusals).toBe('6');
+    expect(b.querySelector<HTMLElement>('.jp-StepwiseRefusals')!.hidden).toBe(true);
+    expect(b.querySelector<HTMLElement>('li.jp-StepwiseRun')!.dataset.refused).toBe('0');
+
+    await model.update(); // none any more: the line goes, the same row
+    expect(rows(node)[0]).toBe(a);
+    expect(line.hidden).toBe(true);
+    expect(a.querySelector('.jp-StepwiseRun-steps')!.textContent).toBe('3 steps');
+    model.dispose();
+  });
+
   it('names the engine worker a session lives on, when the backend has workers', async () => {
     const { node, model } = await drawn([report([session('a', { worker: 'worker-1' }), session('b')])]);
     const [onWorker, inProcess] = rows(node);

@@ -51,4 +51,25 @@ describe('CostStatus', () => {
     expect(classes()).toEqual([]);
     model.dispose();
   });
+
+  it("turns red when the tenant's budget is exhausted, its tooltip saying the budget is the tenant's (issue 65)", async () => {
+    const tenant = { scope: 'tenant', target: 'alice', budget_usd: 0.001, budget_tokens: null, spent_usd: 0.0012,
+      spent_tokens: 0, pending_usd: 0, fraction: 1.2, state: 'exhausted' as const };
+    const answers = [{ ...report('ok'), budget: tenant }, { ...report('warning'), budget: { ...tenant, fraction: 0.5, state: 'ok' as const } }];
+    const model = new SessionsModel({ fetch: async () => answers.shift()! });
+    const status = new CostStatus(model);
+    status.notebookPath = 'work/nb.ipynb';
+    await model.update(); // the session's budget is fine, the tenant's spent: the tenant's wins
+    expect(status.node.classList.contains('stepwise-budget-exhausted')).toBe(true);
+    expect(status.node.dataset.budgetState).toBe('exhausted');
+    expect(status.node.title.split('\n')[0]).toMatch(/^The tenant's budget \(tenant alice, every session of it counts\): /);
+    status.notebookPath = 'another.ipynb'; // the tenant's budget refuses every notebook's work
+    expect(status.node.classList.contains('stepwise-budget-exhausted')).toBe(true);
+    status.notebookPath = 'work/nb.ipynb';
+    await model.update(); // the session's 80% is now the tightest
+    expect(status.node.classList.contains('stepwise-budget-exhausted')).toBe(false);
+    expect(status.node.classList.contains('stepwise-budget-warning')).toBe(true);
+    expect(status.node.title.split('\n')[0]).toMatch(/^Budget of session s1: /);
+    model.dispose();
+  });
 });
