@@ -113,8 +113,10 @@ def serve_forever(settings, host: str, port: int, log_level: str, exit_when_unus
     from kernel_backend import runtime
     from kernel_backend.api.app import create_app
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from kernel_backend.api.monitoring import configure_logging
     from kernel_backend.errors import HomeInUse
+
+    configure_logging(settings.log_format)  # a line per request (api/monitoring.py), as text or JSON
 
     # A server only this machine can reach is one user's: unless a tenant share is set, the tenant has the whole
     # adapter cache (a full fine-tuning run then needs STEPWISE_ADAPTER_CACHE_MB alone). Set in the environment too,
@@ -140,7 +142,8 @@ def serve_forever(settings, host: str, port: int, log_level: str, exit_when_unus
             api_keys.revoke(app.state.service.store, settings.loopback_key)
     url_host = "127.0.0.1" if loopback or host in ("0.0.0.0", "::", "") else host
     base_url = f"http://{url_host}:{port}"
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    # uvicorn's own access lines off: the request log (api/monitoring.py) has one line per request, with its tenant.
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False))
 
     def when_ready() -> None:
         while not server.started and not server.should_exit:

@@ -138,7 +138,8 @@ class Settings:
                        "request at a time, the benchmarks' baseline) or vllm (a vLLM worker in its own venv)",
                        choices=("batched", "serial", "vllm"))
     matmul: str = env("MATMUL", "auto", "who computes the frozen base layers' products (engine/matmul.py): auto (oneDNN for "
-                      "float32 on AMD x86, torch's own elsewhere), onednn or torch", choices=("auto", "onednn", "torch"))
+                      "float32 on AMD x86 CPUs with AVX-512, torch's own elsewhere), onednn or torch",
+                      choices=("auto", "onednn", "torch"))
     sample_cache_mb: int = env("SAMPLE_CACHE_MB", 4096, "the decoding rows' KV cache (MB; each request reserves its "
                                "rows at their longest); an 8th of it more for the prefix cache", at_least=1)
     sample_dtype: str = env("SAMPLE_DTYPE", "float32", "the built-in sampler's base-weight products: float32 (the "
@@ -192,6 +193,9 @@ class Settings:
     worker_wait_s: float = env("WORKER_WAIT_S", 600.0, "a training run whose worker was lost waits this long (s) for a "
                                "live worker to be restored on (one Ray restarts rejoins); past it, its requests fail "
                                "saying so")
+    log_format: str = env("LOG_FORMAT", "text", "the server log's lines: text, or json (one object a line, for a log "
+                          "collector; each request's line has its fields: tenant, method, route, status, ms, tokens)",
+                          choices=("text", "json"))
     ray_num_cpus: int = env("RAY_NUM_CPUS", 0, "CPUs the Ray head this backend starts offers; 0: the machine's")
     ray_object_store_mb: int = env("RAY_OBJECT_STORE_MB", 256, "that head's object store (MB)")
     # Machine-wide caches that outlive a STEPWISE_HOME, such as the vLLM venv: $XDG_CACHE_HOME/stepwise.

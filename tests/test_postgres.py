@@ -166,16 +166,25 @@ def test_postgresql_stopped_under_a_running_backend_is_a_clear_error_and_its_ret
     server = backend.server
     headers = {"X-API-Key": server.api_key}
     assert httpx.get(f"{server.base_url}/api/v1/budgets", headers=headers).status_code == 200  # a pooled connection
+    ready = httpx.get(f"{server.base_url}/api/v1/readyz", timeout=60)
+    assert ready.status_code == 200 and ready.json()["checks"]["database"] == {"ok": True, "detail": "postgresql"}
     postgres_cluster.stop()
     try:
         reply = httpx.get(f"{server.base_url}/api/v1/budgets", headers=headers, timeout=60)
         assert reply.status_code == 503, reply.text
         assert "database" in reply.text.lower(), reply.text
         assert "Traceback" not in reply.text
+        # Not ready while the database is down (a load balancer stops sending work), and it says which part; alive.
+        ready = httpx.get(f"{server.base_url}/api/v1/readyz", timeout=60)
+        assert ready.status_code == 503 and ready.json()["status"] == "not ready", ready.text
+        checks = ready.json()["checks"]
+        assert not checks["database"]["ok"] and checks["models"]["ok"] and checks["checkpoint_store"]["ok"], checks
+        assert httpx.get(f"{server.base_url}/api/v1/healthz", timeout=60).status_code == 200
     finally:
         postgres_cluster.start()
     # The pool hands out no dead connection: the first request after PostgreSQL is back works, and so does training.
     assert httpx.get(f"{server.base_url}/api/v1/budgets", headers=headers, timeout=60).status_code == 200
+    assert httpx.get(f"{server.base_url}/api/v1/readyz", timeout=60).status_code == 200
     client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
     tc = client.create_lora_training_client(base_model=BASE, rank=4).result()
     assert np.isfinite(tc.forward_backward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"])

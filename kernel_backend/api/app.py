@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kernel_backend.api import monitoring
 from kernel_backend.api import anthropic as anthropic_routes, budgets as budget_routes, hub as hub_routes, openai as openai_routes, rest as rest_routes, tinker as tinker_routes, usage as usage_routes
 from kernel_backend.service import Service, budgets
 from kernel_backend import errors
@@ -40,6 +41,7 @@ def create_app(settings: Settings | None = None, preload: list[str] | None = Non
     app = FastAPI(title="Stepwise training-session service", lifespan=lifespan)
     app.state.service = service
     app.add_middleware(BodyLimit, max_bytes=max_body)
+    app.add_middleware(monitoring.RequestLog)  # inside RequestKey: it reads what the request was noted with
     app.add_middleware(RequestKey)
 
     def error(request: Request, status: int, message: str, headers=None, category: str | None = None) -> JSONResponse:
@@ -118,6 +120,7 @@ def include_routes(app: FastAPI) -> None:
     app.include_router(openai_routes.build_router("/v1"))
     app.include_router(anthropic_routes.router)
     app.include_router(hub_routes.router)  # the served models' tokenizers for clients without the Hub
+    app.include_router(monitoring.router)  # /metrics and /api/v1/readyz
 
 
 class RequestKey:

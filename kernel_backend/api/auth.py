@@ -74,6 +74,7 @@ def caller_of(request: Request) -> Caller:
 
 def _caller(row) -> Caller:
     budgets.set_request_key(row.prefix)  # the work this request queues counts against the key's budget
+    budgets.note(tenant=row.tenant)  # for the request's log line
     return Caller(row.tenant, row.id)
 
 

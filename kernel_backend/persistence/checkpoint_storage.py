@@ -319,6 +319,18 @@ class CheckpointStorage:
             (folder / MANIFEST).unlink()  # the copy gets a manifest of its own as it is put in place
         return located[0]
 
+    def reachable(self) -> None:
+        """Raise (OSError, or the store's own error) unless the store's root can be listed now (GET /readyz)."""
+        if self.fs is None:
+            if not Path(self.root).is_dir():
+                Path(self.root).mkdir(parents=True, exist_ok=True)
+            return
+        self.fs.invalidate_cache(self.root)  # ask the store, not fsspec's cached listing
+        try:
+            self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            pass  # answered: nothing is stored under the prefix yet
+
     def exists(self, key: str) -> bool:
         """Whether a checkpoint is in place at `key` (on an object store: its manifest is)."""
         return Path(self.root, key).is_dir() if self.fs is None else self._manifest(f"{self.root}/{key}") is not None

@@ -62,6 +62,18 @@ def request_key() -> str | None:
     return holder.get("key") if holder else None
 
 
+def note(**fields) -> None:
+    """Add to what the request's log line says (kernel_backend/api/monitoring.py): its tenant, the tokens admitted."""
+    holder = _request_key.get()
+    if holder is not None:
+        holder.update(fields)
+
+
+def notes() -> dict:
+    """What the request being served was noted with: its key's prefix ("key"), "tenant", "tokens"."""
+    return dict(_request_key.get() or {})
+
+
 @dataclass
 class Scopes:
     """What a request is charged to: the budgets that may refuse it."""

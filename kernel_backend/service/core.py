@@ -31,7 +31,7 @@ from typing import Any, Callable, cast
 
 from sqlalchemy import func, select
 
-from kernel_backend.service import budgets, recovery, refusals, stability
+from kernel_backend.service import budgets, metrics, recovery, refusals, stability
 from kernel_backend.persistence import api_keys, signing
 from kernel_backend.engine import base_models
 from kernel_backend.execution import engine_work
@@ -129,6 +129,7 @@ class Service:
         self.admission = Admission(self.settings, self.store, self.adapter_bytes)
         self.budgets = budgets.Budgets(self.store)
         self.refusals = refusals.Refusals()  # what admit() refused, for the sidebar and the cost meter
+        self.metrics = metrics.Metrics(self)  # GET /metrics (kernel_backend/api/monitoring.py)
         self.signing_key = signing.server_secret(self.store, self.settings.signing_key)
         if self.settings.sampler not in ("batched", "serial", "vllm"):
             raise ValueError(f"STEPWISE_SAMPLER must be 'batched', 'serial' or 'vllm', not {self.settings.sampler!r}")
@@ -268,6 +269,7 @@ class Service:
         if not tokens:  # free work (an optim_step, a save) passes every budget
             return
         scopes = budgets.Scopes(tenant, session_id, run_id, budgets.request_key())
+        budgets.note(tokens=tokens)  # the request's log line and metrics say what it asked for
         try:
             self.budgets.admit(request_id, scopes, self.prices.cost(base_model, bound), tokens)
             try:
@@ -276,6 +278,7 @@ class Service:
                 self.budgets.release(request_id)
                 raise
         except (OverBudget, RateLimited) as refused:
+            self.metrics.refused.labels(str(errors.HTTP[type(refused)][0])).inc()
             # A refused forward_backward leaves the step after it with no gradient: remember which step that is.
             step = self._steps_taken(run_id) if run_id and request_type == "ForwardBackward" else None
             self.refusals.record(refusals.Refusal(
@@ -372,6 +375,8 @@ class Service:
                 api_key=request.api_key,
             )
         self.store.finish_future(job.request_id, status, payload, content_type, ledger, keep_s=self.settings.result_ttl_s)
+        self.metrics.job_done(request.request_type, status, usage if status == "done" else None,
+                              failure_category(outcome) if isinstance(outcome, Exception) else None)
         self.budgets.release(job.request_id)  # only now: its cost is in the ledger
         with self._waiters_lock:
             waiters = self._waiters.pop(job.request_id, [])
