@@ -2,6 +2,7 @@
 
     python -m kernel_backend serve --host 127.0.0.1 --port 8000 [--workers N [--shard M]] [--supervise]
     python -m kernel_backend keys create --tenant NAME | list | revoke KEY_OR_PREFIX
+    python -m kernel_backend admin tenants [--url URL] [--key KEY] [--json]
     python -m kernel_backend export tinker://RUN/weights/NAME --to DIR [--merged]
 """
 
@@ -49,6 +50,13 @@ def main(argv: list[str] | None = None) -> None:
     revoke = keys_sub.add_parser("revoke", help="revoke a key, by the key or its listed prefix")
     revoke.add_argument("key")
 
+    admin = sub.add_parser("admin", help="the operator's view of a running server")
+    admin_sub = admin.add_subparsers(dest="action", required=True)
+    tenants = admin_sub.add_parser("tenants", help="every tenant: spend, tokens, runs, checkpoints, storage, budgets, keys")
+    tenants.add_argument("--url", help="the server (default: the one serving $STEPWISE_HOME, runtime/backend.json)")
+    tenants.add_argument("--key", help="the operator's key (default: $STEPWISE_LOCAL_KEY, else the home's own)")
+    tenants.add_argument("--json", action="store_true", help="print the server's answer as JSON")
+
     export = sub.add_parser("export", help="write a checkpoint as a PEFT adapter folder, or a merged model")
     export.add_argument("path", help="tinker://RUN/weights/NAME, tinker://RUN/sampler_weights/NAME, or a checkpoint folder")
     export.add_argument("--to", required=True, help="the folder to write")
@@ -75,6 +83,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     if args.command == "serve":
         serve_forever(settings, args.host, args.port, args.log_level, args.exit_when_unused)
+        return
+
+    if args.command == "admin":
+        from kernel_backend.operator_cli import print_tenants
+
+        print_tenants(settings, args.url, args.key, as_json=args.json)
         return
 
     from kernel_backend.persistence import api_keys

@@ -9,8 +9,11 @@ is counted, which any model's requests make.
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -125,3 +128,54 @@ def test_metrics_off_loopback_need_the_operators_key_and_the_log_can_be_json_lin
         assert all({"time", "level", "message", "method", "ms", "tokens"} <= set(r) for r in requests)
     finally:
         server.stop()
+
+
+def test_the_operators_view_lists_each_tenant_as_its_own_usage_says_and_a_revoked_key_stops_at_once(tinker_server):
+    """GET /api/v1/admin/tenants (and `stepwise admin tenants`): each tenant's spend and tokens equal its own
+    /usage's, with its runs, checkpoints, storage, budgets and keys (made, last used, revoked)."""
+    from kernel_backend.operator_cli import money
+    from servers import REPO
+
+    def rest(key, method, path, **kwargs):
+        return httpx.request(method, tinker_server.base_url + path, headers={"X-API-Key": key}, timeout=60, **kwargs)
+
+    trainer, sampler = tinker_server.make_key("ops-trainer"), tinker_server.make_key("ops-sampler")
+    tc = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=trainer).create_lora_training_client(
+        base_model=BASE, rank=4).result()
+    for _ in range(2):
+        tc.forward_backward([datum(TOKENS)], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    tc.save_state("ops").result()
+    other = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=sampler).create_sampling_client(base_model=BASE)
+    other = other.result() if hasattr(other, "result") else other
+    other.sample(types.ModelInput.from_ints(TOKENS[:6]), 1, types.SamplingParams(max_tokens=4, seed=0)).result()
+    assert rest(tinker_server.api_key, "PUT", "/api/v1/budgets/tenant/ops-sampler", json={"budget_usd": 5}).status_code == 200
+
+    assert rest(trainer, "GET", "/api/v1/admin/tenants").status_code == 403  # a tenant's key sees only itself
+    view = rest(tinker_server.api_key, "GET", "/api/v1/admin/tenants").json()
+    tenants = {t["tenant"]: t for t in view["tenants"]}
+    for name, key in (("ops-trainer", trainer), ("ops-sampler", sampler)):
+        own = rest(key, "GET", "/api/v1/usage").json()["totals"]
+        row = tenants[name]
+        assert row["spend_usd"] == own["cost"] and row["requests"] == own["requests"], (row, own)
+        assert row["tokens"] == {kind: own[f"{kind}_tokens"] for kind in ("prefill", "sample", "train")}
+        (made,) = row["keys"]
+        assert made["prefix"] == key[:12] and made["last_used_at"] and made["revoked_at"] is None, made
+    assert tenants["ops-trainer"]["tokens"]["train"] == 2 * (len(TOKENS) - 1)
+    assert (tenants["ops-trainer"]["training_runs"], tenants["ops-trainer"]["checkpoints"]) == (1, 1)
+    assert tenants["ops-trainer"]["storage_bytes"] > 0 and tenants["ops-sampler"]["tokens"]["sample"] >= 1
+    assert [(b["scope"], b["budget_usd"]) for b in tenants["ops-sampler"]["budgets"]] == [("tenant", 5)]
+
+    # The command prints the same view; a revoked key is refused at its next request, and the view says when.
+    command = [sys.executable, "-m", "kernel_backend", "admin", "tenants", "--url", tinker_server.base_url,
+               "--key", tinker_server.api_key]
+    env = {**os.environ, **tinker_server.env, "STEPWISE_HOME": str(tinker_server.home)}
+    table = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout
+    (line,) = [row for row in table.splitlines() if row.startswith("ops-trainer ")]
+    assert f" {money(tenants['ops-trainer']['spend_usd'])} " in line and "1 of 1 keys live" in line, table
+    subprocess.run([sys.executable, "-m", "kernel_backend", "keys", "revoke", sampler[:12]], cwd=REPO, env=env,
+                   check=True, capture_output=True)
+    assert rest(sampler, "GET", "/api/v1/usage").status_code == 401
+    (revoked,) = next(t for t in rest(tinker_server.api_key, "GET", "/api/v1/admin/tenants").json()["tenants"]
+                      if t["tenant"] == "ops-sampler")["keys"]
+    assert revoked["revoked_at"] is not None

@@ -55,7 +55,7 @@ def caller_of(request: Request) -> Caller:
             raise HTTPException(401, "invalid or expired token: exchange your API key for a new one at "
                                      "/api/v1/auth/token (the tinker SDK does this by itself)",
                                 headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
-        return _caller(row)
+        return _caller(service, row)
     if not key.startswith("tml-"):
         raise HTTPException(401, "malformed API key: keys start with 'tml-'")
     loopback_key = service.settings.loopback_key
@@ -69,10 +69,11 @@ def caller_of(request: Request) -> Caller:
         raise HTTPException(401, "unknown or revoked API key; create one with `stepwise keys create --tenant NAME`, or, "
                                  "for the backend a notebook started, connect with `workbench.connect()` (its URL and "
                                  "key are in $STEPWISE_HOME/runtime/backend.json)")
-    return _caller(row)
+    return _caller(service, row)
 
 
-def _caller(row) -> Caller:
+def _caller(service, row) -> Caller:
+    api_keys.touch(service.store, row.id)  # its last use, for the operator's view (once a minute at most)
     budgets.set_request_key(row.prefix)  # the work this request queues counts against the key's budget
     budgets.note(tenant=row.tenant)  # for the request's log line
     return Caller(row.tenant, row.id)

@@ -1,9 +1,12 @@
-"""What an operator watches: a log line per request, GET /metrics (Prometheus), GET /api/v1/readyz.
+"""What an operator watches: a log line per request, GET /metrics (Prometheus), GET /api/v1/readyz, and every
+tenant at a glance (GET /api/v1/admin/tenants).
 
 - `RequestLog`, the app's outermost middleware: one INFO line per HTTP request on the "stepwise.requests" logger
   (tenant, method, route, status, milliseconds, tokens admitted), and the request counted in the service's metrics
   (kernel_backend/service/metrics.py) under its route's template, never its ids.
 - GET /metrics: the metrics in Prometheus' text format, to loopback clients and to the operator's key.
+- GET /api/v1/admin/tenants (the operator's key): each tenant's spend, tokens, sessions, runs, checkpoints, storage,
+  budgets and keys (kernel_backend/service/operator.py); `stepwise admin tenants` prints it.
 - GET /api/v1/readyz: 200 when the service can do work (its base models loaded, the database answering, the
   checkpoint store listing), else 503 saying which is not; GET /api/v1/healthz (api/tinker.py) only says it is alive.
 """
@@ -23,7 +26,7 @@ from sqlalchemy import text
 from kernel_backend import runtime
 from kernel_backend.api.auth import operator_of
 from kernel_backend.errors import redact_paths
-from kernel_backend.service import budgets
+from kernel_backend.service import budgets, operator
 
 log = logging.getLogger("stepwise.requests")
 router = APIRouter()
@@ -91,6 +94,13 @@ def metrics(request: Request):
     if not (request.client and runtime.is_loopback(request.client.host)):
         operator_of(request)  # 401 / 403 unless the operator's credential
     return Response(generate_latest(request.app.state.service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/api/v1/admin/tenants")
+def admin_tenants(request: Request):
+    """Every tenant's spend, tokens, sessions, runs, checkpoints, storage, budgets and keys (the operator's key only)."""
+    operator_of(request)
+    return operator.tenants_report(request.app.state.service)
 
 
 @router.get("/api/v1/readyz")

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import threading
+import time
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from kernel_backend.persistence.database import ApiKeyRow, Store, now
 
@@ -54,6 +56,22 @@ def live_key(store: Store, key: str | None = None, key_id: int | None = None) ->
         else:
             return None
     return row if row is not None and row.revoked_at is None else None
+
+
+TOUCH_EVERY_S = 60.0  # a key's last use is written at most this often: not a database write per request
+_touched: dict[int, float] = {}  # key id -> when (time.monotonic) its last use was last written
+_touched_lock = threading.Lock()
+
+
+def touch(store: Store, key_id: int) -> None:
+    """Record that a request came with this key now (for the operator's view), once a minute at most."""
+    moment = time.monotonic()
+    with _touched_lock:
+        if moment - _touched.get(key_id, -TOUCH_EVERY_S) < TOUCH_EVERY_S:
+            return
+        _touched[key_id] = moment
+    with store.session.begin() as s:
+        s.execute(update(ApiKeyRow).where(ApiKeyRow.id == key_id).values(last_used_at=now()))
 
 
 def list_keys(store: Store) -> list[ApiKeyRow]:

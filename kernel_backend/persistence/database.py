@@ -222,6 +222,8 @@ class ApiKeyRow(Base):
     tenant: Mapped[str] = mapped_column(String(128), index=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=now)
     revoked_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # When a request last came with it (to the minute: api_keys.touch writes it at most once a minute per key).
+    last_used_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class AuditRow(Base):

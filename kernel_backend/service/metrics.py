@@ -11,7 +11,7 @@ Each Service has a registry of its own (a test process may hold several services
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -58,7 +58,7 @@ class _Engines:
     def describe(self):
         return []  # names are known only at a scrape: no check against the counters' at registration
 
-    def collect(self):
+    def collect(self) -> Iterator:
         executor = self.svc.executor
         report = executor.report()
         workers = GaugeMetricFamily("stepwise_workers", "engine workers by state (live, lost, ...)", labels=["state"])
