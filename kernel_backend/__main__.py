@@ -3,6 +3,7 @@
     python -m kernel_backend serve --host 127.0.0.1 --port 8000 [--workers N [--shard M]] [--supervise]
     python -m kernel_backend keys create --tenant NAME | list | revoke KEY_OR_PREFIX
     python -m kernel_backend admin tenants [--url URL] [--key KEY] [--json]
+    python -m kernel_backend backup --to DIR | restore --from DIR
     python -m kernel_backend export tinker://RUN/weights/NAME --to DIR [--merged]
 """
 
@@ -57,6 +58,11 @@ def main(argv: list[str] | None = None) -> None:
     tenants.add_argument("--key", help="the operator's key (default: $STEPWISE_LOCAL_KEY, else the home's own)")
     tenants.add_argument("--json", action="store_true", help="print the server's answer as JSON")
 
+    backup_cmd = sub.add_parser("backup", help="copy the database and the local checkpoint store into a new folder")
+    backup_cmd.add_argument("--to", required=True, help="the folder to write (new or empty)")
+    restore_cmd = sub.add_parser("restore", help="restore a backup into this home's empty database and store")
+    restore_cmd.add_argument("--from", dest="source", required=True, help="a folder `stepwise backup` wrote")
+
     export = sub.add_parser("export", help="write a checkpoint as a PEFT adapter folder, or a merged model")
     export.add_argument("path", help="tinker://RUN/weights/NAME, tinker://RUN/sampler_weights/NAME, or a checkpoint folder")
     export.add_argument("--to", required=True, help="the folder to write")
@@ -89,6 +95,25 @@ def main(argv: list[str] | None = None) -> None:
         from kernel_backend.operator_cli import print_tenants
 
         print_tenants(settings, args.url, args.key, as_json=args.json)
+        return
+
+    if args.command in ("backup", "restore"):
+        from kernel_backend import backup
+
+        from kernel_backend import runtime
+
+        if args.command == "backup":
+            summary = backup.backup(settings, args.to)
+            print(f"backed up {sum(summary['tables'].values())} rows of {len(summary['tables'])} tables and "
+                  f"{len(summary['checkpoints'])} checkpoints to {args.to}"
+                  + (f" ({summary['storage_url']} itself not copied)" if summary["storage_url"] else ""))
+        else:
+            if runtime.running_backend(settings.home):
+                raise SystemExit(f"stepwise restore: a server is running on {settings.home}; stop it first")
+            summary = backup.restore(settings, args.source)
+            print(f"restored {sum(summary['tables'].values())} rows and {len(summary['checkpoints'])} checkpoints "
+                  f"into {settings.home}" + (f"; missing: {summary['checkpoints_absent']}"
+                                             if summary["checkpoints_absent"] else ""))
         return
 
     from kernel_backend.persistence import api_keys

@@ -261,3 +261,52 @@ def test_sizes_and_token_budgets_past_32_bits_fit_and_an_older_database_is_widen
                                        "where column_name in ('size_bytes', 'tokens') and table_name in "
                                        "('checkpoints', 'budgets')")).all())
     assert kinds == {"checkpoints.size_bytes": "bigint", "budgets.tokens": "bigint"}
+
+
+def test_a_backup_of_postgresql_restores_into_a_new_database_that_then_takes_new_work(backend, postgres_cluster,
+                                                                                       tmp_path):  # noqa: F811
+    """`stepwise backup` of the running server's PostgreSQL, `stepwise restore` into a new database and home: the same
+    ledger, a checkpoint that loads bit for bit, and new rows after the restored ones (the id sequences were moved past
+    them: a new session, run and step all insert)."""
+    import os
+    import subprocess
+    import sys
+
+    from servers import REPO
+
+    server = backend.server
+    client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
+    tc.forward_backward([datum(TOKENS)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    before = tc.forward([datum(TOKENS)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data
+    path = tc.save_state("before-backup").result().path
+    rows = ledger(server, server.api_key)
+
+    with create_engine(postgres_cluster.url, isolation_level="AUTOCOMMIT").connect() as conn:
+        conn.execute(text("CREATE DATABASE restored"))
+    new_url = postgres_cluster.url.rsplit("/", 1)[0] + "/restored"
+    home = tmp_path / "restored-home"
+    home.mkdir()
+    (home / "models").symlink_to(server.home / "models")
+
+    def stepwise(env_home, url, *args):
+        env = {**os.environ, **server.env, "STEPWISE_HOME": str(env_home), "STEPWISE_DATABASE_URL": url}
+        return subprocess.run([sys.executable, "-m", "kernel_backend", *args], cwd=REPO, env=env, capture_output=True,
+                              text=True)
+
+    made = stepwise(server.home, postgres_cluster.url, "backup", "--to", str(tmp_path / "backup"))
+    assert made.returncode == 0 and "postgres:***@" not in made.stdout, made.stderr
+    restored = stepwise(home, new_url, "restore", "--from", str(tmp_path / "backup"))
+    assert restored.returncode == 0, restored.stderr
+    moved = start_server(home, env={**server.env, "STEPWISE_DATABASE_URL": new_url})
+    try:
+        assert ledger(moved, moved.api_key) == rows
+        client = tinker.ServiceClient(base_url=moved.base_url, api_key=moved.api_key)
+        loaded = client.create_training_client_from_state(path).result()
+        assert loaded.forward([datum(TOKENS)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data == before
+        loaded.forward_backward([datum(TOKENS)], "cross_entropy").result()  # new ledger rows, after the restored ids
+        loaded.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        assert len(ledger(moved, moved.api_key)) > len(rows)
+    finally:
+        moved.stop()
