@@ -263,8 +263,7 @@ def test_sizes_and_token_budgets_past_32_bits_fit_and_an_older_database_is_widen
     assert kinds == {"checkpoints.size_bytes": "bigint", "budgets.tokens": "bigint"}
 
 
-def test_a_backup_of_postgresql_restores_into_a_new_database_that_then_takes_new_work(backend, postgres_cluster,
-                                                                                       tmp_path):  # noqa: F811
+def test_a_backup_of_postgresql_restores_into_a_new_database_that_then_takes_new_work(backend, postgres_cluster, tmp_path):  # noqa: F811
     """`stepwise backup` of the running server's PostgreSQL, `stepwise restore` into a new database and home: the same
     ledger, a checkpoint that loads bit for bit, and new rows after the restored ones (the id sequences were moved past
     them: a new session, run and step all insert)."""
