@@ -286,6 +286,22 @@ def engine_url(database_url: str) -> str:
     return database_url
 
 
+def _old_fixups(conn) -> None:
+    """A database of a release from before migrations brought to today's models (kernel_backend/persistence/migrations):
+    the nullable columns added since it was made, and the counters made 64-bit since (PostgreSQL's INTEGER; SQLite's
+    are 64-bit already), which create_all does not touch."""
+    inspector = inspect(conn)
+    for table in Base.metadata.sorted_tables:
+        have = {c["name"]: c["type"] for c in inspector.get_columns(table.name)}
+        for column in table.columns:
+            if column.name not in have and column.nullable:
+                kind = column.type.compile(dialect=conn.dialect)
+                conn.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {column.name} {kind}"))
+            elif conn.dialect.name == "postgresql" and isinstance(column.type, BigInteger) and column.name in have \
+                    and not isinstance(have[column.name], BigInteger):
+                conn.execute(text(f"ALTER TABLE {table.name} ALTER COLUMN {column.name} TYPE BIGINT"))
+
+
 class Store:
     """Database access plus the checkpoint store's key layout. Safe to share between threads."""
 
@@ -306,35 +322,10 @@ class Store:
                 conn.execute("PRAGMA synchronous=NORMAL")
                 conn.execute("PRAGMA busy_timeout=10000")
 
-        Base.metadata.create_all(self.engine)
-        self._add_new_columns()
-        self._widen_columns()
+        from kernel_backend.persistence import migrations
+
+        migrations.upgrade(self.engine, Base.metadata, _old_fixups)  # this release's schema (migrations/)
         self.session = sessionmaker(self.engine, expire_on_commit=False)
-
-    def _add_new_columns(self) -> None:
-        """Columns added to a table after a database was made (nullable ones only): create_all does not."""
-        inspector = inspect(self.engine)
-        with self.engine.begin() as conn:
-            for table in Base.metadata.sorted_tables:
-                have = {c["name"] for c in inspector.get_columns(table.name)}
-                for column in table.columns:
-                    if column.name not in have and column.nullable:
-                        kind = column.type.compile(dialect=self.engine.dialect)
-                        conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN {column.name} {kind}'))
-
-    def _widen_columns(self) -> None:
-        """Columns made 64-bit after a database was made with them 32-bit (PostgreSQL's INTEGER; SQLite's are 64-bit
-        already): ALTER them, as create_all does not."""
-        if self.engine.dialect.name != "postgresql":
-            return
-        inspector = inspect(self.engine)
-        with self.engine.begin() as conn:
-            for table in Base.metadata.sorted_tables:
-                have = {c["name"]: c["type"] for c in inspector.get_columns(table.name)}
-                for column in table.columns:
-                    if isinstance(column.type, BigInteger) and column.name in have \
-                            and not isinstance(have[column.name], BigInteger):
-                        conn.execute(text(f"ALTER TABLE {table.name} ALTER COLUMN {column.name} TYPE BIGINT"))
 
     # ---- generic helpers ----------------------------------------------------------------------
 
