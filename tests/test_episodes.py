@@ -51,6 +51,20 @@ def test_a_tool_is_a_function_with_a_schema():
     assert tool_calls.check_tools([tool.schema])  # what the server's routes take, too
 
 
+def test_the_strict_reward_refuses_tool_markup_the_model_made_up():
+    """The answers RL rewarded on notebook 08 once a list of the template's tags was all it checked: a made-up
+    tag like them is markup too, and an answer in plain words is not."""
+    echoed = ["The answer is 6188.\n</tool_answer>", "<tool_respond>\nThe answer is '3520'",
+              'The output 767 from the "calc" function is <tool_output></tool_output>', "<tool_call>\n{", "x <tool"]
+    assert all(episodes.answer_markup(answer) for answer in echoed)
+    assert episodes.answer_markup("<tool_output></tool_output> and </tool_output>") == ["<tool_output>", "</tool_output>"]
+    assert episodes.answer_markup("The answer is 233, a product of tools and care.") == []
+    env = episodes.ToolEnv("What is 17*13 + 12?", check=lambda a: float("233" in a), tools=[], strict=True)
+    history = [{"role": "user", "content": "?"}, {"role": "tool", "content": "233"}]
+    assert env.step(history, {"content": "The answer is 233.</tool_answer>"}).reward == 0.0
+    assert env.step(history, {"content": "The answer is 233."}).reward == 1.0
+
+
 def test_tool_errors_and_timeouts_become_observations():
     def call(name: str, **arguments) -> dict:
         return {"id": "c", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}

@@ -577,7 +577,8 @@ def test_preference_notebook(lab, browser):
     editor.fill("Short and right.")
     editor.press("Control+Enter")
     until(lambda: updates_done() == 4, timeout=300, what="the edit's update")
-    assert "update 4 done (an edit" in text(".wb-status"), text(".wb-status")
+    # The status line is redrawn a moment after the update count (its own message from the kernel): waited for.
+    until(lambda: "update 4 done (an edit" in text(".wb-status"), timeout=30, what=lambda: text(".wb-status"))
     edit = json.loads((lab["home"] / "runs" / "preference-live-labels.jsonl").read_text().splitlines()[-1])
     assert (edit["choice"], edit["chosen"], edit["rejected"]) == ("edit", "Short and right.", original), edit
 

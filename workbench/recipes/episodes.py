@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import inspect
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -91,9 +92,15 @@ def call_tools(tools: list[Tool], calls: list[dict], timeout_s: float = 5.0) -> 
     return out
 
 
+# Any tag that starts "<tool" or "</tool": the template's own (TOOL_MARKUP) and the ones a small model makes up from
+# them ("<tool_respond>", "</tool_answer>", "<tool_output>"), which RL learned to slip past a list of the real ones.
+TOOL_TAG = re.compile(r"</?tool\w*>?")
+
+
 def answer_markup(answer: str) -> list[str]:
-    """The tool-call markup an answer carries (an answer is plain words; markup in it is an echo or a broken call)."""
-    return [m for m in TOOL_MARKUP if m in answer]
+    """The tool markup an answer carries (an answer is plain words; markup in it is an echo or a broken call): the
+    template's tags and any made-up tag like them, each once, in order."""
+    return list(dict.fromkeys(TOOL_TAG.findall(answer)))
 
 
 def copied_output(answer: str, messages: list[dict]) -> str | None:
