@@ -121,6 +121,9 @@ class Settings:
     result_ttl_s: float = env("RESULT_TTL_S", 86400.0, "...and at the latest this long after it finished")
     encryption_key: str = env("ENCRYPTION_KEY", "", "when set, checkpoint files are encrypted at rest with this "
                               "secret (persistence/crypto.py)")
+    encryption_old_keys: str = env("ENCRYPTION_OLD_KEYS", "", "earlier STEPWISE_ENCRYPTION_KEY values, comma-separated: "
+                                   "checkpoints sealed with them still open; new ones are sealed with "
+                                   "STEPWISE_ENCRYPTION_KEY (rotating the key: docs/operations.md)")
     storage_url: str = env("STORAGE_URL", "", "where checkpoints go: any fsspec URL, e.g. s3://BUCKET/PREFIX (pip install "
                            "'stepwise[s3]'; credentials and endpoint as boto3 finds them: AWS_ACCESS_KEY_ID, "
                            "AWS_ENDPOINT_URL, ...; docs/operations.md); empty: <home>/checkpoints")
@@ -219,6 +222,11 @@ class Settings:
     @property
     def models_dir(self) -> Path:
         return self.home / "models"
+
+    @property
+    def decryption_keys(self) -> tuple[str, ...]:
+        """The keys a sealed checkpoint is opened with, the current one first."""
+        return tuple(k.strip() for k in (self.encryption_key, *self.encryption_old_keys.split(",")) if k.strip())
 
     @property
     def checkpoints_dir(self) -> Path:

@@ -40,7 +40,7 @@ def checkpoint_location(store: Store, path: str) -> str:
 
 def export_checkpoint(store: Store, settings: Settings, path: str, to: str | Path, merged: bool = False) -> Path:
     storage = CheckpointStorage(settings.checkpoints_dir, settings.storage_url, settings.storage_fs_options)
-    with storage.open(checkpoint_location(store, path), settings.encryption_key) as source:
+    with storage.open(checkpoint_location(store, path), settings.decryption_keys) as source:
         return _export(source, settings, Path(to), merged)
 
 

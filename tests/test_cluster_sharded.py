@@ -398,6 +398,9 @@ def test_the_automatic_shard_choice_picks_a_micro_batch_that_trains(tmp_path, st
         assert losses[1] < losses[0], losses
     finally:
         server.stop()
+    log = server.log_path.read_text()
+    print("workers' lines:", [line for line in log.splitlines() if "pid=" in line][:3])
+    assert "\x1b[" not in log  # the workers' lines, as Ray prints them, and the gateway's: no colour codes
 
 
 def stop_worker(server: Server, name: str) -> None:

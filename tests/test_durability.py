@@ -196,10 +196,14 @@ def test_encrypted_checkpoints_in_an_fsspec_store_need_the_key(home):
                 client.create_training_client_from_state(path).result()
         finally:
             server.stop()
-    server = start_server(home, env=env)
+    # The key rotated: the new one seals, the old one (in STEPWISE_ENCRYPTION_OLD_KEYS) still opens what it sealed.
+    server = start_server(home, env={**env, "STEPWISE_ENCRYPTION_KEY": "rotated", "STEPWISE_ENCRYPTION_OLD_KEYS": "operator-secret"})
     try:
         client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
-        assert np.array_equal(forward_logprobs(client.create_training_client_from_state(path).result()), saved)
+        loaded = client.create_training_client_from_state(path).result()
+        assert np.array_equal(forward_logprobs(loaded), saved)
+        resaved = loaded.save_state("sealed-with-the-new-key").result().path
+        assert np.array_equal(forward_logprobs(client.create_training_client_from_state(resaved).result()), saved)
     finally:
         server.stop()
 

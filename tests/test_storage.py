@@ -45,7 +45,7 @@ def write(storage: CheckpointStorage, key: str, files: dict[str, bytes]) -> str:
     return located[0]
 
 
-def read(storage: CheckpointStorage, location: str, secret: str | None = None) -> dict[str, bytes]:
+def read(storage: CheckpointStorage, location: str, secret: str | tuple[str, ...] | None = None) -> dict[str, bytes]:
     """The checkpoint's files (its manifest of checksums left out)."""
     with storage.open(location, secret) as folder:
         return {p.name: p.read_bytes() for p in folder.iterdir() if p.name != MANIFEST}
@@ -102,6 +102,30 @@ def test_sealed_checkpoints_open_only_with_the_key(tmp_path):
         read(storage, located[0])
     with pytest.raises(Exception, match="cannot be decrypted"):
         read(storage, located[0], "k2")
+
+
+def test_a_rotated_key_still_opens_the_checkpoints_sealed_with_the_old_one(tmp_path, monkeypatch):
+    """STEPWISE_ENCRYPTION_KEY=new with STEPWISE_ENCRYPTION_OLD_KEYS=old: a checkpoint sealed with the old key and one
+    sealed with the new open; without the old key the old one is refused, naming both settings."""
+    from kernel_backend.config import Settings
+
+    storage, locations = store(tmp_path, "memory"), {}
+    for name, key in (("old", "k-old"), ("new", "k-new")):
+        with storage.writing(f"t/run/weights/{name}") as (folder, located):
+            folder.mkdir()
+            (folder / "adapter_model.safetensors").write_bytes(f"{name} weights".encode())
+            (folder / "optimizer.pt").write_bytes(f"{name} moments".encode())
+            crypto.seal(folder, key)
+        locations[name] = located[0]
+    monkeypatch.setenv("STEPWISE_ENCRYPTION_KEY", "k-new")
+    monkeypatch.setenv("STEPWISE_ENCRYPTION_OLD_KEYS", "k-older, k-old")
+    keys = Settings().decryption_keys
+    assert keys == ("k-new", "k-older", "k-old")
+    for name, location in locations.items():
+        assert read(storage, location, keys) == {"adapter_model.safetensors": f"{name} weights".encode(),
+                                                 "optimizer.pt": f"{name} moments".encode()}
+    with pytest.raises(Exception, match="cannot be decrypted with STEPWISE_ENCRYPTION_KEY or STEPWISE_ENCRYPTION_OLD_KEYS"):
+        read(storage, locations["old"], ("k-new", "k-older"))
 
 
 @pytest.mark.parametrize("kind", ["memory", "s3"])

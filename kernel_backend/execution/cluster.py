@@ -97,6 +97,8 @@ from kernel_backend.types import ForwardResult
 log = logging.getLogger("stepwise.cluster")
 
 NAMESPACE = "stepwise"
+# The workers' output, which Ray prints on this process's log, without colour codes: the log is a file or a journal.
+os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 MISSED_HEARTBEATS = 3
 # Ray restarts a worker process that dies this many times; it then loads its models again and rejoins.
 MAX_RESTARTS = 5

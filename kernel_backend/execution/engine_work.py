@@ -219,7 +219,7 @@ def optim_step(engine, ctx: Context, model_id: str, params: AdamParams | DimuonP
 
 def load_state(engine, ctx: Context, model_id: str, location: str, path: str, with_optimizer: bool,
                optimizer: str | None = None, owner: str = "") -> dict:
-    with ctx.storage.open(location, ctx.settings.encryption_key, path) as plain:
+    with ctx.storage.open(location, ctx.settings.decryption_keys, path) as plain:
         engine.load_state(model_id, plain, with_optimizer=with_optimizer, optimizer=optimizer, owner=owner)
     return {"kept_steps": engine.kept_steps(model_id)}
 
@@ -312,7 +312,7 @@ def _copy_snapshot(ctx: Context, location: str, staging, with_optimizer: bool) -
     """A recovery snapshot's files (save_state's format) into a checkpoint being written; the weights alone
     for a sampler."""
     staging.mkdir(parents=True)
-    with ctx.storage.open(location, ctx.settings.encryption_key, "a snapshot") as plain:
+    with ctx.storage.open(location, ctx.settings.decryption_keys, "a snapshot") as plain:
         for item in plain.iterdir():
             if item.name != crypto.MANIFEST and (with_optimizer or item.name not in OPTIMIZER_FILES):
                 shutil.copy2(item, staging / item.name)
@@ -342,7 +342,7 @@ def sample_request(engine, ctx: Context, op: SampleOp, on_token=None, cancel=Non
     if op.adapter_id is not None and not engine.has_adapter(op.adapter_id):
         if op.location is None:
             raise UserError(op.missing)
-        with ctx.storage.open(op.location, ctx.settings.encryption_key, op.path) as plain:
+        with ctx.storage.open(op.location, ctx.settings.decryption_keys, op.path) as plain:
             engine.load_sampler(op.adapter_id, plain, op.owner)
     return engine.sample_request(op.adapter_id, op.prompt, op.num_samples, op.params, op.options,
                                  on_token=on_token, cancel=cancel)

@@ -271,7 +271,7 @@ class CheckpointStorage:
     # ---- reading, sizing, deleting ----------------------------------------------------------
 
     @contextlib.contextmanager
-    def open(self, location: str, secret: str | None, name: str | None = None) -> Iterator[Path]:
+    def open(self, location: str, secret: str | tuple[str, ...] | None, name: str | None = None) -> Iterator[Path]:
         """A plain local folder with the checkpoint at `location`, its manifest verified: the folder
         itself when it is local and not encrypted, else a downloaded and/or decrypted scratch copy.
 

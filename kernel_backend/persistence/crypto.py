@@ -91,27 +91,42 @@ def _open_file(aead, path: Path, target: Path) -> None:
 
 
 @contextlib.contextmanager
-def opened(directory: Path, secret: str | None, name: str | None = None, scratch: Path | None = None):
+def opened(directory: Path, secret: str | tuple[str, ...] | None, name: str | None = None,
+           scratch: Path | None = None):
     """A plain view of a checkpoint folder: itself when not sealed, else a decrypted copy in `scratch`
-    (a new temporary folder if None; removed afterwards). Errors call the checkpoint `name`."""
+    (a new temporary folder if None; removed afterwards). `secret`: the key, or the keys to try, the current one first
+    (Settings.decryption_keys: a rotated key's old checkpoints open with the old one). Errors call the checkpoint
+    `name`."""
     directory = Path(directory)
     name = name or directory.name
     if not is_sealed(directory):
         yield directory
         return
+    keys = (secret,) if isinstance(secret, str) else tuple(secret or ())
+    keys = tuple(k for k in keys if k)
     plain = Path(scratch) if scratch is not None else Path(tempfile.mkdtemp(prefix="stepwise-open-"))
     try:
-        if not secret:
+        if not keys:
             raise UserError(f"checkpoint {name} is encrypted; start the backend with STEPWISE_ENCRYPTION_KEY set to its key")
         from cryptography.exceptions import InvalidTag
 
-        aead = _aead(secret)
-        for path in _sealable(directory):
+        files, aead = _sealable(directory), None
+        for key in keys:  # the key its first file opens with opens them all (one seal() sealed the folder)
+            try:
+                _open_file(_aead(key), files[0], plain / files[0].name)
+                aead = _aead(key)
+                break
+            except InvalidTag:
+                continue
+        if aead is None:
+            raise UserError(f"checkpoint {name} cannot be decrypted with STEPWISE_ENCRYPTION_KEY"
+                            + (" or STEPWISE_ENCRYPTION_OLD_KEYS" if len(keys) > 1 else "")
+                            + " (sealed with another key, or its files were changed)")
+        for path in files[1:]:
             try:
                 _open_file(aead, path, plain / path.name)
             except InvalidTag:
-                raise UserError(f"checkpoint {name} cannot be decrypted with this STEPWISE_ENCRYPTION_KEY (or its "
-                                "files were changed)") from None
+                raise UserError(f"checkpoint {name} cannot be decrypted: its file {path.name} was changed") from None
         yield plain
     finally:
         shutil.rmtree(plain, ignore_errors=True)

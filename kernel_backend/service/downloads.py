@@ -59,7 +59,7 @@ def opened(svc: Service, token: str, file: str):
     row = svc.store.checkpoint_by_path(claims["path"], claims["tenant"])
     if row is None or row.tenant != claims["tenant"]:
         raise NotFound(f"checkpoint {claims['path']} was deleted")
-    with svc.storage.open(row.directory, svc.settings.encryption_key, claims["path"]) as folder:
+    with svc.storage.open(row.directory, svc.settings.decryption_keys, claims["path"]) as folder:
         if not (Path(folder) / file).is_file():
             raise NotFound(f"checkpoint {claims['path']} has no file {file}")
         yield Path(folder) / file

@@ -13,6 +13,7 @@ with `op` (see 0001's docstring), and a test that opens a database of the releas
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Callable
 
@@ -22,6 +23,7 @@ from sqlalchemy import inspect
 from sqlalchemy.engine import Connection, Engine
 
 HERE = Path(__file__).parent
+logging.getLogger("alembic").setLevel(logging.WARNING)  # its INFO lines (plugins, "will assume ...") at every start
 
 
 def _config(connection: Connection) -> Config:
