@@ -100,16 +100,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.command in ("backup", "restore"):
         from kernel_backend import backup
 
-        from kernel_backend import runtime
-
         if args.command == "backup":
             summary = backup.backup(settings, args.to)
             print(f"backed up {sum(summary['tables'].values())} rows of {len(summary['tables'])} tables and "
                   f"{len(summary['checkpoints'])} checkpoints to {args.to}"
                   + (f" ({summary['storage_url']} itself not copied)" if summary["storage_url"] else ""))
         else:
-            if runtime.running_backend(settings.home):
-                raise SystemExit(f"stepwise restore: a server is running on {settings.home}; stop it first")
             summary = backup.restore(settings, args.source)
             print(f"restored {sum(summary['tables'].values())} rows and {len(summary['checkpoints'])} checkpoints "
                   f"into {settings.home}" + (f"; missing: {summary['checkpoints_absent']}"

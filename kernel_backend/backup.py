@@ -21,12 +21,13 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
-import re
 import shutil
 from pathlib import Path
 
 from sqlalchemy import DateTime, Integer, LargeBinary, func, select, text
 
+from kernel_backend import runtime
+from kernel_backend.config import without_password
 from kernel_backend.persistence.database import Base, CheckpointRow, Store
 
 FORMAT = 1
@@ -84,7 +85,7 @@ def backup(settings, to: Path) -> dict:
                    and not (to / "checkpoints" / Path(c).relative_to(settings.checkpoints_dir)).exists()]
     summary = {"format": FORMAT, "created_at": dt.datetime.now(dt.timezone.utc).isoformat(),
                "home": str(settings.home), "checkpoints_dir": str(settings.checkpoints_dir),
-               "database": re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", settings.database_url),
+               "database": without_password(settings.database_url),
                "storage_url": settings.storage_url or None, "tables": counts, "checkpoints": checkpoints,
                "checkpoints_missing": missing}  # deleted while the backup was made: their rows, not their files
     (to / "backup.json").write_text(json.dumps(summary, indent=1))
@@ -101,6 +102,8 @@ def restore(settings, source: Path) -> dict:
     if summary.get("format") != FORMAT:
         raise SystemExit(f"stepwise restore: {source} is a backup of format {summary.get('format')!r}; this release "
                          f"reads format {FORMAT}")
+    if runtime.running_backend(settings.home):
+        raise SystemExit(f"stepwise restore: a server is running on {settings.home}; stop it first")
     store = Store(settings.database_url)
     with store.engine.connect() as conn:
         filled = [t.name for t in Base.metadata.sorted_tables if conn.execute(select(func.count()).select_from(t)).scalar()]

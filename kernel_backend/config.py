@@ -233,6 +233,11 @@ class Settings:
         return self.home / "checkpoints"
 
 
+def without_password(url: str) -> str:
+    """A database URL fit for a message or a file: its password, if any, written `***`."""
+    return re.sub(r"://([^:/@]*):[^@/]*@", r"://\1:***@", url)
+
+
 def check(settings: Settings) -> None:
     """Every value checked once, as the settings are made (a bad one raises SettingError naming the variable, the
     value and what it takes), rather than where it is first used: there it would stop the server with a traceback,
@@ -253,7 +258,7 @@ def check(settings: Settings) -> None:
             shown = f"{key[:3]}... ({len(key)} characters)"  # a secret all the same: not written out whole
             raise SettingError(f"{name}={shown} is not an API key: keys start with 'tml-' (or leave it empty for "
                                "none): see docs/configuration.md")
-    database = re.sub(r"://([^:/@]*):[^@/]*@", r"://\1:***@", settings.database_url)  # no password in a message
+    database = without_password(settings.database_url)
     if not re.match(r"(sqlite|postgres(ql)?)(\+\w+)?://", settings.database_url):
         _bad("STEPWISE_DATABASE_URL", database, "is not an SQLAlchemy URL: sqlite:///PATH or "
              "postgresql://USER:PASSWORD@HOST/DATABASE (postgresql+psycopg:// too), or empty for SQLite in the home")

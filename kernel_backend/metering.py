@@ -13,6 +13,7 @@ stays what the request alone decides (not what it happened to be batched with).
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,3 +75,15 @@ class Prices:
 
     def cost(self, base_model: str, usage: Usage) -> float:
         return usage.cost(self.for_model(base_model))
+
+
+def format_cost(cost: float, symbol: str = "$") -> str:
+    """A cost as the JupyterLab extension writes it (extension/src/format.ts, formatCost): below a
+    cent three significant digits, so a small model's fractions of a cent do not all read $0.00."""
+    if not math.isfinite(cost) or cost <= 0:
+        return f"{symbol}0.00"
+    if cost >= 1:
+        return f"{symbol}{cost:.2f}"
+    if cost >= 0.01:
+        return f"{symbol}{cost:.4f}"
+    return f"{symbol}{cost:.{min(20, 2 - math.floor(math.log10(cost)))}f}"

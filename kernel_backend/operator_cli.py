@@ -12,14 +12,7 @@ import os
 import httpx
 
 from kernel_backend import runtime
-
-
-def money(usd: float) -> str:
-    """Dollars as the workbench writes them: below a cent three significant digits (a small model's steps cost
-    fractions of one)."""
-    if usd <= 0:
-        return "$0.00"
-    return f"${usd:.2f}" if usd >= 1 else f"${usd:.4f}" if usd >= 0.01 else f"${usd:.3g}"
+from kernel_backend.metering import format_cost
 
 
 def print_tenants(settings, url: str | None, key: str | None, as_json: bool = False) -> None:
@@ -49,7 +42,7 @@ def print_tenants(settings, url: str | None, key: str | None, as_json: bool = Fa
         budgets = ", ".join(f"{b['scope']} {b['state']} {b['fraction']:.0%}" for b in t["budgets"] if b) or "no budget"
         live = [k for k in t["keys"] if not k["revoked_at"]]
         used = max((k["last_used_at"] for k in t["keys"] if k["last_used_at"]), default=None)
-        print(f"{t['tenant']:<24} {money(t['spend_usd']):>12} {t['tokens']['train']:>11,} {t['tokens']['sample']:>11,} "
+        print(f"{t['tenant']:<24} {format_cost(t['spend_usd']):>12} {t['tokens']['train']:>11,} {t['tokens']['sample']:>11,} "
               f"{t['tokens']['prefill']:>12,} {t['active_sessions']:>4}/{t['sessions']:<4} {t['training_runs']:>5} "
               f"{t['checkpoints']:>6} {t['storage_bytes'] / 1e6:>8.1f}MB  {budgets}; {len(live)} of {len(t['keys'])} "
               f"keys live, last used {used[:16].replace('T', ' ') if used else 'never'}")

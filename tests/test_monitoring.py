@@ -135,7 +135,7 @@ def test_metrics_off_loopback_need_the_operators_key_and_the_log_can_be_json_lin
 def test_the_operators_view_lists_each_tenant_as_its_own_usage_says_and_a_revoked_key_stops_at_once(tinker_server):
     """GET /api/v1/admin/tenants (and `stepwise admin tenants`): each tenant's spend and tokens equal its own
     /usage's, with its runs, checkpoints, storage, budgets and keys (made, last used, revoked)."""
-    from kernel_backend.operator_cli import money
+    from kernel_backend.metering import format_cost
     from servers import REPO
 
     def rest(key, method, path, **kwargs):
@@ -174,7 +174,7 @@ def test_the_operators_view_lists_each_tenant_as_its_own_usage_says_and_a_revoke
     env = {**os.environ, **tinker_server.env, "STEPWISE_HOME": str(tinker_server.home)}
     table = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout
     (line,) = [row for row in table.splitlines() if row.startswith("ops-trainer ")]
-    assert f" {money(tenants['ops-trainer']['spend_usd'])} " in line and "1 of 1 keys live" in line, table
+    assert f" {format_cost(tenants['ops-trainer']['spend_usd'])} " in line and "1 of 1 keys live" in line, table
     subprocess.run([sys.executable, "-m", "kernel_backend", "keys", "revoke", sampler[:12]], cwd=REPO, env=env,
                    check=True, capture_output=True)
     assert rest(sampler, "GET", "/api/v1/usage").status_code == 401

@@ -322,8 +322,7 @@ class CheckpointStorage:
     def reachable(self) -> None:
         """Raise (OSError, or the store's own error) unless the store's root can be listed now (GET /readyz)."""
         if self.fs is None:
-            if not Path(self.root).is_dir():
-                Path(self.root).mkdir(parents=True, exist_ok=True)
+            Path(self.root).mkdir(parents=True, exist_ok=True)  # (the first save would make it)
             return
         self.fs.invalidate_cache(self.root)  # ask the store, not fsspec's cached listing
         try:

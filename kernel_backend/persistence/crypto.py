@@ -111,13 +111,13 @@ def opened(directory: Path, secret: str | tuple[str, ...] | None, name: str | No
         from cryptography.exceptions import InvalidTag
 
         files, aead = _sealable(directory), None
-        for key in keys:  # the key its first file opens with opens them all (one seal() sealed the folder)
+        for candidate in map(_aead, keys):  # the key its first file opens with opens them all (one seal() sealed it)
             try:
-                _open_file(_aead(key), files[0], plain / files[0].name)
-                aead = _aead(key)
-                break
+                _open_file(candidate, files[0], plain / files[0].name)
             except InvalidTag:
                 continue
+            aead = candidate
+            break
         if aead is None:
             raise UserError(f"checkpoint {name} cannot be decrypted with STEPWISE_ENCRYPTION_KEY"
                             + (" or STEPWISE_ENCRYPTION_OLD_KEYS" if len(keys) > 1 else "")

@@ -261,7 +261,7 @@ class Service:
     # ---- futures -------------------------------------------------------------------------------
 
     def admit(self, tenant: str, request_type: str, request_id: str, base_model: str, bound: Usage,
-              session_id: str | None = None, run_id: str | None = None, key: str | None = None) -> None:
+              session_id: str | None = None, run_id: str | None = None, dedupe_key: str | None = None) -> None:
         """Count a request's most work (`bound`, tokens by kind) now, when it is admitted: against the tenant's
         tokens per minute (service/admission.py) and every budget that covers it (service/budgets.py), or raise before
         anything is queued (and remember the refusal: service/refusals.py). Its ledger row settles both (`on_done`)."""
@@ -278,12 +278,12 @@ class Service:
                 self.budgets.release(request_id)
                 raise
         except (OverBudget, RateLimited) as refused:
-            self.metrics.refused.labels(str(errors.HTTP[type(refused)][0])).inc()
+            status = errors.HTTP[type(refused)][0]
+            self.metrics.refused.labels(str(status)).inc()
             # A refused forward_backward leaves the step after it with no gradient: remember which step that is.
             step = self._steps_taken(run_id) if run_id and request_type == "ForwardBackward" else None
-            self.refusals.record(refusals.Refusal(
-                tenant, session_id, run_id, request_type, step, errors.HTTP[type(refused)][0],
-                errors.redact_paths(str(refused)), now(), key))
+            self.refusals.record(refusals.Refusal(tenant, session_id, run_id, request_type, step, status,
+                                                  errors.redact_paths(str(refused)), now(), dedupe_key))
             raise
 
     def _steps_taken(self, run_id: str) -> int:

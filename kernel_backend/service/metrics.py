@@ -11,6 +11,7 @@ Each Service has a registry of its own (a test process may hold several services
 
 from __future__ import annotations
 
+import collections
 from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -62,9 +63,7 @@ class _Engines:
         executor = self.svc.executor
         report = executor.report()
         workers = GaugeMetricFamily("stepwise_workers", "engine workers by state (live, lost, ...)", labels=["state"])
-        states: dict[str, int] = {}
-        for worker in report.get("workers", []):
-            states[str(worker.get("state", "unknown"))] = states.get(str(worker.get("state", "unknown")), 0) + 1
+        states = collections.Counter(str(w.get("state", "unknown")) for w in report.get("workers", []))
         for state, count in sorted(states.items()):
             workers.add_metric([state], count)
         yield workers

@@ -31,7 +31,7 @@ class Refusal:
     status: int  # the HTTP status the caller got
     message: str  # the server's own message, as the caller got it
     at: dt.datetime
-    key: str | None = None  # the request's dedupe key: the SDK sends a refused request again once, still one refusal
+    dedupe_key: str | None = None  # the request's: the SDK sends a refused request again once, still one refusal
 
     def public(self) -> dict:
         return {"status": self.status, "request_type": self.request_type, "message": self.message,
@@ -45,8 +45,9 @@ class Refusals:
 
     def record(self, refusal: Refusal) -> None:
         with self._lock:
-            if refusal.key is not None and any(r.key == refusal.key for r in self._kept):
-                self._kept = collections.deque((r for r in self._kept if r.key != refusal.key), maxlen=self._kept.maxlen)
+            if refusal.dedupe_key is not None and any(r.dedupe_key == refusal.dedupe_key for r in self._kept):
+                self._kept = collections.deque((r for r in self._kept if r.dedupe_key != refusal.dedupe_key),
+                                               maxlen=self._kept.maxlen)
             self._kept.append(refusal)
 
     def of(self, tenant: str, session_id: str | None = None, run_id: str | None = None) -> list[Refusal]:

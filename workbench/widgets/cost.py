@@ -23,22 +23,11 @@ from pathlib import Path
 import anywidget
 import traitlets as t
 
+from kernel_backend.metering import format_cost
 from workbench.client.connection import refusal_text, run_id_of, session_id_of  # noqa: F401 - here too, where the widgets import them
 from workbench.widgets.polling import Poller
 
 KINDS = ("prefill", "sample", "train")
-
-
-def format_cost(cost: float, symbol: str = "$") -> str:
-    """A cost as the JupyterLab extension writes it (extension/src/format.ts, formatCost): below a
-    cent three significant digits, so a small model's fractions of a cent do not all read $0.00."""
-    if not math.isfinite(cost) or cost <= 0:
-        return f"{symbol}0.00"
-    if cost >= 1:
-        return f"{symbol}{cost:.2f}"
-    if cost >= 0.01:
-        return f"{symbol}{cost:.4f}"
-    return f"{symbol}{cost:.{min(20, 2 - math.floor(math.log10(cost)))}f}"
 
 
 def budget_text(budget: dict, symbol: str = "$") -> str:

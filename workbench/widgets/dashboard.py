@@ -249,7 +249,6 @@ class Dashboard(w.VBox):
         self._losses: dict[tuple[str | None, int], list[float]] = {}  # (run, step) -> its losses, insertion-ordered
         self._step_costs: dict[str, dict[int, float]] = {}  # what step_costs shows, as the poller builds it
         self._lock = threading.Lock()  # refresh() runs on the poller thread and on demand
-        self._refused_line = ""  # what self.refused says
         self._draw_lock = threading.Lock()  # so do redraws (the throttle's timer and the caller)
         self._redraw = Throttle(self._draw, redraw_interval)
         self._poller = Poller(self.refresh, poll_interval or 0, on_error=self._show_error)
@@ -301,10 +300,9 @@ class Dashboard(w.VBox):
             self.tokens = {k: sum(part[f"{k}_tokens"] for part in totals) for k in ("prefill", "sample", "train")}
             self.refusals = combined_refusals(refused) or {}
             self.error = ""
-        if (line := refusal_text(self.refusals)) != self._refused_line:
-            self._refused_line = line
-            self.refused.value = (f'<div class="wb-refusals" style="color:var(--jp-error-color1, #d32f2f);'
-                                  f'font:12px sans-serif">{html.escape(line)}</div>' if line else "")
+        line = refusal_text(self.refusals)  # (an unchanged value sends the page nothing: traitlets compare)
+        self.refused.value = (f'<div class="wb-refusals" style="color:var(--jp-error-color1, #d32f2f);'
+                              f'font:12px sans-serif">{html.escape(line)}</div>' if line else "")
         return new
 
     def _pages(self, scope: dict, after: int):
